@@ -1,0 +1,26 @@
+"""nsa: DeepSeek's Native Sparse Attention in JAX.
+
+Plain functions, arrays positional and everything else keyword-only:
+
+    o = nsa.attention(q, k, v, g_cmp=g_cmp, g_slc=g_slc, g_swa=g_swa, block_counts=16,
+                      block_size=64, window_size=512)
+
+Each op has a readable XLA reference (nsa.reference) and, where they exist, Triton (GPU) and Pallas
+(TPU) kernels with the same contract; `implementation=None` picks the best for the platform.
+"""
+
+from nsa._varlen import check_cu_seqlens
+from nsa.api import (attention, compress, compressed_attention, select_blocks, selected_attention,
+                     sliding_window_attention)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "attention",
+    "check_cu_seqlens",
+    "compress",
+    "compressed_attention",
+    "select_blocks",
+    "selected_attention",
+    "sliding_window_attention",
+]

@@ -1,0 +1,180 @@
+"""The public ops: argument checks, then one custom_vjp op each (nsa._dispatch).
+
+Shapes: q [B, T, HQ, Dk], k [B, T, H, Dk], v [B, T, H, Dv], gates [B, T, HQ], outputs [B, T, HQ, Dv];
+G = HQ / H query heads share each KV head (query head j uses KV head j // G). With cu_seqlens [N + 1]
+(B = 1) the N sequences are packed along T and nothing crosses a sequence boundary.
+"""
+
+import jax
+import jax.numpy as jnp
+
+from nsa import _checks, _dispatch
+from nsa._varlen import num_compressed_blocks, visible_compressed_rows
+
+
+def _statics(**kwargs):
+    return tuple(sorted(kwargs.items()))
+
+
+def _compressed_kv(q, k_cmp, v_cmp, block_size, cu_seqlens):
+    """Checks k_cmp [B, NC, H, Dk] and v_cmp [B, NC, H, Dv] against q and the rows queries can see."""
+    _checks.array("k_cmp", k_cmp, 4, like=q)
+    B, T, HQ, Dk = q.shape
+    NC, H = k_cmp.shape[1], k_cmp.shape[2]
+    _checks.shape("k_cmp", k_cmp, (B, NC, H, Dk), "[B, NC, H, Dk] (B, Dk from q)")
+    _checks.group(HQ, H)
+    if v_cmp is not None:
+        _checks.array("v_cmp", v_cmp, 4, like=q)
+        _checks.shape("v_cmp", v_cmp, (B, NC, H, v_cmp.shape[3]), "[B, NC, H, Dv] (B from q, NC, H from k_cmp)")
+    needed = visible_compressed_rows(T, block_size, cu_seqlens)
+    if needed is not None and NC < needed:
+        raise ValueError(f"k_cmp must have at least {needed} compressed rows (NC, axis 1) for T = {T}, "
+                         f"block_size = {block_size}, got {NC}")
+
+
+def compress(x, *, block_size, cu_seqlens=None):
+    """Mean of each block of `block_size` tokens: x [B, T, H, D] -> [B, ceil(T / block_size), H, D].
+
+    The last, partial block is averaged over its true length. With cu_seqlens the blocks restart at
+    each sequence and are packed into [1, sum_i ceil(len_i / block_size), H, D]; for a traced
+    cu_seqlens (lengths unknown at trace time) the rows are padded with zeros to a static bound.
+    """
+    _checks.array("x", x, 4)
+    block_size = _checks.positive_int("block_size", block_size)
+    _checks.cu_seqlens(cu_seqlens, x.shape[0])
+    num_blocks = num_compressed_blocks(x.shape[1], block_size, cu_seqlens)
+    static = _statics(block_size=block_size, num_blocks=num_blocks)
+    return _dispatch.apply("compress", None, static, (x, cu_seqlens))
+
+
+def compressed_attention(q, k_cmp, v_cmp, *, block_size, scale=None, cu_seqlens=None, implementation=None):
+    """Attention of each query to the compressed blocks wholly in its past.
+
+    The query at in-sequence position t sees compressed block c iff (c + 1) * block_size - 1 <= t.
+    k_cmp [B, NC, H, Dk] and v_cmp [B, NC, H, Dv] are laid out as `compress` returns them.
+
+    Returns:
+      o [B, T, HQ, Dv] in q's dtype and lse [B, T, HQ] float32 (natural log); a query that sees no
+      block gets o = 0 and lse = -inf. Gradients flow through both.
+    """
+    _checks.array("q", q, 4)
+    block_size = _checks.positive_int("block_size", block_size)
+    _checks.cu_seqlens(cu_seqlens, q.shape[0])
+    _compressed_kv(q, k_cmp, v_cmp, block_size, cu_seqlens)
+    static = _statics(block_size=block_size, scale=_checks.scale(scale, q.shape[-1]))
+    impl = _checks.implementation(implementation)
+    return _dispatch.apply("compressed", impl, static, (q, k_cmp, v_cmp, cu_seqlens))
+
+
+def select_blocks(q, k_cmp, *, block_counts, block_size, scale=None, cu_seqlens=None, implementation=None):
+    """The `block_counts` blocks each KV head attends, from the compressed attention scores.
+
+    Per query head, p(c) is the softmax of the scaled q . k_cmp over the visible compressed blocks; a
+    block's score is the mean of p(c) over the G query heads of its group. Blocks 0, t // block_size - 1
+    and t // block_size (where >= 0) are always selected, ranked t // bs first, then t // bs - 1, then 0;
+    blocks after t // block_size never. The highest scores fill the rest; ties go to the lower block id.
+
+    Returns:
+      int32 [B, T, H, block_counts] in-sequence block ids, -1 in unused slots. The order inside a row
+      is the rank order. No gradient flows through the selection.
+    """
+    _checks.array("q", q, 4)
+    block_size = _checks.positive_int("block_size", block_size)
+    block_counts = _checks.positive_int("block_counts", block_counts)
+    _checks.cu_seqlens(cu_seqlens, q.shape[0])
+    _compressed_kv(q, k_cmp, None, block_size, cu_seqlens)
+    static = _statics(block_counts=block_counts, block_size=block_size, scale=_checks.scale(scale, q.shape[-1]))
+    impl = _checks.implementation(implementation)
+    arrays = (jax.lax.stop_gradient(q), jax.lax.stop_gradient(k_cmp), cu_seqlens)
+    return _dispatch.run("select", impl, static, arrays)
+
+
+def selected_attention(q, k, v, block_indices, *, block_counts=None, block_size=64, scale=None,
+                       cu_seqlens=None, implementation=None):
+    """Attention of each query to the raw tokens of its KV head's selected blocks.
+
+    Query t of KV head h attends to the tokens at positions <= t of the blocks listed in
+    block_indices[b, t, h, :count] (int [B, T, H, S], in-sequence block ids), count = block_counts:
+    None (all S slots), an int, or an int array [B, T, H]. Entries < 0 or > t // block_size are
+    ignored and never read; a block listed twice is attended twice; a query that sees nothing gets 0.
+
+    Returns o [B, T, HQ, Dv] in q's dtype; gradients for q, k and v.
+    """
+    B, T, HQ, H = _checks.qkv(q, k, v)
+    _checks.block_indices(block_indices, B, T, H)
+    block_size = _checks.positive_int("block_size", block_size)
+    _checks.cu_seqlens(cu_seqlens, B)
+    if block_counts is None:
+        block_counts = block_indices.shape[-1]
+    _checks.block_counts(block_counts, B, T, H)
+    counts = jnp.broadcast_to(jnp.asarray(block_counts, jnp.int32), (B, T, H))
+    static = _statics(block_size=block_size, scale=_checks.scale(scale, q.shape[-1]))
+    impl = _checks.implementation(implementation)
+    return _dispatch.apply("selected", impl, static, (q, k, v, block_indices, counts, cu_seqlens))
+
+
+def sliding_window_attention(q, k, v, *, window_size, scale=None, cu_seqlens=None, implementation=None):
+    """Attention of query t to the keys j of its sequence with t - window_size < j <= t.
+
+    Returns o [B, T, HQ, Dv] in q's dtype (0 where window_size = 0); gradients for q, k and v.
+    """
+    B, T, HQ, H = _checks.qkv(q, k, v)
+    window_size = _checks.non_negative_int("window_size", window_size)
+    _checks.cu_seqlens(cu_seqlens, B)
+    static = _statics(window_size=window_size, scale=_checks.scale(scale, q.shape[-1]))
+    impl = _checks.implementation(implementation)
+    return _dispatch.apply("window", impl, static, (q, k, v, cu_seqlens))
+
+
+def _slots(block_counts):
+    """The static number of slots S to select when block_indices is None."""
+    if not hasattr(block_counts, "shape"):
+        return block_counts
+    from nsa._varlen import concrete
+    counts = concrete(block_counts)
+    if counts is None:
+        raise ValueError("block_counts is a traced array and block_indices is None: the number of "
+                         "blocks to select must be static; pass an int block_counts or block_indices")
+    return max(1, int(counts.max(initial=0)))
+
+
+def attention(q, k, v, *, g_cmp=None, g_slc=None, g_swa=None, block_indices=None, block_counts=16,
+              block_size=64, window_size=0, scale=None, cu_seqlens=None, implementation=None):
+    """Native Sparse Attention: o = g_cmp * o_cmp + g_slc * o_slc + g_swa * o_swa.
+
+    - compressed branch (o_cmp, `compressed_attention` on `compress(k)`, `compress(v)`): on iff g_cmp
+      is given;
+    - selected branch (o_slc, `selected_attention`): always on; with block_indices=None the blocks come
+      from `select_blocks` on the compressed keys (whether or not g_cmp is given);
+    - sliding-window branch (o_swa, `sliding_window_attention`): on iff window_size > 0 (g_swa is
+      ignored when it is off).
+
+    A missing gate of an active branch means weight 1. Gates are [B, T, HQ]; the output is
+    [B, T, HQ, Dv] in q's dtype, with gradients for q, k, v and every gate.
+    """
+    B, T, HQ, H = _checks.qkv(q, k, v)
+    for name, g in (("g_cmp", g_cmp), ("g_slc", g_slc), ("g_swa", g_swa)):
+        _checks.gate(name, g, B, T, HQ)
+    block_size = _checks.positive_int("block_size", block_size)
+    window_size = _checks.non_negative_int("window_size", window_size)
+    _checks.cu_seqlens(cu_seqlens, B)
+    _checks.block_counts(block_counts, B, T, H)
+    common = dict(scale=scale, cu_seqlens=cu_seqlens, implementation=implementation)
+
+    branches = []
+    if g_cmp is not None or block_indices is None:
+        k_cmp = compress(k, block_size=block_size, cu_seqlens=cu_seqlens)
+    if block_indices is None:
+        block_indices = select_blocks(q, k_cmp, block_counts=_slots(block_counts), block_size=block_size, **common)
+    o_slc = selected_attention(q, k, v, block_indices, block_counts=block_counts, block_size=block_size, **common)
+    branches.append((g_slc, o_slc))
+    if g_cmp is not None:
+        v_cmp = compress(v, block_size=block_size, cu_seqlens=cu_seqlens)
+        o_cmp, _ = compressed_attention(q, k_cmp, v_cmp, block_size=block_size, **common)
+        branches.append((g_cmp, o_cmp))
+    if window_size > 0:
+        branches.append((g_swa, sliding_window_attention(q, k, v, window_size=window_size, **common)))
+
+    acc = jnp.promote_types(q.dtype, jnp.float32)
+    o = sum(o_b.astype(acc) if g is None else g[..., None].astype(acc) * o_b.astype(acc) for g, o_b in branches)
+    return o.astype(q.dtype)

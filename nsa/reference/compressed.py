@@ -1,0 +1,77 @@
+"""Compressed attention, the paper's coarse-grained branch (Eq. 7), as readable XLA.
+
+Each query attends to the compressed keys/values (one per block of block_size tokens, from
+`compress`) of the blocks that lie wholly in its past: the query at in-sequence position t sees
+compressed block c iff (c + 1) * block_size - 1 <= t. It returns the output and the log-sum-exp,
+which `select_blocks` turns into block scores.
+"""
+
+import jax.numpy as jnp
+
+from nsa._varlen import tokens
+from nsa.reference import _common as c
+
+
+def visible_blocks(num_rows, pos, cmp_start, *, block_size):
+    """bool [1, Tc, 1, 1, NC]: which rows of k_cmp each query sees (its own sequence's, complete ones)."""
+    row = jnp.arange(num_rows)
+    first = cmp_start[:, :, None, None, None]
+    return (row >= first) & (row < first + (pos[:, :, None, None, None] + 1) // block_size)
+
+
+def logits(q, k_cmp, scale):
+    """q [B, Tc, H, G, Dk] (accumulation dtype) against every compressed key -> [B, Tc, H, G, NC]."""
+    return scale * jnp.einsum("bthgd,bchd->bthgc", q, k_cmp.astype(q.dtype))
+
+
+def _chunk(T, HQ, NC):
+    # logits and probabilities, in the accumulation dtype, per query
+    return c.chunk_size(T, 16 * HQ * NC)
+
+
+def forward(q, k_cmp, v_cmp, cu_seqlens, *, block_size, scale):
+    """Returns (o [B, T, HQ, Dv], lse [B, T, HQ] fp32) and the residuals."""
+    B, T, HQ, _ = q.shape
+    NC, H = k_cmp.shape[1], k_cmp.shape[2]
+    acc = c.acc_dtype(q.dtype)
+    tok = tokens(T, block_size, cu_seqlens)
+
+    def body(_, xs):
+        q_c, pos, cmp_start = xs
+        s = logits(c.group_heads(q_c.astype(acc), H), k_cmp, scale)
+        p, lse = c.softmax(s, visible_blocks(NC, pos, cmp_start, block_size=block_size))
+        o = jnp.einsum("bthgc,bchd->bthgd", p, v_cmp.astype(acc))
+        return None, (c.ungroup_heads(o).astype(q.dtype), c.ungroup_heads(lse))
+
+    _, (o, lse) = c.scan_queries(body, None, (q, tok.pos, tok.cmp_start), chunk=_chunk(T, HQ, NC))
+    return (o, lse), (q, k_cmp, v_cmp, cu_seqlens, o, lse)
+
+
+def backward(residuals, cotangents, *, block_size, scale):
+    """Gradients (dq, dk_cmp, dv_cmp, None), including the path through lse."""
+    q, k_cmp, v_cmp, cu_seqlens, o, lse = residuals
+    do, dlse = cotangents
+    B, T, HQ, _ = q.shape
+    NC, H = k_cmp.shape[1], k_cmp.shape[2]
+    acc = c.acc_dtype(q.dtype)
+    tok = tokens(T, block_size, cu_seqlens)
+    v_acc = v_cmp.astype(acc)
+
+    def body(carry, xs):
+        dk, dv = carry
+        q_c, pos, cmp_start, do_c, lse_c, delta_c, dlse_c = xs
+        q_c = c.group_heads(q_c.astype(acc), H)
+        do_c = c.group_heads(do_c.astype(acc), H)
+        s = logits(q_c, k_cmp, scale)
+        p = c.probabilities(s, visible_blocks(NC, pos, cmp_start, block_size=block_size), c.group_heads(lse_c, H))
+        dp = jnp.einsum("bthgd,bchd->bthgc", do_c, v_acc)
+        ds = c.dlogits(p, dp, c.group_heads(delta_c, H), c.group_heads(dlse_c, H))
+        dq = scale * jnp.einsum("bthgc,bchd->bthgd", ds, k_cmp.astype(acc))
+        dk = dk + scale * jnp.einsum("bthgc,bthgd->bchd", ds, q_c)
+        dv = dv + jnp.einsum("bthgc,bthgd->bchd", p, do_c)
+        return (dk, dv), c.ungroup_heads(dq).astype(q.dtype)
+
+    zeros = (jnp.zeros(k_cmp.shape, acc), jnp.zeros(v_cmp.shape, acc))
+    xs = (q, tok.pos, tok.cmp_start, do, lse, c.delta(o, do), dlse.astype(acc))
+    (dk, dv), dq = c.scan_queries(body, zeros, xs, chunk=_chunk(T, HQ, NC))
+    return dq, dk.astype(k_cmp.dtype), dv.astype(v_cmp.dtype), None

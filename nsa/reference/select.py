@@ -1,0 +1,57 @@
+"""Top-n block selection (paper Eq. 8-11, in fla's form where compression and selection blocks coincide).
+
+Per query head, p(c) is the softmax of the compressed attention over the visible compressed blocks;
+a block's score is the mean of p(c) over the G query heads of its KV group, so the whole group shares
+one selection. Blocks 0, t // bs - 1 and t // bs are always selected (ranked t // bs, t // bs - 1, 0),
+blocks after t // bs never; the block_counts best are kept, ties going to the lower block id, and the
+unused slots are -1. No gradient flows through the selection.
+"""
+
+import jax.numpy as jnp
+from jax import lax
+
+from nsa._varlen import tokens
+from nsa.reference import _common as c
+from nsa.reference.compressed import logits, visible_blocks
+
+# Ranks of the forced blocks, above any score (a mean of probabilities is at most 1).
+_CURRENT, _PREVIOUS, _FIRST = 4.0, 3.0, 2.0
+
+
+def block_ranks(scores, pos, *, block_size):
+    """Ranks of the in-sequence blocks [B, Tc, H, NB] from their scores; -inf for blocks after t // bs."""
+    block = jnp.arange(scores.shape[-1])
+    current = (pos // block_size)[:, :, None, None]
+    rank = jnp.where(block > current, -jnp.inf, scores)
+    rank = jnp.where(block == 0, _FIRST, rank)
+    rank = jnp.where(block == current - 1, _PREVIOUS, rank)
+    return jnp.where(block == current, _CURRENT, rank)
+
+
+def top_blocks(ranks, num_slots):
+    """The num_slots best-ranked block ids [B, Tc, H, S] (ties to the lower id), -1 for -inf ranks."""
+    missing = num_slots - ranks.shape[-1]
+    if missing > 0:
+        ranks = jnp.pad(ranks, [(0, 0)] * (ranks.ndim - 1) + [(0, missing)], constant_values=-jnp.inf)
+    best, ids = lax.top_k(ranks, num_slots)
+    return jnp.where(best == -jnp.inf, -1, ids).astype(jnp.int32)
+
+
+def forward(q, k_cmp, cu_seqlens, *, block_counts, block_size, scale):
+    """Returns block_indices int32 [B, T, H, block_counts] (in-sequence block ids)."""
+    B, T, HQ, _ = q.shape
+    NC, H = k_cmp.shape[1], k_cmp.shape[2]
+    acc = c.acc_dtype(q.dtype)
+    tok = tokens(T, block_size, cu_seqlens)
+
+    def body(_, xs):
+        q_c, pos, cmp_start = xs
+        s = logits(c.group_heads(q_c.astype(acc), H), k_cmp, scale)
+        p, _ = c.softmax(s, visible_blocks(NC, pos, cmp_start, block_size=block_size))
+        by_row = jnp.mean(p, axis=3)  # [B, Tc, H, NC]: score of each row of k_cmp
+        rows = jnp.minimum(cmp_start[:, :, None, None] + jnp.arange(NC), NC - 1)
+        by_block = jnp.take_along_axis(by_row, jnp.broadcast_to(rows, by_row.shape), axis=-1)
+        return None, top_blocks(block_ranks(by_block, pos, block_size=block_size), block_counts)
+
+    _, idx = c.scan_queries(body, None, (q, tok.pos, tok.cmp_start), chunk=c.chunk_size(T, 24 * HQ * NC))
+    return idx
