@@ -158,7 +158,10 @@ def attention(q, k, v, *, g_cmp=None, g_slc=None, g_swa=None, block_indices=None
     block_size = _checks.positive_int("block_size", block_size)
     window_size = _checks.non_negative_int("window_size", window_size)
     _checks.cu_seqlens(cu_seqlens, B)
-    _checks.block_counts(block_counts, B, T, H)
+    if block_counts is None and block_indices is None:
+        raise ValueError("block_counts=None (use every slot of block_indices) needs block_indices")
+    if block_counts is not None:
+        _checks.block_counts(block_counts, B, T, H)
     common = dict(scale=scale, cu_seqlens=cu_seqlens, implementation=implementation)
 
     branches = []

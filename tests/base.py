@@ -1,0 +1,457 @@
+"""The one test base that every implementation of nsa runs.
+
+Subclass `NSATestBase`, set `implementation` (None, "xla", "triton", "pallas") and the `dtypes` it
+supports, and every test below runs against it: forward results against the NumPy float64 oracle
+(tests/oracle.py) on the same rounded inputs, gradients against jax.grad of the dense float64
+formulation (tests/dense.py), varlen against each sequence alone, edge cases and transformations.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import nsa
+from tests import dense, oracle
+
+# Relative RMS error allowed against float64 on the same rounded inputs: forward, then gradients.
+TOLERANCE = {"float64": 1e-10, "float32": 2e-5, "bfloat16": 5e-3, "float16": 1e-3}
+GRAD_TOLERANCE = {"float64": 1e-9, "float32": 1e-4, "bfloat16": 1e-2, "float16": 2e-3}
+ALL_DTYPES = ["float32", "float64", "bfloat16", "float16"]
+
+# (B, T, HQ, H, Dk, Dv, block_size): group sizes 1, 2, 3, 4, 16; Dv != Dk; T not a multiple of
+# block_size; T < block_size.
+SHAPES = {
+    "G2": (2, 100, 4, 2, 16, 16, 16),
+    "G3-dv8": (1, 96, 3, 1, 16, 8, 16),
+    "G16": (1, 64, 16, 1, 8, 8, 16),
+    "G1-dv32-bs8": (2, 40, 4, 4, 16, 32, 8),
+    "G4-bs32": (1, 70, 8, 2, 16, 16, 32),
+    "T<bs": (1, 10, 2, 1, 8, 8, 16),
+}
+over_shapes = pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
+over_dtypes = pytest.mark.parametrize("dtype", ALL_DTYPES)
+
+# Packed sequences of lengths 23, 0, 47, 30 (T = 100): an empty one, partial blocks everywhere.
+CU_SEQLENS = np.array([0, 23, 23, 70, 100], np.int32)
+VARLEN_SHAPE = (1, 100, 4, 2, 16, 16, 16)
+
+
+def rel_rms(x, ref):
+    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+    return np.sqrt(np.mean((x - ref) ** 2)) / max(np.sqrt(np.mean(ref ** 2)), 1e-30)
+
+
+def assert_close(x, ref, tol, what):
+    x = np.asarray(x, np.float64)
+    assert x.shape == np.shape(ref), f"{what}: shape {x.shape} != {np.shape(ref)}"
+    assert np.all(np.isfinite(x)), f"{what}: not finite"
+    if x.size == 0:
+        return
+    err = rel_rms(x, ref)
+    assert err <= tol, f"{what}: relative RMS error {err:.3g} > {tol:.3g}"
+
+
+def assert_same_blocks(idx, ref):
+    """Equal selections, up to the order inside each row."""
+    np.testing.assert_array_equal(np.sort(np.asarray(idx), -1), np.sort(np.asarray(ref), -1))
+
+
+def precision(dtype):
+    """float64 arrays need jax's x64 mode; every other dtype runs in the default mode."""
+    return jax.enable_x64(jnp.dtype(dtype) == jnp.float64)
+
+
+def rounded(x, dtype):
+    """x as a jax array of `dtype`, and the float64 NumPy copy of its rounded values."""
+    x = jnp.asarray(x, dtype)
+    return x, np.asarray(x.astype(jnp.float64) if x.dtype == jnp.float64 else x.astype(jnp.float32), np.float64)
+
+
+class Inputs:
+    """Random q, k, v, gates and output cotangent in `dtype`, with float64 copies (suffix 64)."""
+
+    def __init__(self, shape, dtype, seed=0):
+        B, T, HQ, H, Dk, Dv, self.block_size = shape
+        self.shape, self.dtype = shape, dtype
+        rng = np.random.default_rng(seed)
+        self.q, self.q64 = rounded(rng.standard_normal((B, T, HQ, Dk)), dtype)
+        self.k, self.k64 = rounded(rng.standard_normal((B, T, H, Dk)), dtype)
+        self.v, self.v64 = rounded(rng.standard_normal((B, T, H, Dv)), dtype)
+        self.do, self.do64 = rounded(rng.standard_normal((B, T, HQ, Dv)), dtype)
+        self.gates = [rounded(rng.uniform(0, 1, (B, T, HQ)), dtype) for _ in range(3)]
+
+    def compressed(self, cu_seqlens=None):
+        """(k_cmp, v_cmp) in the dtype and their float64 copies, compressed by the oracle."""
+        kw = dict(block_size=self.block_size, cu_seqlens=cu_seqlens)
+        return (*rounded(oracle.compress(self.k64, **kw), self.dtype),
+                *rounded(oracle.compress(self.v64, **kw), self.dtype))
+
+    def block_indices(self, num_slots, seed=1):
+        """Random block ids with -1, out-of-range (also far beyond the sequence) and repeated entries."""
+        B, T, _, H = self.shape[:4]
+        rng = np.random.default_rng(seed)
+        idx = rng.integers(-2, T // self.block_size + 3, (B, T, H, num_slots))
+        idx[..., 0] = (rng.integers(0, 1 << 20, (T,)) % (np.arange(T) // self.block_size + 1))[None, :, None]
+        idx[:, ::3, :, -1] = 2 ** 30
+        idx[:, 1::4, :, 1 % num_slots] = idx[:, 1::4, :, 0]
+        return idx.astype(np.int32)
+
+
+class NSATestBase:
+    implementation = None
+    dtypes = ("float32", "bfloat16", "float16")
+
+    def op(self, name):
+        """A public op of nsa with this implementation bound."""
+        return functools.partial(getattr(nsa, name), implementation=self.implementation)
+
+    def need(self, dtype):
+        if dtype not in self.dtypes:
+            pytest.skip(f"implementation={self.implementation!r} does not take {dtype}")
+
+    # ------------------------------------------------------------------- forward against the oracle
+
+    @over_dtypes
+    @over_shapes
+    def test_compressed_attention(self, shape, dtype):
+        self.need(dtype)
+        with precision(dtype):
+            x = Inputs(shape, dtype)
+            k_cmp, k_cmp64, v_cmp, v_cmp64 = x.compressed()
+            o, lse = self.op("compressed_attention")(x.q, k_cmp, v_cmp, block_size=x.block_size)
+            o_ref, lse_ref = oracle.compressed_attention(x.q64, k_cmp64, v_cmp64, block_size=x.block_size)
+            assert o.dtype == x.q.dtype
+            assert lse.dtype == jnp.promote_types(dtype, jnp.float32)
+            assert_close(o, o_ref, TOLERANCE[dtype], "o")
+            lse = np.asarray(lse, np.float64)
+            np.testing.assert_array_equal(lse == -np.inf, lse_ref == -np.inf)
+            seen = np.isfinite(lse_ref)
+            assert_close(lse[seen], lse_ref[seen], TOLERANCE[dtype], "lse")
+
+    @over_shapes
+    @pytest.mark.parametrize("block_counts", [1, 2, 3, 5, 40])
+    def test_select_blocks(self, shape, block_counts):
+        dtype = self.dtypes[0]
+        with precision(dtype):
+            x = Inputs(shape, dtype)
+            k_cmp, k_cmp64, _, _ = x.compressed()
+            idx = self.op("select_blocks")(x.q, k_cmp, block_counts=block_counts, block_size=x.block_size)
+            ref = oracle.select_blocks(x.q64, k_cmp64, block_counts=block_counts, block_size=x.block_size)
+            assert idx.dtype == jnp.int32 and idx.shape == ref.shape
+            assert_same_blocks(idx, ref)
+
+    @pytest.mark.parametrize("block_counts", [1, 2, 4])
+    def test_select_ties_go_to_lower_ids(self, block_counts):
+        """With equal compressed keys every visible block scores the same."""
+        dtype = self.dtypes[0]
+        B, T, HQ, H, D, bs = 1, 130, 4, 2, 8, 8
+        with precision(dtype):
+            q = jnp.asarray(np.random.default_rng(0).standard_normal((B, T, HQ, D)), dtype)
+            k_cmp = jnp.ones((B, -(-T // bs), H, D), dtype)
+            idx = np.asarray(self.op("select_blocks")(q, k_cmp, block_counts=block_counts, block_size=bs))
+        for t in range(T):
+            cur = t // bs
+            forced = [c for c in (cur, cur - 1, 0) if c >= 0]
+            forced = list(dict.fromkeys(forced))  # cur == 0 or cur - 1 == 0 collapse
+            rest = [c for c in range(cur + 1) if c not in forced]
+            expected = (forced + rest)[:block_counts]
+            expected += [-1] * (block_counts - len(expected))
+            for h in range(H):
+                assert sorted(idx[0, t, h]) == sorted(expected), (t, h)
+
+    @over_dtypes
+    @over_shapes
+    @pytest.mark.parametrize("counts", ["all", "int", "array"])
+    def test_selected_attention(self, shape, dtype, counts):
+        self.need(dtype)
+        with precision(dtype):
+            x = Inputs(shape, dtype)
+            idx = x.block_indices(5)
+            B, T, _, H = shape[:4]
+            block_counts = {"all": None, "int": 3,
+                            "array": np.random.default_rng(2).integers(0, 7, (B, T, H)).astype(np.int32)}[counts]
+            o = self.op("selected_attention")(x.q, x.k, x.v, idx, block_counts=block_counts, block_size=x.block_size)
+            ref = oracle.selected_attention(x.q64, x.k64, x.v64, idx, block_counts=block_counts, block_size=x.block_size)
+            assert o.dtype == x.q.dtype
+            assert_close(o, ref, TOLERANCE[dtype], "o")
+
+    @over_dtypes
+    @over_shapes
+    @pytest.mark.parametrize("window_size", [1, 7, 1000])
+    def test_sliding_window_attention(self, shape, dtype, window_size):
+        self.need(dtype)
+        with precision(dtype):
+            x = Inputs(shape, dtype)
+            o = self.op("sliding_window_attention")(x.q, x.k, x.v, window_size=window_size)
+            ref = oracle.sliding_window_attention(x.q64, x.k64, x.v64, window_size=window_size)
+            assert o.dtype == x.q.dtype
+            assert_close(o, ref, TOLERANCE[dtype], "o")
+
+    @over_dtypes
+    @over_shapes
+    @pytest.mark.parametrize("variant", ["all-gates", "no-cmp", "given-indices", "default-gates"])
+    def test_attention(self, shape, dtype, variant):
+        self.need(dtype)
+        with precision(dtype):
+            x = Inputs(shape, dtype)
+            (g_cmp, g_cmp64), (g_slc, g_slc64), (g_swa, g_swa64) = x.gates
+            kw = dict(block_counts=3, block_size=x.block_size, window_size=9)
+            if variant == "no-cmp":
+                gates, gates64 = dict(g_slc=g_slc, g_swa=g_swa), dict(g_slc=g_slc64, g_swa=g_swa64)
+            elif variant == "default-gates":
+                gates, gates64 = dict(g_cmp=g_cmp), dict(g_cmp=g_cmp64)
+            else:
+                gates = dict(g_cmp=g_cmp, g_slc=g_slc, g_swa=g_swa)
+                gates64 = dict(g_cmp=g_cmp64, g_slc=g_slc64, g_swa=g_swa64)
+            if variant == "given-indices":
+                kw.update(block_indices=x.block_indices(4), block_counts=None, window_size=0)
+            o = self.op("attention")(x.q, x.k, x.v, **gates, **kw)
+            ref = oracle.attention(x.q64, x.k64, x.v64, **gates64, **kw)
+            assert o.dtype == x.q.dtype
+            assert_close(o, ref, TOLERANCE[dtype], "o")
+
+    # ------------------------------------------------------------------------- packed sequences
+
+    def _varlen_call(self, name, bs):
+        """Op `name` as a function of (q, k, v, gates, block_indices, cu_seqlens) -> a tuple of outputs."""
+
+        def compressed(q, k, v, g, idx, cu):
+            k_cmp, v_cmp = nsa.compress(k, block_size=bs, cu_seqlens=cu), nsa.compress(v, block_size=bs, cu_seqlens=cu)
+            return self.op("compressed_attention")(q, k_cmp, v_cmp, block_size=bs, cu_seqlens=cu)
+
+        def select(q, k, v, g, idx, cu):
+            k_cmp = nsa.compress(k, block_size=bs, cu_seqlens=cu)
+            return (self.op("select_blocks")(q, k_cmp, block_counts=4, block_size=bs, cu_seqlens=cu),)
+
+        def selected(q, k, v, g, idx, cu):
+            return (self.op("selected_attention")(q, k, v, idx, block_size=bs, cu_seqlens=cu),)
+
+        def window(q, k, v, g, idx, cu):
+            return (self.op("sliding_window_attention")(q, k, v, window_size=13, cu_seqlens=cu),)
+
+        def attention(q, k, v, g, idx, cu):
+            return (self.op("attention")(q, k, v, g_cmp=g[0], g_slc=g[1], g_swa=g[2], block_counts=3,
+                                         block_size=bs, window_size=13, cu_seqlens=cu),)
+
+        return locals()[name]
+
+    @pytest.mark.parametrize("name", ["compressed", "select", "selected", "window", "attention"])
+    def test_varlen_equals_each_sequence_alone(self, name):
+        dtype = self.dtypes[0]
+        with precision(dtype):
+            x = Inputs(VARLEN_SHAPE, dtype)
+            call = self._varlen_call(name, x.block_size)
+            args = (x.q, x.k, x.v, tuple(g[0] for g in x.gates), x.block_indices(4))
+            packed = call(*args, CU_SEQLENS)
+            traced = jax.jit(call)(*args, CU_SEQLENS)
+            for a, b in zip(packed, traced):  # a traced cu_seqlens pads k_cmp to a static bound
+                np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+            for lo, hi in zip(CU_SEQLENS[:-1], CU_SEQLENS[1:]):
+                if lo == hi:
+                    continue
+                alone = call(*jax.tree_util.tree_map(lambda a: a[:, lo:hi], args), None)
+                for a, b in zip(packed, alone):
+                    a = np.asarray(a)[:, lo:hi]
+                    if name == "select":
+                        assert_same_blocks(a, b)
+                    else:
+                        np.testing.assert_allclose(a, np.asarray(b), rtol=1e-5, atol=1e-6)
+
+    @pytest.mark.parametrize("name", ["compressed", "select", "selected", "window", "attention"])
+    def test_varlen_against_oracle(self, name):
+        dtype = self.dtypes[0]
+        with precision(dtype):
+            x = Inputs(VARLEN_SHAPE, dtype)
+            block_idx = x.block_indices(4)
+            gates = tuple(g[0] for g in x.gates)
+            got = self._varlen_call(name, x.block_size)(x.q, x.k, x.v, gates, block_idx, CU_SEQLENS)
+            kw = dict(block_size=x.block_size, cu_seqlens=CU_SEQLENS)
+            q, k, v = x.q64, x.k64, x.v64
+            if name == "compressed":
+                ref = oracle.compressed_attention(q, oracle.compress(k, **kw), oracle.compress(v, **kw), **kw)
+            elif name == "select":
+                ref = (oracle.select_blocks(q, oracle.compress(k, **kw), block_counts=4, **kw),)
+            elif name == "selected":
+                ref = (oracle.selected_attention(q, k, v, block_idx, **kw),)
+            elif name == "window":
+                ref = (oracle.sliding_window_attention(q, k, v, window_size=13, cu_seqlens=CU_SEQLENS),)
+            else:
+                g = [g[1] for g in x.gates]
+                ref = (oracle.attention(q, k, v, g_cmp=g[0], g_slc=g[1], g_swa=g[2], block_counts=3,
+                                        window_size=13, **kw),)
+            for a, b in zip(got, ref):
+                if name == "select":
+                    assert_same_blocks(a, b)
+                else:
+                    a, b = np.asarray(a, np.float64), np.asarray(b)
+                    seen = np.isfinite(b)
+                    np.testing.assert_array_equal(np.isfinite(a), seen)
+                    assert_close(a[seen], b[seen], TOLERANCE[dtype], name)
+
+    # --------------------------------------------------------------------------------- gradients
+
+    def _grad_case(self, name, x, cu_seqlens=None):
+        """(f of the differentiable arrays, the same in the dense float64 formulation, arrays, arrays64)."""
+        bs, B, T, HQ, H = x.block_size, *x.shape[:4]
+        scale = x.shape[4] ** -0.5
+        g = [gi[0] for gi in x.gates]
+        g64 = [gi[1] for gi in x.gates]
+        if name == "compressed":
+            k_cmp, k_cmp64, v_cmp, v_cmp64 = x.compressed(cu_seqlens)
+            counts = dense.compressed_counts(B, T, H, k_cmp.shape[1], bs, cu_seqlens)
+            f = lambda q, kc, vc: self.op("compressed_attention")(q, kc, vc, block_size=bs, cu_seqlens=cu_seqlens)
+            f64 = lambda q, kc, vc: dense.attend(q, kc, vc, counts, scale)
+            return f, f64, (x.q, k_cmp, v_cmp), (x.q64, k_cmp64, v_cmp64)
+        if name == "selected":
+            idx = x.block_indices(4)
+            counts = dense.selected_counts(idx, None, bs, cu_seqlens)
+            f = lambda q, k, v: self.op("selected_attention")(q, k, v, idx, block_size=bs, cu_seqlens=cu_seqlens)
+            f64 = lambda q, k, v: dense.attend(q, k, v, counts, scale)[0]
+        elif name == "window":
+            counts = dense.window_counts(B, T, H, 5, cu_seqlens)
+            f = lambda q, k, v: self.op("sliding_window_attention")(q, k, v, window_size=5, cu_seqlens=cu_seqlens)
+            f64 = lambda q, k, v: dense.attend(q, k, v, counts, scale)[0]
+        else:  # attention with every branch and gate; the selection is the oracle's (no gradient)
+            kw = dict(block_size=bs, cu_seqlens=cu_seqlens)
+            idx = oracle.select_blocks(x.q64, oracle.compress(x.k64, **kw), block_counts=3, **kw)
+            c_slc = dense.selected_counts(idx, None, bs, cu_seqlens)
+            c_swa = dense.window_counts(B, T, H, 5, cu_seqlens)
+            NC = oracle.compress(x.k64, **kw).shape[1]
+            c_cmp = dense.compressed_counts(B, T, H, NC, bs, cu_seqlens)
+
+            def f(q, k, v, g_cmp, g_slc, g_swa):
+                return self.op("attention")(q, k, v, g_cmp=g_cmp, g_slc=g_slc, g_swa=g_swa, block_counts=3,
+                                            window_size=5, **kw)
+
+            def f64(q, k, v, g_cmp, g_slc, g_swa):
+                k_cmp, v_cmp = dense.compress(k, bs, cu_seqlens), dense.compress(v, bs, cu_seqlens)
+                return (g_cmp[..., None] * dense.attend(q, k_cmp, v_cmp, c_cmp, scale)[0]
+                        + g_slc[..., None] * dense.attend(q, k, v, c_slc, scale)[0]
+                        + g_swa[..., None] * dense.attend(q, k, v, c_swa, scale)[0])
+
+            return f, f64, (x.q, x.k, x.v, *g), (x.q64, x.k64, x.v64, *g64)
+        return f, f64, (x.q, x.k, x.v), (x.q64, x.k64, x.v64)
+
+    def _check_grads(self, name, x, cu_seqlens=None):
+        f, f64, args, args64 = self._grad_case(name, x, cu_seqlens)
+        out, vjp = jax.vjp(f, *args)
+        with jax.enable_x64(True):
+            out64, vjp64 = jax.vjp(f64, *args64)
+            if name == "compressed":  # also a cotangent on lse, where it is finite
+                dlse = np.where(np.isfinite(out64[1]), np.cos(np.arange(out64[1].size)).reshape(out64[1].shape), 0)
+                ct64 = (x.do64, dlse)
+                ct = (x.do, jnp.asarray(dlse, out[1].dtype))
+            else:
+                ct64, ct = x.do64, x.do
+            grads64 = vjp64(ct64)
+        grads = vjp(ct)
+        for i, (grad, grad64, arg) in enumerate(zip(grads, grads64, args)):
+            assert grad.dtype == arg.dtype, f"gradient {i}: dtype {grad.dtype} != input dtype {arg.dtype}"
+            assert_close(grad, np.asarray(grad64), GRAD_TOLERANCE[self._dtype(x)], f"{name} gradient {i}")
+
+    @staticmethod
+    def _dtype(x):
+        return x.dtype
+
+    @over_dtypes
+    @pytest.mark.parametrize("name", ["compressed", "selected", "window", "attention"])
+    @pytest.mark.parametrize("shape", [SHAPES["G2"], SHAPES["G3-dv8"], SHAPES["T<bs"]], ids=["G2", "G3-dv8", "T<bs"])
+    def test_gradients(self, name, shape, dtype):
+        self.need(dtype)
+        with precision(dtype):
+            self._check_grads(name, Inputs(shape, dtype))
+
+    @pytest.mark.parametrize("name", ["compressed", "selected", "window", "attention"])
+    def test_gradients_varlen(self, name):
+        dtype = self.dtypes[0]
+        with precision(dtype):
+            self._check_grads(name, Inputs(VARLEN_SHAPE, dtype), CU_SEQLENS)
+
+    # ----------------------------------------------------------------------------- edge cases
+
+    def test_nothing_visible_gives_zero_output_and_gradients(self):
+        dtype = self.dtypes[0]
+        B, T, HQ, H, D, bs = 1, 40, 4, 2, 16, 8
+        with precision(dtype):
+            x = Inputs((B, T, HQ, H, D, D, bs), dtype)
+            T0 = jnp.arange(T)[None, :, None, None]
+            # every entry is -1, beyond t // bs, or far beyond the sequence
+            idx = jnp.broadcast_to(jnp.where(T0 % 3 == 0, -1, jnp.where(T0 % 3 == 1, T0 // bs + 1, 2 ** 30)),
+                                   (B, T, H, 3)).astype(jnp.int32)
+            f = lambda q, k, v: self.op("selected_attention")(q, k, v, idx, block_size=bs)
+            o, vjp = jax.vjp(f, x.q, x.k, x.v)
+            assert np.all(np.asarray(o) == 0)
+            for grad in vjp(x.do):
+                assert np.all(np.asarray(grad) == 0)
+            # compressed: queries t < bs - 1 see no complete block
+            k_cmp, _, v_cmp, _ = x.compressed()
+            g = lambda q, kc, vc: self.op("compressed_attention")(q, kc, vc, block_size=bs)
+            (o, lse), vjp = jax.vjp(g, x.q, k_cmp, v_cmp)
+            assert np.all(np.asarray(o[:, :bs - 1]) == 0) and np.all(np.asarray(lse[:, :bs - 1]) == -np.inf)
+            assert np.all(np.isfinite(np.asarray(lse[:, bs - 1:])))
+            dq, dkc, dvc = vjp((x.do, jnp.ones_like(lse)))
+            assert np.all(np.asarray(dq[:, :bs - 1]) == 0)
+            assert all(np.all(np.isfinite(np.asarray(d))) for d in (dq, dkc, dvc))
+            # a zero window sees nothing
+            w = self.op("sliding_window_attention")(x.q, x.k, x.v, window_size=0)
+            assert np.all(np.asarray(w) == 0)
+
+    def test_block_listed_twice_is_attended_twice(self):
+        dtype = self.dtypes[0]
+        B, T, HQ, H, D, bs = 1, 32, 2, 1, 8, 8
+        with precision(dtype):
+            x = Inputs((B, T, HQ, H, D, D, bs), dtype)
+            t = jnp.arange(T)[None, :, None]
+            once = jnp.stack([t // bs, jnp.maximum(t // bs - 1, 0) * 0 - 1], -1).astype(jnp.int32)
+            twice = jnp.stack([t // bs, t // bs], -1).astype(jnp.int32)
+            prev = jnp.stack([t // bs, jnp.where(t >= bs, t // bs - 1, -1)], -1).astype(jnp.int32)
+            op = self.op("selected_attention")
+            o_once, o_twice = op(x.q, x.k, x.v, once, block_size=bs), op(x.q, x.k, x.v, twice, block_size=bs)
+            # attending one block twice does not change the softmax over it...
+            np.testing.assert_allclose(np.asarray(o_twice), np.asarray(o_once), rtol=1e-5, atol=1e-6)
+            # ...but it does change the mix with another block
+            both = jnp.concatenate([prev, prev[..., :1]], -1)
+            o_both = op(x.q, x.k, x.v, both, block_size=bs)
+            ref = oracle.selected_attention(x.q64, x.k64, x.v64, np.asarray(both), block_size=bs)
+            assert_close(o_both, ref, TOLERANCE[dtype], "o")
+            assert rel_rms(o_both[:, bs:], op(x.q, x.k, x.v, prev, block_size=bs)[:, bs:]) > 1e-3
+
+    # ---------------------------------------------------------------------------- transformations
+
+    def _attention_fn(self, x):
+        g = [gi[0] for gi in x.gates]
+        return lambda q, k, v: self.op("attention")(q, k, v, g_cmp=g[0], g_slc=g[1], g_swa=g[2], block_counts=3,
+                                                    block_size=x.block_size, window_size=9)
+
+    def test_jit_grad_checkpoint_and_bitwise_repeatable(self):
+        dtype = self.dtypes[0]
+        with precision(dtype):
+            x = Inputs(SHAPES["G2"], dtype)
+            f = self._attention_fn(x)
+            loss = lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32) * x.do.astype(jnp.float32))
+            eager = f(x.q, x.k, x.v)
+            assert_close(jax.jit(f)(x.q, x.k, x.v), eager, 1e-6, "o under jit")
+            grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+            g1, g2 = grad(x.q, x.k, x.v), grad(x.q, x.k, x.v)
+            g3 = jax.jit(jax.grad(jax.checkpoint(loss), argnums=(0, 1, 2)))(x.q, x.k, x.v)
+            for a, b, c in zip(g1, g2, g3):
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # bitwise repeatable
+                assert_close(c, a, 1e-5, "gradient under checkpoint")
+            np.testing.assert_array_equal(np.asarray(jax.jit(f)(x.q, x.k, x.v)), np.asarray(jax.jit(f)(x.q, x.k, x.v)))
+
+    def test_vmap_over_a_leading_axis(self):
+        dtype = self.dtypes[0]
+        with precision(dtype):
+            xs = [Inputs(SHAPES["G3-dv8"], dtype, seed=s) for s in range(3)]
+            f = self._attention_fn(xs[0])
+            q, k, v = (jnp.stack([getattr(x, n) for x in xs]) for n in "qkv")
+            batched = jax.vmap(f)(q, k, v)
+            for i, x in enumerate(xs):
+                assert_close(batched[i], f(x.q, x.k, x.v), 1e-5, "o under vmap")
+            loss = lambda q, k, v: jnp.sum(jax.vmap(f)(q, k, v).astype(jnp.float32) ** 2)
+            dq = jax.grad(loss)(q, k, v)
+            dq0 = jax.grad(lambda q: jnp.sum(f(q, xs[0].k, xs[0].v).astype(jnp.float32) ** 2))(xs[0].q)
+            assert_close(dq[0], dq0, 1e-5, "dq under vmap")
