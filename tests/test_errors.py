@@ -1,0 +1,127 @@
+"""Every malformed call raises ValueError or TypeError at trace time, naming the argument, the
+expected and the received shape, dtype or value."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import nsa
+
+B, T, HQ, H, D, BS = 1, 32, 4, 2, 8, 8
+q = jnp.zeros((B, T, HQ, D))
+k = jnp.zeros((B, T, H, D))
+v = jnp.zeros((B, T, H, D))
+k_cmp = jnp.zeros((B, T // BS, H, D))
+g = jnp.zeros((B, T, HQ))
+idx = jnp.zeros((B, T, H, 2), jnp.int32)
+cu = jnp.array([0, 10, T], jnp.int32)
+
+CASES = {
+    # the shapes of q, k, v
+    "HQ not a multiple of H": (lambda: nsa.attention(q, jnp.zeros((B, T, 3, D)), jnp.zeros((B, T, 3, D))),
+                               ValueError, r"HQ \(q.shape\[2\] = 4\) must be a multiple of .*H \(k.shape\[2\] = 3\)"),
+    "q rank": (lambda: nsa.attention(q[0], k, v), ValueError, r"q must have 4 dimensions, got shape \(32, 4, 8\)"),
+    "B mismatch": (lambda: nsa.attention(q, jnp.zeros((2, T, H, D)), v), ValueError,
+                   r"k must have shape \[B, T, H, Dk\].*= \(1, 32, 2, 8\), got \(2, 32, 2, 8\)"),
+    "T mismatch": (lambda: nsa.selected_attention(q, k, jnp.zeros((B, T + 1, H, D)), idx), ValueError,
+                   r"v must have shape \[B, T, H, Dv\].*= \(1, 32, 2, 8\), got \(1, 33, 2, 8\)"),
+    "Dk mismatch": (lambda: nsa.sliding_window_attention(q, jnp.zeros((B, T, H, D + 1)), v, window_size=4),
+                    ValueError, r"k must have shape .*\(1, 32, 2, 8\), got \(1, 32, 2, 9\)"),
+    "H mismatch k/v": (lambda: nsa.attention(q, k, jnp.zeros((B, T, 1, D))), ValueError,
+                       r"v must have shape .*\(1, 32, 2, 8\), got \(1, 32, 1, 8\)"),
+    # dtypes
+    "integer q": (lambda: nsa.attention(q.astype(jnp.int32), k.astype(jnp.int32), v.astype(jnp.int32)), TypeError,
+                  r"q.dtype must be one of float16, bfloat16, float32, float64, got int32"),
+    "k dtype differs": (lambda: nsa.attention(q, k.astype(jnp.bfloat16), v), TypeError,
+                        r"k.dtype must equal q.dtype \(float32\), got bfloat16"),
+    "not an array": (lambda: nsa.attention([[1.0]], k, v), TypeError, r"q must be an array, got list"),
+    # gates
+    "gate shape": (lambda: nsa.attention(q, k, v, g_slc=g[:, :, :2]), ValueError,
+                   r"g_slc must have shape \[B, T, HQ\] = \(1, 32, 4\), got \(1, 32, 2\)"),
+    "gate dtype": (lambda: nsa.attention(q, k, v, g_cmp=g.astype(jnp.int32)), TypeError,
+                   r"g_cmp must have a floating dtype, got int32"),
+    # block_indices and block_counts
+    "block_indices float": (lambda: nsa.selected_attention(q, k, v, idx.astype(jnp.float32)), TypeError,
+                            r"block_indices must have an integer dtype, got float32"),
+    "block_indices shape": (lambda: nsa.selected_attention(q, k, v, idx[:, :, :1]), ValueError,
+                            r"block_indices must have shape \[B, T, H, S\] with \[B, T, H\] = \(1, 32, 2\), got \(1, 32, 1, 2\)"),
+    "block_indices rank": (lambda: nsa.attention(q, k, v, block_indices=idx[..., 0]), ValueError,
+                           r"block_indices must have 4 dimensions, got shape \(1, 32, 2\)"),
+    "block_counts shape": (lambda: nsa.selected_attention(q, k, v, idx, block_counts=jnp.ones((B, T, HQ), jnp.int32)),
+                           ValueError, r"block_counts must have shape \[B, T, H\] = \(1, 32, 2\), got \(1, 32, 4\)"),
+    "block_counts float": (lambda: nsa.selected_attention(q, k, v, idx, block_counts=jnp.ones((B, T, H))), TypeError,
+                           r"block_counts must have an integer dtype, got float32"),
+    "block_counts negative": (lambda: nsa.attention(q, k, v, block_counts=-1), ValueError,
+                              r"block_counts must be >= 0, got -1"),
+    "select block_counts 0": (lambda: nsa.select_blocks(q, k_cmp, block_counts=0, block_size=BS), ValueError,
+                              r"block_counts must be > 0, got 0"),
+    "block_counts None": (lambda: nsa.attention(q, k, v, block_counts=None), ValueError,
+                          r"block_counts=None .* needs block_indices"),
+    "traced block_counts": (lambda: jax.jit(lambda c: nsa.attention(q, k, v, block_counts=c))(jnp.ones((B, T, H), jnp.int32)),
+                            ValueError, r"block_counts is a traced array and block_indices is None"),
+    # sizes
+    "block_size 0": (lambda: nsa.attention(q, k, v, block_size=0), ValueError, r"block_size must be > 0, got 0"),
+    "block_size float": (lambda: nsa.compress(k, block_size=8.0), TypeError, r"block_size must be an int, got float"),
+    "window_size < 0": (lambda: nsa.attention(q, k, v, window_size=-1), ValueError, r"window_size must be >= 0, got -1"),
+    "sliding window_size < 0": (lambda: nsa.sliding_window_attention(q, k, v, window_size=-3), ValueError,
+                                r"window_size must be >= 0, got -3"),
+    "scale array": (lambda: nsa.attention(q, k, v, scale=jnp.float32(0.1)), TypeError,
+                    r"scale must be a Python float or None, got"),
+    "scale <= 0": (lambda: nsa.attention(q, k, v, scale=0.0), ValueError, r"scale must be a finite number > 0, got 0.0"),
+    # cu_seqlens
+    "cu_seqlens with B = 2": (lambda: nsa.attention(jnp.zeros((2, T, HQ, D)), jnp.zeros((2, T, H, D)), jnp.zeros((2, T, H, D)),
+                                                    cu_seqlens=cu), ValueError, r"cu_seqlens .* needs batch size B = 1, got B = 2"),
+    "cu_seqlens float": (lambda: nsa.attention(q, k, v, cu_seqlens=cu.astype(jnp.float32)), TypeError,
+                         r"cu_seqlens must have an integer dtype, got float32"),
+    "cu_seqlens rank": (lambda: nsa.compress(k, block_size=BS, cu_seqlens=cu[None]), ValueError,
+                        r"cu_seqlens must have 1 dimensions, got shape \(1, 3\)"),
+    "cu_seqlens too short": (lambda: nsa.attention(q, k, v, cu_seqlens=cu[:1]), ValueError,
+                             r"cu_seqlens must have shape \[N \+ 1\] with N >= 1 sequences, got \(1,\)"),
+    # compressed keys
+    "k_cmp too short": (lambda: nsa.compressed_attention(q, k_cmp[:, :2], k_cmp[:, :2], block_size=BS), ValueError,
+                        r"k_cmp must have at least 4 compressed rows \(NC, axis 1\) for T = 32, block_size = 8, got 2"),
+    "v_cmp rows": (lambda: nsa.compressed_attention(q, k_cmp, k_cmp[:, :3], block_size=BS), ValueError,
+                   r"v_cmp must have shape \[B, NC, H, Dv\].*\(1, 4, 2, 8\), got \(1, 3, 2, 8\)"),
+    "k_cmp heads": (lambda: nsa.select_blocks(q, k_cmp[:, :, :1].repeat(3, 2), block_counts=2, block_size=BS), ValueError,
+                    r"must be a multiple of the key/value heads H \(k.shape\[2\] = 3\)"),
+    # implementation
+    "unknown implementation": (lambda: nsa.attention(q, k, v, implementation="cuda"), ValueError,
+                               r"implementation must be one of \(None, 'xla', 'triton', 'pallas'\), got 'cuda'"),
+    "no pallas kernel": (lambda: nsa.sliding_window_attention(q, k, v, window_size=4, implementation="pallas"),
+                         NotImplementedError, r"implementation='pallas' has no kernel for 'window'"),
+}
+
+
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_bad_arguments_raise_at_trace_time(case):
+    call, error, message = case
+    with pytest.raises(error, match=message):
+        call()
+
+
+@pytest.mark.parametrize("name", ["HQ not a multiple of H", "gate shape", "block_indices float", "window_size < 0"])
+def test_errors_raise_under_jit_before_anything_runs(name):
+    call, error, message = CASES[name]
+    with pytest.raises(error, match=message):
+        jax.jit(call).lower()
+
+
+@pytest.mark.parametrize("cu_seqlens, message", [
+    (np.array([0, 5, 3, 32]), r"must not decrease, got cu_seqlens\[1\] = 5 > cu_seqlens\[2\] = 3"),
+    (np.array([0, 5, 30]), r"must end at T = 32, got cu_seqlens\[-1\] = 30"),
+    (np.array([1, 5, 32]), r"must start at 0, got cu_seqlens\[0\] = 1"),
+    (np.array([0.0, 32.0]), r"must be an integer array \[N \+ 1\]"),
+])
+def test_check_cu_seqlens_rejects(cu_seqlens, message):
+    with pytest.raises(ValueError, match=message):
+        nsa.check_cu_seqlens(cu_seqlens, T)
+
+
+def test_check_cu_seqlens_accepts_empty_sequences_and_needs_concrete_values():
+    nsa.check_cu_seqlens(np.array([0, 5, 5, 32]), T)
+    nsa.check_cu_seqlens(jnp.array([0, 32]), T)
+    with pytest.raises(ValueError, match=re.escape("needs a concrete cu_seqlens (call it outside jit)")):
+        jax.jit(lambda c: nsa.check_cu_seqlens(c, T))(cu)
