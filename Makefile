@@ -40,5 +40,5 @@ test: venv
 	$(PY) -m pytest -q -m "not gpu" $(PYTEST_ARGS)
 
 clean:
-	rm -rf $(VENV) .venv .venv-* build dist *.egg-info .pytest_cache demo_selection.png
+	rm -rf $(sort $(VENV) .venv) .venv-* build dist *.egg-info .pytest_cache demo_selection.png
 	find . -name __pycache__ -type d -not -path './.venv*' -exec rm -rf {} +
