@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from nsa import _checks, _dispatch
-from nsa._varlen import num_compressed_blocks, visible_compressed_rows
+from nsa._varlen import concrete, num_compressed_blocks, visible_compressed_rows
 
 
 def _statics(**kwargs):
@@ -129,8 +129,7 @@ def sliding_window_attention(q, k, v, *, window_size, scale=None, cu_seqlens=Non
 def _slots(block_counts):
     """The static number of slots S to select when block_indices is None."""
     if not hasattr(block_counts, "shape"):
-        return block_counts
-    from nsa._varlen import concrete
+        return max(1, block_counts)  # 0 selects one slot that selected_attention then leaves unused
     counts = concrete(block_counts)
     if counts is None:
         raise ValueError("block_counts is a traced array and block_indices is None: the number of "

@@ -1,0 +1,82 @@
+"""Runs nsa's Triton kernels on the CPU in Triton's interpreter (TRITON_INTERPRET=1), for CI.
+
+Only the `triton` package is needed: no GPU, no torch, no jax_triton. `interpret_call` has
+jax_triton.triton_call's signature and runs the kernel on NumPy buffers inside jax.pure_callback, so
+it also works under jit; `install` routes implementation="triton" to it for one test. The
+interpreter handles float32 and float16 (not bfloat16: that dtype is tested on the GPU).
+"""
+
+import os
+
+import jax
+import numpy as np
+
+
+class _Buffer:
+    """Just enough of torch.Tensor (and its storage) for Triton's interpreter: a pointer and a dtype."""
+
+    def __init__(self, array):
+        self.array = array
+        self.dtype = f"torch.{array.dtype.name}"  # how Triton names the element type of a tensor
+
+    def data_ptr(self):
+        return self.array.ctypes.data
+
+    def untyped_storage(self):
+        return self
+
+    def cpu(self):  # the interpreter copies arguments to the host: these already are
+        return self
+
+    def new_empty(self, *args, **kwargs):
+        return self
+
+    def set_(self, *args):
+        return self
+
+    def storage_offset(self):
+        return 0
+
+    def size(self):
+        return self.array.shape
+
+    def stride(self):
+        return tuple(s // self.array.itemsize for s in self.array.strides)
+
+    def copy_(self, other):
+        return self
+
+
+def interpret_call(*args, kernel, out_shape, grid, num_warps=None, num_stages=None, input_output_aliases=None,
+                   zeroed_outputs=(), name="", **metaparams):
+    """jax_triton.triton_call's contract (outputs zero-initialized), run by the interpreter."""
+    single = not isinstance(out_shape, (list, tuple))
+    outs = [out_shape] if single else list(out_shape)
+    aliases = dict(input_output_aliases or {})
+    is_array = [hasattr(a, "shape") and hasattr(a, "dtype") for a in args]
+
+    def host(*arrays):
+        arrays = iter(arrays)
+        inputs = [np.array(next(arrays)) if arr else a for a, arr in zip(args, is_array)]
+        outputs = [np.zeros(o.shape, o.dtype) for o in outs]
+        for i, o in aliases.items():
+            outputs[o][...] = inputs[i]
+        launch = grid(metaparams) if callable(grid) else grid
+        kernel[tuple(launch)](*[_Buffer(x) if isinstance(x, np.ndarray) else x for x in inputs],
+                              *[_Buffer(x) for x in outputs], **metaparams)
+        return outputs
+
+    result = jax.pure_callback(host, [jax.ShapeDtypeStruct(o.shape, o.dtype) for o in outs],
+                               *[a for a, arr in zip(args, is_array) if arr])
+    return result[0] if single else result
+
+
+def install(monkeypatch):
+    """Routes implementation="triton" to the interpreted kernels for one test (a pytest monkeypatch)."""
+    os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are decorated: before nsa.triton imports
+    from nsa import _dispatch
+    from nsa.triton import KERNELS, _launch
+
+    monkeypatch.setattr(_launch, "triton_call", interpret_call)
+    real = _dispatch._kernels
+    monkeypatch.setattr(_dispatch, "_kernels", lambda impl: KERNELS if impl == "triton" else real(impl))
