@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Everything nsa runs on the GPU, in one call: the gpu-marked tests, then the benchmark.
+#   scripts/gpu.sh [tests|bench|all] [extra benchmark args...]
+# Installs the carried wheels (.whl/: jax-triton 0.3.1, fla-core) into /tmp/site first. Through the
+# device tool: run(command="bash scripts/gpu.sh all", carry=[".whl"]). Results go to $OUT (or
+# benchmarks/results when OUT is unset).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+what=${1:-all}; shift || true
+out=${OUT:-benchmarks/results}
+mkdir -p "$out"
+if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/site:$PWD
+else
+    export PYTHONPATH=$PWD
+fi
+export PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+python3 -c 'import jax, jax_triton, triton; print("jax", jax.__version__, "jax_triton", jax_triton.__version__, "triton", triton.__version__, jax.devices())'
+status=0
+if [[ $what == tests || $what == all ]]; then
+    python3 -m pytest -q -m gpu -p no:cacheprovider -x --junitxml="$out/gpu-tests.xml" 2>&1 | tee "$out/gpu-tests.log" | tail -40
+    status=${PIPESTATUS[0]}
+fi
+if [[ $what == bench || $what == all ]]; then
+    python3 benchmarks/gpu.py --out "$out" "$@" 2>&1 | tee "$out/bench.log" | grep -v '^{' || status=1
+fi
+exit $status
