@@ -1,0 +1,349 @@
+"""Selected attention (the fine-grained branch) as Triton kernels: forward, dq and a deterministic dk/dv.
+
+The contract is nsa.reference.selected's: query t of KV head h, with its G = HQ / H query heads,
+attends to the tokens at in-sequence positions <= t of the blocks listed in
+block_indices[b, t, h, :block_counts[b, t, h]]. Entries < 0 or > t // block_size are skipped before
+any of their keys is loaded; a block listed twice is attended twice; a query that sees nothing gets
+o = 0, lse = -inf and zero gradients.
+
+The decomposition follows fla's NSA kernels:
+
+- forward (`_fwd_kernel`): one program per (token t, b * H + h); its tile is the G query heads of the
+  group (rows padded to a power of two >= 16 for tl.dot), and it loops over the S slots with an
+  online softmax in float32 (base 2 inside, natural-log lse outside);
+- backward: delta = sum(o * do) in XLA, then `_dq_kernel` on the forward's grid, recomputing the
+  probabilities from lse; dk and dv come from `_dkv_kernel`, one program per (key block row,
+  b * H + h), which walks the list of the queries that selected its block. The lists are the
+  selections inverted in JAX (a stable sort of the valid entries by (b, h, block row), offsets by
+  searchsorted): no float atomics, so dk and dv are bitwise repeatable.
+
+Every array is indexed as [B, T, heads, D] row-major; token offsets (b * T + t) are computed in
+int64 before they are multiplied by heads * D, which can pass 2^31.
+"""
+
+import jax
+import jax.numpy as jnp
+import triton
+import triton.language as tl
+
+from nsa._varlen import num_compressed_blocks, tokens
+from nsa.reference import _common
+from nsa.reference import selected as reference
+from nsa.triton import _launch
+
+# ------------------------------------------------------------------------------------------ kernels
+
+
+@triton.jit
+def _fwd_kernel(q, k, v, block_idx, block_counts, pos, start, o, lse,
+                T: tl.constexpr, H: tl.constexpr, G: tl.constexpr, S: tl.constexpr, DK: tl.constexpr,
+                DV: tl.constexpr, BS: tl.constexpr, SCALE: tl.constexpr, GP: tl.constexpr,
+                DKP: tl.constexpr, DVP: tl.constexpr, BSP: tl.constexpr):
+    """Forward of selected attention for one (query token, KV head).
+
+    Grid: (T, B * H). Tile: the G query heads of KV head h at token t, rows padded to GP (a power of
+    two >= 16), against one selected key block of BS tokens (padded to BSP) at a time.
+    Loads q [B, T, HQ, DK] (GP x DKP), then for every valid slot of block_idx [B, T, H, S] the key
+    block k [B, T, H, DK] (BSP x DKP) and value block v [B, T, H, DV] (BSP x DVP); pos, start [T]
+    are the in-sequence position and the sequence start of each token. Stores o [B, T, HQ, DV] in
+    o's dtype and lse [B, T, HQ] (float32, natural log, -inf where nothing is seen).
+    """
+    t = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = bh % H
+    row = b * T + t  # int64 global token row of the query
+    p_t = tl.load(pos + t)
+    s_t = tl.load(start + t)
+
+    g = tl.arange(0, GP)
+    dk = tl.arange(0, DKP)
+    dv = tl.arange(0, DVP)
+    j = tl.arange(0, BSP)
+    g_ok = g < G
+    q_tile = tl.load(q + (row * (H * G) + h * G + g)[:, None] * DK + dk[None, :],
+                     mask=g_ok[:, None] & (dk < DK)[None, :], other=0.0)
+
+    m = tl.full([GP], float("-inf"), tl.float32)  # running max of the base-2 logits
+    l_sum = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, DVP], tl.float32)
+    count = tl.load(block_counts + row * H + h)
+    last = p_t // BS
+    for slot in range(S):
+        blk = tl.load(block_idx + (row * H + h) * S + slot)
+        if (slot < count) & (blk >= 0) & (blk <= last):
+            key_pos = blk * BS + j  # in-sequence positions; blk * BS <= p_t so one key at least is seen
+            seen = (j < BS) & (key_pos <= p_t)
+            key_row = b * T + s_t + tl.where(seen, key_pos, 0)  # masked lanes keep an in-bounds address
+            k_t = tl.load(k + (key_row * H + h)[None, :] * DK + dk[:, None],
+                          mask=seen[None, :] & (dk < DK)[:, None], other=0.0)  # [DKP, BSP]
+            v_tile = tl.load(v + (key_row * H + h)[:, None] * DV + dv[None, :],
+                             mask=seen[:, None] & (dv < DV)[None, :], other=0.0)  # [BSP, DVP]
+            s = tl.dot(q_tile, k_t, input_precision="ieee") * (SCALE * 1.4426950408889634)
+            s = tl.where(seen[None, :], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))  # finite: every block has a seen key
+            alpha = tl.exp2(m - m_new)
+            e = tl.exp2(s - m_new[:, None])
+            l_sum = l_sum * alpha + tl.sum(e, 1)
+            acc = acc * alpha[:, None] + tl.dot(e.to(v_tile.dtype), v_tile, input_precision="ieee")
+            m = m_new
+
+    any_seen = l_sum > 0
+    out = acc / tl.where(any_seen, l_sum, 1.0)[:, None]
+    out_rows = row * (H * G) + h * G + g
+    tl.store(o + out_rows[:, None] * DV + dv[None, :], out.to(o.dtype.element_ty),
+             mask=g_ok[:, None] & (dv < DV)[None, :])
+    log_sum = tl.where(any_seen, (m + tl.log2(tl.where(any_seen, l_sum, 1.0))) * 0.6931471805599453,
+                       float("-inf"))
+    tl.store(lse + out_rows, log_sum, mask=g_ok)
+
+
+@triton.jit
+def _dq_kernel(q, k, v, block_idx, block_counts, pos, start, do, lse, delta, dq,
+               T: tl.constexpr, H: tl.constexpr, G: tl.constexpr, S: tl.constexpr, DK: tl.constexpr,
+               DV: tl.constexpr, BS: tl.constexpr, SCALE: tl.constexpr, GP: tl.constexpr,
+               DKP: tl.constexpr, DVP: tl.constexpr, BSP: tl.constexpr):
+    """dq of selected attention for one (query token, KV head), recomputing p from lse.
+
+    Grid: (T, B * H), as the forward. Tile: the G query heads (GP rows) against one key block.
+    Loads q [B, T, HQ, DK] and do [B, T, HQ, DV] (GP rows), lse and delta [B, T, HQ] (float32), then
+    for every valid slot the key block (transposed, DKP x BSP, and BSP x DKP) and the value block
+    (transposed, DVP x BSP). Stores dq [B, T, HQ, DK] in dq's dtype; zero where nothing is seen.
+    """
+    t = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = bh % H
+    row = b * T + t
+    p_t = tl.load(pos + t)
+    s_t = tl.load(start + t)
+
+    g = tl.arange(0, GP)
+    dk = tl.arange(0, DKP)
+    dv = tl.arange(0, DVP)
+    j = tl.arange(0, BSP)
+    g_ok = g < G
+    q_rows = row * (H * G) + h * G + g
+    q_tile = tl.load(q + q_rows[:, None] * DK + dk[None, :], mask=g_ok[:, None] & (dk < DK)[None, :], other=0.0)
+    do_tile = tl.load(do + q_rows[:, None] * DV + dv[None, :], mask=g_ok[:, None] & (dv < DV)[None, :], other=0.0)
+    lse_g = tl.load(lse + q_rows, mask=g_ok, other=0.0)
+    lse2 = tl.where(lse_g > float("-inf"), lse_g * 1.4426950408889634, 0.0)  # base 2; unused if nothing seen
+    delta_g = tl.load(delta + q_rows, mask=g_ok, other=0.0)
+
+    acc = tl.zeros([GP, DKP], tl.float32)
+    count = tl.load(block_counts + row * H + h)
+    last = p_t // BS
+    for slot in range(S):
+        blk = tl.load(block_idx + (row * H + h) * S + slot)
+        if (slot < count) & (blk >= 0) & (blk <= last):
+            key_pos = blk * BS + j
+            seen = (j < BS) & (key_pos <= p_t)
+            key_row = b * T + s_t + tl.where(seen, key_pos, 0)
+            k_tile = tl.load(k + (key_row * H + h)[:, None] * DK + dk[None, :],
+                             mask=seen[:, None] & (dk < DK)[None, :], other=0.0)  # [BSP, DKP]
+            v_t = tl.load(v + (key_row * H + h)[None, :] * DV + dv[:, None],
+                          mask=seen[None, :] & (dv < DV)[:, None], other=0.0)  # [DVP, BSP]
+            s = tl.dot(q_tile, tl.trans(k_tile), input_precision="ieee") * (SCALE * 1.4426950408889634)
+            p = tl.where(seen[None, :] & g_ok[:, None], tl.exp2(s - lse2[:, None]), 0.0)
+            dp = tl.dot(do_tile, v_t, input_precision="ieee")
+            ds = p * (dp - delta_g[:, None])
+            acc += tl.dot(ds.to(k_tile.dtype), k_tile, input_precision="ieee")
+
+    tl.store(dq + q_rows[:, None] * DK + dk[None, :], (acc * SCALE).to(dq.dtype.element_ty),
+             mask=g_ok[:, None] & (dk < DK)[None, :])
+
+
+@triton.jit
+def _dkv_kernel(q, k, v, do, lse, delta, row_start, row_end, offsets, query_tok, dk_out, dv_out,
+                T: tl.constexpr, H: tl.constexpr, G: tl.constexpr, NR: tl.constexpr, DK: tl.constexpr,
+                DV: tl.constexpr, BS: tl.constexpr, SCALE: tl.constexpr, GP: tl.constexpr,
+                BQ: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr, BSP: tl.constexpr):
+    """dk and dv of one key block row of one (batch, KV head), from the queries that selected it.
+
+    Grid: (NR, B * H), NR = block rows (ceil(T / BS), or per-sequence blocks when packed). The block
+    row r holds the tokens [row_start[r], min(row_start[r] + BS, row_end[r])) of its batch row.
+    The queries that selected it are query_tok[offsets[i] : offsets[i + 1]] (token index in the batch
+    row; a query listed twice counts twice), i = (b * H + h) * NR + r.
+    Tile: BQ queries at a time, each with its G heads padded to GP rows, so BQ * GP rows.
+    Loads the key block k [B, T, H, DK] (BSP x DKP) and the value block v [B, T, H, DV] once, then per
+    chunk of queries q [B, T, HQ, DK], do [B, T, HQ, DV], lse and delta [B, T, HQ].
+    Stores dk [B, T, H, DK] and dv [B, T, H, DV] of the block's tokens once (zero if never selected).
+    """
+    r = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = bh % H
+    first = tl.load(row_start + r)
+    end = tl.load(row_end + r)
+
+    j = tl.arange(0, BSP)
+    dk = tl.arange(0, DKP)
+    dv = tl.arange(0, DVP)
+    key_tok = first + j
+    key_ok = (j < BS) & (key_tok < end)
+    key_row = b * T + tl.where(key_ok, key_tok, 0)
+    k_tile = tl.load(k + (key_row * H + h)[:, None] * DK + dk[None, :],
+                     mask=key_ok[:, None] & (dk < DK)[None, :], other=0.0)  # [BSP, DKP]
+    v_tile = tl.load(v + (key_row * H + h)[:, None] * DV + dv[None, :],
+                     mask=key_ok[:, None] & (dv < DV)[None, :], other=0.0)  # [BSP, DVP]
+
+    rows = tl.arange(0, BQ * GP)
+    e = rows // GP  # query of the chunk
+    g = rows % GP  # head of the group
+    acc_k = tl.zeros([BSP, DKP], tl.float32)
+    acc_v = tl.zeros([BSP, DVP], tl.float32)
+    list_id = bh.to(tl.int64) * NR + r
+    lo = tl.load(offsets + list_id)
+    hi = tl.load(offsets + list_id + 1)
+    i = lo
+    while i < hi:  # a while loop: Triton's interpreter cannot take loaded bounds in range()
+        entry_ok = i + e < hi
+        t = tl.load(query_tok + i + e, mask=entry_ok, other=0)
+        ok = entry_ok & (g < G)
+        q_rows = (b * T + t) * (H * G) + h * G + tl.where(ok, g, 0)
+        q_tile = tl.load(q + q_rows[:, None] * DK + dk[None, :], mask=ok[:, None] & (dk < DK)[None, :], other=0.0)
+        do_tile = tl.load(do + q_rows[:, None] * DV + dv[None, :], mask=ok[:, None] & (dv < DV)[None, :], other=0.0)
+        lse_r = tl.load(lse + q_rows, mask=ok, other=0.0)  # finite: each listed query sees this block
+        delta_r = tl.load(delta + q_rows, mask=ok, other=0.0)
+        seen = ok[:, None] & key_ok[None, :] & (key_tok[None, :] <= t[:, None])  # [BQ * GP, BSP]
+        s = tl.dot(q_tile, tl.trans(k_tile), input_precision="ieee") * (SCALE * 1.4426950408889634)
+        p = tl.where(seen, tl.exp2(s - (lse_r * 1.4426950408889634)[:, None]), 0.0)
+        acc_v += tl.dot(tl.trans(p.to(do_tile.dtype)), do_tile, input_precision="ieee")
+        dp = tl.dot(do_tile, tl.trans(v_tile), input_precision="ieee")
+        ds = p * (dp - delta_r[:, None])
+        acc_k += tl.dot(tl.trans(ds.to(q_tile.dtype)), q_tile, input_precision="ieee")
+        i += BQ
+
+    tl.store(dk_out + (key_row * H + h)[:, None] * DK + dk[None, :], (acc_k * SCALE).to(dk_out.dtype.element_ty),
+             mask=key_ok[:, None] & (dk < DK)[None, :])
+    tl.store(dv_out + (key_row * H + h)[:, None] * DV + dv[None, :], acc_v.to(dv_out.dtype.element_ty),
+             mask=key_ok[:, None] & (dv < DV)[None, :])
+
+
+# --------------------------------------------------------------------------------- heuristics
+
+
+def _pow2(n, least=16):
+    return max(least, triton.next_power_of_2(int(n)))
+
+
+def _tiles(G, Dk, Dv, block_size):
+    """Padded tile sizes: group rows, key/value dims and block length, each a power of two >= 16."""
+    return dict(GP=_pow2(G), DKP=_pow2(Dk), DVP=_pow2(Dv), BSP=_pow2(block_size))
+
+
+def _warps(*sizes):
+    """4 warps for small tiles, 8 once a tile side passes 128."""
+    return 8 if max(sizes) > 128 else 4
+
+
+def _dkv_queries(G, DKP, DVP):
+    """Queries per dk/dv step: about 64 rows of BQ * next_pow2(G) (32 for wide heads), at least one."""
+    rows = 32 if max(DKP, DVP) > 128 else 64
+    return max(1, rows // triton.next_power_of_2(G))
+
+
+# ------------------------------------------------------------------------------------ wrappers
+
+
+def _clipped(block_indices, T, block_size):
+    """int32 block ids with the same validity: anything past the last block becomes one past it."""
+    return jnp.clip(block_indices, -1, T // block_size + 1).astype(jnp.int32)
+
+
+def _unsupported(q):
+    """float64 and empty inputs run the reference (Triton has no float64; empty grids do not launch)."""
+    return q.dtype == jnp.float64 or q.size == 0
+
+
+def _config(q, k, v, block_indices, block_size, scale):
+    B, T, HQ, Dk = q.shape
+    H, Dv, S = k.shape[2], v.shape[-1], block_indices.shape[-1]
+    G = HQ // H
+    return B, T, H, G, S, Dk, Dv, dict(T=T, H=H, G=G, DK=Dk, DV=Dv, BS=block_size, SCALE=float(scale),
+                                       **_tiles(G, Dk, Dv, block_size))
+
+
+def forward(q, k, v, block_indices, block_counts, cu_seqlens, *, block_size, scale):
+    """Returns o [B, T, HQ, Dv] and the reference's residuals (inputs, o, lse [B, T, HQ] float32)."""
+    if _unsupported(q):
+        return reference.forward(q, k, v, block_indices, block_counts, cu_seqlens, block_size=block_size, scale=scale)
+    B, T, H, G, S, Dk, Dv, meta = _config(q, k, v, block_indices, block_size, scale)
+    tok = tokens(T, block_size, cu_seqlens)
+    o, lse = _launch.triton_call(
+        q, k, v, _clipped(block_indices, T, block_size), block_counts.astype(jnp.int32), tok.pos[0], tok.start[0],
+        kernel=_fwd_kernel,
+        out_shape=[_launch.shape_dtype(q.shape[:3] + (Dv,), q.dtype), _launch.shape_dtype(q.shape[:3], jnp.float32)],
+        grid=(T, B * H), num_warps=_warps(meta["DKP"], meta["DVP"], meta["BSP"]), num_stages=1, S=S, **meta)
+    return o, (q, k, v, block_indices, block_counts, cu_seqlens, o, lse)
+
+
+def _block_rows(T, block_size, cu_seqlens):
+    """(NR, row_start [NR], row_end [NR]): the key block rows and the tokens [start, end) of each.
+
+    Without cu_seqlens block row r is [r * bs, T); packed, the rows of sequence i are numbered from
+    tokens(...).cmp_start of its tokens, so a (sequence, in-sequence block) pair has one row.
+    Rows past the real ones (a traced cu_seqlens pads to a static bound) get an empty range.
+    """
+    NR = num_compressed_blocks(T, block_size, cu_seqlens)
+    r = jnp.arange(NR, dtype=jnp.int32)
+    if cu_seqlens is None:
+        return NR, r * block_size, jnp.full((NR,), T, jnp.int32)
+    cu = cu_seqlens.astype(jnp.int32)
+    blocks = -(-(cu[1:] - cu[:-1]) // block_size)
+    ends = jnp.cumsum(blocks)  # one past the last row of each sequence
+    seq = jnp.searchsorted(ends, r, side="right")  # skips empty sequences
+    real = seq < blocks.shape[0]
+    seq = jnp.minimum(seq, blocks.shape[0] - 1)
+    row_start = cu[seq] + (r - (ends[seq] - blocks[seq])) * block_size
+    return NR, jnp.where(real, row_start, 0), jnp.where(real, cu[seq + 1], 0)
+
+
+def _query_lists(block_indices, block_counts, tok, B, T, H, NR, block_size):
+    """The selections inverted: (offsets [B * H * NR + 1], query_tok [B * T * H * S]), both int32.
+
+    Each valid entry (b, t, h, slot) is keyed by (b * H + h) * NR + cmp_start[t] + block; a stable
+    sort groups the entries of each (batch, KV head, block row) in token order, and the queries of
+    list i are query_tok[offsets[i] : offsets[i + 1]]. Invalid entries sort past every list.
+    """
+    S = block_indices.shape[-1]
+    blk = block_indices.astype(jnp.int32)
+    pos, cmp_start = tok.pos[:, :, None, None], tok.cmp_start[:, :, None, None]
+    valid = ((jnp.arange(S) < block_counts[..., None]) & (block_indices >= 0)
+             & (block_indices <= (pos // block_size)))
+    bh = jnp.arange(B)[:, None, None, None] * H + jnp.arange(H)[None, None, :, None]
+    num_lists = B * H * NR
+    key = jnp.where(valid, bh * NR + cmp_start + jnp.where(valid, blk, 0), num_lists).reshape(-1)
+    t = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32)[None, :, None, None], block_indices.shape).reshape(-1)
+    key, query_tok = jax.lax.sort((key, t), num_keys=1, is_stable=True)
+    offsets = jnp.searchsorted(key, jnp.arange(num_lists + 1, dtype=jnp.int32), side="left").astype(jnp.int32)
+    return offsets, query_tok
+
+
+def backward(residuals, do, *, block_size, scale):
+    """Gradients (dq, dk, dv, None, None, None) in the input dtypes, as the reference's backward."""
+    q, k, v, block_indices, block_counts, cu_seqlens, o, lse = residuals
+    if _unsupported(q):
+        return reference.backward(residuals, do, block_size=block_size, scale=scale)
+    B, T, H, G, S, Dk, Dv, meta = _config(q, k, v, block_indices, block_size, scale)
+    tok = tokens(T, block_size, cu_seqlens)
+    delta = _common.delta(o, do).astype(jnp.float32)
+    do = do.astype(q.dtype)
+    idx = _clipped(block_indices, T, block_size)
+    counts = block_counts.astype(jnp.int32)
+    warps = _warps(meta["DKP"], meta["DVP"], meta["BSP"])
+
+    dq = _launch.triton_call(
+        q, k, v, idx, counts, tok.pos[0], tok.start[0], do, lse, delta,
+        kernel=_dq_kernel, out_shape=_launch.shape_dtype(q.shape, q.dtype),
+        grid=(T, B * H), num_warps=warps, num_stages=1, S=S, **meta)
+
+    NR, row_start, row_end = _block_rows(T, block_size, cu_seqlens)
+    offsets, query_tok = _query_lists(idx, counts, tok, B, T, H, NR, block_size)
+    dk, dv = _launch.triton_call(
+        q, k, v, do, lse, delta, row_start, row_end, offsets, query_tok,
+        kernel=_dkv_kernel,
+        out_shape=[_launch.shape_dtype(k.shape, k.dtype), _launch.shape_dtype(v.shape, v.dtype)],
+        grid=(NR, B * H), num_warps=warps, num_stages=1, NR=NR,
+        BQ=_dkv_queries(G, meta["DKP"], meta["DVP"]), **meta)
+    return dq, dk, dv, None, None, None
