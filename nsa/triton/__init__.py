@@ -4,8 +4,10 @@ KERNELS maps an op name of nsa.reference.OPS to its (forward, backward) kernels,
 signatures and residuals. An op missing here runs the reference on every platform.
 """
 
-from nsa.triton import selected
+from nsa.triton import compressed, selected, window
 
 KERNELS = {
+    "window": (window.forward, window.backward),
+    "compressed": (compressed.forward, compressed.backward),
     "selected": (selected.forward, selected.backward),
 }

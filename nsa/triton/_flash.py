@@ -1,0 +1,320 @@
+"""One masked flash-attention kernel family, shared by the sliding-window and compressed branches.
+
+The two branches differ only in which keys a query sees, and in both the visible keys of query t
+form one interval [lo[t], hi[t]] of key rows (empty when lo > hi):
+
+- sliding window: lo = max(sequence start, t - window_size + 1), hi = t, keys = k [B, T, H, Dk];
+- compressed: lo = cmp_start(t), hi = cmp_start(t) + (pos(t) + 1) // block_size - 1, keys = k_cmp.
+
+The op modules (window.py, compressed.py) compute lo and hi (int32 [T], shared by the batch) from
+`nsa._varlen.tokens`, so batched and packed sequences take one code path. Both ends are
+non-decreasing in t, hence the queries that see key row r also form an interval [first[r], last[r]]
+(two searchsorted, in XLA), which bounds the loop of the dk/dv kernel.
+
+Layouts (contiguous): q [B, T, HQ, Dk], k [B, NK, H, Dk], v [B, NK, H, Dv], o / do [B, T, HQ, Dv],
+lse / delta [B, T, HQ] float32. Query head hq uses KV head hq // G, G = HQ // H. Head dims are padded
+to powers of two (>= 16) with masked loads; the logits are kept in base 2 (exp2) inside the kernels,
+lse is stored in natural log. All accumulation is float32; no atomics, so results are deterministic.
+"""
+
+import jax
+import jax.numpy as jnp
+import triton
+import triton.language as tl
+
+from nsa.triton import _launch
+
+_LOG2E = 1.4426950408889634
+_LN2 = 0.6931471805599453
+
+
+# ------------------------------------------------------------------------------------------ kernels
+
+
+@triton.jit
+def _mm(a, b, IEEE: tl.constexpr):
+    """a @ b with a float32 accumulator; IEEE float32 products for float32 inputs (no TF32)."""
+    if IEEE:
+        out = tl.dot(a, b, input_precision="ieee")
+    else:
+        out = tl.dot(a, b)
+    return out
+
+
+@triton.jit
+def _fwd_kernel(Q, K, V, LO, HI, O, LSE,
+                T: tl.constexpr, NK: tl.constexpr, HQ: tl.constexpr, H: tl.constexpr,
+                DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SCALE: tl.constexpr, IEEE: tl.constexpr):
+    """Forward: o [B, T, HQ, Dv] and lse [B, T, HQ] (natural log, -inf where nothing is seen).
+
+    Grid (cdiv(T, BLOCK_M), B * HQ). One program owns the BLOCK_M queries [m0, m0 + BLOCK_M) of one
+    query head: it loads their q tile [BLOCK_M, BLOCK_DK] and lo / hi once, then walks the key tiles
+    of BLOCK_N rows from the tile's smallest lo to its largest hi (only tiles that can be visible),
+    loading k [BLOCK_N, BLOCK_DK] and v [BLOCK_N, BLOCK_DV] of KV head hq // G, with an online
+    softmax in float32.
+    """
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // HQ).to(tl.int64)
+    hq = bh % HQ
+    h = hq // (HQ // H)
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_valid = offs_m < T
+    lo = tl.load(LO + offs_m, mask=m_valid, other=1)
+    hi = tl.load(HI + offs_m, mask=m_valid, other=0)  # padded queries see nothing
+    seen = lo <= hi
+    k_begin = tl.min(tl.where(seen, lo, NK), 0)
+    k_end = tl.max(tl.where(seen, hi, -1), 0) + 1
+    k_begin = (k_begin // BLOCK_N) * BLOCK_N
+
+    offs_dk = tl.arange(0, BLOCK_DK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q_rows = (b * T + offs_m) * HQ + hq  # int64
+    q = tl.load(Q + q_rows[:, None] * DK + offs_dk[None, :],
+                mask=m_valid[:, None] & (offs_dk[None, :] < DK), other=0.0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    qk_scale = SCALE * 1.4426950408889634  # base-2 logits
+    for n0 in range(k_begin, k_end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_valid = offs_n < NK
+        kv_rows = (b * NK + offs_n) * H + h
+        k = tl.load(K + kv_rows[:, None] * DK + offs_dk[None, :],
+                    mask=n_valid[:, None] & (offs_dk[None, :] < DK), other=0.0)
+        v = tl.load(V + kv_rows[:, None] * DV + offs_dv[None, :],
+                    mask=n_valid[:, None] & (offs_dv[None, :] < DV), other=0.0)
+        s = _mm(q, tl.trans(k), IEEE) * qk_scale
+        visible = (offs_n[None, :] >= lo[:, None]) & (offs_n[None, :] <= hi[:, None])
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet: no NaN
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + _mm(p.to(v.dtype), v, IEEE)
+        m_i = m_new
+
+    has = l_i > 0
+    o = acc / tl.where(has, l_i, 1.0)[:, None]
+    lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    tl.store(O + q_rows[:, None] * DV + offs_dv[None, :], o.to(O.dtype.element_ty),
+             mask=m_valid[:, None] & (offs_dv[None, :] < DV))
+    tl.store(LSE + q_rows, lse, mask=m_valid)
+
+
+@triton.jit
+def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, LO, HI, DQ,
+                   T: tl.constexpr, NK: tl.constexpr, HQ: tl.constexpr, H: tl.constexpr,
+                   DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SCALE: tl.constexpr, IEEE: tl.constexpr):
+    """Backward for q: dq [B, T, HQ, Dk] = scale * sum_j p * (dp - delta) k_j.
+
+    Grid (cdiv(T, BLOCK_M), B * HQ), the forward's tiling: one program loads q [BLOCK_M, BLOCK_DK],
+    do [BLOCK_M, BLOCK_DV], lse, delta (= sum(o * do) - dlse, from XLA) and lo / hi of its queries,
+    walks the same key tiles as the forward (k [BLOCK_N, BLOCK_DK], v [BLOCK_N, BLOCK_DV]),
+    recomputes p from lse, and stores dq once.
+    """
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // HQ).to(tl.int64)
+    hq = bh % HQ
+    h = hq // (HQ // H)
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_valid = offs_m < T
+    lo = tl.load(LO + offs_m, mask=m_valid, other=1)
+    hi = tl.load(HI + offs_m, mask=m_valid, other=0)
+    seen = lo <= hi
+    k_begin = tl.min(tl.where(seen, lo, NK), 0)
+    k_end = tl.max(tl.where(seen, hi, -1), 0) + 1
+    k_begin = (k_begin // BLOCK_N) * BLOCK_N
+
+    offs_dk = tl.arange(0, BLOCK_DK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q_rows = (b * T + offs_m) * HQ + hq
+    q = tl.load(Q + q_rows[:, None] * DK + offs_dk[None, :],
+                mask=m_valid[:, None] & (offs_dk[None, :] < DK), other=0.0)
+    do = tl.load(DO + q_rows[:, None] * DV + offs_dv[None, :],
+                 mask=m_valid[:, None] & (offs_dv[None, :] < DV), other=0.0)
+    lse = tl.load(LSE + q_rows, mask=m_valid, other=float("-inf"))
+    delta = tl.load(DELTA + q_rows, mask=m_valid, other=0.0)
+    row_seen = lse > float("-inf")
+    lse2 = tl.where(row_seen, lse * 1.4426950408889634, 0.0)
+
+    dq = tl.zeros([BLOCK_M, BLOCK_DK], tl.float32)
+    qk_scale = SCALE * 1.4426950408889634
+    for n0 in range(k_begin, k_end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_valid = offs_n < NK
+        kv_rows = (b * NK + offs_n) * H + h
+        k = tl.load(K + kv_rows[:, None] * DK + offs_dk[None, :],
+                    mask=n_valid[:, None] & (offs_dk[None, :] < DK), other=0.0)
+        v = tl.load(V + kv_rows[:, None] * DV + offs_dv[None, :],
+                    mask=n_valid[:, None] & (offs_dv[None, :] < DV), other=0.0)
+        s = _mm(q, tl.trans(k), IEEE) * qk_scale
+        visible = (offs_n[None, :] >= lo[:, None]) & (offs_n[None, :] <= hi[:, None]) & row_seen[:, None]
+        p = tl.where(visible, tl.exp2(s - lse2[:, None]), 0.0)
+        dp = _mm(do, tl.trans(v), IEEE)
+        ds = p * (dp - delta[:, None])
+        dq += _mm(ds.to(k.dtype), k, IEEE)
+
+    tl.store(DQ + q_rows[:, None] * DK + offs_dk[None, :], (dq * SCALE).to(DQ.dtype.element_ty),
+             mask=m_valid[:, None] & (offs_dk[None, :] < DK))
+
+
+@triton.jit
+def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, LO, HI, FIRST, LAST, DK_OUT, DV_OUT,
+                     T: tl.constexpr, NK: tl.constexpr, HQ: tl.constexpr, H: tl.constexpr,
+                     DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SCALE: tl.constexpr, IEEE: tl.constexpr):
+    """Backward for k and v: dk [B, NK, H, Dk], dv [B, NK, H, Dv], summed over the G query heads.
+
+    Grid (cdiv(NK, BLOCK_N), B * H). One program owns the key rows [n0, n0 + BLOCK_N) of one KV head
+    h: it loads k [BLOCK_N, BLOCK_DK], v [BLOCK_N, BLOCK_DV] and the query range [first, last] of each
+    row once, then for each query head hq = h * G + g walks only the query tiles of BLOCK_M queries
+    between the smallest first and the largest last (the queries that can see the tile; rows of
+    several packed sequences may share a tile), loading q, do, lse, delta and lo / hi of each. dk and
+    dv accumulate in float32 in registers and are stored once (every row, also rows nobody sees).
+    """
+    pid_n = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = bh % H
+    G: tl.constexpr = HQ // H
+
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_valid = offs_n < NK
+    first = tl.load(FIRST + offs_n, mask=n_valid, other=T)
+    last = tl.load(LAST + offs_n, mask=n_valid, other=-1)
+    used = first <= last
+    q_begin = tl.min(tl.where(used, first, T), 0)
+    q_end = tl.max(tl.where(used, last, -1), 0) + 1
+    q_begin = (q_begin // BLOCK_M) * BLOCK_M
+
+    offs_dk = tl.arange(0, BLOCK_DK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    kv_rows = (b * NK + offs_n) * H + h
+    k = tl.load(K + kv_rows[:, None] * DK + offs_dk[None, :],
+                mask=n_valid[:, None] & (offs_dk[None, :] < DK), other=0.0)
+    v = tl.load(V + kv_rows[:, None] * DV + offs_dv[None, :],
+                mask=n_valid[:, None] & (offs_dv[None, :] < DV), other=0.0)
+
+    dk = tl.zeros([BLOCK_N, BLOCK_DK], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
+    qk_scale = SCALE * 1.4426950408889634
+    for g in range(G):
+        hq = h * G + g
+        for m0 in range(q_begin, q_end, BLOCK_M):
+            offs_m = m0 + tl.arange(0, BLOCK_M)
+            m_valid = offs_m < T
+            lo = tl.load(LO + offs_m, mask=m_valid, other=1)
+            hi = tl.load(HI + offs_m, mask=m_valid, other=0)
+            q_rows = (b * T + offs_m) * HQ + hq
+            q = tl.load(Q + q_rows[:, None] * DK + offs_dk[None, :],
+                        mask=m_valid[:, None] & (offs_dk[None, :] < DK), other=0.0)
+            do = tl.load(DO + q_rows[:, None] * DV + offs_dv[None, :],
+                         mask=m_valid[:, None] & (offs_dv[None, :] < DV), other=0.0)
+            lse = tl.load(LSE + q_rows, mask=m_valid, other=float("-inf"))
+            delta = tl.load(DELTA + q_rows, mask=m_valid, other=0.0)
+            row_seen = lse > float("-inf")
+            lse2 = tl.where(row_seen, lse * 1.4426950408889634, 0.0)
+            # transposed tiles [BLOCK_N, BLOCK_M]: key rows by queries
+            s_t = _mm(k, tl.trans(q), IEEE) * qk_scale
+            visible = (offs_n[:, None] >= lo[None, :]) & (offs_n[:, None] <= hi[None, :]) & row_seen[None, :]
+            p_t = tl.where(visible, tl.exp2(s_t - lse2[None, :]), 0.0)
+            dv += _mm(p_t.to(do.dtype), do, IEEE)
+            dp_t = _mm(v, tl.trans(do), IEEE)
+            ds_t = p_t * (dp_t - delta[None, :])
+            dk += _mm(ds_t.to(q.dtype), q, IEEE)
+
+    tl.store(DK_OUT + kv_rows[:, None] * DK + offs_dk[None, :], (dk * SCALE).to(DK_OUT.dtype.element_ty),
+             mask=n_valid[:, None] & (offs_dk[None, :] < DK))
+    tl.store(DV_OUT + kv_rows[:, None] * DV + offs_dv[None, :], dv.to(DV_OUT.dtype.element_ty),
+             mask=n_valid[:, None] & (offs_dv[None, :] < DV))
+
+
+# ------------------------------------------------------------------------------------ launches
+
+
+def _pow2(n, least=16):
+    return max(least, triton.next_power_of_2(int(n)))
+
+
+def _config(T, NK, dk, dv, backward):
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages): a small heuristic on the padded head dims."""
+    d = max(_pow2(dk), _pow2(dv))
+    if backward:
+        block_m, block_n = (64, 64) if d <= 64 else (32, 64) if d <= 128 else (32, 32)
+    else:
+        block_m, block_n = (64, 64) if d <= 128 else (64, 32)
+    block_m = min(block_m, _pow2(T))
+    block_n = min(block_n, _pow2(NK))
+    num_warps = 4 if d <= 64 else 8
+    return block_m, block_n, num_warps, 2
+
+
+def _meta(q, k, v, block_m, block_n, scale):
+    _, T, HQ, dk = q.shape
+    NK, H, dv = k.shape[1], k.shape[2], v.shape[3]
+    return dict(T=T, NK=NK, HQ=HQ, H=H, DK=dk, DV=dv, BLOCK_DK=_pow2(dk), BLOCK_DV=_pow2(dv),
+                BLOCK_M=block_m, BLOCK_N=block_n, SCALE=float(scale), IEEE=bool(q.dtype == jnp.float32))
+
+
+def _check(q, k, v, lo):
+    B, T, HQ, _ = q.shape
+    H = k.shape[2]
+    assert HQ % H == 0 and k.shape[:3] == v.shape[:3] and k.shape[0] == B and lo.shape == (T,)
+
+
+def attend(q, k, v, lo, hi, *, scale):
+    """o [B, T, HQ, Dv] (q's dtype) and lse [B, T, HQ] float32 of query t over key rows [lo[t], hi[t]]."""
+    _check(q, k, v, lo)
+    B, T, HQ, _ = q.shape
+    NK = k.shape[1]
+    block_m, block_n, num_warps, num_stages = _config(T, NK, q.shape[3], v.shape[3], backward=False)
+    o, lse = _launch.triton_call(
+        q, k, v, lo, hi, kernel=_fwd_kernel,
+        out_shape=[_launch.shape_dtype((B, T, HQ, v.shape[3]), q.dtype), _launch.shape_dtype((B, T, HQ), jnp.float32)],
+        grid=(triton.cdiv(T, block_m), B * HQ), num_warps=num_warps, num_stages=num_stages,
+        **_meta(q, k, v, block_m, block_n, scale))
+    return o, lse
+
+
+def query_ranges(lo, hi, num_keys):
+    """first, last int32 [NK]: the queries that see key row r are [first[r], last[r]] (empty if first > last).
+
+    Valid because lo and hi are non-decreasing in t: {t: lo[t] <= r} is a prefix of the queries and
+    {t: hi[t] >= r} a suffix.
+    """
+    r = jnp.arange(num_keys, dtype=jnp.int32)
+    first = jnp.searchsorted(hi, r, side="left").astype(jnp.int32)
+    last = (jnp.searchsorted(lo, r, side="right") - 1).astype(jnp.int32)
+    return first, last
+
+
+def attend_backward(q, k, v, lo, hi, o, lse, do, dlse=None, *, scale):
+    """(dq, dk, dv) of `attend`, in q's, k's and v's dtypes; dlse [B, T, HQ] is lse's cotangent or None."""
+    _check(q, k, v, lo)
+    B, T, HQ, dk_dim = q.shape
+    NK, H = k.shape[1], k.shape[2]
+    # the pre-pass: ds = p * (dp - delta), with the lse path folded into delta
+    delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)
+    if dlse is not None:
+        delta = delta - jnp.where(jnp.isfinite(lse), dlse.astype(jnp.float32), 0.0)
+    do = do.astype(q.dtype)
+    block_m, block_n, num_warps, num_stages = _config(T, NK, dk_dim, v.shape[3], backward=True)
+    meta = _meta(q, k, v, block_m, block_n, scale)
+    dq = _launch.triton_call(
+        q, k, v, do, lse, delta, lo, hi, kernel=_bwd_dq_kernel,
+        out_shape=_launch.shape_dtype(q.shape, q.dtype),
+        grid=(triton.cdiv(T, block_m), B * HQ), num_warps=num_warps, num_stages=num_stages, **meta)
+    first, last = query_ranges(lo, hi, NK)
+    dk, dv = _launch.triton_call(
+        q, k, v, do, lse, delta, lo, hi, first, last, kernel=_bwd_dkdv_kernel,
+        out_shape=[_launch.shape_dtype(k.shape, k.dtype), _launch.shape_dtype(v.shape, v.dtype)],
+        grid=(triton.cdiv(NK, block_n), B * H), num_warps=num_warps, num_stages=num_stages, **meta)
+    return dq, dk, dv
