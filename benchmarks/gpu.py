@@ -69,7 +69,7 @@ def random_block_indices(T, seed=0):
     rng = np.random.default_rng(seed)
     current = np.arange(T) // BS
     scores = rng.random((T, H, T // BS + 1))
-    scores[np.arange(T // BS + 1)[None, None, :] > current[:, None, None]] = -1
+    scores = np.where(np.arange(T // BS + 1)[None, None, :] > current[:, None, None], -1.0, scores)
     idx = np.argsort(-scores, axis=-1)[..., :S]
     idx = np.where(np.take_along_axis(scores, idx, -1) < 0, -1, idx)
     return idx[None].astype(np.int32)

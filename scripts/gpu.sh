@@ -16,6 +16,7 @@ else
     export PYTHONPATH=$PWD
 fi
 export PYTHONUNBUFFERED=1
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}  # fla's autotuner needs a writable cache
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c 'import jax, jax_triton, triton; print("jax", jax.__version__, "jax_triton", jax_triton.__version__, "triton", triton.__version__, jax.devices())'
 status=0
@@ -24,6 +25,7 @@ if [[ $what == tests || $what == all ]]; then
     status=${PIPESTATUS[0]}
 fi
 if [[ $what == bench || $what == all ]]; then
-    python3 benchmarks/gpu.py --out "$out" "$@" 2>&1 | tee "$out/bench.log" | grep -v '^{' || status=1
+    python3 benchmarks/gpu.py --out "$out" "$@" 2>&1 | tee "$out/bench.log" | grep -v '^{'
+    [[ ${PIPESTATUS[0]} == 0 ]] || status=1
 fi
 exit $status
