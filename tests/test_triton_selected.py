@@ -1,0 +1,220 @@
+"""The Triton kernels of selected attention (nsa/triton/selected.py).
+
+On the CPU (every test but TestTritonGPU) the kernels run in Triton's interpreter
+(tests/triton_interpreter.py) and are compared with the XLA reference on float32 copies of the same
+rounded inputs: o, lse, dq, dk and dv; edge cases (-1, out-of-range and repeated indices, counts,
+packed sequences with an empty one, rows that see nothing, keys that must never be read) and
+bitwise determinism. The interpreter takes float32 and float16 only; bfloat16 runs in TestTritonGPU.
+"""
+
+import os
+
+import jax
+
+ON_GPU = jax.default_backend() == "gpu"
+if not ON_GPU:  # before nsa.triton is first imported: the kernels read it when they are decorated
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+import nsa  # noqa: E402
+from nsa.reference import selected as reference  # noqa: E402
+from tests import triton_interpreter  # noqa: E402
+from tests.base import CU_SEQLENS, GRAD_TOLERANCE, TOLERANCE, Inputs, NSATestBase, assert_close  # noqa: E402
+
+# Relative RMS error against the float32 reference.
+REL = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1e-2}
+
+# (B, T, HQ, H, Dk, Dv, block_size)
+CASES = {
+    "G1-dv32": ((2, 40, 2, 2, 16, 32, 16), "float32", "int", None),
+    "G3-T50": ((1, 50, 3, 1, 32, 16, 16), "float32", "array", None),
+    "G16": ((1, 36, 16, 1, 16, 16, 16), "float32", "all", None),
+    "T<bs-bs32": ((1, 20, 2, 1, 16, 24, 32), "float32", "all", None),
+    "G3-T50-fp16": ((1, 50, 3, 1, 32, 16, 16), "float16", "array", None),
+    "G1-dv32-fp16": ((2, 40, 2, 2, 16, 32, 16), "float16", "int", None),
+    "varlen": ((1, 100, 4, 2, 16, 16, 16), "float32", "array", CU_SEQLENS),
+}
+
+
+@pytest.fixture
+def interpreted(monkeypatch):
+    if ON_GPU:  # the kernels were compiled for the GPU, not for the interpreter
+        pytest.skip("the interpreter tests run on a CPU-only jax")
+    triton_interpreter.install(monkeypatch)
+
+
+def _counts(kind, B, T, H):
+    return {"all": None, "int": 3,
+            "array": np.random.default_rng(2).integers(0, 6, (B, T, H)).astype(np.int32)}[kind]
+
+
+def _f32(*arrays):
+    return tuple(jnp.asarray(a, jnp.float32) for a in arrays)
+
+
+def _run(impl, q, k, v, do, idx, counts, bs, cu, jit=False):
+    """o and (dq, dk, dv) of the public op with `impl`."""
+    f = lambda q, k, v, cu: nsa.selected_attention(q, k, v, idx, block_counts=counts, block_size=bs,
+                                                   cu_seqlens=cu, implementation=impl)
+
+    def run(q, k, v, do, cu):
+        o, vjp = jax.vjp(lambda q, k, v: f(q, k, v, cu), q, k, v)
+        return o, vjp(do)
+
+    return (jax.jit(run) if jit else run)(q, k, v, do, cu)
+
+
+def _direct_lse(q, k, v, idx, counts, bs, cu, scale):
+    """lse from the kernel's forward and from the reference's, called directly."""
+    B, T, _, H = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+    counts = jnp.broadcast_to(jnp.asarray(idx.shape[-1] if counts is None else counts, jnp.int32), (B, T, H))
+    from nsa.triton import selected as kernels
+    cu = None if cu is None else jnp.asarray(cu)
+    got = kernels.forward(q, k, v, jnp.asarray(idx), counts, cu, block_size=bs, scale=scale)[1][-1]
+    ref = reference.forward(*_f32(q, k, v), jnp.asarray(idx), counts, cu, block_size=bs, scale=scale)[1][-1]
+    return np.asarray(got), np.asarray(ref)
+
+
+@pytest.mark.parametrize("shape, dtype, counts, cu", CASES.values(), ids=CASES.keys())
+def test_forward_and_gradients_match_reference(interpreted, shape, dtype, counts, cu):
+    x = Inputs(shape, dtype)
+    B, T, _, H, Dk = shape[:5]
+    bs = x.block_size
+    idx = x.block_indices(4)  # -1, beyond t // bs, 2^30 and repeated entries
+    counts = _counts(counts, B, T, H)
+    o, grads = _run("triton", x.q, x.k, x.v, x.do, idx, counts, bs, cu)
+    o_ref, grads_ref = _run("xla", *_f32(x.q, x.k, x.v, x.do), idx, counts, bs, cu)
+    assert o.dtype == x.q.dtype
+    assert_close(o, o_ref, REL[dtype], "o")
+    for name, g, g_ref, arg in zip(("dq", "dk", "dv"), grads, grads_ref, (x.q, x.k, x.v)):
+        assert g.dtype == arg.dtype, name
+        assert_close(g, g_ref, REL[dtype], name)
+
+    lse, lse_ref = _direct_lse(x.q, x.k, x.v, idx, counts, bs, cu, Dk ** -0.5)
+    assert lse.dtype == np.float32 and lse.shape == (B, T, shape[2])
+    np.testing.assert_array_equal(lse == -np.inf, lse_ref == -np.inf)
+    seen = np.isfinite(lse_ref)
+    assert_close(lse[seen], lse_ref[seen], REL[dtype], "lse")
+
+
+def test_varlen_traced_cu_seqlens_and_bitwise_repeatable(interpreted):
+    """Under jit cu_seqlens is traced (block rows padded to a static bound); two runs are bitwise equal."""
+    x = Inputs((1, 100, 4, 2, 16, 16, 16), "float32")
+    idx = x.block_indices(4)
+    eager = _run("triton", x.q, x.k, x.v, x.do, idx, None, 16, CU_SEQLENS)
+    first = _run("triton", x.q, x.k, x.v, x.do, idx, None, 16, CU_SEQLENS, jit=True)
+    second = _run("triton", x.q, x.k, x.v, x.do, idx, None, 16, CU_SEQLENS, jit=True)
+    for a, b, c in zip(jax.tree_util.tree_leaves(first), jax.tree_util.tree_leaves(second),
+                       jax.tree_util.tree_leaves(eager)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        assert_close(a, c, 1e-6, "jit vs eager")
+
+
+def test_invalid_entries_are_never_read(interpreted):
+    """Keys and values of the last block are NaN; no query may read them: as -1, as a future block, as a
+    slot past block_counts. Every output and gradient is finite and equals the reference's on zeros."""
+    B, T, HQ, H, D, bs = 1, 48, 3, 1, 16, 16
+    x = Inputs((B, T, HQ, H, D, D, bs), "float32")
+    t = np.arange(T)
+    future = np.stack([t // bs, np.full(T, 2), np.full(T, -1), np.full(T, 2 ** 30)], -1)  # 2 > t // bs: invalid
+    last = np.stack([np.zeros(T), np.ones(T), np.full(T, 2), np.full(T, 2)], -1)  # slots 2, 3 past the count
+    idx = np.where((t < 2 * bs)[:, None], future, last).astype(np.int32)[None, :, None, :]
+    counts = np.where(t < 2 * bs, 4, 2).astype(np.int32)[None, :, None]
+    poison = (t >= 2 * bs)[None, :, None, None]
+    k_nan, v_nan = jnp.where(poison, jnp.nan, x.k), jnp.where(poison, jnp.nan, x.v)
+    k_zero, v_zero = jnp.where(poison, 0.0, x.k), jnp.where(poison, 0.0, x.v)
+    o, (dq, dk, dv) = _run("triton", x.q, k_nan, v_nan, x.do, idx, counts, bs, None)
+    o_ref, (dq_ref, dk_ref, dv_ref) = _run("xla", x.q, k_zero, v_zero, x.do, idx, counts, bs, None)
+    for name, a, b in [("o", o, o_ref), ("dq", dq, dq_ref), ("dk", dk, dk_ref), ("dv", dv, dv_ref)]:
+        assert_close(a, b, 1e-5, name)
+    assert np.all(np.asarray(dk)[:, 2 * bs:] == 0) and np.all(np.asarray(dv)[:, 2 * bs:] == 0)
+
+
+def test_rows_that_see_nothing(interpreted):
+    """A row with nothing visible: o = 0, lse = -inf, zero dq, and no NaN anywhere; a whole call that
+    sees nothing gives zero dk and dv."""
+    B, T, HQ, H, D, bs = 1, 40, 6, 2, 16, 16
+    x = Inputs((B, T, HQ, H, D, 32, bs), "float32")
+    t = np.arange(T)[None, :, None, None]
+    idx = np.broadcast_to(np.where(t % 2 == 0, -1, t // bs), (B, T, H, 2)).astype(np.int32)
+    blind = (np.arange(T) % 2 == 0)
+    o, (dq, dk, dv) = _run("triton", x.q, x.k, x.v, x.do, idx, None, bs, None)
+    o_ref, grads_ref = _run("xla", x.q, x.k, x.v, x.do, idx, None, bs, None)
+    assert np.all(np.asarray(o)[:, blind] == 0) and np.all(np.asarray(dq)[:, blind] == 0)
+    for a, b in zip((o, dq, dk, dv), (o_ref, *grads_ref)):
+        assert_close(a, b, 1e-5, "partly blind")
+    lse, _ = _direct_lse(x.q, x.k, x.v, idx, None, bs, None, D ** -0.5)
+    assert np.all(lse[:, blind] == -np.inf) and np.all(np.isfinite(lse[:, ~blind]))
+
+    none = np.full((B, T, H, 2), -1, np.int32)
+    o, grads = _run("triton", x.q, x.k, x.v, x.do, none, np.zeros((B, T, H), np.int32) + 2, bs, None)
+    assert np.all(np.asarray(o) == 0)
+    for g in grads:
+        assert np.all(np.asarray(g) == 0)
+
+
+# ---------------------------------------------------------------------------------------- GPU
+
+# The base tests that exercise selected attention alone: by name, or parametrized by branch name.
+_SELECTED_TESTS = {"test_selected_attention", "test_block_listed_twice_is_attended_twice",
+                   "test_selected_nothing_visible", "test_wide_heads"}
+_BY_BRANCH = {"test_varlen_equals_each_sequence_alone", "test_varlen_against_oracle", "test_gradients",
+              "test_gradients_varlen"}
+
+
+@pytest.mark.gpu
+class TestTritonGPU(NSATestBase):
+    """The shared base on the H200 with implementation="triton", restricted to selected attention.
+
+    The other ops (compressed, window, select, attention) are not this module's: the autouse fixture
+    skips every base test that is not in _SELECTED_TESTS and, for the tests parametrized by a branch
+    `name`, every branch but "selected". The base's nothing-visible test also covers the compressed
+    and window branches, so it is replaced by a selected-only version. Deselect on CPU: -m "not gpu".
+    """
+
+    implementation = "triton"
+    dtypes = ("float32", "bfloat16", "float16")
+
+    @pytest.fixture(autouse=True)
+    def _only_selected(self, request):
+        name = request.node.originalname
+        params = getattr(getattr(request.node, "callspec", None), "params", {})
+        if name in _SELECTED_TESTS or (name in _BY_BRANCH and params.get("name") == "selected"):
+            return
+        pytest.skip("TestTritonGPU runs the selected-attention tests only")
+
+    def test_selected_nothing_visible(self):
+        B, T, HQ, H, D, bs = 1, 40, 4, 2, 16, 8
+        x = Inputs((B, T, HQ, H, D, D, bs), "float32")
+        t = jnp.arange(T)[None, :, None, None]
+        idx = jnp.broadcast_to(jnp.where(t % 3 == 0, -1, jnp.where(t % 3 == 1, t // bs + 1, 2 ** 30)),
+                               (B, T, H, 3)).astype(jnp.int32)
+        f = lambda q, k, v: self.op("selected_attention")(q, k, v, idx, block_size=bs)
+        o, vjp = jax.vjp(f, x.q, x.k, x.v)
+        assert np.all(np.asarray(o) == 0)
+        for grad in vjp(x.do):
+            assert np.all(np.asarray(grad) == 0)
+
+    @pytest.mark.parametrize("shape", [(1, 300, 6, 1, 256, 128, 64), (2, 200, 16, 2, 192, 64, 128),
+                                       (1, 129, 1, 1, 64, 256, 16)])
+    @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+    def test_wide_heads(self, shape, dtype):
+        """Dk, Dv up to 256, block_size up to 128, G = 6 and 16, against the float32 reference."""
+        x = Inputs(shape, dtype)
+        B, T, _, H = shape[:4]
+        idx = x.block_indices(8)
+        counts = _counts("array", B, T, H)
+        o, grads = _run("triton", x.q, x.k, x.v, x.do, idx, counts, x.block_size, None)
+        o_ref, grads_ref = _run("xla", *_f32(x.q, x.k, x.v, x.do), idx, counts, x.block_size, None)
+        assert_close(o, o_ref, max(REL[dtype], TOLERANCE[dtype]), "o")
+        for name, g, g_ref in zip(("dq", "dk", "dv"), grads, grads_ref):
+            assert_close(g, g_ref, max(REL[dtype], GRAD_TOLERANCE[dtype]), name)
+
+
+def test_gpu_class_filter_keeps_only_selected_tests():
+    """The GPU class's filter is not dead code: it names real tests of the base."""
+    names = {n for n in dir(TestTritonGPU) if n.startswith("test_")}
+    assert (_SELECTED_TESTS | _BY_BRANCH) <= names
