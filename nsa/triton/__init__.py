@@ -4,10 +4,11 @@ KERNELS maps an op name of nsa.reference.OPS to its (forward, backward) kernels,
 signatures and residuals. An op missing here runs the reference on every platform.
 """
 
-from nsa.triton import compressed, selected, window
+from nsa.triton import compressed, select, selected, window
 
 KERNELS = {
     "window": (window.forward, window.backward),
     "compressed": (compressed.forward, compressed.backward),
     "selected": (selected.forward, selected.backward),
+    "select": (select.forward, None),
 }
