@@ -244,13 +244,19 @@ def _pow2(n, least=16):
     return max(least, triton.next_power_of_2(int(n)))
 
 
-def _config(T, NK, dk, dv, backward):
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages): a small heuristic on the padded head dims."""
+def _config(T, NK, dk, dv, itemsize, backward):
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages): a small heuristic on the padded head dims.
+
+    Sized so that the tiles of two pipeline stages stay well inside an H100/H200's shared memory;
+    float32 inputs (twice the bytes) get half the tiles at head dims > 128.
+    """
     d = max(_pow2(dk), _pow2(dv))
     if backward:
         block_m, block_n = (64, 64) if d <= 64 else (32, 64) if d <= 128 else (32, 32)
     else:
         block_m, block_n = (64, 64) if d <= 128 else (64, 32)
+    if itemsize > 2 and d > 128:
+        block_m = max(16, block_m // 2)
     block_m = min(block_m, _pow2(T))
     block_n = min(block_n, _pow2(NK))
     num_warps = 4 if d <= 64 else 8
@@ -275,7 +281,8 @@ def attend(q, k, v, lo, hi, *, scale):
     _check(q, k, v, lo)
     B, T, HQ, _ = q.shape
     NK = k.shape[1]
-    block_m, block_n, num_warps, num_stages = _config(T, NK, q.shape[3], v.shape[3], backward=False)
+    block_m, block_n, num_warps, num_stages = _config(T, NK, q.shape[3], v.shape[3], q.dtype.itemsize,
+                                                      backward=False)
     o, lse = _launch.triton_call(
         q, k, v, lo, hi, kernel=_fwd_kernel,
         out_shape=[_launch.shape_dtype((B, T, HQ, v.shape[3]), q.dtype), _launch.shape_dtype((B, T, HQ), jnp.float32)],
@@ -306,7 +313,7 @@ def attend_backward(q, k, v, lo, hi, o, lse, do, dlse=None, *, scale):
     if dlse is not None:
         delta = delta - jnp.where(jnp.isfinite(lse), dlse.astype(jnp.float32), 0.0)
     do = do.astype(q.dtype)
-    block_m, block_n, num_warps, num_stages = _config(T, NK, dk_dim, v.shape[3], backward=True)
+    block_m, block_n, num_warps, num_stages = _config(T, NK, dk_dim, v.shape[3], q.dtype.itemsize, backward=True)
     meta = _meta(q, k, v, block_m, block_n, scale)
     dq = _launch.triton_call(
         q, k, v, do, lse, delta, lo, hi, kernel=_bwd_dq_kernel,

@@ -7,7 +7,10 @@ those of nsa.reference.window.
 import jax.numpy as jnp
 
 from nsa._varlen import tokens
+from nsa.reference import window as reference
 from nsa.triton import _flash
+
+_KERNEL_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)  # float64 runs the reference
 
 
 def _key_range(T, window_size, cu_seqlens):
@@ -20,6 +23,8 @@ def _key_range(T, window_size, cu_seqlens):
 
 def forward(q, k, v, cu_seqlens, *, window_size, scale):
     """Returns o [B, T, HQ, Dv] and the residuals (inputs, o, lse [B, T, HQ])."""
+    if q.dtype not in _KERNEL_DTYPES:
+        return reference.forward(q, k, v, cu_seqlens, window_size=window_size, scale=scale)
     lo, hi = _key_range(q.shape[1], window_size, cu_seqlens)
     o, lse = _flash.attend(q, k, v, lo, hi, scale=scale)
     return o, (q, k, v, cu_seqlens, o, lse)
@@ -28,6 +33,8 @@ def forward(q, k, v, cu_seqlens, *, window_size, scale):
 def backward(residuals, do, *, window_size, scale):
     """Gradients (dq, dk, dv, None)."""
     q, k, v, cu_seqlens, o, lse = residuals
+    if q.dtype not in _KERNEL_DTYPES:
+        return reference.backward(residuals, do, window_size=window_size, scale=scale)
     lo, hi = _key_range(q.shape[1], window_size, cu_seqlens)
     dq, dk, dv = _flash.attend_backward(q, k, v, lo, hi, o, lse, do, scale=scale)
     return dq, dk, dv, None
