@@ -1,0 +1,190 @@
+"""The Triton block-selection kernel (nsa/triton/select.py).
+
+On the CPU (every test but TestTritonGPU) the kernel runs in Triton's interpreter
+(tests/triton_interpreter.py) and must return exactly the XLA reference's block ids, in the
+reference's rank order: G in {1, 3, 16}, block_counts from 1 to more than the blocks, T not a multiple
+of block_size and T < block_size, ties (all-equal compressed keys), packed sequences with an empty one
+(eager and with a traced cu_seqlens), compressed rows that no query sees (NaN, never read), float32
+and float16. The interpreter takes float32 and float16 only; bfloat16 runs in TestTritonGPU.
+"""
+
+import os
+
+import jax
+
+ON_GPU = jax.default_backend() == "gpu"
+if not ON_GPU:  # before nsa.triton is first imported: the kernels read it when they are decorated
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+import nsa  # noqa: E402
+from nsa._varlen import num_compressed_blocks, tokens  # noqa: E402
+from nsa.reference import select as reference  # noqa: E402
+from tests import triton_interpreter  # noqa: E402
+from tests.base import NSATestBase  # noqa: E402
+
+CU = np.array([0, 23, 23, 41, 70], np.int32)  # lengths 23, 0, 18, 29 (T = 70)
+
+
+@pytest.fixture
+def interpreted(monkeypatch):
+    if ON_GPU:  # the kernels were compiled for the GPU, not for the interpreter
+        pytest.skip("the interpreter tests run on a CPU-only jax")
+    triton_interpreter.install(monkeypatch)
+
+
+def _inputs(B, T, HQ, H, Dk, block_size, dtype, cu=None, seed=0):
+    """q [B, T, HQ, Dk] and k_cmp [B, NC, H, Dk] in `dtype`, random normal."""
+    rng = np.random.default_rng(seed)
+    NC = num_compressed_blocks(T, block_size, cu)
+    q = jnp.asarray(rng.standard_normal((B, T, HQ, Dk)), dtype)
+    k_cmp = jnp.asarray(rng.standard_normal((B, NC, H, Dk)), dtype)
+    return q, k_cmp
+
+
+def _select(impl, q, k_cmp, block_counts, block_size, cu=None):
+    return nsa.select_blocks(q, k_cmp, block_counts=block_counts, block_size=block_size, cu_seqlens=cu,
+                             implementation=impl)
+
+
+def _assert_equal(q, k_cmp, block_counts, block_size, cu=None):
+    """The kernel's ids equal the reference's (float32 copies of the same rounded inputs), rank order too."""
+    got = _select("triton", q, k_cmp, block_counts, block_size, cu)
+    ref = _select("xla", q.astype(jnp.float32), k_cmp.astype(jnp.float32), block_counts, block_size, cu)
+    assert got.dtype == jnp.int32 and got.shape == ref.shape
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
+    return np.asarray(got)
+
+
+# (B, T, HQ, H, Dk, block_size), dtype, block_counts
+CASES = {
+    "G1-T40-bs16": ((2, 40, 2, 2, 16, 16), "float32", (1, 3)),
+    "G3-T50-dk24": ((1, 50, 3, 1, 24, 8), "float32", (2, 5)),
+    "G16-T36": ((1, 36, 16, 1, 16, 8), "float32", (3,)),
+    "G2-more-than-blocks": ((1, 45, 4, 2, 16, 8), "float32", (9,)),
+    "T<bs": ((1, 10, 2, 1, 16, 16), "float32", (2,)),
+    "G3-fp16": ((1, 50, 3, 1, 32, 8), "float16", (1, 5)),
+}
+
+
+@pytest.mark.parametrize("shape, dtype, counts", CASES.values(), ids=CASES.keys())
+def test_matches_reference_exactly(interpreted, shape, dtype, counts):
+    B, T, HQ, H, Dk, bs = shape
+    q, k_cmp = _inputs(B, T, HQ, H, Dk, bs, dtype)
+    for block_counts in counts:
+        got = _assert_equal(q, k_cmp, block_counts, bs)
+        # the forced blocks lead every row: t // bs, then t // bs - 1, then 0
+        cur = np.arange(T) // bs
+        np.testing.assert_array_equal(got[..., 0], np.broadcast_to(cur[None, :, None], got.shape[:3]))
+        if block_counts > 1:
+            np.testing.assert_array_equal(got[:, bs:, :, 1], np.broadcast_to((cur - 1)[None, bs:, None],
+                                                                              got[:, bs:].shape[:3]))
+        if T < bs:  # one block only: the rest of each row is unused
+            assert np.all(got[..., 1:] == -1)
+
+
+def test_ties_go_to_lower_ids(interpreted):
+    """All-equal compressed keys: every visible block scores the same, so the lowest ids win."""
+    B, T, HQ, H, Dk, bs = 1, 60, 4, 2, 16, 8
+    q, _ = _inputs(B, T, HQ, H, Dk, bs, "float32")
+    k_cmp = jnp.ones((B, num_compressed_blocks(T, bs), H, Dk), jnp.float32)
+    for block_counts in (4, 9):
+        got = _assert_equal(q, k_cmp, block_counts, bs)
+        for t in range(T):
+            cur = t // bs
+            forced = list(dict.fromkeys(c for c in (cur, cur - 1, 0) if c >= 0))
+            expected = (forced + [c for c in range(cur + 1) if c not in forced])[:block_counts]
+            expected += [-1] * (block_counts - len(expected))
+            for h in range(H):
+                assert list(got[0, t, h]) == expected, (t, h)
+
+
+def test_varlen_with_an_empty_sequence_eager_and_traced(interpreted):
+    """Packed sequences (one empty); k_cmp rows that no query sees (each sequence's partial last block)
+    are NaN and must never be read; under jit cu_seqlens is traced and the result is the same."""
+    B, T, HQ, H, Dk, bs = 1, 70, 6, 2, 16, 8
+    q, k_cmp = _inputs(B, T, HQ, H, Dk, bs, "float32", CU)
+    lengths = np.diff(CU)
+    first_row = np.cumsum(-(-lengths // bs)) - (-(-lengths // bs))
+    never_seen = [f + n // bs for f, n in zip(first_row, lengths) if n % bs]
+    k_nan = k_cmp.at[:, never_seen].set(jnp.nan)
+    k_zero = k_cmp.at[:, never_seen].set(0.0)
+    cu = jnp.asarray(CU)
+    got = _select("triton", q, k_nan, 4, bs, cu)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(_select("xla", q, k_zero, 4, bs, cu)))
+    traced = jax.jit(lambda q, k, cu: _select("triton", q, k, 4, bs, cu))(q, k_nan, cu)
+    np.testing.assert_array_equal(np.asarray(traced), np.asarray(got))
+    pos = np.asarray(tokens(T, bs, cu).pos[0])
+    assert np.all(np.asarray(got)[0, :, :, 0] == (pos // bs)[:, None])  # in-sequence ids
+
+
+# ---------------------------------------------------------------------------------------- GPU
+
+# The base tests that exercise select_blocks alone: by name, or parametrized by branch name.
+_SELECT_TESTS = {"test_select_blocks", "test_select_ties_go_to_lower_ids", "test_select_wide"}
+_BY_BRANCH = {"test_varlen_equals_each_sequence_alone", "test_varlen_against_oracle"}
+
+
+def _scores(q, k_cmp, block_size, scale):
+    """Reference ranks [B, T, H, NB] of every block (float64 scores, forced ranks, -inf after t // bs)."""
+    q, k_cmp = np.asarray(q, np.float64), np.asarray(k_cmp, np.float64)
+    B, T, HQ, _ = q.shape
+    NC, H = k_cmp.shape[1], k_cmp.shape[2]
+    s = scale * np.einsum("bthgd,bchd->bthgc", q.reshape(B, T, H, HQ // H, -1), k_cmp)
+    visible = np.arange(NC)[None, :] < ((np.arange(T) + 1) // block_size)[:, None]  # [T, NC]
+    s = np.where(visible[None, :, None, None], s, -np.inf)
+    m = np.max(s, -1, keepdims=True)
+    e = np.where(visible[None, :, None, None], np.exp(s - np.where(np.isfinite(m), m, 0)), 0)
+    p = e / np.maximum(np.sum(e, -1, keepdims=True), 1e-300)
+    with jax.enable_x64(True):
+        return np.asarray(reference.block_ranks(jnp.asarray(p.mean(3)), jnp.arange(T)[None], block_size=block_size))
+
+
+@pytest.mark.gpu
+class TestTritonGPU(NSATestBase):
+    """The shared base on the H200 with implementation="triton", restricted to block selection.
+
+    The other ops (compressed, selected, window, attention) are not this module's: the autouse fixture
+    skips every base test that is not in _SELECT_TESTS and, for the tests parametrized by a branch
+    `name`, every branch but "select". Deselect on CPU: -m "not gpu".
+    """
+
+    implementation = "triton"
+    dtypes = ("float32", "bfloat16", "float16")
+
+    @pytest.fixture(autouse=True)
+    def _only_select(self, request):
+        name = request.node.originalname
+        params = getattr(getattr(request.node, "callspec", None), "params", {})
+        if name in _SELECT_TESTS or (name in _BY_BRANCH and params.get("name") == "select"):
+            return
+        pytest.skip("TestTritonGPU runs the block-selection tests only")
+
+    @pytest.mark.parametrize("shape, block_counts", [((1, 300, 6, 1, 256, 64), 16), ((2, 700, 16, 2, 192, 16), 64),
+                                                     ((1, 1000, 3, 1, 16, 128), 5), ((1, 513, 4, 4, 64, 32), 1)])
+    @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+    def test_select_wide(self, shape, block_counts, dtype):
+        """Dk up to 256, block_size 16..128, block_counts up to 64, G in {1, 3, 6, 8}, every dtype.
+
+        Against the reference in float32 exactly where it is unambiguous, and up to near-ties (equal
+        float64 ranks within 1e-5) everywhere: the half-precision products sum in another order."""
+        B, T, HQ, H, Dk, bs = shape
+        q, k_cmp = _inputs(B, T, HQ, H, Dk, bs, dtype)
+        got = np.asarray(_select("triton", q, k_cmp, block_counts, bs))
+        ranks = _scores(q.astype(jnp.float32), k_cmp.astype(jnp.float32), bs, Dk ** -0.5)
+        ref = np.asarray(_select("xla", q.astype(jnp.float32), k_cmp.astype(jnp.float32), block_counts, bs))
+        assert got.shape == ref.shape and got.dtype == np.int32
+        np.testing.assert_array_equal(got == -1, ref == -1)
+        take = lambda idx: np.sort(np.where(idx >= 0, np.take_along_axis(ranks, np.maximum(idx, 0), -1), -1), -1)
+        np.testing.assert_allclose(take(got), take(ref), rtol=1e-5, atol=1e-7)
+        mismatch = np.mean(np.any(np.sort(got, -1) != np.sort(ref, -1), -1))
+        assert mismatch < 0.01, f"{mismatch:.3%} of the rows select other blocks"
+
+
+def test_gpu_class_filter_keeps_only_select_tests():
+    """The GPU class's filter is not dead code: it names real tests of the base."""
+    names = {n for n in dir(TestTritonGPU) if n.startswith("test_")}
+    assert (_SELECT_TESTS | _BY_BRANCH) <= names
