@@ -49,25 +49,32 @@ def _logits(q_tile, k_cmp, first, blk, vis, b, h,
 
 
 @triton.jit
-def _merge(vals, ids, cand, cand_ids, S: tl.constexpr, SP: tl.constexpr):
-    """The best S of the running top (vals, ids [SP], rank order) and the chunk (cand, cand_ids [BC]).
+def _beats(v_a, id_a, v_b, id_b):
+    """Whether a ranks above b: a higher value, or an equal value and a lower id (broadcasting)."""
+    return (v_a > v_b) | ((v_a == v_b) & (id_a < id_b))
 
-    S rounds of: take the highest value, among equal values the smallest id, then remove it (ids are
-    unique across both sets). Values of -inf are empty slots, returned with id -1.
+
+@triton.jit
+def _merge(vals, ids, cand, cand_ids, SP: tl.constexpr):
+    """The best SP of the running top (vals, ids [SP], in rank order) and the chunk (cand, cand_ids [BC]).
+
+    A merge by ranks, with no sequential rounds: an entry's rank in the union is the number of entries
+    that beat it (ids are distinct, so exactly one entry has each rank), from the comparison matrices
+    chunk x top [SP, BC] and chunk x chunk [BC, BC]; the entry of rank i goes to slot i. Values of -inf
+    are empty and never placed; empty slots hold -inf and id -1.
     """
     slot = tl.arange(0, SP)
-    new_vals = tl.full([SP], float("-inf"), tl.float32)
-    new_ids = tl.full([SP], -1, tl.int32)
-    for i in range(S):
-        best = tl.maximum(tl.max(vals, 0), tl.max(cand, 0))
-        big = 2147483647
-        pick = tl.minimum(tl.min(tl.where(vals == best, ids, big), 0),
-                          tl.min(tl.where(cand == best, cand_ids, big), 0))
-        pick = tl.where(best == float("-inf"), -1, pick)
-        new_vals = tl.where(slot == i, best, new_vals)
-        new_ids = tl.where(slot == i, pick, new_ids)
-        vals = tl.where(ids == pick, float("-inf"), vals)
-        cand = tl.where(cand_ids == pick, float("-inf"), cand)
+    cand_over_top = _beats(cand[None, :], cand_ids[None, :], vals[:, None], ids[:, None])  # [SP, BC]
+    cand_over_cand = _beats(cand[:, None], cand_ids[:, None], cand[None, :], cand_ids[None, :])  # [BC, BC]
+    rank_top = slot + tl.sum(cand_over_top.to(tl.int32), 1)
+    rank_cand = (tl.sum(tl.where(cand_over_top, 0, 1), 0)  # the top's entries that beat the candidate
+                 + tl.sum(cand_over_cand.to(tl.int32), 0))
+    at_top = (rank_top[None, :] == slot[:, None]) & (vals > float("-inf"))[None, :]  # [SP slots, SP]
+    at_cand = (rank_cand[None, :] == slot[:, None]) & (cand > float("-inf"))[None, :]  # [SP slots, BC]
+    new_vals = tl.maximum(tl.max(tl.where(at_top, vals[None, :], float("-inf")), 1),
+                          tl.max(tl.where(at_cand, cand[None, :], float("-inf")), 1))
+    new_ids = tl.maximum(tl.max(tl.where(at_top, ids[None, :], -1), 1),
+                         tl.max(tl.where(at_cand, cand_ids[None, :], -1), 1))
     return new_vals, new_ids
 
 
@@ -107,7 +114,7 @@ def _select_kernel(q, k_cmp, pos, cmp_start, out,
     # pass 1: lse (base 2) of each head over the visible rows; padded heads see q = 0, never used
     m = tl.full([GP], float("-inf"), tl.float32)
     l_sum = tl.zeros([GP], tl.float32)
-    c0 = 0
+    c0 = tl.full([], 0, tl.int32)  # a tensor: a loop-carried value must be one
     while c0 < n_vis:  # a while loop: Triton's interpreter cannot take loaded bounds in range()
         blk = c0 + c
         s = _logits(q_tile, k_cmp, first, blk, blk < n_vis, b, h, NC, H, DK, DKP, SCALE, IEEE)
@@ -121,7 +128,7 @@ def _select_kernel(q, k_cmp, pos, cmp_start, out,
     slot = tl.arange(0, SP)
     vals = tl.full([SP], float("-inf"), tl.float32)
     ids = tl.full([SP], -1, tl.int32)
-    c0 = 0
+    c0 = tl.full([], 0, tl.int32)
     while c0 <= cur:
         blk = c0 + c
         vis = blk < n_vis
@@ -136,7 +143,7 @@ def _select_kernel(q, k_cmp, pos, cmp_start, out,
         # the chunk's ids are above every id in the top, so it enters only with a strictly higher value
         threshold = tl.max(tl.where(slot == S - 1, vals, float("-inf")), 0)
         if tl.max(score, 0) > threshold:
-            vals, ids = _merge(vals, ids, score, blk, S, SP)
+            vals, ids = _merge(vals, ids, score, blk, SP)
         c0 += BC
 
     tl.store(out + (row * H + h) * S + slot, ids, mask=slot < S)
