@@ -35,6 +35,7 @@ CASES = {
     "G16": ((1, 24, 16, 1, 16, 16, 16), "float32", "all", None),
     "T<bs-bs32": ((1, 20, 2, 1, 16, 24, 32), "float32", "all", None),
     "G3-T40-fp16": ((1, 40, 3, 1, 32, 16, 16), "float16", "array", None),
+    "D256-chunked": ((1, 40, 2, 1, 256, 200, 64), "float32", "all", None),  # the block in 2 chunks of 32
     "varlen": ((1, 60, 2, 1, 16, 16, 16), "float32", "array", np.array([0, 13, 13, 40, 60], np.int32)),
 }
 

@@ -38,11 +38,11 @@ from nsa.triton import _launch
 def _fwd_kernel(q, k, v, block_idx, block_counts, pos, start, o, lse,
                 T: tl.constexpr, H: tl.constexpr, G: tl.constexpr, S: tl.constexpr, DK: tl.constexpr,
                 DV: tl.constexpr, BS: tl.constexpr, SCALE: tl.constexpr, GP: tl.constexpr,
-                DKP: tl.constexpr, DVP: tl.constexpr, BSP: tl.constexpr):
+                DKP: tl.constexpr, DVP: tl.constexpr, BSP: tl.constexpr, NSUB: tl.constexpr):
     """Forward of selected attention for one (query token, KV head).
 
     Grid: (T, B * H). Tile: the G query heads of KV head h at token t, rows padded to GP (a power of
-    two >= 16), against one selected key block of BS tokens (padded to BSP) at a time.
+    two >= 16), against one selected key block of BS tokens at a time, in NSUB chunks of BSP keys.
     Loads q [B, T, HQ, DK] (GP x DKP), then for every valid slot of block_idx [B, T, H, S] the key
     block k [B, T, H, DK] (BSP x DKP) and value block v [B, T, H, DV] (BSP x DVP); pos, start [T]
     are the in-sequence position and the sequence start of each token. Stores o [B, T, HQ, DV] in
@@ -59,7 +59,6 @@ def _fwd_kernel(q, k, v, block_idx, block_counts, pos, start, o, lse,
     g = tl.arange(0, GP)
     dk = tl.arange(0, DKP)
     dv = tl.arange(0, DVP)
-    j = tl.arange(0, BSP)
     g_ok = g < G
     q_tile = tl.load(q + (row * (H * G) + h * G + g)[:, None] * DK + dk[None, :],
                      mask=g_ok[:, None] & (dk < DK)[None, :], other=0.0)
@@ -72,21 +71,23 @@ def _fwd_kernel(q, k, v, block_idx, block_counts, pos, start, o, lse,
     for slot in range(S):
         blk = tl.load(block_idx + (row * H + h) * S + slot)
         if (slot < count) & (blk >= 0) & (blk <= last):
-            key_pos = blk * BS + j  # in-sequence positions; blk * BS <= p_t so one key at least is seen
-            seen = (j < BS) & (key_pos <= p_t)
-            key_row = b * T + s_t + tl.where(seen, key_pos, 0)  # masked lanes keep an in-bounds address
-            k_t = tl.load(k + (key_row * H + h)[None, :] * DK + dk[:, None],
-                          mask=seen[None, :] & (dk < DK)[:, None], other=0.0)  # [DKP, BSP]
-            v_tile = tl.load(v + (key_row * H + h)[:, None] * DV + dv[None, :],
-                             mask=seen[:, None] & (dv < DV)[None, :], other=0.0)  # [BSP, DVP]
-            s = tl.dot(q_tile, k_t, input_precision="ieee") * (SCALE * 1.4426950408889634)
-            s = tl.where(seen[None, :], s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, 1))  # finite: every block has a seen key
-            alpha = tl.exp2(m - m_new)
-            e = tl.exp2(s - m_new[:, None])
-            l_sum = l_sum * alpha + tl.sum(e, 1)
-            acc = acc * alpha[:, None] + tl.dot(e.to(v_tile.dtype), v_tile, input_precision="ieee")
-            m = m_new
+            for chunk in tl.static_range(NSUB):  # the block in chunks of BSP keys
+                j = chunk * BSP + tl.arange(0, BSP)
+                key_pos = blk * BS + j  # in-sequence positions; blk * BS <= p_t so one key at least is seen
+                seen = (j < BS) & (key_pos <= p_t)
+                key_row = b * T + s_t + tl.where(seen, key_pos, 0)  # masked lanes keep an in-bounds address
+                k_t = tl.load(k + (key_row * H + h)[None, :] * DK + dk[:, None],
+                              mask=seen[None, :] & (dk < DK)[:, None], other=0.0)  # [DKP, BSP]
+                v_tile = tl.load(v + (key_row * H + h)[:, None] * DV + dv[None, :],
+                                 mask=seen[:, None] & (dv < DV)[None, :], other=0.0)  # [BSP, DVP]
+                s = tl.dot(q_tile, k_t, input_precision="ieee") * (SCALE * 1.4426950408889634)
+                s = tl.where(seen[None, :], s, float("-inf"))
+                m_new = tl.maximum(m, tl.max(s, 1))  # finite: every block has a seen key
+                alpha = tl.exp2(m - m_new)
+                e = tl.exp2(s - m_new[:, None])
+                l_sum = l_sum * alpha + tl.sum(e, 1)
+                acc = acc * alpha[:, None] + tl.dot(e.to(v_tile.dtype), v_tile, input_precision="ieee")
+                m = m_new
 
     any_seen = l_sum > 0
     out = acc / tl.where(any_seen, l_sum, 1.0)[:, None]
@@ -102,7 +103,7 @@ def _fwd_kernel(q, k, v, block_idx, block_counts, pos, start, o, lse,
 def _dq_kernel(q, k, v, block_idx, block_counts, pos, start, do, lse, delta, dq,
                T: tl.constexpr, H: tl.constexpr, G: tl.constexpr, S: tl.constexpr, DK: tl.constexpr,
                DV: tl.constexpr, BS: tl.constexpr, SCALE: tl.constexpr, GP: tl.constexpr,
-               DKP: tl.constexpr, DVP: tl.constexpr, BSP: tl.constexpr):
+               DKP: tl.constexpr, DVP: tl.constexpr, BSP: tl.constexpr, NSUB: tl.constexpr):
     """dq of selected attention for one (query token, KV head), recomputing p from lse.
 
     Grid: (T, B * H), as the forward. Tile: the G query heads (GP rows) against one key block.
@@ -121,7 +122,6 @@ def _dq_kernel(q, k, v, block_idx, block_counts, pos, start, do, lse, delta, dq,
     g = tl.arange(0, GP)
     dk = tl.arange(0, DKP)
     dv = tl.arange(0, DVP)
-    j = tl.arange(0, BSP)
     g_ok = g < G
     q_rows = row * (H * G) + h * G + g
     q_tile = tl.load(q + q_rows[:, None] * DK + dk[None, :], mask=g_ok[:, None] & (dk < DK)[None, :], other=0.0)
@@ -136,18 +136,20 @@ def _dq_kernel(q, k, v, block_idx, block_counts, pos, start, do, lse, delta, dq,
     for slot in range(S):
         blk = tl.load(block_idx + (row * H + h) * S + slot)
         if (slot < count) & (blk >= 0) & (blk <= last):
-            key_pos = blk * BS + j
-            seen = (j < BS) & (key_pos <= p_t)
-            key_row = b * T + s_t + tl.where(seen, key_pos, 0)
-            k_tile = tl.load(k + (key_row * H + h)[:, None] * DK + dk[None, :],
-                             mask=seen[:, None] & (dk < DK)[None, :], other=0.0)  # [BSP, DKP]
-            v_t = tl.load(v + (key_row * H + h)[None, :] * DV + dv[:, None],
-                          mask=seen[None, :] & (dv < DV)[:, None], other=0.0)  # [DVP, BSP]
-            s = tl.dot(q_tile, tl.trans(k_tile), input_precision="ieee") * (SCALE * 1.4426950408889634)
-            p = tl.where(seen[None, :] & g_ok[:, None], tl.exp2(s - lse2[:, None]), 0.0)
-            dp = tl.dot(do_tile, v_t, input_precision="ieee")
-            ds = p * (dp - delta_g[:, None])
-            acc += tl.dot(ds.to(k_tile.dtype), k_tile, input_precision="ieee")
+            for chunk in tl.static_range(NSUB):  # the block in chunks of BSP keys
+                j = chunk * BSP + tl.arange(0, BSP)
+                key_pos = blk * BS + j
+                seen = (j < BS) & (key_pos <= p_t)
+                key_row = b * T + s_t + tl.where(seen, key_pos, 0)
+                k_tile = tl.load(k + (key_row * H + h)[:, None] * DK + dk[None, :],
+                                 mask=seen[:, None] & (dk < DK)[None, :], other=0.0)  # [BSP, DKP]
+                v_t = tl.load(v + (key_row * H + h)[None, :] * DV + dv[:, None],
+                              mask=seen[None, :] & (dv < DV)[:, None], other=0.0)  # [DVP, BSP]
+                s = tl.dot(q_tile, tl.trans(k_tile), input_precision="ieee") * (SCALE * 1.4426950408889634)
+                p = tl.where(seen[None, :] & g_ok[:, None], tl.exp2(s - lse2[:, None]), 0.0)
+                dp = tl.dot(do_tile, v_t, input_precision="ieee")
+                ds = p * (dp - delta_g[:, None])
+                acc += tl.dot(ds.to(k_tile.dtype), k_tile, input_precision="ieee")
 
     tl.store(dq + q_rows[:, None] * DK + dk[None, :], (acc * SCALE).to(dq.dtype.element_ty),
              mask=g_ok[:, None] & (dk < DK)[None, :])
@@ -157,26 +159,30 @@ def _dq_kernel(q, k, v, block_idx, block_counts, pos, start, do, lse, delta, dq,
 def _dkv_kernel(q, k, v, do, lse, delta, row_start, row_end, offsets, query_tok, dk_out, dv_out,
                 T: tl.constexpr, H: tl.constexpr, G: tl.constexpr, NR: tl.constexpr, DK: tl.constexpr,
                 DV: tl.constexpr, BS: tl.constexpr, SCALE: tl.constexpr, GP: tl.constexpr,
-                BQ: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr, BSP: tl.constexpr):
+                GR: tl.constexpr, BQ: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr, BSP: tl.constexpr,
+                NSUB: tl.constexpr):
     """dk and dv of one key block row of one (batch, KV head), from the queries that selected it.
 
-    Grid: (NR, B * H), NR = block rows (ceil(T / BS), or per-sequence blocks when packed). The block
+    Grid: (NR * NSUB, B * H), NR = block rows (ceil(T / BS), or per-sequence blocks when packed), each
+    split into NSUB programs of BSP keys (one when the block fits in shared memory). The block
     row r holds the tokens [row_start[r], min(row_start[r] + BS, row_end[r])) of its batch row.
     The queries that selected it are query_tok[offsets[i] : offsets[i + 1]] (token index in the batch
     row; a query listed twice counts twice), i = (b * H + h) * NR + r.
-    Tile: BQ queries at a time, each with its G heads padded to GP rows, so BQ * GP rows.
+    Tile: BQ queries at a time, each with its G heads padded to GR = next_pow2(G) rows, so BQ * GR
+    rows (>= 16; GP, the forward's padding, is unused here).
     Loads the key block k [B, T, H, DK] (BSP x DKP) and the value block v [B, T, H, DV] once, then per
     chunk of queries q [B, T, HQ, DK], do [B, T, HQ, DV], lse and delta [B, T, HQ].
     Stores dk [B, T, H, DK] and dv [B, T, H, DV] of the block's tokens once (zero if never selected).
     """
-    r = tl.program_id(0)
+    r = tl.program_id(0) // NSUB  # block row
+    chunk = tl.program_id(0) % NSUB  # which BSP keys of it
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)
     h = bh % H
     first = tl.load(row_start + r)
     end = tl.load(row_end + r)
 
-    j = tl.arange(0, BSP)
+    j = chunk * BSP + tl.arange(0, BSP)
     dk = tl.arange(0, DKP)
     dv = tl.arange(0, DVP)
     key_tok = first + j
@@ -187,9 +193,9 @@ def _dkv_kernel(q, k, v, do, lse, delta, row_start, row_end, offsets, query_tok,
     v_tile = tl.load(v + (key_row * H + h)[:, None] * DV + dv[None, :],
                      mask=key_ok[:, None] & (dv < DV)[None, :], other=0.0)  # [BSP, DVP]
 
-    rows = tl.arange(0, BQ * GP)
-    e = rows // GP  # query of the chunk
-    g = rows % GP  # head of the group
+    rows = tl.arange(0, BQ * GR)
+    e = rows // GR  # query of the chunk
+    g = rows % GR  # head of the group
     acc_k = tl.zeros([BSP, DKP], tl.float32)
     acc_v = tl.zeros([BSP, DVP], tl.float32)
     list_id = bh.to(tl.int64) * NR + r
@@ -227,9 +233,14 @@ def _pow2(n, least=16):
     return max(least, triton.next_power_of_2(int(n)))
 
 
-def _tiles(G, Dk, Dv, block_size):
-    """Padded tile sizes: group rows, key/value dims and block length, each a power of two >= 16."""
-    return dict(GP=_pow2(G), DKP=_pow2(Dk), DVP=_pow2(Dv), BSP=_pow2(block_size))
+def _tiles(G, Dk, Dv, block_size, dtype):
+    """Padded tile sizes, each a power of two >= 16: group rows GP, key/value dims DKP, DVP, and a key
+    block taken in NSUB chunks of BSP keys, BSP * (DKP + DVP) elements at most 64 KiB (shared memory:
+    float32 at Dk = Dv = 256 and block_size 128 does not fit in one chunk on an H200)."""
+    DKP, DVP = _pow2(Dk), _pow2(Dv)
+    fit = max(16, triton.next_power_of_2(65536 // (jnp.dtype(dtype).itemsize * (DKP + DVP)) + 1) // 2)
+    BSP = min(_pow2(block_size), fit)
+    return dict(GP=_pow2(G), DKP=DKP, DVP=DVP, BSP=BSP, NSUB=-(-block_size // BSP))
 
 
 def _warps(*sizes):
@@ -237,10 +248,12 @@ def _warps(*sizes):
     return 8 if max(sizes) > 128 else 4
 
 
-def _dkv_queries(G, DKP, DVP):
-    """Queries per dk/dv step: about 64 rows of BQ * next_pow2(G) (32 for wide heads), at least one."""
+def _dkv_rows(G, DKP, DVP):
+    """(GR, BQ) of the dk/dv tile: next_pow2(G) rows per query, BQ queries, BQ * GR = 64 rows (32 for
+    wide heads) or GR when one group is larger."""
+    group = triton.next_power_of_2(G)
     rows = 32 if max(DKP, DVP) > 128 else 64
-    return max(1, rows // triton.next_power_of_2(G))
+    return dict(GR=group, BQ=max(1, rows // group))
 
 
 # ------------------------------------------------------------------------------------ wrappers
@@ -261,7 +274,7 @@ def _config(q, k, v, block_indices, block_size, scale):
     H, Dv, S = k.shape[2], v.shape[-1], block_indices.shape[-1]
     G = HQ // H
     return B, T, H, G, S, Dk, Dv, dict(T=T, H=H, G=G, DK=Dk, DV=Dv, BS=block_size, SCALE=float(scale),
-                                       **_tiles(G, Dk, Dv, block_size))
+                                       **_tiles(G, Dk, Dv, block_size, q.dtype))
 
 
 def forward(q, k, v, block_indices, block_counts, cu_seqlens, *, block_size, scale):
@@ -344,6 +357,6 @@ def backward(residuals, do, *, block_size, scale):
         q, k, v, do, lse, delta, row_start, row_end, offsets, query_tok,
         kernel=_dkv_kernel,
         out_shape=[_launch.shape_dtype(k.shape, k.dtype), _launch.shape_dtype(v.shape, v.dtype)],
-        grid=(NR, B * H), num_warps=warps, num_stages=1, NR=NR,
-        BQ=_dkv_queries(G, meta["DKP"], meta["DVP"]), **meta)
+        grid=(NR * meta["NSUB"], B * H), num_warps=warps, num_stages=1, NR=NR,
+        **_dkv_rows(G, meta["DKP"], meta["DVP"]), **meta)
     return dq, dk, dv, None, None, None
