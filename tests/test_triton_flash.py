@@ -3,43 +3,21 @@
 TestTritonFlashInterpreted runs the kernels on the CPU in Triton's interpreter against the XLA
 reference on small shapes (forward, lse, gradients with a cotangent on lse, G in {1, 3, 16}, Dv != Dk,
 ragged T, packed sequences with an empty one, rows that see nothing, float32 and float16,
-determinism). TestTritonGPU runs the window and compressed tests of the shared base on a GPU
-(`pytest -m gpu`); `-m "not gpu"` deselects it.
+determinism). On the GPU the shared base runs them (tests/test_triton_gpu.py, `pytest -m gpu`).
 """
 
-import os
-
 import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
 
-if jax.default_backend() == "cpu":  # read when the kernels are decorated: before nsa.triton imports
-    os.environ["TRITON_INTERPRET"] = "1"
-
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-
-import nsa  # noqa: E402
-from nsa._varlen import num_compressed_blocks  # noqa: E402
-from tests import triton_interpreter  # noqa: E402
-from tests.base import NSATestBase, rel_rms  # noqa: E402
+import nsa
+from nsa._varlen import num_compressed_blocks
+from tests.base import rel_rms
 
 # Relative RMS error against the float32 XLA reference on the same rounded inputs.
 TOL = {"float32": 1e-5, "float16": 2e-3}
 CU = np.array([0, 23, 23, 41, 70], np.int32)  # lengths 23, 0, 18, 29 (T = 70)
-
-
-def _index_fix(monkeypatch):
-    """Triton 3.6's interpreter turns a loop bound tensor into an int with int(array of shape (1,)),
-    which NumPy >= 2.3 refuses; the kernels loop over data-dependent ranges, so read element 0."""
-    from triton.runtime import interpreter
-
-    original = interpreter._patch_lang_tensor
-
-    def patch(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
-
-    monkeypatch.setattr(interpreter, "_patch_lang_tensor", patch)
 
 
 def _inputs(B, T, HQ, H, Dk, Dv, NK, dtype, seed=0):
@@ -98,9 +76,8 @@ def _check(make, low, ref_inputs, dtype, with_lse):
 class TestTritonFlashInterpreted:
 
     @pytest.fixture(autouse=True)
-    def _interpreted(self, monkeypatch):
-        triton_interpreter.install(monkeypatch)
-        _index_fix(monkeypatch)
+    def _interpreted(self, interpreted):
+        pass
 
     # (B, T, HQ, H, Dk, Dv), window_size, cu_seqlens, dtype
     @pytest.mark.parametrize("shape, window_size, cu, dtype", [
@@ -154,25 +131,3 @@ class TestTritonFlashInterpreted:
         grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
         for a, b in zip(grad(q, k, v, k_cmp, v_cmp), grad(q, k, v, k_cmp, v_cmp)):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-
-
-@pytest.mark.gpu
-class TestTritonGPU(NSATestBase):
-    """The shared base on the GPU kernels, restricted to the window and compressed branches.
-
-    An autouse fixture skips every other test: it keeps a test whose function name names one of the
-    two branches (test_compressed_attention, test_sliding_window_attention) or whose `name` parameter
-    is "window" or "compressed" (gradients, varlen); the rest need kernels this module does not test.
-    """
-
-    implementation = "triton"
-    dtypes = ("float32", "bfloat16", "float16")
-
-    @pytest.fixture(autouse=True)
-    def _only_window_and_compressed(self, request):
-        if jax.default_backend() != "gpu":
-            pytest.skip("needs a CUDA GPU")
-        func = request.node.originalname or request.node.name
-        params = getattr(getattr(request.node, "callspec", None), "params", {})
-        if not ("sliding_window" in func or "compressed" in func or params.get("name") in ("window", "compressed")):
-            pytest.skip("not a window or compressed test")

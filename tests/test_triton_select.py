@@ -1,39 +1,24 @@
 """The Triton block-selection kernel (nsa/triton/select.py).
 
-On the CPU (every test but TestTritonGPU) the kernel runs in Triton's interpreter
+On the CPU (every test but the gpu-marked one) the kernel runs in Triton's interpreter
 (tests/triton_interpreter.py) and must return exactly the XLA reference's block ids, in the
 reference's rank order: G in {1, 3, 16}, block_counts from 1 to more than the blocks, T not a multiple
 of block_size and T < block_size, ties (all-equal compressed keys), packed sequences with an empty one
 (eager and with a traced cu_seqlens), compressed rows that no query sees (NaN, never read), float32
-and float16. The interpreter takes float32 and float16 only; bfloat16 runs in TestTritonGPU.
+and float16. The interpreter takes float32 and float16 only; bfloat16 runs on the GPU.
 """
 
-import os
-
 import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
 
-ON_GPU = jax.default_backend() == "gpu"
-if not ON_GPU:  # before nsa.triton is first imported: the kernels read it when they are decorated
-    os.environ["TRITON_INTERPRET"] = "1"
-
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-
-import nsa  # noqa: E402
-from nsa._varlen import num_compressed_blocks, tokens  # noqa: E402
-from nsa.reference import select as reference  # noqa: E402
-from tests import triton_interpreter  # noqa: E402
-from tests.base import NSATestBase  # noqa: E402
+import nsa
+from nsa._varlen import num_compressed_blocks, tokens
+from nsa.reference import select as reference
+from tests.conftest import ON_GPU
 
 CU = np.array([0, 23, 23, 41, 70], np.int32)  # lengths 23, 0, 18, 29 (T = 70)
-
-
-@pytest.fixture
-def interpreted(monkeypatch):
-    if ON_GPU:  # the kernels were compiled for the GPU, not for the interpreter
-        pytest.skip("the interpreter tests run on a CPU-only jax")
-    triton_interpreter.install(monkeypatch)
 
 
 def _inputs(B, T, HQ, H, Dk, block_size, dtype, cu=None, seed=0):
@@ -123,11 +108,6 @@ def test_varlen_with_an_empty_sequence_eager_and_traced(interpreted):
 
 # ---------------------------------------------------------------------------------------- GPU
 
-# The base tests that exercise select_blocks alone: by name, or parametrized by branch name.
-_SELECT_TESTS = {"test_select_blocks", "test_select_ties_go_to_lower_ids", "test_select_wide"}
-_BY_BRANCH = {"test_varlen_equals_each_sequence_alone", "test_varlen_against_oracle"}
-
-
 def _scores(q, k_cmp, block_size, scale):
     """Reference ranks [B, T, H, NB] of every block (float64 scores, forced ranks, -inf after t // bs)."""
     q, k_cmp = np.asarray(q, np.float64), np.asarray(k_cmp, np.float64)
@@ -144,47 +124,24 @@ def _scores(q, k_cmp, block_size, scale):
 
 
 @pytest.mark.gpu
-class TestTritonGPU(NSATestBase):
-    """The shared base on the H200 with implementation="triton", restricted to block selection.
+@pytest.mark.parametrize("shape, block_counts", [((1, 300, 6, 1, 256, 64), 16), ((2, 700, 16, 2, 192, 16), 64),
+                                                 ((1, 1000, 3, 1, 16, 128), 5), ((1, 513, 4, 4, 64, 32), 1)])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_select_wide_on_gpu(shape, block_counts, dtype):
+    """Dk up to 256, block_size 16..128, block_counts up to 64, G in {1, 3, 6, 8}, every dtype.
 
-    The other ops (compressed, selected, window, attention) are not this module's: the autouse fixture
-    skips every base test that is not in _SELECT_TESTS and, for the tests parametrized by a branch
-    `name`, every branch but "select". Deselect on CPU: -m "not gpu".
-    """
-
-    implementation = "triton"
-    dtypes = ("float32", "bfloat16", "float16")
-
-    @pytest.fixture(autouse=True)
-    def _only_select(self, request):
-        name = request.node.originalname
-        params = getattr(getattr(request.node, "callspec", None), "params", {})
-        if name in _SELECT_TESTS or (name in _BY_BRANCH and params.get("name") == "select"):
-            return
-        pytest.skip("TestTritonGPU runs the block-selection tests only")
-
-    @pytest.mark.parametrize("shape, block_counts", [((1, 300, 6, 1, 256, 64), 16), ((2, 700, 16, 2, 192, 16), 64),
-                                                     ((1, 1000, 3, 1, 16, 128), 5), ((1, 513, 4, 4, 64, 32), 1)])
-    @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
-    def test_select_wide(self, shape, block_counts, dtype):
-        """Dk up to 256, block_size 16..128, block_counts up to 64, G in {1, 3, 6, 8}, every dtype.
-
-        Against the reference in float32 exactly where it is unambiguous, and up to near-ties (equal
-        float64 ranks within 1e-5) everywhere: the half-precision products sum in another order."""
-        B, T, HQ, H, Dk, bs = shape
-        q, k_cmp = _inputs(B, T, HQ, H, Dk, bs, dtype)
-        got = np.asarray(_select("triton", q, k_cmp, block_counts, bs))
-        ranks = _scores(q.astype(jnp.float32), k_cmp.astype(jnp.float32), bs, Dk ** -0.5)
-        ref = np.asarray(_select("xla", q.astype(jnp.float32), k_cmp.astype(jnp.float32), block_counts, bs))
-        assert got.shape == ref.shape and got.dtype == np.int32
-        np.testing.assert_array_equal(got == -1, ref == -1)
-        take = lambda idx: np.sort(np.where(idx >= 0, np.take_along_axis(ranks, np.maximum(idx, 0), -1), -1), -1)
-        np.testing.assert_allclose(take(got), take(ref), rtol=1e-5, atol=1e-7)
-        mismatch = np.mean(np.any(np.sort(got, -1) != np.sort(ref, -1), -1))
-        assert mismatch < 0.01, f"{mismatch:.3%} of the rows select other blocks"
-
-
-def test_gpu_class_filter_keeps_only_select_tests():
-    """The GPU class's filter is not dead code: it names real tests of the base."""
-    names = {n for n in dir(TestTritonGPU) if n.startswith("test_")}
-    assert (_SELECT_TESTS | _BY_BRANCH) <= names
+    Against the reference in float32 exactly where it is unambiguous, and up to near-ties (equal
+    float64 ranks within 1e-5) everywhere: the half-precision products sum in another order."""
+    if not ON_GPU:
+        pytest.skip("needs a CUDA GPU and jax-triton")
+    B, T, HQ, H, Dk, bs = shape
+    q, k_cmp = _inputs(B, T, HQ, H, Dk, bs, dtype)
+    got = np.asarray(_select("triton", q, k_cmp, block_counts, bs))
+    ranks = _scores(q.astype(jnp.float32), k_cmp.astype(jnp.float32), bs, Dk ** -0.5)
+    ref = np.asarray(_select("xla", q.astype(jnp.float32), k_cmp.astype(jnp.float32), block_counts, bs))
+    assert got.shape == ref.shape and got.dtype == np.int32
+    np.testing.assert_array_equal(got == -1, ref == -1)
+    take = lambda idx: np.sort(np.where(idx >= 0, np.take_along_axis(ranks, np.maximum(idx, 0), -1), -1), -1)
+    np.testing.assert_allclose(take(got), take(ref), rtol=1e-5, atol=1e-7)
+    mismatch = np.mean(np.any(np.sort(got, -1) != np.sort(ref, -1), -1))
+    assert mismatch < 0.01, f"{mismatch:.3%} of the rows select other blocks"

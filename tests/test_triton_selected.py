@@ -1,29 +1,23 @@
 """The Triton kernels of selected attention (nsa/triton/selected.py).
 
-On the CPU (every test but TestTritonGPU) the kernels run in Triton's interpreter
+On the CPU (every test but the gpu-marked one) the kernels run in Triton's interpreter
 (tests/triton_interpreter.py) and are compared with the XLA reference on float32 copies of the same
 rounded inputs: o, lse, dq, dk and dv; edge cases (-1, out-of-range and repeated indices, counts,
 packed sequences with an empty one, rows that see nothing, keys that must never be read) and
-bitwise determinism. The interpreter takes float32 and float16 only; bfloat16 runs in TestTritonGPU.
+bitwise determinism. The interpreter takes float32 and float16 only; bfloat16 runs on the GPU (here with wide heads, and
+the whole shared base in tests/test_triton_gpu.py).
 """
 
-import os
-
 import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
 
-ON_GPU = jax.default_backend() == "gpu"
-if not ON_GPU:  # before nsa.triton is first imported: the kernels read it when they are decorated
-    os.environ["TRITON_INTERPRET"] = "1"
-
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-
-import nsa  # noqa: E402
-from nsa._varlen import tokens  # noqa: E402
-from nsa.reference import selected as reference  # noqa: E402
-from tests import triton_interpreter  # noqa: E402
-from tests.base import GRAD_TOLERANCE, TOLERANCE, Inputs, NSATestBase, assert_close  # noqa: E402
+import nsa
+from nsa._varlen import tokens
+from nsa.reference import selected as reference
+from tests.base import GRAD_TOLERANCE, TOLERANCE, Inputs, assert_close
+from tests.conftest import ON_GPU
 
 # Relative RMS error against the float32 reference.
 REL = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1e-2}
@@ -38,13 +32,6 @@ CASES = {
     "D256-chunked": ((1, 40, 2, 1, 256, 200, 64), "float32", "all", None),  # the block in 2 chunks of 32
     "varlen": ((1, 60, 2, 1, 16, 16, 16), "float32", "array", np.array([0, 13, 13, 40, 60], np.int32)),
 }
-
-
-@pytest.fixture
-def interpreted(monkeypatch):
-    if ON_GPU:  # the kernels were compiled for the GPU, not for the interpreter
-        pytest.skip("the interpreter tests run on a CPU-only jax")
-    triton_interpreter.install(monkeypatch)
 
 
 def _counts(kind, B, T, H):
@@ -169,63 +156,21 @@ def test_rows_that_see_nothing(interpreted):
 
 # ---------------------------------------------------------------------------------------- GPU
 
-# The base tests that exercise selected attention alone: by name, or parametrized by branch name.
-_SELECTED_TESTS = {"test_selected_attention", "test_block_listed_twice_is_attended_twice",
-                   "test_selected_nothing_visible", "test_wide_heads"}
-_BY_BRANCH = {"test_varlen_equals_each_sequence_alone", "test_varlen_against_oracle", "test_gradients",
-              "test_gradients_varlen"}
-
 
 @pytest.mark.gpu
-class TestTritonGPU(NSATestBase):
-    """The shared base on the H200 with implementation="triton", restricted to selected attention.
-
-    The other ops (compressed, window, select, attention) are not this module's: the autouse fixture
-    skips every base test that is not in _SELECTED_TESTS and, for the tests parametrized by a branch
-    `name`, every branch but "selected". The base's nothing-visible test also covers the compressed
-    and window branches, so it is replaced by a selected-only version. Deselect on CPU: -m "not gpu".
-    """
-
-    implementation = "triton"
-    dtypes = ("float32", "bfloat16", "float16")
-
-    @pytest.fixture(autouse=True)
-    def _only_selected(self, request):
-        name = request.node.originalname
-        params = getattr(getattr(request.node, "callspec", None), "params", {})
-        if name in _SELECTED_TESTS or (name in _BY_BRANCH and params.get("name") == "selected"):
-            return
-        pytest.skip("TestTritonGPU runs the selected-attention tests only")
-
-    def test_selected_nothing_visible(self):
-        B, T, HQ, H, D, bs = 1, 40, 4, 2, 16, 8
-        x = Inputs((B, T, HQ, H, D, D, bs), "float32")
-        t = jnp.arange(T)[None, :, None, None]
-        idx = jnp.broadcast_to(jnp.where(t % 3 == 0, -1, jnp.where(t % 3 == 1, t // bs + 1, 2 ** 30)),
-                               (B, T, H, 3)).astype(jnp.int32)
-        f = lambda q, k, v: self.op("selected_attention")(q, k, v, idx, block_size=bs)
-        o, vjp = jax.vjp(f, x.q, x.k, x.v)
-        assert np.all(np.asarray(o) == 0)
-        for grad in vjp(x.do):
-            assert np.all(np.asarray(grad) == 0)
-
-    @pytest.mark.parametrize("shape", [(1, 300, 6, 1, 256, 128, 64), (2, 200, 16, 2, 192, 64, 128),
-                                       (1, 129, 1, 1, 64, 256, 16)])
-    @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
-    def test_wide_heads(self, shape, dtype):
-        """Dk, Dv up to 256, block_size up to 128, G = 6 and 16, against the float32 reference."""
-        x = Inputs(shape, dtype)
-        B, T, _, H = shape[:4]
-        idx = x.block_indices(8)
-        counts = _counts("array", B, T, H)
-        o, grads = _run("triton", x.q, x.k, x.v, x.do, idx, counts, x.block_size, None)
-        o_ref, grads_ref = _run("xla", *_f32(x.q, x.k, x.v, x.do), idx, counts, x.block_size, None)
-        assert_close(o, o_ref, max(REL[dtype], TOLERANCE[dtype]), "o")
-        for name, g, g_ref in zip(("dq", "dk", "dv"), grads, grads_ref):
-            assert_close(g, g_ref, max(REL[dtype], GRAD_TOLERANCE[dtype]), name)
-
-
-def test_gpu_class_filter_keeps_only_selected_tests():
-    """The GPU class's filter is not dead code: it names real tests of the base."""
-    names = {n for n in dir(TestTritonGPU) if n.startswith("test_")}
-    assert (_SELECTED_TESTS | _BY_BRANCH) <= names
+@pytest.mark.parametrize("shape", [(1, 300, 6, 1, 256, 128, 64), (2, 200, 16, 2, 192, 64, 128),
+                                   (1, 129, 1, 1, 64, 256, 16)])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_wide_heads_on_gpu(shape, dtype):
+    """Dk, Dv up to 256, block_size up to 128, G = 6 and 16, against the float32 reference."""
+    if not ON_GPU:
+        pytest.skip("needs a CUDA GPU and jax-triton")
+    x = Inputs(shape, dtype)
+    B, T, _, H = shape[:4]
+    idx = x.block_indices(8)
+    counts = _counts("array", B, T, H)
+    o, grads = _run("triton", x.q, x.k, x.v, x.do, idx, counts, x.block_size, None)
+    o_ref, grads_ref = _run("xla", *_f32(x.q, x.k, x.v, x.do), idx, counts, x.block_size, None)
+    assert_close(o, o_ref, max(REL[dtype], TOLERANCE[dtype]), "o")
+    for name, g, g_ref in zip(("dq", "dk", "dv"), grads, grads_ref):
+        assert_close(g, g_ref, max(REL[dtype], GRAD_TOLERANCE[dtype]), name)

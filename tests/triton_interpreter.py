@@ -71,11 +71,29 @@ def interpret_call(*args, kernel, out_shape, grid, num_warps=None, num_stages=No
     return result[0] if single else result
 
 
+def _loop_bounds_as_ints(monkeypatch):
+    """Triton 3.6's interpreter turns a tensor loop bound into an int with int(array of shape (1,)),
+    which NumPy >= 2.3 refuses; the kernels loop over data-dependent ranges, so read element 0."""
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+
+    def patch(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+
+    monkeypatch.setattr(interpreter, "_patch_lang_tensor", patch)
+
+
 def install(monkeypatch):
-    """Routes implementation="triton" to the interpreted kernels for one test (a pytest monkeypatch)."""
-    os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are decorated: before nsa.triton imports
+    """Routes implementation="triton" to the interpreted kernels for one test (a pytest monkeypatch).
+
+    TRITON_INTERPRET=1 must already be set when nsa.triton is first imported (tests/conftest.py)."""
+    assert os.environ.get("TRITON_INTERPRET") == "1", "set TRITON_INTERPRET=1 before nsa.triton is imported"
     from nsa import _dispatch
     from nsa.triton import KERNELS, _launch
+
+    _loop_bounds_as_ints(monkeypatch)
 
     monkeypatch.setattr(_launch, "triton_call", interpret_call)
     real = _dispatch._kernels

@@ -1,0 +1,68 @@
+"""The shared test base on the GPU kernels (implementation="triton"), and what only a GPU can show.
+
+Run on an NVIDIA GPU with jax-triton installed: `scripts/gpu.sh tests` (pytest -m gpu). On the CPU
+`make test` deselects it (-m "not gpu"); the kernel bodies are tested there in Triton's interpreter
+by tests/test_triton_*.py.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import nsa
+from tests.base import TOLERANCE, NSATestBase, assert_close
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def _needs_a_gpu():
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a CUDA GPU and jax-triton")
+
+
+class TestTriton(NSATestBase):
+    implementation = "triton"
+    dtypes = ("float32", "bfloat16", "float16")
+
+
+def test_default_implementation_on_gpu_runs_the_kernels():
+    """implementation=None lowers to the Triton kernels on a GPU: the same bits as "triton"."""
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.standard_normal((1, 300, 16, 64)), jnp.bfloat16)
+    k, v = (jnp.asarray(rng.standard_normal((1, 300, 1, 64)), jnp.bfloat16) for _ in range(2))
+    run = lambda impl: jax.jit(lambda q, k, v: nsa.attention(q, k, v, g_cmp=q[..., 0], block_counts=4, block_size=32,
+                                                             window_size=64, implementation=impl))(q, k, v)
+    np.testing.assert_array_equal(np.asarray(run(None), np.float32), np.asarray(run("triton"), np.float32))
+
+
+def test_long_sequence_needs_64_bit_offsets():
+    """T = 131072, HQ = 64, D = 128 and B = 2: B * T * HQ * D = 2^31 elements, past int32 offsets.
+
+    Every kernel runs on the whole batch; the second row's last 4096 queries are compared with the
+    reference run on that row alone (selection: the same blocks in at least 99% of the rows; each
+    branch's output given the reference's selection)."""
+    B, T, HQ, H, D, bs, tail = 2, 131072, 64, 4, 128, 64, 4096
+    keys = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(keys[0], (B, T, HQ, D), jnp.bfloat16)
+    k = jax.random.normal(keys[1], (B, T, H, D), jnp.bfloat16)
+    v = jax.random.normal(keys[2], (B, T, H, D), jnp.bfloat16)
+
+    def branches(q, k, v, idx, impl):
+        k_cmp, v_cmp = nsa.compress(k, block_size=bs), nsa.compress(v, block_size=bs)
+        chosen = nsa.select_blocks(q, k_cmp, block_counts=16, block_size=bs, implementation=impl)
+        o_cmp, lse = nsa.compressed_attention(q, k_cmp, v_cmp, block_size=bs, implementation=impl)
+        o_slc = nsa.selected_attention(q, k, v, idx, block_size=bs, implementation=impl)
+        o_swa = nsa.sliding_window_attention(q, k, v, window_size=512, implementation=impl)
+        return chosen[:, -tail:], o_cmp[:, -tail:], lse[:, -tail:], o_slc[:, -tail:], o_swa[:, -tail:]
+
+    ref_idx = jax.jit(lambda q, k: nsa.select_blocks(q, nsa.compress(k, block_size=bs), block_counts=16,
+                                                     block_size=bs, implementation="xla"))(q[1:], k[1:])
+    idx = jnp.concatenate([ref_idx, ref_idx], 0)  # row 0 reuses row 1's selection: any valid one will do
+    got = jax.jit(lambda q, k, v, idx: branches(q, k, v, idx, "triton"))(q, k, v, idx)
+    ref = jax.jit(lambda q, k, v, idx: branches(q, k, v, idx, "xla"))(q[1:], k[1:], v[1:], ref_idx)
+    same = np.all(np.sort(np.asarray(got[0][1]), -1) == np.sort(np.asarray(ref[0][0]), -1), -1)
+    assert same.mean() >= 0.99, f"{1 - same.mean():.2%} of the selections differ"
+    for name, a, b in zip(["o_cmp", "lse", "o_slc", "o_swa"], got[1:], ref[1:]):
+        assert_close(np.asarray(a[1], np.float32), np.asarray(b[0], np.float32), 2 * TOLERANCE["bfloat16"], name)
