@@ -44,6 +44,30 @@ def _kernel(op, phase, implementation):
     return table[op][phase]
 
 
+def _mapped_over_vmap(fn):
+    """fn with a vmap rule: jax_triton's triton_call has none. Under vmap the kernel runs once per
+    mapped element (lax.map), which also keeps packed sequences (cu_seqlens, B = 1) valid."""
+
+    @jax.custom_batching.custom_vmap
+    def batchable(*args):
+        return fn(*args)
+
+    @batchable.def_vmap
+    def rule(axis_size, in_batched, *args):
+        leaves, tree = jax.tree_util.tree_flatten(args)
+        batched = jax.tree_util.tree_leaves(in_batched)
+        mapped = [x for x, b in zip(leaves, batched) if b]
+
+        def one(xs):
+            xs = iter(xs)
+            return fn(*jax.tree_util.tree_unflatten(tree, [next(xs) if b else x for x, b in zip(leaves, batched)]))
+
+        out = lax.map(one, mapped)
+        return out, jax.tree_util.tree_map(lambda _: True, out)
+
+    return batchable
+
+
 def _choose(op, phase, implementation, static):
     """The function (*args) -> result that computes `phase` (0 forward, 1 backward) of `op`."""
     static = dict(static)
@@ -57,12 +81,12 @@ def _choose(op, phase, implementation, static):
             raise NotImplementedError(
                 f"implementation={implementation!r} has no kernel for {op!r} here{needs}; "
                 f"use implementation=None or 'xla'")
-        return functools.partial(kernel, **static)
+        return _mapped_over_vmap(functools.partial(kernel, **static))
     kernels = {}
     for name, platform in _PLATFORMS.items():
         kernel = _kernel(op, phase, name)
         if kernel is not None:
-            kernels[platform] = functools.partial(kernel, **static)
+            kernels[platform] = _mapped_over_vmap(functools.partial(kernel, **static))
     if not kernels:
         return ref
     return lambda *args: lax.platform_dependent(*args, default=ref, **kernels)

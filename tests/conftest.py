@@ -1,4 +1,5 @@
-"""Test-wide setup: on a CPU-only jax, Triton kernels run in Triton's interpreter.
+"""Test-wide setup: on a CPU-only jax, Triton kernels run in Triton's interpreter; on a GPU, float32
+matmuls run in full precision so the XLA reference stays a reference.
 
 TRITON_INTERPRET is read when a kernel is decorated, so it is set here, before any test module
 imports nsa.triton. The `interpreted` fixture routes implementation="triton" to the interpreted
@@ -11,7 +12,9 @@ import jax
 import pytest
 
 ON_GPU = jax.default_backend() == "gpu"
-if not ON_GPU:
+if ON_GPU:  # float32 matmuls of the XLA reference would otherwise run in TF32 (about 4e-4 error)
+    jax.config.update("jax_default_matmul_precision", "highest")
+else:
     os.environ["TRITON_INTERPRET"] = "1"
 
 

@@ -174,3 +174,17 @@ def test_wide_heads_on_gpu(shape, dtype):
     assert_close(o, o_ref, max(REL[dtype], TOLERANCE[dtype]), "o")
     for name, g, g_ref in zip(("dq", "dk", "dv"), grads, grads_ref):
         assert_close(g, g_ref, max(REL[dtype], GRAD_TOLERANCE[dtype]), name)
+
+
+def test_vmap_runs_the_kernel_per_mapped_element(interpreted):
+    """triton_call has no batching rule: the dispatcher's lax.map rule gives vmap (and its gradient)."""
+    x = [Inputs((1, 24, 2, 1, 16, 16, 8), "float32", seed=s) for s in range(2)]
+    idx = x[0].block_indices(3)
+    f = lambda q, k, v: nsa.selected_attention(q, k, v, idx, block_size=8, implementation="triton")
+    q, k, v = (jnp.stack([getattr(xi, n) for xi in x]) for n in "qkv")
+    o = jax.vmap(f)(q, k, v)
+    dq = jax.grad(lambda q: jnp.sum(jax.vmap(f)(q, k, v) ** 2))(q)
+    for i, xi in enumerate(x):
+        np.testing.assert_array_equal(np.asarray(o[i]), np.asarray(f(xi.q, xi.k, xi.v)))
+        dq_i = jax.grad(lambda q: jnp.sum(f(q, xi.k, xi.v) ** 2))(xi.q)
+        assert_close(dq[i], dq_i, 1e-6, "dq under vmap")

@@ -3,35 +3,51 @@
 Compressed row r is the mean of the tokens of one block of block_size tokens of one sequence; the
 last block of a sequence is averaged over its true length. With cu_seqlens the rows of all sequences
 are packed one after the other: sequence i's block c is row sum_{j<i} ceil(len_j / bs) + c.
+
+Each row gathers its own tokens (no scatter-add), so the result is bitwise repeatable on every
+platform; the backward hands each token its row's gradient divided by the row's length.
 """
 
-import jax
 import jax.numpy as jnp
 
-from nsa._varlen import tokens
+from nsa._varlen import cdiv, tokens
 from nsa.reference import _common as c
 
 
-def _rows(T, cu_seqlens, block_size, num_blocks):
-    """The compressed row of each token [T] and the number of tokens of each row [NC]."""
+def _row_tokens(T, cu_seqlens, block_size, num_blocks):
+    """The tokens of each compressed row: index [NC, bs] (0 where unused), used [NC, bs], length [NC]."""
+    if cu_seqlens is None:
+        starts, ends = jnp.arange(num_blocks) * block_size, jnp.full(num_blocks, T)
+    else:
+        cu = cu_seqlens.astype(jnp.int32)
+        blocks = cdiv(cu[1:] - cu[:-1], block_size)
+        first_row = jnp.cumsum(blocks) - blocks
+        seq = jnp.clip(jnp.searchsorted(first_row + blocks, jnp.arange(num_blocks), side="right"), 0, len(blocks) - 1)
+        starts = cu[seq] + (jnp.arange(num_blocks) - first_row[seq]) * block_size
+        ends = jnp.where(jnp.arange(num_blocks) < first_row[seq] + blocks[seq], cu[seq + 1], starts)  # padding rows
+    index = starts[:, None] + jnp.arange(block_size)
+    used = index < jnp.minimum(ends, starts + block_size)[:, None]
+    return jnp.where(used, index, 0), used, jnp.maximum(jnp.sum(used, axis=1), 1)
+
+
+def _token_rows(T, cu_seqlens, block_size):
+    """The compressed row of each token [T]."""
     tok = tokens(T, block_size, cu_seqlens)
-    row = (tok.cmp_start + tok.pos // block_size)[0]
-    count = jax.ops.segment_sum(jnp.ones(T, jnp.int32), row, num_segments=num_blocks)
-    return row, jnp.maximum(count, 1)
+    return (tok.cmp_start + tok.pos // block_size)[0]
 
 
 def forward(x, cu_seqlens, *, block_size, num_blocks):
     """x [B, T, H, D] -> the block means [B, NC, H, D], NC = num_blocks."""
-    T = x.shape[1]
-    row, count = _rows(T, cu_seqlens, block_size, num_blocks)
-    total = jax.ops.segment_sum(jnp.swapaxes(x.astype(c.acc_dtype(x.dtype)), 0, 1), row, num_segments=num_blocks)
-    mean = total / count[:, None, None, None]
-    return jnp.swapaxes(mean, 0, 1).astype(x.dtype), (x, cu_seqlens)
+    index, used, length = _row_tokens(x.shape[1], cu_seqlens, block_size, num_blocks)
+    gathered = jnp.where(used[None, :, :, None, None], x[:, index].astype(c.acc_dtype(x.dtype)), 0.0)
+    mean = jnp.sum(gathered, axis=2) / length[None, :, None, None]  # [B, NC, H, D]
+    return mean.astype(x.dtype), (x, cu_seqlens)
 
 
 def backward(residuals, dy, *, block_size, num_blocks):
-    """Each token gets its block's gradient divided by the block's length: (dx, None)."""
+    """Each token gets its row's gradient divided by the row's length: (dx, None)."""
     x, cu_seqlens = residuals
-    row, count = _rows(x.shape[1], cu_seqlens, block_size, num_blocks)
-    dx = dy.astype(c.acc_dtype(x.dtype)) / count[None, :, None, None]
+    _, _, length = _row_tokens(x.shape[1], cu_seqlens, block_size, num_blocks)
+    row = _token_rows(x.shape[1], cu_seqlens, block_size)
+    dx = dy.astype(c.acc_dtype(x.dtype)) / length[None, :, None, None]
     return dx[:, row].astype(x.dtype), None
