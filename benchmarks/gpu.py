@@ -140,7 +140,7 @@ def run(args):
                     row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-            if case == "selection" or T <= 131072:
+            if not args.no_dense:
                 row = dict(case=case, T=T, impl="dense-cudnn", useful_tflop_fwd=dense_flops(T) / 1e12)
                 try:
                     fwd, fwd_bwd = dense_fns()
@@ -150,6 +150,8 @@ def run(args):
                     row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
                 rows.append(row)
                 print(json.dumps(row), flush=True)
+            if args.no_fla:
+                continue
             row = dict(case=case, T=T, impl="fla" + ("" if case == "selection" else " (no window)"),
                        useful_tflop_fwd=(useful if case == "selection" else useful - 4 * T * HQ * WINDOW * D) / 1e12)
             try:
@@ -201,7 +203,9 @@ def main():
     parser.add_argument("--out", required=True)
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[8192, 16384, 32768, 65536, 131072])
     parser.add_argument("--cases", nargs="+", default=["selection", "full"])
-    parser.add_argument("--impls", nargs="+", default=["triton", "xla"])
+    parser.add_argument("--impls", nargs="*", default=["triton", "xla"], help="nsa implementations to time")
+    parser.add_argument("--no-dense", action="store_true", help="skip dense cuDNN attention")
+    parser.add_argument("--no-fla", action="store_true", help="skip fla")
     parser.add_argument("--xla-max-seq-len", type=int, default=16384)
     parser.add_argument("--iters", type=int, default=20)
     args = parser.parse_args()

@@ -17,11 +17,13 @@ else
 fi
 export PYTHONUNBUFFERED=1
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}  # fla's autotuner needs a writable cache
+mkdir -p "$TRITON_CACHE_DIR"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c 'import jax, jax_triton, triton; print("jax", jax.__version__, "jax_triton", jax_triton.__version__, "triton", triton.__version__, jax.devices())'
 status=0
 if [[ $what == tests || $what == all ]]; then
-    python3 -m pytest -q -m gpu -p no:cacheprovider -rf ${PYTEST_ARGS:-} --junitxml="$out/gpu-tests.xml" 2>&1 | tee "$out/gpu-tests.log" | tail -40
+    eval "python3 -m pytest -q -m gpu -p no:cacheprovider -rf ${PYTEST_ARGS:-} --junitxml=$out/gpu-tests.xml" 2>&1 \
+        | tee "$out/gpu-tests.log" | tail -40
     status=${PIPESTATUS[0]}
 fi
 if [[ $what == bench || $what == all ]]; then
