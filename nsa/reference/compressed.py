@@ -24,6 +24,12 @@ def logits(q, k_cmp, scale):
     return scale * jnp.einsum("bthgd,bchd->bthgc", q, k_cmp.astype(q.dtype))
 
 
+def softmax_over_blocks(q, k_cmp, pos, cmp_start, *, block_size, scale):
+    """p [B, Tc, H, G, NC] and lse [B, Tc, H, G] of a chunk of queries q [B, Tc, HQ, Dk] over k_cmp."""
+    s = logits(c.group_heads(q.astype(c.acc_dtype(q.dtype)), k_cmp.shape[2]), k_cmp, scale)
+    return c.softmax(s, visible_blocks(k_cmp.shape[1], pos, cmp_start, block_size=block_size))
+
+
 def _chunk(T, HQ, NC):
     # logits and probabilities, in the accumulation dtype, per query
     return c.chunk_size(T, 16 * HQ * NC)
@@ -32,14 +38,13 @@ def _chunk(T, HQ, NC):
 def forward(q, k_cmp, v_cmp, cu_seqlens, *, block_size, scale):
     """Returns (o [B, T, HQ, Dv], lse [B, T, HQ] fp32) and the residuals."""
     B, T, HQ, _ = q.shape
-    NC, H = k_cmp.shape[1], k_cmp.shape[2]
+    NC = k_cmp.shape[1]
     acc = c.acc_dtype(q.dtype)
     tok = tokens(T, block_size, cu_seqlens)
 
     def body(_, xs):
         q_c, pos, cmp_start = xs
-        s = logits(c.group_heads(q_c.astype(acc), H), k_cmp, scale)
-        p, lse = c.softmax(s, visible_blocks(NC, pos, cmp_start, block_size=block_size))
+        p, lse = softmax_over_blocks(q_c, k_cmp, pos, cmp_start, block_size=block_size, scale=scale)
         o = jnp.einsum("bthgc,bchd->bthgd", p, v_cmp.astype(acc))
         return None, (c.ungroup_heads(o).astype(q.dtype), c.ungroup_heads(lse))
 

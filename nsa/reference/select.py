@@ -12,7 +12,7 @@ from jax import lax
 
 from nsa._varlen import tokens
 from nsa.reference import _common as c
-from nsa.reference.compressed import logits, visible_blocks
+from nsa.reference.compressed import softmax_over_blocks
 
 # Ranks of the forced blocks, above any score (a mean of probabilities is at most 1).
 _CURRENT, _PREVIOUS, _FIRST = 4.0, 3.0, 2.0
@@ -40,14 +40,12 @@ def top_blocks(ranks, num_slots):
 def forward(q, k_cmp, cu_seqlens, *, block_counts, block_size, scale):
     """Returns block_indices int32 [B, T, H, block_counts] (in-sequence block ids)."""
     B, T, HQ, _ = q.shape
-    NC, H = k_cmp.shape[1], k_cmp.shape[2]
-    acc = c.acc_dtype(q.dtype)
+    NC = k_cmp.shape[1]
     tok = tokens(T, block_size, cu_seqlens)
 
     def body(_, xs):
         q_c, pos, cmp_start = xs
-        s = logits(c.group_heads(q_c.astype(acc), H), k_cmp, scale)
-        p, _ = c.softmax(s, visible_blocks(NC, pos, cmp_start, block_size=block_size))
+        p, _ = softmax_over_blocks(q_c, k_cmp, pos, cmp_start, block_size=block_size, scale=scale)
         by_row = jnp.mean(p, axis=3)  # [B, Tc, H, NC]: score of each row of k_cmp
         rows = jnp.minimum(cmp_start[:, :, None, None] + jnp.arange(NC), NC - 1)
         by_block = jnp.take_along_axis(by_row, jnp.broadcast_to(rows, by_row.shape), axis=-1)

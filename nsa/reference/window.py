@@ -33,6 +33,15 @@ def _visible(t, pos, W, chunk, window_size):
     return t0, (j > t - window_size) & (j <= t) & (j >= sequence_start)
 
 
+def _chunk_logits(q_c, t, pos, k_pad, v_pad, W, chunk, window_size, scale):
+    """The chunk's grouped queries, keys, values [B, Tc + W - 1, H, D], logits and mask, and t0."""
+    t0, mask = _visible(t, pos, W, chunk, window_size)
+    keys = lax.dynamic_slice_in_dim(k_pad, t0, chunk + W - 1, axis=1)
+    values = lax.dynamic_slice_in_dim(v_pad, t0, chunk + W - 1, axis=1)
+    q_c = c.group_heads(q_c.astype(k_pad.dtype), k_pad.shape[2])
+    return q_c, keys, values, scale * jnp.einsum("bthgd,bjhd->bthgj", q_c, keys), mask, t0
+
+
 def forward(q, k, v, cu_seqlens, *, window_size, scale):
     """Returns o [B, T, HQ, Dv] and the residuals (inputs, o, lse [B, T, HQ])."""
     B, T, HQ, Dk = q.shape
@@ -42,11 +51,7 @@ def forward(q, k, v, cu_seqlens, *, window_size, scale):
     k_pad, v_pad = _pad_keys(k.astype(acc), W, chunk), _pad_keys(v.astype(acc), W, chunk)
 
     def body(_, xs):
-        q_c, t, pos = xs
-        t0, mask = _visible(t, pos, W, chunk, window_size)
-        keys = lax.dynamic_slice_in_dim(k_pad, t0, chunk + W - 1, axis=1)
-        values = lax.dynamic_slice_in_dim(v_pad, t0, chunk + W - 1, axis=1)
-        s = scale * jnp.einsum("bthgd,bjhd->bthgj", c.group_heads(q_c.astype(acc), H), keys)
+        _, _, values, s, mask, _ = _chunk_logits(*xs, k_pad, v_pad, W, chunk, window_size, scale)
         p, lse = c.softmax(s, mask)
         o = jnp.einsum("bthgj,bjhd->bthgd", p, values)
         return None, (c.ungroup_heads(o).astype(q.dtype), c.ungroup_heads(lse))
@@ -69,12 +74,8 @@ def backward(residuals, do, *, window_size, scale):
     def body(carry, xs):
         dk, dv = carry
         q_c, t, pos, do_c, lse_c, delta_c = xs
-        t0, mask = _visible(t, pos, W, chunk, window_size)
-        keys = lax.dynamic_slice_in_dim(k_pad, t0, chunk + W - 1, axis=1)
-        values = lax.dynamic_slice_in_dim(v_pad, t0, chunk + W - 1, axis=1)
-        q_c = c.group_heads(q_c.astype(acc), H)
+        q_c, keys, values, s, mask, t0 = _chunk_logits(q_c, t, pos, k_pad, v_pad, W, chunk, window_size, scale)
         do_c = c.group_heads(do_c.astype(acc), H)
-        s = scale * jnp.einsum("bthgd,bjhd->bthgj", q_c, keys)
         p = c.probabilities(s, mask, c.group_heads(lse_c, H))
         dp = jnp.einsum("bthgd,bjhd->bthgj", do_c, values)
         ds = c.dlogits(p, dp, c.group_heads(delta_c, H))
