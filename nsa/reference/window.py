@@ -12,10 +12,18 @@ from nsa._varlen import cdiv, tokens
 from nsa.reference import _common as c
 
 
-def _layout(T, HQ, window_size, D):
-    """(W, chunk): the effective window and the queries per chunk."""
+def _layout(q, k, v, cu_seqlens, window_size):
+    """(W, chunk, padded keys, padded values, the chunks' inputs t and pos [1, T]).
+
+    W = min(window_size, T) is the effective window; the keys and values are padded in the
+    accumulation dtype with W - 1 rows in front and up to whole chunks behind.
+    """
+    B, T, HQ, Dk = q.shape
     W = max(1, min(window_size, T))
-    return W, c.chunk_size(T, 8 * (2 * HQ + 2 * D) * (W + 256))
+    chunk = c.chunk_size(T, 8 * (2 * HQ + 2 * max(Dk, v.shape[3])) * (W + 256))
+    acc = c.acc_dtype(q.dtype)
+    k_pad, v_pad = _pad_keys(k.astype(acc), W, chunk), _pad_keys(v.astype(acc), W, chunk)
+    return W, chunk, k_pad, v_pad, jnp.arange(T, dtype=jnp.int32)[None], tokens(T, 1, cu_seqlens).pos
 
 
 def _pad_keys(x, W, chunk):
@@ -44,11 +52,7 @@ def _chunk_logits(q_c, t, pos, k_pad, v_pad, W, chunk, window_size, scale):
 
 def forward(q, k, v, cu_seqlens, *, window_size, scale):
     """Returns o [B, T, HQ, Dv] and the residuals (inputs, o, lse [B, T, HQ])."""
-    B, T, HQ, Dk = q.shape
-    H = k.shape[2]
-    acc = c.acc_dtype(q.dtype)
-    W, chunk = _layout(T, HQ, window_size, max(Dk, v.shape[3]))
-    k_pad, v_pad = _pad_keys(k.astype(acc), W, chunk), _pad_keys(v.astype(acc), W, chunk)
+    W, chunk, k_pad, v_pad, t, pos = _layout(q, k, v, cu_seqlens, window_size)
 
     def body(_, xs):
         _, _, values, s, mask, _ = _chunk_logits(*xs, k_pad, v_pad, W, chunk, window_size, scale)
@@ -56,26 +60,21 @@ def forward(q, k, v, cu_seqlens, *, window_size, scale):
         o = jnp.einsum("bthgj,bjhd->bthgd", p, values)
         return None, (c.ungroup_heads(o).astype(q.dtype), c.ungroup_heads(lse))
 
-    tok = tokens(T, 1, cu_seqlens)
-    t = jnp.arange(T, dtype=jnp.int32)[None]
-    _, (o, lse) = c.scan_queries(body, None, (q, t, tok.pos), chunk=chunk)
+    _, (o, lse) = c.scan_queries(body, None, (q, t, pos), chunk=chunk)
     return o, (q, k, v, cu_seqlens, o, lse)
 
 
 def backward(residuals, do, *, window_size, scale):
     """Gradients (dq, dk, dv, None) from the recomputed probabilities."""
     q, k, v, cu_seqlens, o, lse = residuals
-    B, T, HQ, Dk = q.shape
-    H = k.shape[2]
-    acc = c.acc_dtype(q.dtype)
-    W, chunk = _layout(T, HQ, window_size, max(Dk, v.shape[3]))
-    k_pad, v_pad = _pad_keys(k.astype(acc), W, chunk), _pad_keys(v.astype(acc), W, chunk)
+    T, H = q.shape[1], k.shape[2]
+    W, chunk, k_pad, v_pad, t, pos = _layout(q, k, v, cu_seqlens, window_size)
 
     def body(carry, xs):
         dk, dv = carry
         q_c, t, pos, do_c, lse_c, delta_c = xs
         q_c, keys, values, s, mask, t0 = _chunk_logits(q_c, t, pos, k_pad, v_pad, W, chunk, window_size, scale)
-        do_c = c.group_heads(do_c.astype(acc), H)
+        do_c = c.group_heads(do_c.astype(k_pad.dtype), H)
         p = c.probabilities(s, mask, c.group_heads(lse_c, H))
         dp = jnp.einsum("bthgd,bjhd->bthgj", do_c, values)
         ds = c.dlogits(p, dp, c.group_heads(delta_c, H))
@@ -86,9 +85,7 @@ def backward(residuals, do, *, window_size, scale):
         dv = lax.dynamic_update_slice_in_dim(dv, lax.dynamic_slice_in_dim(dv, t0, chunk + W - 1, 1) + dv_c, t0, 1)
         return (dk, dv), c.ungroup_heads(dq).astype(q.dtype)
 
-    tok = tokens(T, 1, cu_seqlens)
-    t = jnp.arange(T, dtype=jnp.int32)[None]
     zeros = (jnp.zeros_like(k_pad), jnp.zeros_like(v_pad))
-    xs = (q, t, tok.pos, do, lse, c.delta(o, do))
+    xs = (q, t, pos, do, lse, c.delta(o, do))
     (dk, dv), dq = c.scan_queries(body, zeros, xs, chunk=chunk)
     return dq, dk[:, W - 1:W - 1 + T].astype(k.dtype), dv[:, W - 1:W - 1 + T].astype(v.dtype), None
