@@ -217,6 +217,34 @@ class NSATestBase:
             assert o.dtype == x.q.dtype
             assert_close(o, ref, TOLERANCE[dtype], "o")
 
+    def test_explicit_scale(self):
+        """Every op with scale=0.3 instead of the default Dk ** -0.5."""
+        dtype, scale = self.dtypes[0], 0.3
+        with precision(dtype):
+            x = Inputs(SHAPES["G3-dv8"], dtype)
+            bs = x.block_size
+            k_cmp, k_cmp64, v_cmp, v_cmp64 = x.compressed()
+            idx = x.block_indices(4)
+            g = [gi[0] for gi in x.gates]
+            g64 = [gi[1] for gi in x.gates]
+            o, lse = self.op("compressed_attention")(x.q, k_cmp, v_cmp, block_size=bs, scale=scale)
+            o_ref, lse_ref = oracle.compressed_attention(x.q64, k_cmp64, v_cmp64, block_size=bs, scale=scale)
+            assert_close(o, o_ref, TOLERANCE[dtype], "compressed o")
+            seen = np.isfinite(lse_ref)
+            assert_close(np.asarray(lse)[seen], lse_ref[seen], TOLERANCE[dtype], "compressed lse")
+            assert_same_blocks(self.op("select_blocks")(x.q, k_cmp, block_counts=3, block_size=bs, scale=scale),
+                               oracle.select_blocks(x.q64, k_cmp64, block_counts=3, block_size=bs, scale=scale))
+            assert_close(self.op("selected_attention")(x.q, x.k, x.v, idx, block_size=bs, scale=scale),
+                         oracle.selected_attention(x.q64, x.k64, x.v64, idx, block_size=bs, scale=scale),
+                         TOLERANCE[dtype], "selected o")
+            assert_close(self.op("sliding_window_attention")(x.q, x.k, x.v, window_size=7, scale=scale),
+                         oracle.sliding_window_attention(x.q64, x.k64, x.v64, window_size=7, scale=scale),
+                         TOLERANCE[dtype], "window o")
+            kw = dict(block_counts=3, block_size=bs, window_size=7, scale=scale)
+            assert_close(self.op("attention")(x.q, x.k, x.v, g_cmp=g[0], g_slc=g[1], g_swa=g[2], **kw),
+                         oracle.attention(x.q64, x.k64, x.v64, g_cmp=g64[0], g_slc=g64[1], g_swa=g64[2], **kw),
+                         TOLERANCE[dtype], "attention o")
+
     # ------------------------------------------------------------------------- packed sequences
 
     def _varlen_call(self, name, bs):
