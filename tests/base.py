@@ -482,3 +482,26 @@ class NSATestBase:
             dq = jax.grad(loss)(q, k, v)
             dq0 = jax.grad(lambda q: jnp.sum(f(q, xs[0].k, xs[0].v).astype(jnp.float32) ** 2))(xs[0].q)
             assert_close(dq[0], dq0, 1e-5, "dq under vmap")
+
+    def test_inside_shard_map(self):
+        """The ops run per shard inside shard_map (batch split over a mesh of the local devices)."""
+        dtype = self.dtypes[0]
+        with precision(dtype):
+            x = Inputs(SHAPES["G2"], dtype)
+            f = self._attention_fn(x)
+            devices = np.array(jax.local_devices()[:1])
+            mesh = jax.sharding.Mesh(devices, ("b",))
+            spec = jax.sharding.PartitionSpec("b")
+            g = [gi[0] for gi in x.gates]
+
+            def per_shard(q, k, v, a, b, c):
+                return self.op("attention")(q, k, v, g_cmp=a, g_slc=b, g_swa=c, block_counts=3,
+                                            block_size=x.block_size, window_size=9)
+
+            sharded = jax.jit(jax.shard_map(per_shard, mesh=mesh, in_specs=(spec,) * 6, out_specs=spec))
+            assert_close(sharded(x.q, x.k, x.v, *g), f(x.q, x.k, x.v), 1e-6, "o inside shard_map")
+            loss = lambda *a: jnp.sum(sharded(*a).astype(jnp.float32) ** 2)
+            dq = jax.grad(loss)(x.q, x.k, x.v, *g)
+            dq_ref = jax.grad(lambda q: jnp.sum(f(q, x.k, x.v).astype(jnp.float32) ** 2))(x.q)
+            assert_close(dq, dq_ref, 1e-5, "dq inside shard_map")
+

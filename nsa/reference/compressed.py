@@ -76,7 +76,7 @@ def backward(residuals, cotangents, *, block_size, scale):
         dv = dv + jnp.einsum("bthgc,bthgd->bchd", p, do_c)
         return (dk, dv), c.ungroup_heads(dq).astype(q.dtype)
 
-    zeros = (jnp.zeros(k_cmp.shape, acc), jnp.zeros(v_cmp.shape, acc))
+    zeros = (jnp.zeros_like(k_cmp, acc), jnp.zeros_like(v_cmp, acc))
     xs = (q, tok.pos, tok.cmp_start, do, lse, c.delta(o, do), dlse.astype(acc))
     (dk, dv), dq = c.scan_queries(body, zeros, xs, chunk=_chunk(T, HQ, NC))
     return dq, dk.astype(k_cmp.dtype), dv.astype(v_cmp.dtype), None

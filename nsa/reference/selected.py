@@ -98,7 +98,7 @@ def backward(residuals, do, *, block_size, scale):
         dv = c.scatter_add_tokens(dv, idx, jnp.einsum("bthgk,bthgd->bthkd", p, do_c))
         return (dk, dv), c.ungroup_heads(dq).astype(q.dtype)
 
-    zeros = (jnp.zeros(k.shape, acc), jnp.zeros(v.shape, acc))
+    zeros = (jnp.zeros_like(k, acc), jnp.zeros_like(v, acc))
     xs = (q, block_indices, block_counts, tok.pos, tok.start, do, lse, c.delta(o, do))
     chunk = _chunk(T, HQ, S, block_size, max(Dk, v.shape[-1]))
     (dk, dv), dq = c.scan_queries(body, zeros, xs, chunk=chunk)
