@@ -54,6 +54,15 @@ def time_jax(fn, args, iters):
     return statistics.median(times)
 
 
+def compiled_memory_gib(fn, args):
+    """(peak, arguments + outputs) of a jitted fn in GiB, from XLA's buffer assignment: Triton
+    kernels allocate nothing beyond their outputs, so the peak is the program's."""
+    stats = fn.lower(*args).compile().memory_analysis()
+    peak = getattr(stats, "peak_memory_in_bytes", 0) or (
+        stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes)
+    return peak / 2 ** 30, (stats.argument_size_in_bytes + stats.output_size_in_bytes) / 2 ** 30
+
+
 def jax_inputs(T, seed=0):
     keys = jax.random.split(jax.random.key(seed), 8)
     q = jax.random.normal(keys[0], (B, T, HQ, D), jnp.bfloat16)
@@ -136,6 +145,7 @@ def run(args):
                     fwd, fwd_bwd = nsa_fns(case, impl, T, idx)
                     row["fwd_ms"] = 1e3 * time_jax(fwd, (q, k, v, gates, do), args.iters)
                     row["fwd_bwd_ms"] = 1e3 * time_jax(fwd_bwd, (q, k, v, gates, do), args.iters)
+                    row["fwd_bwd_peak_gib"], row["fwd_bwd_io_gib"] = compiled_memory_gib(fwd_bwd, (q, k, v, gates, do))
                 except Exception as e:  # recorded, not hidden: the table says what failed
                     row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
                 rows.append(row)
@@ -146,6 +156,7 @@ def run(args):
                     fwd, fwd_bwd = dense_fns()
                     row["fwd_ms"] = 1e3 * time_jax(fwd, (q, k, v), args.iters)
                     row["fwd_bwd_ms"] = 1e3 * time_jax(fwd_bwd, (q, k, v, do), args.iters)
+                    row["fwd_bwd_peak_gib"], row["fwd_bwd_io_gib"] = compiled_memory_gib(fwd_bwd, (q, k, v, do))
                 except Exception as e:
                     row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
                 rows.append(row)
@@ -164,18 +175,20 @@ def run(args):
 
 
 def table(rows):
-    lines = ["| case | T | implementation | fwd ms | fwd+bwd ms | fwd TFLOP/s | fwd+bwd TFLOP/s | fwd+bwd speedup vs fla |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| case | T | implementation | fwd ms | fwd+bwd ms | fwd TFLOP/s | fwd+bwd TFLOP/s | fwd+bwd speedup vs fla "
+             "| fwd+bwd peak GiB (inputs + outputs) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['case']} | {r['T']} | {r['impl']} | failed: {r['error'][:80]} | | | | |")
+            lines.append(f"| {r['case']} | {r['T']} | {r['impl']} | failed: {r['error'][:80]} | | | | | |")
             continue
         fla = next((f for f in rows if f["case"] == r["case"] and f["T"] == r["T"] and f["impl"].startswith("fla")
                     and "error" not in f), None)
         speedup = f"{fla['fwd_bwd_ms'] / r['fwd_bwd_ms']:.2f}x" if fla else "-"
+        memory = f"{r['fwd_bwd_peak_gib']:.1f} ({r['fwd_bwd_io_gib']:.1f})" if "fwd_bwd_peak_gib" in r else "-"
         lines.append(f"| {r['case']} | {r['T']} | {r['impl']} | {r['fwd_ms']:.2f} | {r['fwd_bwd_ms']:.2f} | "
                      f"{r['useful_tflop_fwd'] / r['fwd_ms'] * 1e3:.0f} | "
-                     f"{3.5 * r['useful_tflop_fwd'] / r['fwd_bwd_ms'] * 1e3:.0f} | {speedup} |")
+                     f"{3.5 * r['useful_tflop_fwd'] / r['fwd_bwd_ms'] * 1e3:.0f} | {speedup} | {memory} |")
     return "\n".join(lines)
 
 
