@@ -3,7 +3,9 @@
 #   scripts/gpu.sh [tests|bench|all] [extra benchmark args...]
 # Installs the carried wheels (.whl/: jax-triton 0.3.1, fla-core) into /tmp/site first. Through the
 # device tool: run(command="bash scripts/gpu.sh all", carry=[".whl"]). Results go to $OUT (or
-# benchmarks/results when OUT is unset).
+# benchmarks/results when OUT is unset). The wheels (ignored by git) are fetched on the CPU machine with
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux2014_x86_64 --platform any -d .whl jax-triton==0.3.1 fla-core==0.6.0
 set -uo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-all}; shift || true
