@@ -83,9 +83,14 @@ def select_blocks(q, k_cmp, *, block_counts, block_size, scale=None, cu_seqlens=
     block_counts = _checks.positive_int("block_counts", block_counts)
     _checks.cu_seqlens(cu_seqlens, q.shape[0])
     _compressed_kv(q, k_cmp, None, block_size, cu_seqlens)
+    return _select(q, k_cmp, None, block_counts, block_size, scale, cu_seqlens, implementation)
+
+
+def _select(q, k_cmp, lse, block_counts, block_size, scale, cu_seqlens, implementation):
+    """select_blocks after its checks; lse [B, T, HQ] is compressed attention's, when known (or None)."""
     static = _statics(block_counts=block_counts, block_size=block_size, scale=_checks.scale(scale, q.shape[-1]))
     impl = _checks.implementation(implementation)
-    arrays = (jax.lax.stop_gradient(q), jax.lax.stop_gradient(k_cmp), cu_seqlens)
+    arrays = tuple(None if x is None else jax.lax.stop_gradient(x) for x in (q, k_cmp, lse)) + (cu_seqlens,)
     return _dispatch.run("select", impl, static, arrays)
 
 
@@ -164,16 +169,18 @@ def attention(q, k, v, *, g_cmp=None, g_slc=None, g_swa=None, block_indices=None
     common = dict(scale=scale, cu_seqlens=cu_seqlens, implementation=implementation)
 
     branches = []
+    lse_cmp = None
     if g_cmp is not None or block_indices is None:
         k_cmp = compress(k, block_size=block_size, cu_seqlens=cu_seqlens)
-    if block_indices is None:
-        block_indices = select_blocks(q, k_cmp, block_counts=_slots(block_counts), block_size=block_size, **common)
-    o_slc = selected_attention(q, k, v, block_indices, block_counts=block_counts, block_size=block_size, **common)
-    branches.append((g_slc, o_slc))
     if g_cmp is not None:
         v_cmp = compress(v, block_size=block_size, cu_seqlens=cu_seqlens)
-        o_cmp, _ = compressed_attention(q, k_cmp, v_cmp, block_size=block_size, **common)
+        o_cmp, lse_cmp = compressed_attention(q, k_cmp, v_cmp, block_size=block_size, **common)
         branches.append((g_cmp, o_cmp))
+    if block_indices is None:  # the selection reuses the compressed branch's lse when it has one
+        block_indices = _select(q, k_cmp, lse_cmp, _slots(block_counts), block_size, scale, cu_seqlens,
+                                implementation)
+    o_slc = selected_attention(q, k, v, block_indices, block_counts=block_counts, block_size=block_size, **common)
+    branches.append((g_slc, o_slc))
     if window_size > 0:
         branches.append((g_swa, sliding_window_attention(q, k, v, window_size=window_size, **common)))
 

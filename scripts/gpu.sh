@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Everything nsa runs on the GPU, in one call: the gpu-marked tests, then the benchmark.
-#   scripts/gpu.sh [tests|bench|all] [extra benchmark args...]
+#   scripts/gpu.sh [tests|bench|ops|all] [extra benchmark args...]
+# (ops: benchmarks/ops.py, the time of each op of the pipeline, with its own args, e.g. --sweep)
 # Installs the carried wheels (.whl/: jax-triton 0.3.1, fla-core) into /tmp/site first. Through the
 # device tool: run(command="bash scripts/gpu.sh all", carry=[".whl"]). Results go to $OUT (or
 # benchmarks/results when OUT is unset). The wheels (ignored by git) are fetched on the CPU machine with
@@ -30,6 +31,10 @@ if [[ $what == tests || $what == all ]]; then
 fi
 if [[ $what == bench || $what == all ]]; then
     python3 benchmarks/gpu.py --out "$out" "$@" 2>&1 | tee "$out/bench.log" | grep -v '^{'
+    [[ ${PIPESTATUS[0]} == 0 ]] || status=1
+fi
+if [[ $what == ops ]]; then
+    python3 -m benchmarks.ops --out "$out" "$@" 2>&1 | tee "$out/ops.log"
     [[ ${PIPESTATUS[0]} == 0 ]] || status=1
 fi
 exit $status

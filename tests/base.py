@@ -150,6 +150,18 @@ class NSATestBase:
             assert idx.dtype == jnp.int32 and idx.shape == ref.shape
             assert_same_blocks(idx, ref)
 
+    @over_shapes
+    def test_select_blocks_reusing_compressed_lse(self, shape):
+        """nsa.attention hands compressed attention's lse to the selection: the same blocks come out."""
+        dtype = self.dtypes[0]
+        with precision(dtype):
+            x = Inputs(shape, dtype)
+            k_cmp, k_cmp64, v_cmp, _ = x.compressed()
+            _, lse = self.op("compressed_attention")(x.q, k_cmp, v_cmp, block_size=x.block_size)
+            idx = nsa.api._select(x.q, k_cmp, lse, 3, x.block_size, None, None, self.implementation)
+            ref = oracle.select_blocks(x.q64, k_cmp64, block_counts=3, block_size=x.block_size)
+            assert_same_blocks(idx, ref)
+
     @pytest.mark.parametrize("block_counts", [1, 2, 4])
     def test_select_ties_go_to_lower_ids(self, block_counts):
         """With equal compressed keys every visible block scores the same."""

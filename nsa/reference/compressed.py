@@ -24,10 +24,19 @@ def logits(q, k_cmp, scale):
     return scale * jnp.einsum("bthgd,bchd->bthgc", q, k_cmp.astype(q.dtype))
 
 
-def softmax_over_blocks(q, k_cmp, pos, cmp_start, *, block_size, scale):
-    """p [B, Tc, H, G, NC] and lse [B, Tc, H, G] of a chunk of queries q [B, Tc, HQ, Dk] over k_cmp."""
-    s = logits(c.group_heads(q.astype(c.acc_dtype(q.dtype)), k_cmp.shape[2]), k_cmp, scale)
-    return c.softmax(s, visible_blocks(k_cmp.shape[1], pos, cmp_start, block_size=block_size))
+def softmax_over_blocks(q, k_cmp, pos, cmp_start, lse=None, *, block_size, scale):
+    """p [B, Tc, H, G, NC] and lse [B, Tc, H, G] of a chunk of queries q [B, Tc, HQ, Dk] over k_cmp.
+
+    With a given lse [B, Tc, HQ] (this op's own, from an earlier call) p = exp(s - lse) is not
+    normalized again.
+    """
+    H = k_cmp.shape[2]
+    s = logits(c.group_heads(q.astype(c.acc_dtype(q.dtype)), H), k_cmp, scale)
+    visible = visible_blocks(k_cmp.shape[1], pos, cmp_start, block_size=block_size)
+    if lse is None:
+        return c.softmax(s, visible)
+    lse = c.group_heads(lse.astype(s.dtype), H)
+    return c.probabilities(s, visible, lse), lse
 
 
 def _chunk(T, HQ, NC):

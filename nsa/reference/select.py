@@ -37,19 +37,23 @@ def top_blocks(ranks, num_slots):
     return jnp.where(best == -jnp.inf, -1, ids).astype(jnp.int32)
 
 
-def forward(q, k_cmp, cu_seqlens, *, block_counts, block_size, scale):
-    """Returns block_indices int32 [B, T, H, block_counts] (in-sequence block ids)."""
+def forward(q, k_cmp, lse, cu_seqlens, *, block_counts, block_size, scale):
+    """Returns block_indices int32 [B, T, H, block_counts] (in-sequence block ids).
+
+    lse [B, T, HQ] is compressed attention's log-sum-exp of the same q and k_cmp when the caller has
+    it (nsa.attention does), or None to compute it here.
+    """
     B, T, HQ, _ = q.shape
     NC = k_cmp.shape[1]
     tok = tokens(T, block_size, cu_seqlens)
 
     def body(_, xs):
-        q_c, pos, cmp_start = xs
-        p, _ = softmax_over_blocks(q_c, k_cmp, pos, cmp_start, block_size=block_size, scale=scale)
+        q_c, pos, cmp_start, lse_c = xs
+        p, _ = softmax_over_blocks(q_c, k_cmp, pos, cmp_start, lse_c, block_size=block_size, scale=scale)
         by_row = jnp.mean(p, axis=3)  # [B, Tc, H, NC]: score of each row of k_cmp
         rows = jnp.minimum(cmp_start[:, :, None, None] + jnp.arange(NC), NC - 1)
         by_block = jnp.take_along_axis(by_row, jnp.broadcast_to(rows, by_row.shape), axis=-1)
         return None, top_blocks(block_ranks(by_block, pos, block_size=block_size), block_counts)
 
-    _, idx = c.scan_queries(body, None, (q, tok.pos, tok.cmp_start), chunk=c.chunk_size(T, 24 * HQ * NC))
+    _, idx = c.scan_queries(body, None, (q, tok.pos, tok.cmp_start, lse), chunk=c.chunk_size(T, 24 * HQ * NC))
     return idx

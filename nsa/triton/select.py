@@ -161,11 +161,13 @@ def _chunk(num_rows):
     return min(64, _pow2(num_rows + 1))
 
 
-def forward(q, k_cmp, cu_seqlens, *, block_counts, block_size, scale):
-    """Returns block_indices int32 [B, T, H, block_counts] (in-sequence block ids), as the reference."""
+def forward(q, k_cmp, lse, cu_seqlens, *, block_counts, block_size, scale):
+    """Returns block_indices int32 [B, T, H, block_counts] (in-sequence block ids), as the reference.
+
+    lse (compressed attention's, or None) is not used yet: the kernel computes its own."""
     if q.dtype == jnp.float64 or k_cmp.dtype == jnp.float64 or q.size == 0 or k_cmp.size == 0:
         # Triton has no float64; empty grids do not launch
-        return reference.forward(q, k_cmp, cu_seqlens, block_counts=block_counts, block_size=block_size,
+        return reference.forward(q, k_cmp, lse, cu_seqlens, block_counts=block_counts, block_size=block_size,
                                  scale=scale)
     B, T, HQ, Dk = q.shape
     NC, H = k_cmp.shape[1], k_cmp.shape[2]

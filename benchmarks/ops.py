@@ -1,0 +1,122 @@
+"""Where the time of nsa.attention goes: each op of the full NSA pipeline timed alone on the GPU.
+
+    python benchmarks/ops.py --out DIR [--seq-lens 65536] [--impl triton] [--sweep]
+
+Standard shape of benchmarks/gpu.py (B=1, HQ=64, H=4, D=128, bf16, block 64, 16 blocks, window 512).
+For each T it times, forward and forward+backward (median over --iters after warm-up): compress of k
+(and the same for v), compressed_attention, select_blocks (forward only), selected_attention on the
+selected blocks, sliding_window_attention, and the whole nsa.attention. Writes ops.json into --out.
+
+--sweep also times the flash kernels (window, compressed) and the selected-attention kernels under a
+few tile / warp / stage candidates, by replacing the heuristics for the run: a tuning aid, the
+library's heuristics are not changed by it.
+"""
+
+import argparse
+import itertools
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+
+import nsa
+from benchmarks.gpu import BS, HQ, S, WINDOW, jax_inputs, time_jax
+
+
+def _grad_fn(fn, argnums):
+    def loss(*args):
+        out = fn(*args)
+        out = out[0] if isinstance(out, tuple) else out
+        return jnp.sum(out.astype(jnp.float32) * args[-1].astype(jnp.float32))
+
+    return jax.jit(jax.grad(lambda *a: loss(*a), argnums=argnums))
+
+
+def op_cases(T, impl):
+    """(name, forward fn, forward+backward fn or None, args) for each op of the pipeline."""
+    q, k, v, gates, do = jax_inputs(T)
+    kw = dict(implementation=impl)
+    k_cmp = nsa.compress(k, block_size=BS)
+    v_cmp = nsa.compress(v, block_size=BS)
+    idx = jax.jit(lambda q, k_cmp: nsa.select_blocks(q, k_cmp, block_counts=S, block_size=BS, **kw))(q, k_cmp)
+    dk_cmp = jnp.zeros_like(k_cmp)
+
+    compress = lambda x, d: nsa.compress(x, block_size=BS)
+    compressed = lambda q, kc, vc, d: nsa.compressed_attention(q, kc, vc, block_size=BS, **kw)
+    select = lambda q, kc: nsa.select_blocks(q, kc, block_counts=S, block_size=BS, **kw)
+    selected = lambda q, k, v, d: nsa.selected_attention(q, k, v, idx, block_size=BS, **kw)
+    window = lambda q, k, v, d: nsa.sliding_window_attention(q, k, v, window_size=WINDOW, **kw)
+
+    def full(q, k, v, g0, g1, g2, d):
+        return nsa.attention(q, k, v, g_cmp=g0, g_slc=g1, g_swa=g2, block_counts=S, block_size=BS,
+                             window_size=WINDOW, **kw)
+
+    return [
+        ("compress", jax.jit(compress), _grad_fn(compress, (0,)), (k, dk_cmp)),
+        ("compressed", jax.jit(compressed), _grad_fn(compressed, (0, 1, 2)), (q, k_cmp, v_cmp, do)),
+        ("select", jax.jit(select), None, (q, k_cmp)),
+        ("selected", jax.jit(selected), _grad_fn(selected, (0, 1, 2)), (q, k, v, do)),
+        ("window", jax.jit(window), _grad_fn(window, (0, 1, 2)), (q, k, v, do)),
+        ("attention", jax.jit(full), _grad_fn(full, (0, 1, 2, 3, 4, 5)), (q, k, v, *gates, do)),
+    ]
+
+
+def time_ops(T, impl, iters, names=None):
+    rows = []
+    for name, fwd, fwd_bwd, args in op_cases(T, impl):
+        if names and name not in names:
+            continue
+        row = dict(op=name, T=T, impl=impl)
+        try:
+            row["fwd_ms"] = 1e3 * time_jax(fwd, args, iters)
+            if fwd_bwd is not None:
+                row["fwd_bwd_ms"] = 1e3 * time_jax(fwd_bwd, args, iters)
+        except Exception as e:  # recorded, not hidden
+            row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
+def sweep(T, iters):
+    """Times window / compressed / selected under candidate configs (monkeypatched heuristics)."""
+    from nsa.triton import _flash, selected
+
+    rows = []
+    flash_default = _flash._config
+    for bm, bn, warps, stages in itertools.product((64, 128), (64, 128), (4, 8), (2, 3)):
+        _flash._config = lambda *a, backward, **k: (min(bm, 64) if backward else bm, bn, warps, stages)
+        for row in time_ops(T, "triton", iters, names=("window", "compressed")):
+            rows.append(dict(row, config=dict(block_m=bm, block_n=bn, warps=warps, stages=stages)))
+    _flash._config = flash_default
+
+    warps_default = selected._warps
+    for warps in (2, 4, 8):
+        selected._warps = lambda *sizes: warps
+        for row in time_ops(T, "triton", iters, names=("selected",)):
+            rows.append(dict(row, config=dict(warps=warps)))
+    selected._warps = warps_default
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--seq-lens", type=int, nargs="+", default=[65536])
+    parser.add_argument("--impl", default="triton")
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--sweep", action="store_true")
+    args = parser.parse_args()
+    result = dict(date=time.strftime("%Y-%m-%d"), device=str(jax.devices()[0].device_kind), jax=jax.__version__,
+                  rows=[], sweep=[])
+    for T in args.seq_lens:
+        result["rows"] += time_ops(T, args.impl, args.iters)
+        if args.sweep:
+            result["sweep"] += sweep(T, args.iters)
+    with open(f"{args.out}/ops.json", "w") as f:
+        json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
