@@ -17,7 +17,8 @@ to powers of two (>= 16) with masked loads; the logits are kept in base 2 (exp2)
 lse is stored in natural log. All accumulation is float32; no atomics, so results are deterministic.
 """
 
-import jax
+import functools
+
 import jax.numpy as jnp
 import triton
 import triton.language as tl
@@ -170,18 +171,23 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, LO, HI, DQ,
 def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, LO, HI, FIRST, LAST, DK_OUT, DV_OUT,
                      T: tl.constexpr, NK: tl.constexpr, HQ: tl.constexpr, H: tl.constexpr,
                      DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SCALE: tl.constexpr, IEEE: tl.constexpr):
-    """Backward for k and v: dk [B, NK, H, Dk], dv [B, NK, H, Dv], summed over the G query heads.
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SCALE: tl.constexpr, IEEE: tl.constexpr,
+                     SPLIT_M: tl.constexpr):
+    """Backward for k and v: dk [NSPLIT, B, NK, H, Dk], dv [NSPLIT, B, NK, H, Dv], summed over the G
+    query heads and over the queries of one split of SPLIT_M queries (the caller sums the splits).
 
-    Grid (cdiv(NK, BLOCK_N), B * H). One program owns the key rows [n0, n0 + BLOCK_N) of one KV head
-    h: it loads k [BLOCK_N, BLOCK_DK], v [BLOCK_N, BLOCK_DV] and the query range [first, last] of each
-    row once, then for each query head hq = h * G + g walks only the query tiles of BLOCK_M queries
-    between the smallest first and the largest last (the queries that can see the tile; rows of
-    several packed sequences may share a tile), loading q, do, lse, delta and lo / hi of each. dk and
-    dv accumulate in float32 in registers and are stored once (every row, also rows nobody sees).
+    Grid (cdiv(NK, BLOCK_N), NSPLIT, B * H). One program owns the key rows [n0, n0 + BLOCK_N) of one
+    KV head h and the queries [s * SPLIT_M, (s + 1) * SPLIT_M): it loads k [BLOCK_N, BLOCK_DK],
+    v [BLOCK_N, BLOCK_DV] and the query range [first, last] of each row once, then for each query head
+    hq = h * G + g walks only the query tiles of BLOCK_M queries of its split between the smallest
+    first and the largest last (the queries that can see the tile; rows of several packed sequences may
+    share a tile), loading q, do, lse, delta and lo / hi of each. dk and dv accumulate in float32 in
+    registers and are stored once (every row, also rows nobody sees). Splitting the queries keeps the
+    GPU busy when few key tiles each see many queries (compressed attention: NK = T / block_size).
     """
     pid_n = tl.program_id(0)
-    bh = tl.program_id(1)
+    split = tl.program_id(1)
+    bh = tl.program_id(2)
     b = (bh // H).to(tl.int64)
     h = bh % H
     G: tl.constexpr = HQ // H
@@ -193,7 +199,8 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, LO, HI, FIRST, LAST, DK_OUT, DV_OU
     used = first <= last
     q_begin = tl.min(tl.where(used, first, T), 0)
     q_end = tl.max(tl.where(used, last, -1), 0) + 1
-    q_begin = (q_begin // BLOCK_M) * BLOCK_M
+    q_begin = tl.maximum((q_begin // BLOCK_M) * BLOCK_M, split * SPLIT_M)  # SPLIT_M: a multiple of BLOCK_M
+    q_end = tl.minimum(q_end, (split + 1) * SPLIT_M)
 
     offs_dk = tl.arange(0, BLOCK_DK)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -231,9 +238,10 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, LO, HI, FIRST, LAST, DK_OUT, DV_OU
             ds_t = p_t * (dp_t - delta[None, :])
             dk += _mm(ds_t.to(q.dtype), q, IEEE)
 
-    tl.store(DK_OUT + kv_rows[:, None] * DK + offs_dk[None, :], (dk * SCALE).to(DK_OUT.dtype.element_ty),
+    out_rows = split.to(tl.int64) * tl.num_programs(2) * NK + kv_rows  # [NSPLIT, B, NK, H] rows
+    tl.store(DK_OUT + out_rows[:, None] * DK + offs_dk[None, :], (dk * SCALE).to(DK_OUT.dtype.element_ty),
              mask=n_valid[:, None] & (offs_dk[None, :] < DK))
-    tl.store(DV_OUT + kv_rows[:, None] * DV + offs_dv[None, :], dv.to(DV_OUT.dtype.element_ty),
+    tl.store(DV_OUT + out_rows[:, None] * DV + offs_dv[None, :], dv.to(DV_OUT.dtype.element_ty),
              mask=n_valid[:, None] & (offs_dv[None, :] < DV))
 
 
@@ -245,22 +253,37 @@ def _pow2(n, least=16):
 
 
 def _config(T, NK, dk, dv, itemsize, backward):
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages): a small heuristic on the padded head dims.
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages): a small heuristic on the padded head dims and dtype.
 
-    Sized so that the tiles of two pipeline stages stay well inside an H100/H200's shared memory;
-    float32 inputs (twice the bytes) get half the tiles at head dims > 128.
+    Measured on an H200 (bf16, head dim 128, benchmarks/ops.py --sweep): 64 x 64 tiles with 4 warps
+    were best forward (3 stages) and backward (2 stages). Wider heads and float32 (twice the bytes)
+    get smaller tiles or fewer stages, so that the tiles of all stages fit in shared memory.
     """
     d = max(_pow2(dk), _pow2(dv))
+    wide, single = d > 128, itemsize > 2
     if backward:
-        block_m, block_n = (64, 64) if d <= 64 else (32, 64) if d <= 128 else (32, 32)
+        block_m, block_n = (32, 32) if wide else (32, 64) if single and d > 64 else (64, 64)
+        num_stages = 2
     else:
-        block_m, block_n = (64, 64) if d <= 128 else (64, 32)
-    if itemsize > 2 and d > 128:
+        block_m, block_n = (64, 32) if wide else (64, 64)
+        num_stages = 2 if wide or single else 3
+    if single and wide:
         block_m = max(16, block_m // 2)
     block_m = min(block_m, _pow2(T))
     block_n = min(block_n, _pow2(NK))
-    num_warps = 4 if d <= 64 else 8
-    return block_m, block_n, num_warps, 2
+    return block_m, block_n, 8 if wide else 4, num_stages
+
+
+def _query_splits(T, num_key_tiles, batch_heads, query_span, block_m):
+    """How many splits of the queries the dk/dv kernel takes (its grid's second axis).
+
+    Enough programs to fill the GPU (about 1024, half of them idle where the attention is causal) when
+    few key tiles each see many queries; never splits of fewer than 256 queries, nor more splits than
+    the query_span (the most queries that see one key row) needs. The partial sums then take
+    NSPLIT * B * NK * H * (Dk + Dv) * 4 bytes, bounded by about 1024 * BLOCK_N * (Dk + Dv) * 4.
+    """
+    wanted = -(-1024 // (num_key_tiles * batch_heads))
+    return max(1, min(wanted, -(-query_span // 256), -(-T // block_m)))
 
 
 def _meta(q, k, v, block_m, block_n, scale):
@@ -303,8 +326,12 @@ def query_ranges(lo, hi, num_keys):
     return first, last
 
 
-def attend_backward(q, k, v, lo, hi, o, lse, do, dlse=None, *, scale):
-    """(dq, dk, dv) of `attend`, in q's, k's and v's dtypes; dlse [B, T, HQ] is lse's cotangent or None."""
+def attend_backward(q, k, v, lo, hi, o, lse, do, dlse=None, *, scale, query_span):
+    """(dq, dk, dv) of `attend`, in q's, k's and v's dtypes; dlse [B, T, HQ] is lse's cotangent or None.
+
+    query_span (static) bounds how many queries see one key row: it decides how the dk/dv kernel
+    splits the queries (`_query_splits`).
+    """
     _check(q, k, v, lo)
     B, T, HQ, dk_dim = q.shape
     NK, H = k.shape[1], k.shape[2]
@@ -320,8 +347,15 @@ def attend_backward(q, k, v, lo, hi, o, lse, do, dlse=None, *, scale):
         out_shape=_launch.shape_dtype(q.shape, q.dtype),
         grid=(triton.cdiv(T, block_m), B * HQ), num_warps=num_warps, num_stages=num_stages, **meta)
     first, last = query_ranges(lo, hi, NK)
+    key_tiles = triton.cdiv(NK, block_n)
+    splits = _query_splits(T, key_tiles, B * H, query_span, block_m)
+    split_m = triton.cdiv(triton.cdiv(T, splits), block_m) * block_m
+    splits = triton.cdiv(T, split_m)
+    part = lambda x: _launch.shape_dtype((splits,) + x.shape, x.dtype if splits == 1 else jnp.float32)
     dk, dv = _launch.triton_call(
         q, k, v, do, lse, delta, lo, hi, first, last, kernel=_bwd_dkdv_kernel,
-        out_shape=[_launch.shape_dtype(k.shape, k.dtype), _launch.shape_dtype(v.shape, v.dtype)],
-        grid=(triton.cdiv(NK, block_n), B * H), num_warps=num_warps, num_stages=num_stages, **meta)
+        out_shape=[part(k), part(v)], grid=(key_tiles, splits, B * H), num_warps=num_warps,
+        num_stages=num_stages, SPLIT_M=split_m, **meta)
+    # the splits summed in a fixed order: deterministic
+    dk, dv = (functools.reduce(jnp.add, list(x)).astype(y.dtype) for x, y in ((dk, k), (dv, v)))
     return dq, dk, dv

@@ -37,5 +37,6 @@ def backward(residuals, cotangents, *, block_size, scale):
         return reference.backward(residuals, cotangents, block_size=block_size, scale=scale)
     do, dlse = cotangents
     lo, hi = _key_range(q.shape[1], block_size, cu_seqlens)
-    dq, dk, dv = _flash.attend_backward(q, k_cmp, v_cmp, lo, hi, o, lse, do, dlse, scale=scale)
+    dq, dk, dv = _flash.attend_backward(q, k_cmp, v_cmp, lo, hi, o, lse, do, dlse, scale=scale,
+                                        query_span=q.shape[1])
     return dq, dk, dv, None

@@ -36,5 +36,6 @@ def backward(residuals, do, *, window_size, scale):
     if q.dtype not in _KERNEL_DTYPES:
         return reference.backward(residuals, do, window_size=window_size, scale=scale)
     lo, hi = _key_range(q.shape[1], window_size, cu_seqlens)
-    dq, dk, dv = _flash.attend_backward(q, k, v, lo, hi, o, lse, do, scale=scale)
+    dq, dk, dv = _flash.attend_backward(q, k, v, lo, hi, o, lse, do, scale=scale,
+                                        query_span=min(int(window_size), q.shape[1]))
     return dq, dk, dv, None
