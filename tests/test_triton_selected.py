@@ -3,9 +3,10 @@
 On the CPU (every test but the gpu-marked one) the kernels run in Triton's interpreter
 (tests/triton_interpreter.py) and are compared with the XLA reference on float32 copies of the same
 rounded inputs: o, lse, dq, dk and dv; edge cases (-1, out-of-range and repeated indices, counts,
-packed sequences with an empty one, rows that see nothing, keys that must never be read) and
-bitwise determinism. The interpreter takes float32 and float16 only; bfloat16 runs on the GPU (here with wide heads, and
-the whole shared base in tests/test_triton_gpu.py).
+packed sequences with an empty one, rows that see nothing, keys that must never be read, query
+lists split into many segments) and bitwise determinism. The interpreter takes float32 and float16
+only; bfloat16 runs on the GPU (here with wide heads, and the whole shared base in
+tests/test_triton_gpu.py).
 """
 
 import jax
@@ -188,3 +189,56 @@ def test_vmap_runs_the_kernel_per_mapped_element(interpreted):
         np.testing.assert_array_equal(np.asarray(o[i]), np.asarray(f(xi.q, xi.k, xi.v)))
         dq_i = jax.grad(lambda q: jnp.sum(f(q, xi.k, xi.v) ** 2))(xi.q)
         assert_close(dq[i], dq_i, 1e-6, "dq under vmap")
+
+
+def test_segments_tile_every_list():
+    """_segments cuts each list into consecutive segments of at most L entries, within the static bound."""
+    from nsa.triton import selected as kernels
+
+    lengths = np.array([0, 7, 1, 0, 16, 3, 0], np.int32)
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    seg_len, E = 4, 40  # E: entries of the sorted array, valid or not (>= offsets[-1])
+    seg_offsets, seg_list, lo, hi = (np.asarray(a) for a in kernels._segments(jnp.asarray(offsets), E, seg_len))
+    assert seg_list.shape == (len(lengths) + E // seg_len,)
+    for i, n in enumerate(lengths):
+        segs = np.arange(seg_offsets[i], seg_offsets[i + 1])
+        assert len(segs) == -(-n // seg_len) and np.all(seg_list[segs] == i)
+        assert np.all(hi[segs] - lo[segs] <= seg_len) and np.all(hi[segs] > lo[segs])
+        bounds = np.concatenate([[offsets[i]], hi[segs]])  # consecutive, from offsets[i] to offsets[i + 1]
+        np.testing.assert_array_equal(bounds, np.concatenate([lo[segs], [offsets[i + 1]]]))
+    assert np.all(lo[seg_offsets[-1]:] == hi[seg_offsets[-1]:])  # padding segments are empty
+
+
+@pytest.mark.parametrize("shape, seg_len, cu", [
+    ((2, 32, 6, 2, 16, 24, 16), 24, None),  # G = 3: steps of 16 queries, 16 then 8 per segment; b, h > 0
+    ((1, 60, 2, 1, 16, 16, 16), 5, np.array([0, 13, 13, 40, 60], np.int32)),  # packed, traced under jit
+], ids=["split-by-24", "varlen-split-by-5"])
+def test_long_lists_split_into_segments(interpreted, monkeypatch, shape, seg_len, cu):
+    """Lists cut into many segments (L monkeypatched small) where block 0 is selected by every token, the
+    current block twice (so block 0 up to three times) and a random one: the backward (jitted, so a
+    cu_seqlens is traced) against the reference's gradients, and bitwise repeatable."""
+    from nsa.triton import selected as kernels
+
+    calls = []
+
+    def segment_length(*args):
+        calls.append(args)
+        return seg_len
+
+    monkeypatch.setattr(kernels, "_segment_length", segment_length)
+    x = Inputs(shape, "float32")
+    B, T, _, H = shape[:4]
+    bs, scale = x.block_size, shape[4] ** -0.5
+    cu_j = None if cu is None else jnp.asarray(cu)
+    cur = np.asarray(tokens(T, bs, cu_j).pos[0]) // bs  # in-sequence block of each token
+    rand = np.random.default_rng(3).integers(-1, cur + 2)  # -1, a visible block or the next (invalid)
+    idx = np.broadcast_to(np.stack([0 * cur, cur, cur, rand], -1)[None, :, None], (B, T, H, 4)).astype(np.int32)
+    counts = jnp.full((B, T, H), 4, jnp.int32)
+    _, res = kernels.forward(x.q, x.k, x.v, jnp.asarray(idx), counts, cu_j, block_size=bs, scale=scale)
+    backward = jax.jit(lambda res, do: kernels.backward(res, do, block_size=bs, scale=scale)[:3])
+    first, second = backward(res, x.do), backward(res, x.do)
+    _, ref = _run("xla", x.q, x.k, x.v, x.do, idx, None, bs, cu)
+    assert calls, "the backward did not run"
+    for name, a, b, c in zip(("dq", "dk", "dv"), first, second, ref):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        assert_close(a, c, 1e-5, name)

@@ -12,10 +12,17 @@ The decomposition follows fla's NSA kernels:
   group (rows padded to a power of two >= 16 for tl.dot), and it loops over the S slots with an
   online softmax in float32 (base 2 inside, natural-log lse outside);
 - backward: delta = sum(o * do) in XLA, then `_dq_kernel` on the forward's grid, recomputing the
-  probabilities from lse; dk and dv come from `_dkv_kernel`, one program per (key block row,
-  b * H + h), which walks the list of the queries that selected its block. The lists are the
-  selections inverted in JAX (a stable sort of the valid entries by (b, h, block row), offsets by
-  searchsorted): no float atomics, so dk and dv are bitwise repeatable.
+  probabilities from lse. dk and dv walk, for each key block row of each (batch, KV head), the list of
+  the queries that selected it: the selections inverted in JAX (a stable sort of the valid entries by
+  (b, h, block row), offsets by searchsorted). These lists are far from even (block 0 and the current
+  block are forced into every selection, so one list holds all T queries while the mean is about
+  S * block_size), so each list is cut into segments of at most L entries (`_segment_length`, L near
+  the mean list length): `_dkv_partial_kernel` runs one program per segment and stores float32
+  partial dk and dv, and `_dkv_reduce_kernel`, one program per list, adds its segments' partials in
+  segment order and stores dk and dv in the input dtype. No float atomics, so dk and dv are bitwise
+  repeatable; the partial buffers have a static bound of NL + ceil(E / L) segments (NL = B * H * NR
+  lists, E = B * T * H * S entries), each [block_size, Dk] and [block_size, Dv] in float32: 512 MiB at
+  B = 1, T = 65536, H = 4, S = 16, block_size 64, Dk = Dv = 128 (L = 1024, 8192 segments).
 
 Every array is indexed as [B, T, heads, D] row-major; token offsets (b * T + t) are computed in
 int64 before they are multiplied by heads * D, which can pass 2^31.
@@ -100,6 +107,21 @@ def _fwd_kernel(q, k, v, block_idx, block_counts, pos, start, o, lse,
 
 
 @triton.jit
+def _query_rows(q, do, lse, delta, q_rows, ok, DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexpr,
+                DVP: tl.constexpr):
+    """The rows q_rows ([R] int64, (b * T + t) * HQ + head) of q [B, T, HQ, DK] and do [B, T, HQ, DV] as tiles
+    [R, DKP] and [R, DVP], and of lse (in base 2, 0 where -inf: such a row sees nothing) and delta [B, T, HQ]
+    as [R] float32; rows that are not ok read as zeros."""
+    dk = tl.arange(0, DKP)
+    dv = tl.arange(0, DVP)
+    q_tile = tl.load(q + q_rows[:, None] * DK + dk[None, :], mask=ok[:, None] & (dk < DK)[None, :], other=0.0)
+    do_tile = tl.load(do + q_rows[:, None] * DV + dv[None, :], mask=ok[:, None] & (dv < DV)[None, :], other=0.0)
+    lse_r = tl.load(lse + q_rows, mask=ok, other=0.0)
+    lse2 = tl.where(lse_r > float("-inf"), lse_r * 1.4426950408889634, 0.0)
+    return q_tile, do_tile, lse2, tl.load(delta + q_rows, mask=ok, other=0.0)
+
+
+@triton.jit
 def _dq_kernel(q, k, v, block_idx, block_counts, pos, start, do, lse, delta, dq,
                T: tl.constexpr, H: tl.constexpr, G: tl.constexpr, S: tl.constexpr, DK: tl.constexpr,
                DV: tl.constexpr, BS: tl.constexpr, SCALE: tl.constexpr, GP: tl.constexpr,
@@ -124,11 +146,7 @@ def _dq_kernel(q, k, v, block_idx, block_counts, pos, start, do, lse, delta, dq,
     dv = tl.arange(0, DVP)
     g_ok = g < G
     q_rows = row * (H * G) + h * G + g
-    q_tile = tl.load(q + q_rows[:, None] * DK + dk[None, :], mask=g_ok[:, None] & (dk < DK)[None, :], other=0.0)
-    do_tile = tl.load(do + q_rows[:, None] * DV + dv[None, :], mask=g_ok[:, None] & (dv < DV)[None, :], other=0.0)
-    lse_g = tl.load(lse + q_rows, mask=g_ok, other=0.0)
-    lse2 = tl.where(lse_g > float("-inf"), lse_g * 1.4426950408889634, 0.0)  # base 2; unused if nothing seen
-    delta_g = tl.load(delta + q_rows, mask=g_ok, other=0.0)
+    q_tile, do_tile, lse2, delta_g = _query_rows(q, do, lse, delta, q_rows, g_ok, DK, DV, DKP, DVP)
 
     acc = tl.zeros([GP, DKP], tl.float32)
     count = tl.load(block_counts + row * H + h)
@@ -156,72 +174,120 @@ def _dq_kernel(q, k, v, block_idx, block_counts, pos, start, do, lse, delta, dq,
 
 
 @triton.jit
-def _dkv_kernel(q, k, v, do, lse, delta, row_start, row_end, offsets, query_tok, dk_out, dv_out,
-                T: tl.constexpr, H: tl.constexpr, G: tl.constexpr, NR: tl.constexpr, DK: tl.constexpr,
-                DV: tl.constexpr, BS: tl.constexpr, SCALE: tl.constexpr, GP: tl.constexpr,
-                GR: tl.constexpr, BQ: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr, BSP: tl.constexpr,
-                NSUB: tl.constexpr):
-    """dk and dv of one key block row of one (batch, KV head), from the queries that selected it.
+def _key_rows(row_start, row_end, r, chunk, b, T: tl.constexpr, BS: tl.constexpr, BSP: tl.constexpr):
+    """Keys chunk * BSP + j, j < BSP, of block row r: (j, their tokens in the batch row, which exist, their
+    int64 global token rows, 0 where they do not exist). Block row r is the tokens
+    [row_start[r], min(row_start[r] + BS, row_end[r])) of batch row b."""
+    j = chunk * BSP + tl.arange(0, BSP)
+    key_tok = tl.load(row_start + r) + j
+    key_ok = (j < BS) & (key_tok < tl.load(row_end + r))
+    return j, key_tok, key_ok, b * T + tl.where(key_ok, key_tok, 0)
 
-    Grid: (NR * NSUB, B * H), NR = block rows (ceil(T / BS), or per-sequence blocks when packed), each
-    split into NSUB programs of BSP keys (one when the block fits in shared memory). The block
-    row r holds the tokens [row_start[r], min(row_start[r] + BS, row_end[r])) of its batch row.
-    The queries that selected it are query_tok[offsets[i] : offsets[i + 1]] (token index in the batch
-    row; a query listed twice counts twice), i = (b * H + h) * NR + r.
-    Tile: BQ queries at a time, each with its G heads padded to GR = next_pow2(G) rows, so BQ * GR
-    rows (>= 16; GP, the forward's padding, is unused here).
+
+@triton.jit
+def _dkv_partial_kernel(q, k, v, do, lse, delta, row_start, row_end, seg_list, seg_lo, seg_hi, query_tok,
+                        dk_part, dv_part,
+                        T: tl.constexpr, H: tl.constexpr, G: tl.constexpr, NR: tl.constexpr, DK: tl.constexpr,
+                        DV: tl.constexpr, BS: tl.constexpr, SCALE: tl.constexpr, GP: tl.constexpr,
+                        GR: tl.constexpr, BQ: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr,
+                        BSP: tl.constexpr, NSUB: tl.constexpr):
+    """Partial dk and dv of one key block row of one (batch, KV head), from one segment of its query list.
+
+    Grid: (NSEG * NSUB,): program p takes BSP keys (chunk p % NSUB: one chunk when the block fits in shared
+    memory) of block row r, NR block rows (ceil(T / BS), or per-sequence blocks when packed), against
+    segment s = p // NSUB of list i = seg_list[s] = (b * H + h) * NR + r: the queries query_tok[seg_lo[s] :
+    seg_hi[s]] (token index in the batch row; a query listed twice counts twice). The segments past the
+    real ones are empty: they store zeros that are never reduced.
+    Tile: BQ queries at a time, each with its G heads padded to GR = next_pow2(G) rows, so BQ * GR rows
+    (>= 16; GP, the forward's padding, is unused here).
     Loads the key block k [B, T, H, DK] (BSP x DKP) and the value block v [B, T, H, DV] once, then per
-    chunk of queries q [B, T, HQ, DK], do [B, T, HQ, DV], lse and delta [B, T, HQ].
-    Stores dk [B, T, H, DK] and dv [B, T, H, DV] of the block's tokens once (zero if never selected).
+    step of BQ entries q [B, T, HQ, DK], do [B, T, HQ, DV], lse and delta [B, T, HQ].
+    Stores the unscaled float32 partials dk_part [NSEG, BS, DK] and dv_part [NSEG, BS, DV] of segment s
+    (zero for keys past the block's end).
     """
-    r = tl.program_id(0) // NSUB  # block row
-    chunk = tl.program_id(0) % NSUB  # which BSP keys of it
-    bh = tl.program_id(1)
+    seg = tl.program_id(0) // NSUB
+    list_id = tl.load(seg_list + seg)
+    bh = list_id // NR
     b = (bh // H).to(tl.int64)
     h = bh % H
-    first = tl.load(row_start + r)
-    end = tl.load(row_end + r)
-
-    j = chunk * BSP + tl.arange(0, BSP)
+    r = list_id % NR
+    chunk = tl.program_id(0) % NSUB
+    j, key_tok, key_ok, key_row = _key_rows(row_start, row_end, r, chunk, b, T, BS, BSP)
     dk = tl.arange(0, DKP)
     dv = tl.arange(0, DVP)
-    key_tok = first + j
-    key_ok = (j < BS) & (key_tok < end)
-    key_row = b * T + tl.where(key_ok, key_tok, 0)
     k_tile = tl.load(k + (key_row * H + h)[:, None] * DK + dk[None, :],
                      mask=key_ok[:, None] & (dk < DK)[None, :], other=0.0)  # [BSP, DKP]
     v_tile = tl.load(v + (key_row * H + h)[:, None] * DV + dv[None, :],
                      mask=key_ok[:, None] & (dv < DV)[None, :], other=0.0)  # [BSP, DVP]
 
     rows = tl.arange(0, BQ * GR)
-    e = rows // GR  # query of the chunk
+    e = rows // GR  # entry of the step
     g = rows % GR  # head of the group
     acc_k = tl.zeros([BSP, DKP], tl.float32)
     acc_v = tl.zeros([BSP, DVP], tl.float32)
-    list_id = bh.to(tl.int64) * NR + r
-    lo = tl.load(offsets + list_id)
-    hi = tl.load(offsets + list_id + 1)
-    i = lo
+    i = tl.load(seg_lo + seg)
+    hi = tl.load(seg_hi + seg)
     while i < hi:  # a while loop: Triton's interpreter cannot take loaded bounds in range()
         entry_ok = i + e < hi
         t = tl.load(query_tok + i + e, mask=entry_ok, other=0)
         ok = entry_ok & (g < G)
         q_rows = (b * T + t) * (H * G) + h * G + tl.where(ok, g, 0)
-        q_tile = tl.load(q + q_rows[:, None] * DK + dk[None, :], mask=ok[:, None] & (dk < DK)[None, :], other=0.0)
-        do_tile = tl.load(do + q_rows[:, None] * DV + dv[None, :], mask=ok[:, None] & (dv < DV)[None, :], other=0.0)
-        lse_r = tl.load(lse + q_rows, mask=ok, other=0.0)  # finite: each listed query sees this block
-        delta_r = tl.load(delta + q_rows, mask=ok, other=0.0)
-        seen = ok[:, None] & key_ok[None, :] & (key_tok[None, :] <= t[:, None])  # [BQ * GP, BSP]
+        q_tile, do_tile, lse2, delta_r = _query_rows(q, do, lse, delta, q_rows, ok, DK, DV, DKP, DVP)
+        seen = ok[:, None] & key_ok[None, :] & (key_tok[None, :] <= t[:, None])  # [BQ * GR, BSP]
         s = tl.dot(q_tile, tl.trans(k_tile), input_precision="ieee") * (SCALE * 1.4426950408889634)
-        p = tl.where(seen, tl.exp2(s - (lse_r * 1.4426950408889634)[:, None]), 0.0)
+        p = tl.where(seen, tl.exp2(s - lse2[:, None]), 0.0)  # lse is finite: each listed query sees this block
         acc_v += tl.dot(tl.trans(p.to(do_tile.dtype)), do_tile, input_precision="ieee")
         dp = tl.dot(do_tile, tl.trans(v_tile), input_precision="ieee")
         ds = p * (dp - delta_r[:, None])
         acc_k += tl.dot(tl.trans(ds.to(q_tile.dtype)), q_tile, input_precision="ieee")
         i += BQ
 
+    part = seg.to(tl.int64) * BS + j
+    tl.store(dk_part + part[:, None] * DK + dk[None, :], acc_k, mask=(j < BS)[:, None] & (dk < DK)[None, :])
+    tl.store(dv_part + part[:, None] * DV + dv[None, :], acc_v, mask=(j < BS)[:, None] & (dv < DV)[None, :])
+
+
+@triton.jit
+def _sum_partials(part, seg, stop, j, D: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr, BSP: tl.constexpr):
+    """The sum, in segment order, of the rows j [BSP] of the partials part[seg : stop] ([NSEG, BS, D]
+    float32), as a [BSP, DP] float32 tile."""
+    d = tl.arange(0, DP)
+    acc = tl.zeros([BSP, DP], tl.float32)
+    while seg < stop:
+        rows = seg.to(tl.int64) * BS + j
+        acc += tl.load(part + rows[:, None] * D + d[None, :], mask=(j < BS)[:, None] & (d < D)[None, :], other=0.0)
+        seg += 1
+    return acc
+
+
+@triton.jit
+def _dkv_reduce_kernel(dk_part, dv_part, row_start, row_end, seg_offsets, dk_out, dv_out,
+                       T: tl.constexpr, H: tl.constexpr, NR: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                       BS: tl.constexpr, SCALE: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr,
+                       BSP: tl.constexpr, NSUB: tl.constexpr):
+    """dk and dv of one key block row of one (batch, KV head): the sum of its segments' partials.
+
+    Grid: (NR * NSUB, B * H), as the lists: list i = (b * H + h) * NR + r owns the segments
+    [seg_offsets[i], seg_offsets[i + 1]) (none if the block was never selected), each program BSP keys.
+    Tile: [BSP, DKP], then [BSP, DVP], float32.
+    Loads the partials dk_part [NSEG, BS, DK] and dv_part [NSEG, BS, DV] of its segments, added in
+    segment order. Stores dk [B, T, H, DK] (times SCALE) and dv [B, T, H, DV] of the block's tokens in
+    their dtype: every token is in one block row, so every row is written (zero if never selected).
+    """
+    r = tl.program_id(0) // NSUB
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = bh % H
+    j, _, key_ok, key_row = _key_rows(row_start, row_end, r, tl.program_id(0) % NSUB, b, T, BS, BSP)
+    list_id = bh.to(tl.int64) * NR + r
+    first = tl.load(seg_offsets + list_id)
+    stop = tl.load(seg_offsets + list_id + 1)
+    dk = tl.arange(0, DKP)
+    acc_k = _sum_partials(dk_part, first, stop, j, DK, DKP, BS, BSP)
     tl.store(dk_out + (key_row * H + h)[:, None] * DK + dk[None, :], (acc_k * SCALE).to(dk_out.dtype.element_ty),
              mask=key_ok[:, None] & (dk < DK)[None, :])
+    dv = tl.arange(0, DVP)
+    acc_v = _sum_partials(dv_part, first, stop, j, DV, DVP, BS, BSP)
     tl.store(dv_out + (key_row * H + h)[:, None] * DV + dv[None, :], acc_v.to(dv_out.dtype.element_ty),
              mask=key_ok[:, None] & (dv < DV)[None, :])
 
@@ -254,6 +320,13 @@ def _dkv_rows(G, DKP, DVP):
     group = triton.next_power_of_2(G)
     rows = 32 if max(DKP, DVP) > 128 else 64
     return dict(GR=group, BQ=max(1, rows // group))
+
+
+def _segment_length(num_entries, num_lists):
+    """L, the most entries of a segment of a query list: the mean list length rounded up to a power of
+    two, within [256, 1024] (a multiple of every BQ). The longest program then walks no more than about
+    a mean list, and the segments number at most twice the lists once L reaches the mean."""
+    return min(1024, max(256, triton.next_power_of_2(-(-num_entries // max(num_lists, 1)))))
 
 
 # ------------------------------------------------------------------------------------ wrappers
@@ -333,6 +406,27 @@ def _query_lists(block_indices, block_counts, tok, B, T, H, NR, block_size):
     return offsets, query_tok
 
 
+def _segments(offsets, num_entries, seg_len):
+    """The query lists cut into segments of at most seg_len entries, all int32:
+    (seg_offsets [NL + 1], seg_list [NSEG], seg_lo [NSEG], seg_hi [NSEG]).
+
+    List i (entries offsets[i] : offsets[i + 1]) owns the segments seg_offsets[i] : seg_offsets[i + 1],
+    in entry order; segment s covers the entries seg_lo[s] : seg_hi[s] of list seg_list[s].
+    NSEG = NL + ceil(num_entries / seg_len) bounds sum_i ceil(len_i / seg_len) statically; the segments
+    past the real ones get an empty range of list 0 (never reduced).
+    """
+    NL = offsets.shape[0] - 1
+    counts = -(-(offsets[1:] - offsets[:-1]) // seg_len)
+    seg_offsets = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(counts).astype(jnp.int32)])
+    s = jnp.arange(NL + -(-num_entries // seg_len), dtype=jnp.int32)
+    seg_list = jnp.searchsorted(seg_offsets[1:], s, side="right").astype(jnp.int32)
+    real = seg_list < NL
+    seg_list = jnp.where(real, seg_list, 0)
+    lo = offsets[seg_list] + jnp.where(real, s - seg_offsets[seg_list], 0) * seg_len
+    hi = jnp.minimum(lo + seg_len, offsets[seg_list + 1])
+    return seg_offsets, seg_list, jnp.where(real, lo, 0), jnp.where(real, hi, 0)
+
+
 def backward(residuals, do, *, block_size, scale):
     """Gradients (dq, dk, dv, None, None, None) in the input dtypes, as the reference's backward."""
     q, k, v, block_indices, block_counts, cu_seqlens, o, lse = residuals
@@ -353,10 +447,19 @@ def backward(residuals, do, *, block_size, scale):
 
     NR, row_start, row_end = _block_rows(T, block_size, cu_seqlens)
     offsets, query_tok = _query_lists(idx, counts, tok, B, T, H, NR, block_size)
+    E = query_tok.shape[0]
+    seg_offsets, seg_list, seg_lo, seg_hi = _segments(offsets, E, _segment_length(E, B * H * NR))
+    NSEG = seg_list.shape[0]
+    dk_part, dv_part = _launch.triton_call(
+        q, k, v, do, lse, delta, row_start, row_end, seg_list, seg_lo, seg_hi, query_tok,
+        kernel=_dkv_partial_kernel,
+        out_shape=[_launch.shape_dtype((NSEG, block_size, D), jnp.float32) for D in (Dk, Dv)],
+        grid=(NSEG * meta["NSUB"],), num_warps=warps, num_stages=1, NR=NR,
+        **_dkv_rows(G, meta["DKP"], meta["DVP"]), **meta)
     dk, dv = _launch.triton_call(
-        q, k, v, do, lse, delta, row_start, row_end, offsets, query_tok,
-        kernel=_dkv_kernel,
+        dk_part, dv_part, row_start, row_end, seg_offsets,
+        kernel=_dkv_reduce_kernel,
         out_shape=[_launch.shape_dtype(k.shape, k.dtype), _launch.shape_dtype(v.shape, v.dtype)],
         grid=(NR * meta["NSUB"], B * H), num_warps=warps, num_stages=1, NR=NR,
-        **_dkv_rows(G, meta["DKP"], meta["DVP"]), **meta)
+        **{n: meta[n] for n in ("T", "H", "DK", "DV", "BS", "SCALE", "DKP", "DVP", "BSP", "NSUB")})
     return dq, dk, dv, None, None, None
