@@ -1,14 +1,14 @@
 """Where the time of nsa.attention goes: each op of the full NSA pipeline timed alone on the GPU.
 
-    python benchmarks/ops.py --out DIR [--seq-lens 65536] [--impl triton] [--sweep]
+    python -m benchmarks.ops --out DIR [--seq-lens 65536] [--impl triton] [--sweep flash selected]
 
 Standard shape of benchmarks/gpu.py (B=1, HQ=64, H=4, D=128, bf16, block 64, 16 blocks, window 512).
 For each T it times, forward and forward+backward (median over --iters after warm-up): compress of k
 (and the same for v), compressed_attention, select_blocks (forward only), selected_attention on the
-selected blocks, sliding_window_attention, and the whole nsa.attention. Writes ops.json into --out.
+selected blocks, sliding_window_attention, and the whole nsa.attention. Writes ops-<seq lens>.json into --out.
 
---sweep also times the flash kernels (window, compressed) and the selected-attention kernels under a
-few tile / warp / stage candidates, by replacing the heuristics for the run: a tuning aid, the
+--sweep also times the flash kernels (window, compressed) and the per-token selected-attention
+kernels (forward, dq) under a few tile / warp / stage candidates, by replacing the heuristics for the run: a tuning aid, the
 library's heuristics are not changed by it.
 """
 
@@ -79,24 +79,27 @@ def time_ops(T, impl, iters, names=None):
     return rows
 
 
-def sweep(T, iters):
-    """Times window / compressed / selected under candidate configs (monkeypatched heuristics)."""
+def sweep(T, iters, what):
+    """Times window / compressed ("flash") and selected ("selected") under candidate configs
+    (monkeypatched heuristics)."""
     from nsa.triton import _flash, selected
 
     rows = []
     flash_default = _flash._config
-    for bm, bn, warps, stages in itertools.product((64, 128), (64, 128), (4, 8), (2, 3)):
+    flash_configs = itertools.product((64, 128), (64, 128), (4, 8), (2, 3)) if "flash" in what else ()
+    for bm, bn, warps, stages in flash_configs:
         _flash._config = lambda *a, backward, **k: (min(bm, 64) if backward else bm, bn, warps, stages)
         for row in time_ops(T, "triton", iters, names=("window", "compressed")):
             rows.append(dict(row, config=dict(block_m=bm, block_n=bn, warps=warps, stages=stages)))
     _flash._config = flash_default
 
-    warps_default = selected._warps
-    for warps in (2, 4, 8):
-        selected._warps = lambda *sizes: warps
+    launch_default = selected._per_token_launch
+    for warps, stages in itertools.product((2, 4, 8), (1, 2, 3)) if "selected" in what else ():
+        selected._per_token_launch = lambda meta, S: dict(launch_default(meta, S), num_warps=warps,
+                                                          num_stages=stages)
         for row in time_ops(T, "triton", iters, names=("selected",)):
-            rows.append(dict(row, config=dict(warps=warps)))
-    selected._warps = warps_default
+            rows.append(dict(row, config=dict(warps=warps, stages=stages)))
+    selected._per_token_launch = launch_default
     return rows
 
 
@@ -106,15 +109,16 @@ def main():
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[65536])
     parser.add_argument("--impl", default="triton")
     parser.add_argument("--iters", type=int, default=10)
-    parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--sweep", nargs="*", choices=["flash", "selected"], default=[],
+                        help="kernels to sweep over candidate configs")
     args = parser.parse_args()
     result = dict(date=time.strftime("%Y-%m-%d"), device=str(jax.devices()[0].device_kind), jax=jax.__version__,
                   rows=[], sweep=[])
     for T in args.seq_lens:
         result["rows"] += time_ops(T, args.impl, args.iters)
         if args.sweep:
-            result["sweep"] += sweep(T, args.iters)
-    with open(f"{args.out}/ops.json", "w") as f:
+            result["sweep"] += sweep(T, args.iters, args.sweep)
+    with open(f"{args.out}/ops-{'-'.join(map(str, args.seq_lens))}.json", "w") as f:
         json.dump(result, f, indent=1)
 
 

@@ -42,10 +42,31 @@ from nsa.triton import _launch
 
 
 @triton.jit
+def _valid_blocks(block_idx, block_counts, list_row, last, S: tl.constexpr, SP: tl.constexpr):
+    """The S slots of block_idx [B, T, H, S] at list_row (= (b * T + t) * H + h) as an [SP] vector of
+    block ids, -1 where the slot is skipped: past block_counts, negative, or after the query's block."""
+    slots = tl.arange(0, SP)
+    listed = tl.load(block_idx + list_row * S + slots, mask=slots < S, other=-1)
+    count = tl.load(block_counts + list_row)
+    return tl.where((slots < count) & (listed >= 0) & (listed <= last), listed, -1)
+
+
+@triton.jit
+def _block_keys(blk, chunk, p_t, s_t, b, T: tl.constexpr, BS: tl.constexpr, BSP: tl.constexpr):
+    """Keys chunk * BSP + j, j < BSP, of in-sequence block blk for the query at position p_t of the
+    sequence starting at token s_t of batch row b: (j, which are seen (none if blk < 0), their int64
+    global token rows, in bounds also where not seen)."""
+    j = chunk * BSP + tl.arange(0, BSP)
+    key_pos = blk * BS + j
+    seen = (blk >= 0) & (j < BS) & (key_pos <= p_t)
+    return j, seen, b * T + s_t + tl.where(seen, key_pos, 0)
+
+
+@triton.jit
 def _fwd_kernel(q, k, v, block_idx, block_counts, pos, start, o, lse,
                 T: tl.constexpr, H: tl.constexpr, G: tl.constexpr, S: tl.constexpr, DK: tl.constexpr,
                 DV: tl.constexpr, BS: tl.constexpr, SCALE: tl.constexpr, GP: tl.constexpr,
-                DKP: tl.constexpr, DVP: tl.constexpr, BSP: tl.constexpr, NSUB: tl.constexpr):
+                DKP: tl.constexpr, DVP: tl.constexpr, BSP: tl.constexpr, NSUB: tl.constexpr, SP: tl.constexpr):
     """Forward of selected attention for one (query token, KV head).
 
     Grid: (T, B * H). Tile: the G query heads of KV head h at token t, rows padded to GP (a power of
@@ -73,28 +94,25 @@ def _fwd_kernel(q, k, v, block_idx, block_counts, pos, start, o, lse,
     m = tl.full([GP], float("-inf"), tl.float32)  # running max of the base-2 logits
     l_sum = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, DVP], tl.float32)
-    count = tl.load(block_counts + row * H + h)
-    last = p_t // BS
-    for slot in range(S):
-        blk = tl.load(block_idx + (row * H + h) * S + slot)
-        if (slot < count) & (blk >= 0) & (blk <= last):
-            for chunk in tl.static_range(NSUB):  # the block in chunks of BSP keys
-                j = chunk * BSP + tl.arange(0, BSP)
-                key_pos = blk * BS + j  # in-sequence positions; blk * BS <= p_t so one key at least is seen
-                seen = (j < BS) & (key_pos <= p_t)
-                key_row = b * T + s_t + tl.where(seen, key_pos, 0)  # masked lanes keep an in-bounds address
-                k_t = tl.load(k + (key_row * H + h)[None, :] * DK + dk[:, None],
-                              mask=seen[None, :] & (dk < DK)[:, None], other=0.0)  # [DKP, BSP]
-                v_tile = tl.load(v + (key_row * H + h)[:, None] * DV + dv[None, :],
-                                 mask=seen[:, None] & (dv < DV)[None, :], other=0.0)  # [BSP, DVP]
-                s = tl.dot(q_tile, k_t, input_precision="ieee") * (SCALE * 1.4426950408889634)
-                s = tl.where(seen[None, :], s, float("-inf"))
-                m_new = tl.maximum(m, tl.max(s, 1))  # finite: every block has a seen key
-                alpha = tl.exp2(m - m_new)
-                e = tl.exp2(s - m_new[:, None])
-                l_sum = l_sum * alpha + tl.sum(e, 1)
-                acc = acc * alpha[:, None] + tl.dot(e.to(v_tile.dtype), v_tile, input_precision="ieee")
-                m = m_new
+    blocks = _valid_blocks(block_idx, block_counts, row * H + h, p_t // BS, S, SP)
+    slots = tl.arange(0, SP)
+    for slot in range(S):  # no branch on the slot: masked loads, so the pipeliner overlaps the blocks
+        blk = tl.max(tl.where(slots == slot, blocks, -1), 0)  # -1: skipped, nothing of it is loaded
+        for chunk in tl.static_range(NSUB):  # the block in chunks of BSP keys
+            j, seen, key_row = _block_keys(blk, chunk, p_t, s_t, b, T, BS, BSP)
+            k_t = tl.load(k + (key_row * H + h)[None, :] * DK + dk[:, None],
+                          mask=seen[None, :] & (dk < DK)[:, None], other=0.0)  # [DKP, BSP]
+            v_tile = tl.load(v + (key_row * H + h)[:, None] * DV + dv[None, :],
+                             mask=seen[:, None] & (dv < DV)[None, :], other=0.0)  # [BSP, DVP]
+            s = tl.dot(q_tile, k_t, input_precision="ieee") * (SCALE * 1.4426950408889634)
+            s = tl.where(seen[None, :], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet: no NaN
+            alpha = tl.exp2(m - m_use)
+            e = tl.exp2(s - m_use[:, None])
+            l_sum = l_sum * alpha + tl.sum(e, 1)
+            acc = acc * alpha[:, None] + tl.dot(e.to(v_tile.dtype), v_tile, input_precision="ieee")
+            m = m_new
 
     any_seen = l_sum > 0
     out = acc / tl.where(any_seen, l_sum, 1.0)[:, None]
@@ -125,7 +143,7 @@ def _query_rows(q, do, lse, delta, q_rows, ok, DK: tl.constexpr, DV: tl.constexp
 def _dq_kernel(q, k, v, block_idx, block_counts, pos, start, do, lse, delta, dq,
                T: tl.constexpr, H: tl.constexpr, G: tl.constexpr, S: tl.constexpr, DK: tl.constexpr,
                DV: tl.constexpr, BS: tl.constexpr, SCALE: tl.constexpr, GP: tl.constexpr,
-               DKP: tl.constexpr, DVP: tl.constexpr, BSP: tl.constexpr, NSUB: tl.constexpr):
+               DKP: tl.constexpr, DVP: tl.constexpr, BSP: tl.constexpr, NSUB: tl.constexpr, SP: tl.constexpr):
     """dq of selected attention for one (query token, KV head), recomputing p from lse.
 
     Grid: (T, B * H), as the forward. Tile: the G query heads (GP rows) against one key block.
@@ -149,25 +167,21 @@ def _dq_kernel(q, k, v, block_idx, block_counts, pos, start, do, lse, delta, dq,
     q_tile, do_tile, lse2, delta_g = _query_rows(q, do, lse, delta, q_rows, g_ok, DK, DV, DKP, DVP)
 
     acc = tl.zeros([GP, DKP], tl.float32)
-    count = tl.load(block_counts + row * H + h)
-    last = p_t // BS
-    for slot in range(S):
-        blk = tl.load(block_idx + (row * H + h) * S + slot)
-        if (slot < count) & (blk >= 0) & (blk <= last):
-            for chunk in tl.static_range(NSUB):  # the block in chunks of BSP keys
-                j = chunk * BSP + tl.arange(0, BSP)
-                key_pos = blk * BS + j
-                seen = (j < BS) & (key_pos <= p_t)
-                key_row = b * T + s_t + tl.where(seen, key_pos, 0)
-                k_tile = tl.load(k + (key_row * H + h)[:, None] * DK + dk[None, :],
-                                 mask=seen[:, None] & (dk < DK)[None, :], other=0.0)  # [BSP, DKP]
-                v_t = tl.load(v + (key_row * H + h)[None, :] * DV + dv[:, None],
-                              mask=seen[None, :] & (dv < DV)[:, None], other=0.0)  # [DVP, BSP]
-                s = tl.dot(q_tile, tl.trans(k_tile), input_precision="ieee") * (SCALE * 1.4426950408889634)
-                p = tl.where(seen[None, :] & g_ok[:, None], tl.exp2(s - lse2[:, None]), 0.0)
-                dp = tl.dot(do_tile, v_t, input_precision="ieee")
-                ds = p * (dp - delta_g[:, None])
-                acc += tl.dot(ds.to(k_tile.dtype), k_tile, input_precision="ieee")
+    blocks = _valid_blocks(block_idx, block_counts, row * H + h, p_t // BS, S, SP)
+    slots = tl.arange(0, SP)
+    for slot in range(S):  # as the forward: no branch, masked loads
+        blk = tl.max(tl.where(slots == slot, blocks, -1), 0)
+        for chunk in tl.static_range(NSUB):  # the block in chunks of BSP keys
+            j, seen, key_row = _block_keys(blk, chunk, p_t, s_t, b, T, BS, BSP)
+            k_tile = tl.load(k + (key_row * H + h)[:, None] * DK + dk[None, :],
+                             mask=seen[:, None] & (dk < DK)[None, :], other=0.0)  # [BSP, DKP]
+            v_t = tl.load(v + (key_row * H + h)[None, :] * DV + dv[:, None],
+                          mask=seen[None, :] & (dv < DV)[:, None], other=0.0)  # [DVP, BSP]
+            s = tl.dot(q_tile, tl.trans(k_tile), input_precision="ieee") * (SCALE * 1.4426950408889634)
+            p = tl.where(seen[None, :] & g_ok[:, None], tl.exp2(s - lse2[:, None]), 0.0)
+            dp = tl.dot(do_tile, v_t, input_precision="ieee")
+            ds = p * (dp - delta_g[:, None])
+            acc += tl.dot(ds.to(k_tile.dtype), k_tile, input_precision="ieee")
 
     tl.store(dq + q_rows[:, None] * DK + dk[None, :], (acc * SCALE).to(dq.dtype.element_ty),
              mask=g_ok[:, None] & (dk < DK)[None, :])
@@ -314,6 +328,13 @@ def _warps(*sizes):
     return 8 if max(sizes) > 128 else 4
 
 
+def _per_token_launch(meta, S):
+    """Launch settings of the per-token kernels (forward, dq): warps, 2 pipeline stages (the next
+    block's keys load while this one is computed), the S slots and SP = S padded to a power of two."""
+    return dict(num_warps=_warps(meta["DKP"], meta["DVP"], meta["BSP"]), num_stages=2, S=S,
+                SP=triton.next_power_of_2(S))
+
+
 def _dkv_rows(G, DKP, DVP):
     """(GR, BQ) of the dk/dv tile: next_pow2(G) rows per query, BQ queries, BQ * GR = 64 rows (32 for
     wide heads) or GR when one group is larger."""
@@ -360,7 +381,7 @@ def forward(q, k, v, block_indices, block_counts, cu_seqlens, *, block_size, sca
         q, k, v, _clipped(block_indices, T, block_size), block_counts.astype(jnp.int32), tok.pos[0], tok.start[0],
         kernel=_fwd_kernel,
         out_shape=[_launch.shape_dtype(q.shape[:3] + (Dv,), q.dtype), _launch.shape_dtype(q.shape[:3], jnp.float32)],
-        grid=(T, B * H), num_warps=_warps(meta["DKP"], meta["DVP"], meta["BSP"]), num_stages=1, S=S, **meta)
+        grid=(T, B * H), **_per_token_launch(meta, S), **meta)
     return o, (q, k, v, block_indices, block_counts, cu_seqlens, o, lse)
 
 
@@ -443,7 +464,7 @@ def backward(residuals, do, *, block_size, scale):
     dq = _launch.triton_call(
         q, k, v, idx, counts, tok.pos[0], tok.start[0], do, lse, delta,
         kernel=_dq_kernel, out_shape=_launch.shape_dtype(q.shape, q.dtype),
-        grid=(T, B * H), num_warps=warps, num_stages=1, S=S, **meta)
+        grid=(T, B * H), **_per_token_launch(meta, S), **meta)
 
     NR, row_start, row_end = _block_rows(T, block_size, cu_seqlens)
     offsets, query_tok = _query_lists(idx, counts, tok, B, T, H, NR, block_size)
