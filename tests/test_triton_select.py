@@ -2,10 +2,12 @@
 
 On the CPU (every test but the gpu-marked one) the kernel runs in Triton's interpreter
 (tests/triton_interpreter.py) and must return exactly the XLA reference's block ids, in the
-reference's rank order: G in {1, 3, 16}, block_counts from 1 to more than the blocks, T not a multiple
-of block_size and T < block_size, ties (all-equal compressed keys), packed sequences with an empty one
-(eager and with a traced cu_seqlens), compressed rows that no query sees (NaN, never read), float32
-and float16. The interpreter takes float32 and float16 only; bfloat16 runs on the GPU.
+reference's rank order: G in {1, 3, 5, 16} (several tokens per program, their heads padded to a
+power of two), block_counts from 1 to more than the blocks, T not a multiple of block_size and
+T < block_size, ties (all-equal compressed keys), packed sequences with an empty one (eager and with a
+traced cu_seqlens, programs whose tokens span two sequences), compressed rows that no query sees (NaN,
+never used), compressed attention's lse given (the kernel then skips its own pass), float32 and
+float16. The interpreter takes float32 and float16 only; bfloat16 runs on the GPU.
 """
 
 import jax
@@ -15,7 +17,9 @@ import pytest
 
 import nsa
 from nsa._varlen import num_compressed_blocks, tokens
+from nsa.api import _select as select_with_lse
 from nsa.reference import select as reference
+from nsa.triton import select as triton_select
 from tests.conftest import ON_GPU
 
 CU = np.array([0, 23, 23, 41, 70], np.int32)  # lengths 23, 0, 18, 29 (T = 70)
@@ -89,7 +93,7 @@ def test_ties_go_to_lower_ids(interpreted):
 
 def test_varlen_with_an_empty_sequence_eager_and_traced(interpreted):
     """Packed sequences (one empty); k_cmp rows that no query sees (each sequence's partial last block)
-    are NaN and must never be read; under jit cu_seqlens is traced and the result is the same."""
+    are NaN and must never be used; under jit cu_seqlens is traced and the result is the same."""
     B, T, HQ, H, Dk, bs = 1, 70, 6, 2, 16, 8
     q, k_cmp = _inputs(B, T, HQ, H, Dk, bs, "float32", CU)
     lengths = np.diff(CU)
@@ -104,6 +108,23 @@ def test_varlen_with_an_empty_sequence_eager_and_traced(interpreted):
     np.testing.assert_array_equal(np.asarray(traced), np.asarray(got))
     pos = np.asarray(tokens(T, bs, cu).pos[0])
     assert np.all(np.asarray(got)[0, :, :, 0] == (pos // bs)[:, None])  # in-sequence ids
+
+
+def test_given_lse_packed_tiles_across_sequences(interpreted):
+    """With compressed attention's lse the kernel skips its own pass and still returns the reference's
+    ids (the reference computing its own lse): G = 5 (heads padded to 8, 4 tokens per program), packed
+    sequences with programs whose tokens belong to two sequences, queries that see no compressed row
+    (lse = -inf)."""
+    B, T, HQ, H, Dk, bs = 1, 70, 10, 2, 16, 4
+    cu = jnp.asarray(CU)
+    sizes, _ = triton_select._tiles(T, HQ // H, Dk, -(-T // bs), 5, 4)
+    tb = sizes["TB"]
+    assert tb > 1 and any(c % tb for c in CU[1:-1]), "no program spans two sequences"  # tokens c - 1 and c
+    q, k_cmp = _inputs(B, T, HQ, H, Dk, bs, "float32", CU, seed=1)
+    lse = nsa.compressed_attention(q, k_cmp, k_cmp, block_size=bs, cu_seqlens=cu, implementation="xla")[1]
+    assert np.any(np.isneginf(np.asarray(lse)))
+    got = select_with_lse(q, k_cmp, lse, 5, bs, None, cu, "triton")
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(_select("xla", q, k_cmp, 5, bs, cu)))
 
 
 # ---------------------------------------------------------------------------------------- GPU

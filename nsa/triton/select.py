@@ -7,164 +7,204 @@ mean_g p_g(c). Blocks 0, p // bs - 1 and p // bs are forced (ranks 2, 3 and 4, a
 blocks after p // bs are never candidates; the block_counts best are kept in rank order, ties going
 to the lower block id, unused slots -1.
 
-`_select_kernel` never materializes the [T, NC] scores: one program per (token t, b * H + h) walks
-the candidate blocks in chunks of BC twice, first for the log-sum-exp of each query head (online, in
-base 2), then to recompute the probabilities, average them over the group and merge the chunk into a
-running top-S kept in registers. Everything is float32 whatever the input dtype; a row's result
-depends only on its own loads, so it is deterministic. Batched and packed sequences take one path:
-the kernel reads pos and cmp_start (nsa._varlen.tokens) per token.
+`_select_kernel` never materializes the [T, NC] scores. One program owns TB consecutive tokens of one
+KV head and stacks their G query heads (padded to GR, a power of two) into the rows of one tile, so
+every chunk of BC compressed rows is loaded once for TB tokens and tl.dot gets TB * GR rows (64; 32 in
+float32). It walks the chunks twice: first for the log-sum-exp of each row (online, in base 2),
+skipped when the caller gives compressed attention's lse; then to recompute the probabilities, sum
+them over each token's heads and merge the chunk into each token's running top.
 
-Layouts (contiguous): q [B, T, HQ, Dk], k_cmp [B, NC, H, Dk], out [B, T, H, block_counts] int32;
-query head hq uses KV head hq // G. Token offsets are computed in int64 (b * T + t can be multiplied
-past 2^31).
+The top is kept as sortable int64 keys (score bits << 32 | (2^31 - 1 - block id)): scores are >= 0,
+so the key order is the rank order, ties going to the lower id. A chunk's best SP keys (tl.topk,
+descending) against the running top (ascending) take their elementwise maximum, the SP best of
+both as a bitonic sequence, which tl.bitonic_merge sorts again; chunks that cannot enter any token's
+top are skipped. Everything is float32 whatever the input dtype; a row's result depends only on its
+own loads, so it is deterministic. Batched and packed sequences take one path: the kernel reads pos
+and cmp_start (nsa._varlen.tokens) per token, and the tokens of one tile may belong to several
+packed sequences (each token has its own visible rows, candidates and top).
+
+Layouts (contiguous): q [B, T, HQ, Dk], k_cmp [B, NC, H, Dk], lse [B, T, HQ] float32,
+out [B, T, H, S] int32; query head hq uses KV head hq // G. Token offsets are computed in int64
+(b * T + t can be multiplied past 2^31).
 """
 
 import jax.numpy as jnp
 import triton
 import triton.language as tl
 
-from nsa._varlen import tokens
+from nsa._varlen import cdiv, tokens
 from nsa.reference import select as reference
 from nsa.triton import _launch
 
+_ROWS = 64  # query rows per tile (TB tokens x GR heads): the M of one wgmma
+_ROWS_FP32 = 32  # float32 takes no wgmma (IEEE products: an FMA dot), and spills less with fewer rows
 
 # ------------------------------------------------------------------------------------------ kernels
 
 
 @triton.jit
-def _logits(q_tile, k_cmp, first, blk, vis, b, h,
+def _logits(q_tile, k_cmp, rows, load, b, h,
             NC: tl.constexpr, H: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr,
             SCALE: tl.constexpr, IEEE: tl.constexpr):
-    """Base-2 logits [GP, BC] of the group's heads against the compressed rows first + blk (-inf where
-    not vis); loads the key chunk transposed, k_cmp [B, NC, H, DK] -> DKP x BC, masked by vis."""
+    """Base-2 logits [M, BC] of the tile's query rows q_tile [M, DKP] against the compressed rows
+    `rows` [BC] of KV head h; loads the key chunk transposed, k_cmp [B, NC, H, DK] -> [DKP, BC], only
+    the rows where `load` (the others read as 0). The caller masks the logits of rows a query does not
+    see: a row loaded for another token of the tile may hold anything (NaN too), and it only spoils its
+    own column."""
     dk = tl.arange(0, DKP)
-    k_row = b * NC + first + tl.where(vis, blk, 0)  # masked lanes keep an in-bounds address
+    k_row = b * NC + tl.where(load, rows, 0)  # masked lanes keep an in-bounds address
     k_t = tl.load(k_cmp + (k_row * H + h)[None, :] * DK + dk[:, None],
-                  mask=vis[None, :] & (dk < DK)[:, None], other=0.0)
+                  mask=load[None, :] & (dk < DK)[:, None], other=0.0)
     if IEEE:
         s = tl.dot(q_tile, k_t, input_precision="ieee")
     else:
         s = tl.dot(q_tile, k_t)
-    return tl.where(vis[None, :], s * (SCALE * 1.4426950408889634), float("-inf"))
+    return s * (SCALE * 1.4426950408889634)
 
 
 @triton.jit
-def _beats(v_a, id_a, v_b, id_b):
-    """Whether a ranks above b: a higher value, or an equal value and a lower id (broadcasting)."""
-    return (v_a > v_b) | ((v_a == v_b) & (id_a < id_b))
+def _keys(score, blk, cur):
+    """Sortable int64 keys [TB, BC] of the chunk's blocks from their scores [TB, BC].
 
-
-@triton.jit
-def _merge(vals, ids, cand, cand_ids, SP: tl.constexpr):
-    """The best SP of the running top (vals, ids [SP], in rank order) and the chunk (cand, cand_ids [BC]).
-
-    A merge by ranks, with no sequential rounds: an entry's rank in the union is the number of entries
-    that beat it (ids are distinct, so exactly one entry has each rank), from the comparison matrices
-    chunk x top [SP, BC] and chunk x chunk [BC, BC]; the entry of rank i goes to slot i. Values of -inf
-    are empty and never placed; empty slots hold -inf and id -1.
+    blk [TB, BC] are the in-sequence block ids of each token, cur [TB] its current block. The forced
+    ranks of nsa.reference.select (_FIRST, _PREVIOUS, _CURRENT) replace the scores, in its order;
+    candidates (0 <= blk <= cur) get (float bits of the rank) << 32 | (2^31 - 1 - blk), which orders
+    as (rank, -blk) since ranks are >= 0; every other block gets -1, below any candidate.
     """
-    slot = tl.arange(0, SP)
-    cand_over_top = _beats(cand[None, :], cand_ids[None, :], vals[:, None], ids[:, None])  # [SP, BC]
-    cand_over_cand = _beats(cand[:, None], cand_ids[:, None], cand[None, :], cand_ids[None, :])  # [BC, BC]
-    rank_top = slot + tl.sum(cand_over_top.to(tl.int32), 1)
-    rank_cand = (tl.sum(tl.where(cand_over_top, 0, 1), 0)  # the top's entries that beat the candidate
-                 + tl.sum(cand_over_cand.to(tl.int32), 0))
-    at_top = (rank_top[None, :] == slot[:, None]) & (vals > float("-inf"))[None, :]  # [SP slots, SP]
-    at_cand = (rank_cand[None, :] == slot[:, None]) & (cand > float("-inf"))[None, :]  # [SP slots, BC]
-    new_vals = tl.maximum(tl.max(tl.where(at_top, vals[None, :], float("-inf")), 1),
-                          tl.max(tl.where(at_cand, cand[None, :], float("-inf")), 1))
-    new_ids = tl.maximum(tl.max(tl.where(at_top, ids[None, :], -1), 1),
-                         tl.max(tl.where(at_cand, cand_ids[None, :], -1), 1))
-    return new_vals, new_ids
+    rank = tl.where(blk == 0, 2.0, score)
+    rank = tl.where(blk == cur[:, None] - 1, 3.0, rank)
+    rank = tl.where(blk == cur[:, None], 4.0, rank)
+    key = (rank.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (0x7FFFFFFF - blk).to(tl.int64)
+    return tl.where((blk >= 0) & (blk <= cur[:, None]), key, -1)
 
 
 @triton.jit
-def _select_kernel(q, k_cmp, pos, cmp_start, out,
+def _select_kernel(q, k_cmp, lse, pos, cmp_start, out,
                    T: tl.constexpr, NC: tl.constexpr, H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr,
-                   BS: tl.constexpr, S: tl.constexpr, SCALE: tl.constexpr, GP: tl.constexpr,
-                   DKP: tl.constexpr, BC: tl.constexpr, SP: tl.constexpr, IEEE: tl.constexpr):
-    """The top-S blocks of one (query token, KV head).
+                   BS: tl.constexpr, S: tl.constexpr, SCALE: tl.constexpr, GR: tl.constexpr, TB: tl.constexpr,
+                   DKP: tl.constexpr, BC: tl.constexpr, SP: tl.constexpr, IEEE: tl.constexpr,
+                   HAS_LSE: tl.constexpr):
+    """The top-S blocks of TB consecutive tokens of one KV head.
 
-    Grid: (T, B * H). Tile: the G query heads of KV head h at token t, rows padded to GP (a power of
-    two >= 16, masked), against BC compressed rows at a time.
-    Loads q [B, T, HQ, DK] once (GP x DKP), pos and cmp_start [T] (int32, shared by the batch), then
-    the key chunks k_cmp [B, NC, H, DK] (DKP x BC) twice: pass 1 over the visible rows
-    [0, (p + 1) // BS) for the lse of each head; pass 2 over the candidate blocks [0, p // BS] (the
-    current block may be one past the visible rows) for the scores, each chunk merged into the running
-    top-S (SP = S padded to a power of two) unless it cannot enter it.
+    Grid: (cdiv(T, TB), B * H). Tile: M = TB * GR query rows, row i = token t0 + i // GR, head
+    h * G + i % GR (heads >= G and tokens >= T masked), against BC compressed rows at a time.
+    Loads q [B, T, HQ, DK] once (M x DKP), pos and cmp_start [T] (int32, shared by the batch) per token
+    and per row, lse [B, T, HQ] (M rows, when HAS_LSE), then the key chunks k_cmp [B, NC, H, DK]
+    (DKP x BC). The chunks walk the rows of k_cmp from the tile's lowest cmp_start, and load the rows
+    below the tile's last visible one (vis_end): rows past it are never read; the partial last block of
+    a packed sequence may be loaded when the tile holds the next sequence's tokens, but no query uses it.
+    Without HAS_LSE a first pass up to vis_end computes the lse of each query row; the second pass up
+    to the last candidate block (the current block may be one past the visible rows) sums the
+    probabilities over each token's heads ([M, BC] -> [TB, GR, BC]) and merges the chunk into the
+    running top of each token ([TB, SP] keys, SP = S padded to a power of two >= 2, SP <= BC), unless
+    no key can enter any token's top-S.
     Stores out [B, T, H, S] int32: block ids in rank order, -1 in unused slots.
     """
-    t = tl.program_id(0)
+    t0 = tl.program_id(0) * TB
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)
     h = bh % H
-    row = b * T + t  # int64 global token row of the query
-    p_t = tl.load(pos + t)
-    first = tl.load(cmp_start + t)
-    n_vis = (p_t + 1) // BS  # visible compressed rows
-    cur = p_t // BS  # the current block; candidates are 0..cur
+    M: tl.constexpr = TB * GR
+    LOG2E: tl.constexpr = 1.4426950408889634
 
-    g = tl.arange(0, GP)
+    # each token of the tile [TB]: its sequence's first compressed row, visible rows and current block
+    tok = t0 + tl.arange(0, TB)
+    tok_ok = tok < T
+    p_tok = tl.load(pos + tok, mask=tok_ok, other=0)
+    first = tl.load(cmp_start + tok, mask=tok_ok, other=0)
+    n_vis = tl.where(tok_ok, (p_tok + 1) // BS, 0)
+    cur = tl.where(tok_ok, p_tok // BS, -1)  # padded tokens have no candidates
+
+    # each query row of the tile [M]: its token's visible rows [first_row, end_row) of k_cmp
+    i = tl.arange(0, M)
+    t_row = t0 + i // GR
+    hq = h * G + i % GR
+    row_ok = (i % GR < G) & (t_row < T)
+    first_row = tl.load(cmp_start + t_row, mask=row_ok, other=0)
+    end_row = tl.where(row_ok, first_row + (tl.load(pos + t_row, mask=row_ok, other=0) + 1) // BS, first_row)
+    q_row = (b * T + t_row) * (H * G) + hq  # int64 row of q and lse
     dk = tl.arange(0, DKP)
+    q_tile = tl.load(q + q_row[:, None] * DK + dk[None, :], mask=row_ok[:, None] & (dk < DK)[None, :], other=0.0)
+
     c = tl.arange(0, BC)
-    g_ok = g < G
-    q_tile = tl.load(q + (row * (H * G) + h * G + g)[:, None] * DK + dk[None, :],
-                     mask=g_ok[:, None] & (dk < DK)[None, :], other=0.0)
+    # the chunks walk k_cmp from the tile's lowest cmp_start; no token of the tile sees a row >= vis_end
+    lo = tl.min(tl.where(tok_ok, first, NC), 0)
+    vis_end = tl.max(first + n_vis, 0)
+    if HAS_LSE:
+        lse_row = tl.load(lse + q_row, mask=row_ok, other=float("-inf"))
+        seen = lse_row > float("-inf")  # rows that see no compressed row get p = 0, never NaN
+        lse2 = tl.where(seen, lse_row * LOG2E, 0.0)
+    else:
+        # pass 1: lse (base 2) of each row over its visible rows
+        m = tl.full([M], float("-inf"), tl.float32)
+        l_sum = tl.zeros([M], tl.float32)
+        r0 = lo
+        while r0 < vis_end:  # a while loop: Triton's interpreter cannot take loaded bounds in range()
+            rows = r0 + c
+            s = _logits(q_tile, k_cmp, rows, rows < vis_end, b, h, NC, H, DK, DKP, SCALE, IEEE)
+            s = tl.where((rows[None, :] >= first_row[:, None]) & (rows[None, :] < end_row[:, None]), s,
+                         float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet: no NaN
+            l_sum = l_sum * tl.exp2(m - m_use) + tl.sum(tl.exp2(s - m_use[:, None]), 1)
+            m = m_new
+            r0 += BC
+        seen = l_sum > 0
+        lse2 = tl.where(seen, m + tl.log2(tl.where(seen, l_sum, 1.0)), 0.0)
 
-    # pass 1: lse (base 2) of each head over the visible rows; padded heads see q = 0, never used
-    m = tl.full([GP], float("-inf"), tl.float32)
-    l_sum = tl.zeros([GP], tl.float32)
-    c0 = tl.full([], 0, tl.int32)  # a tensor: a loop-carried value must be one
-    while c0 < n_vis:  # a while loop: Triton's interpreter cannot take loaded bounds in range()
-        blk = c0 + c
-        s = _logits(q_tile, k_cmp, first, blk, blk < n_vis, b, h, NC, H, DK, DKP, SCALE, IEEE)
-        m_new = tl.maximum(m, tl.max(s, 1))  # finite: every chunk has a visible row
-        l_sum = l_sum * tl.exp2(m - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), 1)
-        m = m_new
-        c0 += BC
-    lse2 = tl.where(l_sum > 0, m + tl.log2(tl.where(l_sum > 0, l_sum, 1.0)), 0.0)
-
-    # pass 2: scores of the candidates 0..cur, merged chunk by chunk into the running top-S
+    # pass 2: scores of each token's candidates, merged chunk by chunk into its running top
     slot = tl.arange(0, SP)
-    vals = tl.full([SP], float("-inf"), tl.float32)
-    ids = tl.full([SP], -1, tl.int32)
-    c0 = tl.full([], 0, tl.int32)
-    while c0 <= cur:
-        blk = c0 + c
-        vis = blk < n_vis
-        s = _logits(q_tile, k_cmp, first, blk, vis, b, h, NC, H, DK, DKP, SCALE, IEEE)
-        p = tl.where(vis[None, :] & g_ok[:, None], tl.exp2(s - lse2[:, None]), 0.0)
-        score = tl.sum(p, 0) / G
-        score = tl.where(blk > cur, float("-inf"), score)
-        # the forced ranks of nsa.reference.select (_FIRST, _PREVIOUS, _CURRENT), in its order
-        score = tl.where(blk == 0, 2.0, score)
-        score = tl.where(blk == cur - 1, 3.0, score)
-        score = tl.where(blk == cur, 4.0, score)
-        # the chunk's ids are above every id in the top, so it enters only with a strictly higher value
-        threshold = tl.max(tl.where(slot == S - 1, vals, float("-inf")), 0)
-        if tl.max(score, 0) > threshold:
-            vals, ids = _merge(vals, ids, score, blk, SP)
-        c0 += BC
+    top = tl.full([TB, SP], -1, tl.int64)  # keys in ascending order: slot SP - 1 ranks first
+    KTH: tl.constexpr = SP - S  # the slot of the S-th best
+    r0 = lo
+    end = tl.max(first + cur, 0) + 1
+    while r0 < end:
+        rows = r0 + c
+        s = _logits(q_tile, k_cmp, rows, rows < vis_end, b, h, NC, H, DK, DKP, SCALE, IEEE)
+        vis = (rows[None, :] >= first_row[:, None]) & (rows[None, :] < end_row[:, None]) & seen[:, None]
+        p = tl.where(vis, tl.exp2(s - lse2[:, None]), 0.0)
+        score = tl.sum(tl.reshape(p, [TB, GR, BC]), 1) / G
+        key = _keys(score, rows[None, :] - first[:, None], cur)  # [TB, BC], by in-sequence block id
+        kth = tl.max(tl.where(slot[None, :] == KTH, top, -1), 1)  # [TB]
+        if tl.max((tl.max(key, 1) > kth).to(tl.int32), 0) > 0:  # some token's top-S changes
+            # max of ascending and descending: the SP best of both, bitonic
+            top = tl.bitonic_merge(tl.maximum(top, tl.topk(key, SP, dim=1)), dim=1)
+        r0 += BC
 
-    tl.store(out + (row * H + h) * S + slot, ids, mask=slot < S)
+    ids = tl.where(top >= 0, 0x7FFFFFFF - (top & 0x7FFFFFFF), -1).to(tl.int32)
+    out_slot = SP - 1 - slot  # top is ascending
+    out_row = (b * T + tok) * H + h
+    tl.store(out + out_row[:, None] * S + out_slot[None, :], ids, mask=tok_ok[:, None] & (out_slot < S)[None, :])
 
 
 # ------------------------------------------------------------------------------------ wrappers
 
 
-def _pow2(n, least=16):
-    return max(least, triton.next_power_of_2(int(n)))
+def _tiles(T, G, Dk, num_blocks, slots, itemsize):
+    """Launch sizes: GR, TB, DKP, BC, SP and num_warps.
 
-
-def _chunk(num_rows):
-    """Compressed rows per step: 64, fewer (>= 16, tl.dot's least) when there are fewer rows."""
-    return min(64, _pow2(num_rows + 1))
+    GR = G padded to a power of two; TB tokens per tile so that TB * GR = 64 rows, 32 in float32 (one
+    token when G is larger; fewer for a short T, never under tl.dot's 16 rows). BC = 64 compressed
+    rows per step, fewer (>= 16) when there are fewer blocks, at least SP (tl.topk takes SP of them).
+    Eight warps when a tile passes 16 KiB: q [M, DKP], the key chunk [DKP, BC] (itemsize bytes each),
+    the float32 logits [M, BC] or the int64 keys [TB, BC].
+    """
+    gr = triton.next_power_of_2(G)
+    target = _ROWS_FP32 if itemsize == 4 else _ROWS
+    tb = max(16 // gr, min(max(1, target // gr), triton.next_power_of_2(T)))
+    dkp = max(16, triton.next_power_of_2(Dk))
+    sp = max(2, triton.next_power_of_2(slots))
+    bc = max(sp, min(64, max(16, triton.next_power_of_2(num_blocks))))
+    rows = tb * gr
+    largest = max(rows * dkp * itemsize, dkp * bc * itemsize, rows * bc * 4, tb * bc * 8)
+    return dict(GR=gr, TB=tb, DKP=dkp, BC=bc, SP=sp), 8 if largest > 16384 else 4
 
 
 def forward(q, k_cmp, lse, cu_seqlens, *, block_counts, block_size, scale):
     """Returns block_indices int32 [B, T, H, block_counts] (in-sequence block ids), as the reference.
 
-    lse (compressed attention's, or None) is not used yet: the kernel computes its own."""
+    lse [B, T, HQ] (compressed attention's of the same q and k_cmp) saves the kernel its first pass;
+    None computes it."""
     if q.dtype == jnp.float64 or k_cmp.dtype == jnp.float64 or q.size == 0 or k_cmp.size == 0:
         # Triton has no float64; empty grids do not launch
         return reference.forward(q, k_cmp, lse, cu_seqlens, block_counts=block_counts, block_size=block_size,
@@ -172,14 +212,19 @@ def forward(q, k_cmp, lse, cu_seqlens, *, block_counts, block_size, scale):
     B, T, HQ, Dk = q.shape
     NC, H = k_cmp.shape[1], k_cmp.shape[2]
     G = HQ // H
+    num_blocks = cdiv(T, block_size)  # a bound on any token's candidates
+    slots = min(block_counts, num_blocks)  # the kernel's S; the slots after it are always unused
     dtype = jnp.promote_types(q.dtype, k_cmp.dtype)  # tl.dot takes one dtype
+    sizes, num_warps = _tiles(T, G, Dk, num_blocks, slots, jnp.dtype(dtype).itemsize)
     tok = tokens(T, block_size, cu_seqlens)
-    dkp = _pow2(Dk)
-    return _launch.triton_call(
-        q.astype(dtype), k_cmp.astype(dtype), tok.pos[0], tok.cmp_start[0],
+    lse_arg = jnp.zeros((1,), jnp.float32) if lse is None else lse.astype(jnp.float32)  # unread when None
+    idx = _launch.triton_call(
+        q.astype(dtype), k_cmp.astype(dtype), lse_arg, tok.pos[0], tok.cmp_start[0],
         kernel=_select_kernel,
-        out_shape=_launch.shape_dtype((B, T, H, block_counts), jnp.int32),
-        grid=(T, B * H), num_warps=8 if dkp > 128 else 4, num_stages=1,
-        T=T, NC=NC, H=H, G=G, DK=Dk, BS=block_size, S=block_counts, SCALE=float(scale), GP=_pow2(G),
-        DKP=dkp, BC=_chunk(T // block_size), SP=triton.next_power_of_2(block_counts),
-        IEEE=bool(dtype == jnp.float32))
+        out_shape=_launch.shape_dtype((B, T, H, slots), jnp.int32),
+        grid=(cdiv(T, sizes["TB"]), B * H), num_warps=num_warps, num_stages=1,
+        T=T, NC=NC, H=H, G=G, DK=Dk, BS=block_size, S=slots, SCALE=float(scale),
+        IEEE=bool(dtype == jnp.float32), HAS_LSE=lse is not None, **sizes)
+    if slots < block_counts:
+        idx = jnp.pad(idx, [(0, 0)] * 3 + [(0, block_counts - slots)], constant_values=-1)
+    return idx
