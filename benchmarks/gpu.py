@@ -14,6 +14,7 @@ gpu.json and gpu.png into --out and prints the table. fla is skipped with a note
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
@@ -25,6 +26,9 @@ import numpy as np
 import nsa
 
 B, HQ, H, D, BS, S, WINDOW = 1, 64, 4, 128, 64, 16, 512
+# jax_triton clears TRITON_CACHE_DIR when it is imported; fla's Triton (its driver helpers, its
+# autotuner) needs a cache directory, so the one set before the import is put back for fla.
+TRITON_CACHE_DIR = os.environ.get("TRITON_CACHE_DIR") or os.path.expanduser("~/.triton/cache")
 
 
 def useful_flops(case, T):
@@ -110,6 +114,8 @@ def dense_fns():
 
 
 def time_fla(case, T, idx, iters):
+    os.environ["TRITON_CACHE_DIR"] = TRITON_CACHE_DIR
+    os.makedirs(TRITON_CACHE_DIR, exist_ok=True)
     import torch
     import triton
     from fla.ops.nsa import parallel_nsa

@@ -95,6 +95,6 @@ def install(monkeypatch):
 
     _loop_bounds_as_ints(monkeypatch)
 
-    monkeypatch.setattr(_launch, "triton_call", interpret_call)
+    monkeypatch.setattr(_launch, "_call", interpret_call)
     real = _dispatch._kernels
     monkeypatch.setattr(_dispatch, "_kernels", lambda impl: KERNELS if impl == "triton" else real(impl))
