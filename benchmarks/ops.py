@@ -95,8 +95,8 @@ def sweep(T, iters, what):
 
     launch_default = selected._per_token_launch
     for warps, stages in itertools.product((2, 4, 8), (1, 2, 3)) if "selected" in what else ():
-        selected._per_token_launch = lambda meta, S: dict(launch_default(meta, S), num_warps=warps,
-                                                          num_stages=stages)
+        selected._per_token_launch = lambda meta, S, size: dict(launch_default(meta, S, size), num_warps=warps,
+                                                                num_stages=stages)
         for row in time_ops(T, "triton", iters, names=("selected",)):
             rows.append(dict(row, config=dict(warps=warps, stages=stages)))
     selected._per_token_launch = launch_default

@@ -328,11 +328,17 @@ def _warps(*sizes):
     return 8 if max(sizes) > 128 else 4
 
 
-def _per_token_launch(meta, S):
-    """Launch settings of the per-token kernels (forward, dq): warps, 2 pipeline stages (the next
-    block's keys load while this one is computed), the S slots and SP = S padded to a power of two."""
-    return dict(num_warps=_warps(meta["DKP"], meta["DVP"], meta["BSP"]), num_stages=2, S=S,
-                SP=triton.next_power_of_2(S))
+def _per_token_launch(meta, S, itemsize):
+    """Launch settings of the per-token kernels (forward, dq): warps, pipeline stages, the S slots and
+    SP = S padded to a power of two. Two stages (the next block's keys load while this one is
+    computed) where a whole key + value block and the q and do tiles take at most 160 KiB together; one
+    beyond. Checked by compiling for sm_90 (G 16 to 64, head dims to 256, block_size to 128, every
+    dtype): all within an H200's 227 KiB of shared memory, where two stages everywhere reached 330 KiB.
+    """
+    block_bytes = meta["NSUB"] * meta["BSP"] * (meta["DKP"] + meta["DVP"]) * itemsize
+    tile_bytes = meta["GP"] * (meta["DKP"] + meta["DVP"]) * itemsize
+    return dict(num_warps=_warps(meta["DKP"], meta["DVP"], meta["BSP"]),
+                num_stages=2 if block_bytes + tile_bytes <= 160 * 1024 else 1, S=S, SP=triton.next_power_of_2(S))
 
 
 def _dkv_rows(G, DKP, DVP):
@@ -381,7 +387,7 @@ def forward(q, k, v, block_indices, block_counts, cu_seqlens, *, block_size, sca
         q, k, v, _clipped(block_indices, T, block_size), block_counts.astype(jnp.int32), tok.pos[0], tok.start[0],
         kernel=_fwd_kernel,
         out_shape=[_launch.shape_dtype(q.shape[:3] + (Dv,), q.dtype), _launch.shape_dtype(q.shape[:3], jnp.float32)],
-        grid=(T, B * H), **_per_token_launch(meta, S), **meta)
+        grid=(T, B * H), **_per_token_launch(meta, S, q.dtype.itemsize), **meta)
     return o, (q, k, v, block_indices, block_counts, cu_seqlens, o, lse)
 
 
@@ -464,7 +470,7 @@ def backward(residuals, do, *, block_size, scale):
     dq = _launch.triton_call(
         q, k, v, idx, counts, tok.pos[0], tok.start[0], do, lse, delta,
         kernel=_dq_kernel, out_shape=_launch.shape_dtype(q.shape, q.dtype),
-        grid=(T, B * H), **_per_token_launch(meta, S), **meta)
+        grid=(T, B * H), **_per_token_launch(meta, S, q.dtype.itemsize), **meta)
 
     NR, row_start, row_end = _block_rows(T, block_size, cu_seqlens)
     offsets, query_tok = _query_lists(idx, counts, tok, B, T, H, NR, block_size)
