@@ -1,0 +1,106 @@
+"""Compiles every Triton launch of nsa for sm_90 (H100 / H200) on any machine, no GPU needed, and
+checks its shared memory against the H200's 227 KiB per block.
+
+    python scripts/sm90_shared_memory.py            # bf16 / fp16 configs (a few minutes)
+    python scripts/sm90_shared_memory.py --float32  # also the float32 ones (FMA dots: slow to compile)
+
+A kernel whose pipelined tiles do not fit compiles here but fails at launch on the GPU, and only for
+the shapes that reach it (wide heads, large groups, float32): this finds them without device time.
+It runs nsa.attention forward and backward with implementation="triton" on the CPU, with the kernel
+launch (nsa.triton._launch._call) replaced by a compile for sm_90 that records the launch's shared
+memory and returns zeros, so every launch uses the library's own heuristics (tiles, warps, stages).
+Needs triton (its bundled ptxas); exits 1 if a launch needs more than the limit.
+"""
+
+import argparse
+import os
+import sys
+
+os.environ.pop("TRITON_INTERPRET", None)  # kernels must be JIT functions to be compiled
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import nsa  # noqa: E402
+from nsa import _dispatch  # noqa: E402
+from nsa.triton import KERNELS, _launch  # noqa: E402
+
+LIMIT = 227 * 1024  # an H100 / H200 block's shared memory
+_TYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "int32": "i32"}
+
+# (G, dtype, Dk, Dv, block_size): the widest tiles of the contract, and the benchmarked shape
+CONFIGS = [
+    (16, "bfloat16", 128, 128, 64),
+    (64, "bfloat16", 256, 256, 128),
+    (16, "float16", 256, 16, 128),
+    (1, "bfloat16", 16, 256, 16),
+]
+FLOAT32_CONFIGS = [
+    (64, "float32", 256, 256, 128),
+    (16, "float32", 64, 256, 128),
+    (64, "float32", 128, 128, 128),
+]
+
+
+def compile_launch(records):
+    """A stand-in for jax_triton.triton_call that compiles the launch for sm_90 and returns zeros."""
+
+    def call(*args, kernel, out_shape, grid, num_warps, num_stages, **constexprs):
+        outs = list(out_shape) if isinstance(out_shape, (list, tuple)) else [out_shape]
+        pointers = iter([_TYPES[str(a.dtype)] for a in args] + [_TYPES[str(o.dtype)] for o in outs])
+        signature = {n: "constexpr" if n in constexprs else "*" + next(pointers) for n in kernel.arg_names}
+        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names) if n not in constexprs}
+        src = ASTSource(fn=kernel, signature=signature, attrs=attrs,
+                        constexprs={(kernel.arg_names.index(k),): v for k, v in constexprs.items()})
+        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                                  options=dict(num_warps=num_warps, num_stages=num_stages))
+        name = f"{kernel.fn.__module__.rsplit('.', 1)[-1]}.{kernel.fn.__name__}"
+        records.append((name, compiled.metadata.shared, num_warps, num_stages))
+        zeros = [jnp.zeros(o.shape, o.dtype) for o in outs]
+        return zeros if isinstance(out_shape, (list, tuple)) else zeros[0]
+
+    return call
+
+
+def check(config, records):
+    """Forward and backward of the whole nsa.attention (every kernel) on one config."""
+    G, dtype, dk, dv, bs = config
+    B, T, H = 1, 1024, 2
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.standard_normal(s), dtype) for s in ((B, T, H * G, dk), (B, T, H, dk), (B, T, H, dv)))
+    gates = [jnp.ones((B, T, H * G), dtype)] * 3
+
+    def loss(q, k, v, *g):
+        o = nsa.attention(q, k, v, g_cmp=g[0], g_slc=g[1], g_swa=g[2], block_counts=16, block_size=bs,
+                          window_size=512, implementation="triton")
+        return jnp.sum(o.astype(jnp.float32))
+
+    jax.grad(loss, argnums=(0, 1, 2))(q, k, v, *gates)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--float32", action="store_true", help="also the float32 configs")
+    args = parser.parse_args()
+    _dispatch._kernels = lambda implementation: KERNELS if implementation == "triton" else None
+    worst = 0
+    for config in CONFIGS + (FLOAT32_CONFIGS if args.float32 else []):
+        records = []
+        _launch._call = compile_launch(records)
+        check(config, records)
+        for name, shared, warps, stages in records:
+            worst = max(worst, shared)
+            flag = "  OVER THE LIMIT" if shared > LIMIT else ""
+            print(f"G={config[0]:<3} {config[1]:<9} Dk={config[2]:<4} Dv={config[3]:<4} bs={config[4]:<4} "
+                  f"{name:<30} warps={warps} stages={stages} shared={shared / 1024:6.1f} KiB{flag}", flush=True)
+    print(f"largest: {worst / 1024:.1f} KiB of {LIMIT / 1024:.0f} KiB")
+    return 1 if worst > LIMIT else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
