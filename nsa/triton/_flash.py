@@ -43,6 +43,62 @@ def _mm(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _tile(X, rows, valid, offs, D: tl.constexpr):
+    """The tile [len(rows), len(offs)] of the rows `rows` (int64) of X [..., D] (row-major), columns offs
+    (a power-of-two padding of D); rows that are not valid and columns >= D read as 0."""
+    return tl.load(X + rows[:, None] * D + offs[None, :], mask=valid[:, None] & (offs[None, :] < D), other=0.0)
+
+
+@triton.jit
+def _query_tile(LO, HI, T: tl.constexpr, NK: tl.constexpr, HQ: tl.constexpr, H: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The queries of a (query tile program_id(0), b * HQ + hq = program_id(1)) program: (b as int64, the
+    KV head h, the int64 rows (b * T + t) * HQ + hq of its BLOCK_M queries, which of them exist, their
+    lo / hi (padded queries see nothing), and the key rows [k_begin, k_end) any of them sees, k_begin
+    aligned to BLOCK_N)."""
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // HQ).to(tl.int64)
+    hq = bh % HQ
+    h = hq // (HQ // H)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_valid = offs_m < T
+    lo = tl.load(LO + offs_m, mask=m_valid, other=1)
+    hi = tl.load(HI + offs_m, mask=m_valid, other=0)
+    seen = lo <= hi
+    k_begin = tl.min(tl.where(seen, lo, NK), 0)
+    k_end = tl.max(tl.where(seen, hi, -1), 0) + 1
+    k_begin = (k_begin // BLOCK_N) * BLOCK_N
+    q_rows = (b * T + offs_m) * HQ + hq
+    return b, h, q_rows, m_valid, lo, hi, k_begin, k_end
+
+
+@triton.jit
+def _key_tile(K, V, q, lo, hi, n0, b, h, offs_dk, offs_dv, qk_scale, NK: tl.constexpr, H: tl.constexpr,
+              DK: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    """The key rows [n0, n0 + BLOCK_N) of KV head h against the query tile q (forward and dq): k
+    [BLOCK_N, BLOCK_DK] and v [BLOCK_N, BLOCK_DV] of K [B, NK, H, DK] / V [B, NK, H, DV], the base-2
+    logits [BLOCK_M, BLOCK_N], and which of them each query sees (key row in [lo, hi])."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    n_valid = offs_n < NK
+    kv_rows = (b * NK + offs_n) * H + h
+    k = _tile(K, kv_rows, n_valid, offs_dk, DK)
+    v = _tile(V, kv_rows, n_valid, offs_dv, DV)
+    s = _mm(q, tl.trans(k), IEEE) * qk_scale
+    return k, v, s, (offs_n[None, :] >= lo[:, None]) & (offs_n[None, :] <= hi[:, None])
+
+
+@triton.jit
+def _softmax_stats(LSE, DELTA, q_rows, m_valid):
+    """For the backward: whether each query row saw anything, its lse in base 2 (0 where it saw
+    nothing) and its delta, from lse / delta [B, T, HQ]."""
+    lse = tl.load(LSE + q_rows, mask=m_valid, other=float("-inf"))
+    delta = tl.load(DELTA + q_rows, mask=m_valid, other=0.0)
+    row_seen = lse > float("-inf")
+    return row_seen, tl.where(row_seen, lse * 1.4426950408889634, 0.0), delta
+
+
+@triton.jit
 def _fwd_kernel(Q, K, V, LO, HI, O, LSE,
                 T: tl.constexpr, NK: tl.constexpr, HQ: tl.constexpr, H: tl.constexpr,
                 DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -55,41 +111,18 @@ def _fwd_kernel(Q, K, V, LO, HI, O, LSE,
     loading k [BLOCK_N, BLOCK_DK] and v [BLOCK_N, BLOCK_DV] of KV head hq // G, with an online
     softmax in float32.
     """
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = (bh // HQ).to(tl.int64)
-    hq = bh % HQ
-    h = hq // (HQ // H)
-
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_valid = offs_m < T
-    lo = tl.load(LO + offs_m, mask=m_valid, other=1)
-    hi = tl.load(HI + offs_m, mask=m_valid, other=0)  # padded queries see nothing
-    seen = lo <= hi
-    k_begin = tl.min(tl.where(seen, lo, NK), 0)
-    k_end = tl.max(tl.where(seen, hi, -1), 0) + 1
-    k_begin = (k_begin // BLOCK_N) * BLOCK_N
-
+    b, h, q_rows, m_valid, lo, hi, k_begin, k_end = _query_tile(LO, HI, T, NK, HQ, H, BLOCK_M, BLOCK_N)
     offs_dk = tl.arange(0, BLOCK_DK)
     offs_dv = tl.arange(0, BLOCK_DV)
-    q_rows = (b * T + offs_m) * HQ + hq  # int64
-    q = tl.load(Q + q_rows[:, None] * DK + offs_dk[None, :],
-                mask=m_valid[:, None] & (offs_dk[None, :] < DK), other=0.0)
+    q = _tile(Q, q_rows, m_valid, offs_dk, DK)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     qk_scale = SCALE * 1.4426950408889634  # base-2 logits
     for n0 in range(k_begin, k_end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_valid = offs_n < NK
-        kv_rows = (b * NK + offs_n) * H + h
-        k = tl.load(K + kv_rows[:, None] * DK + offs_dk[None, :],
-                    mask=n_valid[:, None] & (offs_dk[None, :] < DK), other=0.0)
-        v = tl.load(V + kv_rows[:, None] * DV + offs_dv[None, :],
-                    mask=n_valid[:, None] & (offs_dv[None, :] < DV), other=0.0)
-        s = _mm(q, tl.trans(k), IEEE) * qk_scale
-        visible = (offs_n[None, :] >= lo[:, None]) & (offs_n[None, :] <= hi[:, None])
+        k, v, s, visible = _key_tile(K, V, q, lo, hi, n0, b, h, offs_dk, offs_dv, qk_scale, NK, H, DK, DV,
+                                     BLOCK_N, IEEE)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet: no NaN
@@ -119,45 +152,19 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, LO, HI, DQ,
     walks the same key tiles as the forward (k [BLOCK_N, BLOCK_DK], v [BLOCK_N, BLOCK_DV]),
     recomputes p from lse, and stores dq once.
     """
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = (bh // HQ).to(tl.int64)
-    hq = bh % HQ
-    h = hq // (HQ // H)
-
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_valid = offs_m < T
-    lo = tl.load(LO + offs_m, mask=m_valid, other=1)
-    hi = tl.load(HI + offs_m, mask=m_valid, other=0)
-    seen = lo <= hi
-    k_begin = tl.min(tl.where(seen, lo, NK), 0)
-    k_end = tl.max(tl.where(seen, hi, -1), 0) + 1
-    k_begin = (k_begin // BLOCK_N) * BLOCK_N
-
+    b, h, q_rows, m_valid, lo, hi, k_begin, k_end = _query_tile(LO, HI, T, NK, HQ, H, BLOCK_M, BLOCK_N)
     offs_dk = tl.arange(0, BLOCK_DK)
     offs_dv = tl.arange(0, BLOCK_DV)
-    q_rows = (b * T + offs_m) * HQ + hq
-    q = tl.load(Q + q_rows[:, None] * DK + offs_dk[None, :],
-                mask=m_valid[:, None] & (offs_dk[None, :] < DK), other=0.0)
-    do = tl.load(DO + q_rows[:, None] * DV + offs_dv[None, :],
-                 mask=m_valid[:, None] & (offs_dv[None, :] < DV), other=0.0)
-    lse = tl.load(LSE + q_rows, mask=m_valid, other=float("-inf"))
-    delta = tl.load(DELTA + q_rows, mask=m_valid, other=0.0)
-    row_seen = lse > float("-inf")
-    lse2 = tl.where(row_seen, lse * 1.4426950408889634, 0.0)
+    q = _tile(Q, q_rows, m_valid, offs_dk, DK)
+    do = _tile(DO, q_rows, m_valid, offs_dv, DV)
+    row_seen, lse2, delta = _softmax_stats(LSE, DELTA, q_rows, m_valid)
 
     dq = tl.zeros([BLOCK_M, BLOCK_DK], tl.float32)
     qk_scale = SCALE * 1.4426950408889634
     for n0 in range(k_begin, k_end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_valid = offs_n < NK
-        kv_rows = (b * NK + offs_n) * H + h
-        k = tl.load(K + kv_rows[:, None] * DK + offs_dk[None, :],
-                    mask=n_valid[:, None] & (offs_dk[None, :] < DK), other=0.0)
-        v = tl.load(V + kv_rows[:, None] * DV + offs_dv[None, :],
-                    mask=n_valid[:, None] & (offs_dv[None, :] < DV), other=0.0)
-        s = _mm(q, tl.trans(k), IEEE) * qk_scale
-        visible = (offs_n[None, :] >= lo[:, None]) & (offs_n[None, :] <= hi[:, None]) & row_seen[:, None]
+        k, v, s, visible = _key_tile(K, V, q, lo, hi, n0, b, h, offs_dk, offs_dv, qk_scale, NK, H, DK, DV,
+                                     BLOCK_N, IEEE)
+        visible = visible & row_seen[:, None]
         p = tl.where(visible, tl.exp2(s - lse2[:, None]), 0.0)
         dp = _mm(do, tl.trans(v), IEEE)
         ds = p * (dp - delta[:, None])
@@ -205,10 +212,8 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, LO, HI, FIRST, LAST, DK_OUT, DV_OU
     offs_dk = tl.arange(0, BLOCK_DK)
     offs_dv = tl.arange(0, BLOCK_DV)
     kv_rows = (b * NK + offs_n) * H + h
-    k = tl.load(K + kv_rows[:, None] * DK + offs_dk[None, :],
-                mask=n_valid[:, None] & (offs_dk[None, :] < DK), other=0.0)
-    v = tl.load(V + kv_rows[:, None] * DV + offs_dv[None, :],
-                mask=n_valid[:, None] & (offs_dv[None, :] < DV), other=0.0)
+    k = _tile(K, kv_rows, n_valid, offs_dk, DK)
+    v = _tile(V, kv_rows, n_valid, offs_dv, DV)
 
     dk = tl.zeros([BLOCK_N, BLOCK_DK], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
@@ -221,14 +226,9 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, LO, HI, FIRST, LAST, DK_OUT, DV_OU
             lo = tl.load(LO + offs_m, mask=m_valid, other=1)
             hi = tl.load(HI + offs_m, mask=m_valid, other=0)
             q_rows = (b * T + offs_m) * HQ + hq
-            q = tl.load(Q + q_rows[:, None] * DK + offs_dk[None, :],
-                        mask=m_valid[:, None] & (offs_dk[None, :] < DK), other=0.0)
-            do = tl.load(DO + q_rows[:, None] * DV + offs_dv[None, :],
-                         mask=m_valid[:, None] & (offs_dv[None, :] < DV), other=0.0)
-            lse = tl.load(LSE + q_rows, mask=m_valid, other=float("-inf"))
-            delta = tl.load(DELTA + q_rows, mask=m_valid, other=0.0)
-            row_seen = lse > float("-inf")
-            lse2 = tl.where(row_seen, lse * 1.4426950408889634, 0.0)
+            q = _tile(Q, q_rows, m_valid, offs_dk, DK)
+            do = _tile(DO, q_rows, m_valid, offs_dv, DV)
+            row_seen, lse2, delta = _softmax_stats(LSE, DELTA, q_rows, m_valid)
             # transposed tiles [BLOCK_N, BLOCK_M]: key rows by queries
             s_t = _mm(k, tl.trans(q), IEEE) * qk_scale
             visible = (offs_n[:, None] >= lo[None, :]) & (offs_n[:, None] <= hi[None, :]) & row_seen[None, :]

@@ -42,6 +42,16 @@ from nsa.triton import _launch
 
 
 @triton.jit
+def _token(pos, start, T: tl.constexpr, H: tl.constexpr):
+    """The program's query token t = program_id(0) of (batch, KV head) program_id(1) = b * H + h:
+    (b as int64, h, its int64 global token row b * T + t, its in-sequence position, its sequence start)."""
+    t = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    return b, bh % H, b * T + t, tl.load(pos + t), tl.load(start + t)
+
+
+@triton.jit
 def _valid_blocks(block_idx, block_counts, list_row, last, S: tl.constexpr, SP: tl.constexpr):
     """The S slots of block_idx [B, T, H, S] at list_row (= (b * T + t) * H + h) as an [SP] vector of
     block ids, -1 where the slot is skipped: past block_counts, negative, or after the query's block."""
@@ -76,14 +86,7 @@ def _fwd_kernel(q, k, v, block_idx, block_counts, pos, start, o, lse,
     are the in-sequence position and the sequence start of each token. Stores o [B, T, HQ, DV] in
     o's dtype and lse [B, T, HQ] (float32, natural log, -inf where nothing is seen).
     """
-    t = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = (bh // H).to(tl.int64)
-    h = bh % H
-    row = b * T + t  # int64 global token row of the query
-    p_t = tl.load(pos + t)
-    s_t = tl.load(start + t)
-
+    b, h, row, p_t, s_t = _token(pos, start, T, H)
     g = tl.arange(0, GP)
     dk = tl.arange(0, DKP)
     dv = tl.arange(0, DVP)
@@ -151,14 +154,7 @@ def _dq_kernel(q, k, v, block_idx, block_counts, pos, start, do, lse, delta, dq,
     for every valid slot the key block (transposed, DKP x BSP, and BSP x DKP) and the value block
     (transposed, DVP x BSP). Stores dq [B, T, HQ, DK] in dq's dtype; zero where nothing is seen.
     """
-    t = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = (bh // H).to(tl.int64)
-    h = bh % H
-    row = b * T + t
-    p_t = tl.load(pos + t)
-    s_t = tl.load(start + t)
-
+    b, h, row, p_t, s_t = _token(pos, start, T, H)
     g = tl.arange(0, GP)
     dk = tl.arange(0, DKP)
     dv = tl.arange(0, DVP)
