@@ -155,6 +155,42 @@ def test_rows_that_see_nothing(interpreted):
         assert np.all(np.asarray(g) == 0)
 
 
+@pytest.mark.parametrize("shape, cu", [
+    ((1, 40, 2, 2, 16, 24, 8), np.array([0, 7, 7, 29, 40], np.int32)),  # G = 1: tiles of 16 tokens
+    ((1, 40, 3, 1, 16, 16, 8), np.array([0, 7, 7, 29, 40], np.int32)),  # G = 3: tiles of 4 tokens
+    ((1, 16, 16, 1, 16, 16, 8), np.array([0, 5, 5, 16], np.int32)),  # G = 16: one token, the slot loop
+], ids=["G1-packed", "G3-packed", "G16-packed"])
+def test_tokens_of_a_tile_share_blocks(interpreted, shape, cu):
+    """Small groups put several tokens in one program (16 rows: 16 tokens at G = 1, 4 at G = 3) and walk the
+    distinct blocks they list. Neighbouring tokens list the same blocks (block 0 and their own block, the
+    latter twice: weight 2), besides -1, future and far out-of-range entries and counts from 0 to S; packed
+    sequence boundaries (one followed by an empty sequence) fall inside tiles, so one tile holds tokens of
+    different sequences whose in-sequence block ids coincide. G = 16 runs such selections through the
+    one-token slot loop. o, lse, dq, dk and dv against the reference, and two jitted runs
+    bitwise equal."""
+    x = Inputs(shape, "float32")
+    B, T, _, H = shape[:4]
+    bs, scale = x.block_size, shape[4] ** -0.5
+    cur = np.asarray(tokens(T, bs, jnp.asarray(cu)).pos[0]) // bs  # in-sequence block of each token
+    rng = np.random.default_rng(5)
+    rand = rng.integers(-1, cur + 2, (B, H, T))  # -1, a visible block or the next one (invalid)
+    far = np.where(np.arange(T) % 3 == 0, 2 ** 30, rng.integers(0, cur + 1, (B, H, T)))
+    idx = np.stack(np.broadcast_arrays(0 * cur, cur, cur, rand, far), -1).transpose(0, 2, 1, 3).astype(np.int32)
+    counts = rng.integers(0, 6, (B, T, H)).astype(np.int32)
+    counts[:, :4] = 5  # the first four tokens use every slot
+    first, second = (_run("triton", x.q, x.k, x.v, x.do, idx, counts, bs, cu, jit=True) for _ in range(2))
+    ref = _run("xla", x.q, x.k, x.v, x.do, idx, counts, bs, cu, jit=True)
+    for name, a, b, c in zip(("o", "dq", "dk", "dv"), *(jax.tree_util.tree_leaves(r) for r in (first, second, ref))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), name)
+        assert_close(a, c, REL["float32"], name)
+
+    lse, lse_ref = _direct_lse(x.q, x.k, x.v, idx, counts, bs, cu, scale)
+    np.testing.assert_array_equal(lse == -np.inf, lse_ref == -np.inf)
+    assert np.any(lse == -np.inf) and np.any(np.isfinite(lse))
+    seen = np.isfinite(lse_ref)
+    assert_close(lse[seen], lse_ref[seen], REL["float32"], "lse")
+
+
 # ---------------------------------------------------------------------------------------- GPU
 
 

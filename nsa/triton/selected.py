@@ -6,12 +6,21 @@ block_indices[b, t, h, :block_counts[b, t, h]]. Entries < 0 or > t // block_size
 any of their keys is loaded; a block listed twice is attended twice; a query that sees nothing gets
 o = 0, lse = -inf and zero gradients.
 
-The decomposition follows fla's NSA kernels:
+The decomposition follows fla's NSA kernels (batching the tokens of small groups is this module's own):
 
-- forward (`_fwd_kernel`): one program per (token t, b * H + h); its tile is the G query heads of the
-  group (rows padded to a power of two >= 16 for tl.dot), and it loops over the S slots with an
-  online softmax in float32 (base 2 inside, natural-log lse outside);
-- backward: delta = sum(o * do) in XLA, then `_dq_kernel` on the forward's grid, recomputing the
+- forward (`_fwd_kernel`): one program per (TB consecutive query tokens, b * H + h), online softmax in
+  float32 (base 2 inside, natural-log lse outside). Its tile has TB * GR rows, the G query heads of each
+  token padded to GR = next_pow2(G) rows (row i: head i % GR of token t0 + i // GR), and tl.dot wants
+  16 rows or more: groups of 16 or more run one token per program (TB = 1), smaller groups batch
+  TB = 16 / GR tokens instead of padding a group to 16 rows. TB = 1 loops over the token's S slots (a
+  block listed twice is loaded and attended twice) in a for loop that Triton software-pipelines.
+  TB > 1 walks the distinct blocks its tokens list, each loaded once for the whole tile, in a while loop
+  (the number is data-dependent) that takes at each step the smallest block start above the previous
+  one. A block is named by the token where it starts, sequence start + block * block_size, so equal
+  in-sequence ids of two packed sequences are two blocks. Row r sees key u of the block iff its token
+  lists the block and u <= that token, and a token that lists the block k times adds log2(k) to its
+  rows' logits;
+- backward: delta = sum(o * do) in XLA, then `_dq_kernel` on the forward's grid and tiles, recomputing the
   probabilities from lse. dk and dv walk, for each key block row of each (batch, KV head), the list of
   the queries that selected it: the selections inverted in JAX (a stable sort of the valid entries by
   (b, h, block row), offsets by searchsorted). These lists are far from even (block 0 and the current
@@ -42,89 +51,128 @@ from nsa.triton import _launch
 
 
 @triton.jit
-def _token(pos, start, T: tl.constexpr, H: tl.constexpr):
-    """The program's query token t = program_id(0) of (batch, KV head) program_id(1) = b * H + h:
-    (b as int64, h, its int64 global token row b * T + t, its in-sequence position, its sequence start)."""
-    t = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = (bh // H).to(tl.int64)
-    return b, bh % H, b * T + t, tl.load(pos + t), tl.load(start + t)
+def _tile_rows(b, h, T: tl.constexpr, H: tl.constexpr, G: tl.constexpr, GR: tl.constexpr, TB: tl.constexpr):
+    """The R = TB * GR rows of the tile of tokens t0 = program_id(0) * TB ... t0 + TB - 1 and KV head h of
+    batch row b: row i is head i % GR of token t0 + i // GR. Returns (tok [R]: the row's token, clamped to
+    T - 1; ok [R]: the row is a real (token, head); q_rows [R]: its int64 row (b * T + tok) * HQ + h * G +
+    i % GR of q, o, do, lse, delta and dq)."""
+    i = tl.arange(0, TB * GR)
+    t = tl.program_id(0) * TB + i // GR
+    tok = tl.minimum(t, T - 1)
+    return tok, (t < T) & (i % GR < G), (b * T + tok) * (H * G) + h * G + i % GR
 
 
 @triton.jit
-def _valid_blocks(block_idx, block_counts, list_row, last, S: tl.constexpr, SP: tl.constexpr):
-    """The S slots of block_idx [B, T, H, S] at list_row (= (b * T + t) * H + h) as an [SP] vector of
-    block ids, -1 where the slot is skipped: past block_counts, negative, or after the query's block."""
+def _listed_keys(block_idx, block_counts, pos, start, tok, b, h, T: tl.constexpr, H: tl.constexpr,
+                 BS: tl.constexpr, S: tl.constexpr, SP: tl.constexpr):
+    """The S slots of block_idx [B, T, H, S] of query token tok (a scalar, or [R, 1]) of batch row b and KV
+    head h, each as the token of batch row b where its block starts: [SP] (or [R, SP]) int32, T where the
+    slot is skipped (past block_counts [B, T, H], negative, or after the token's own block). pos and
+    start [T] are each token's in-sequence position and sequence start, so blocks of different sequences
+    start at different tokens."""
+    list_row = (b * T + tok) * H + h
     slots = tl.arange(0, SP)
-    listed = tl.load(block_idx + list_row * S + slots, mask=slots < S, other=-1)
-    count = tl.load(block_counts + list_row)
-    return tl.where((slots < count) & (listed >= 0) & (listed <= last), listed, -1)
+    blk = tl.load(block_idx + list_row * S + slots, mask=slots < S, other=-1)
+    valid = (slots < tl.load(block_counts + list_row)) & (blk >= 0) & (blk <= tl.load(pos + tok) // BS)
+    return tl.where(valid, tl.load(start + tok) + blk * BS, T)
 
 
 @triton.jit
-def _block_keys(blk, chunk, p_t, s_t, b, T: tl.constexpr, BS: tl.constexpr, BSP: tl.constexpr):
-    """Keys chunk * BSP + j, j < BSP, of in-sequence block blk for the query at position p_t of the
-    sequence starting at token s_t of batch row b: (j, which are seen (none if blk < 0), their int64
-    global token rows, in bounds also where not seen)."""
+def _block_keys(first, last, chunk, b, T: tl.constexpr, BS: tl.constexpr, BSP: tl.constexpr):
+    """Keys chunk * BSP + j, j < BSP, of the block starting at token `first` (>= 0) of batch row b: (their
+    tokens first + j, which are loaded: j < BS and token <= last, none if last < first, their int64 global
+    token rows, in bounds also where not loaded)."""
     j = chunk * BSP + tl.arange(0, BSP)
-    key_pos = blk * BS + j
-    seen = (blk >= 0) & (j < BS) & (key_pos <= p_t)
-    return j, seen, b * T + s_t + tl.where(seen, key_pos, 0)
+    key_tok = first + j
+    load = (j < BS) & (key_tok <= last)
+    return key_tok, load, b * T + tl.where(load, key_tok, 0)
+
+
+@triton.jit
+def _attend(q_tile, k, v, m, l_sum, acc, first, last, row_last, row_bias, b, h,
+            T: tl.constexpr, H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BS: tl.constexpr,
+            SCALE: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr, BSP: tl.constexpr, NSUB: tl.constexpr):
+    """The forward tile q_tile [R, DKP] against one key block: the keys first + j of batch row b up to token
+    `last` (_block_keys) are loaded once; row r sees key token u iff u <= row_last (a scalar or [R, 1]; -1
+    where the row's token does not list the block), with row_bias (a scalar or [R, 1]: log2 of how many
+    times the row's token lists the block) added to its base-2 logits. Returns the online softmax state
+    (running max m, sum l_sum [R], acc [R, DVP], float32) updated."""
+    dk = tl.arange(0, DKP)
+    dv = tl.arange(0, DVP)
+    for chunk in tl.static_range(NSUB):  # the block in chunks of BSP keys
+        key_tok, load, key_row = _block_keys(first, last, chunk, b, T, BS, BSP)
+        k_t = tl.load(k + (key_row * H + h)[None, :] * DK + dk[:, None],
+                      mask=load[None, :] & (dk < DK)[:, None], other=0.0)  # [DKP, BSP]
+        v_tile = tl.load(v + (key_row * H + h)[:, None] * DV + dv[None, :],
+                         mask=load[:, None] & (dv < DV)[None, :], other=0.0)  # [BSP, DVP]
+        s = tl.dot(q_tile, k_t, input_precision="ieee") * (SCALE * 1.4426950408889634) + row_bias
+        s = tl.where(load[None, :] & (key_tok[None, :] <= row_last), s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet: no NaN
+        alpha = tl.exp2(m - m_use)
+        e = tl.exp2(s - m_use[:, None])
+        l_sum = l_sum * alpha + tl.sum(e, 1)
+        acc = acc * alpha[:, None] + tl.dot(e.to(v_tile.dtype), v_tile, input_precision="ieee")
+        m = m_new
+    return m, l_sum, acc
 
 
 @triton.jit
 def _fwd_kernel(q, k, v, block_idx, block_counts, pos, start, o, lse,
                 T: tl.constexpr, H: tl.constexpr, G: tl.constexpr, S: tl.constexpr, DK: tl.constexpr,
-                DV: tl.constexpr, BS: tl.constexpr, SCALE: tl.constexpr, GP: tl.constexpr,
+                DV: tl.constexpr, BS: tl.constexpr, SCALE: tl.constexpr, GR: tl.constexpr, TB: tl.constexpr,
                 DKP: tl.constexpr, DVP: tl.constexpr, BSP: tl.constexpr, NSUB: tl.constexpr, SP: tl.constexpr):
-    """Forward of selected attention for one (query token, KV head).
+    """Forward of selected attention for TB consecutive query tokens of one KV head.
 
-    Grid: (T, B * H). Tile: the G query heads of KV head h at token t, rows padded to GP (a power of
-    two >= 16), against one selected key block of BS tokens at a time, in NSUB chunks of BSP keys.
-    Loads q [B, T, HQ, DK] (GP x DKP), then for every valid slot of block_idx [B, T, H, S] the key
-    block k [B, T, H, DK] (BSP x DKP) and value block v [B, T, H, DV] (BSP x DVP); pos, start [T]
-    are the in-sequence position and the sequence start of each token. Stores o [B, T, HQ, DV] in
-    o's dtype and lse [B, T, HQ] (float32, natural log, -inf where nothing is seen).
+    Grid: (ceil(T / TB), B * H). Tile: R = TB * GR rows (_tile_rows: the G heads of each token padded to
+    GR = next_pow2(G)) against one key block of BS tokens at a time, in NSUB chunks of BSP keys.
+    TB = 1 (G >= 16) walks the token's S slots in order, a block listed twice loaded twice, in a for loop
+    that Triton software-pipelines. TB > 1 walks the distinct blocks its tokens list, in increasing order
+    of first token, each loaded once for the tile (a while loop); a token that lists a block k times adds
+    log2(k) to its rows' logits.
+    Loads q [B, T, HQ, DK] (R x DKP), the slots of block_idx [B, T, H, S] with block_counts [B, T, H],
+    pos and start [T] (each token's in-sequence position and sequence start) of the tile's tokens, then
+    per block k [B, T, H, DK] (DKP x BSP) and v [B, T, H, DV] (BSP x DVP) up to the last token of the tile
+    that lists it. Stores o [B, T, HQ, DV] in o's dtype and lse [B, T, HQ] (float32, natural log, -inf
+    where nothing is seen).
     """
-    b, h, row, p_t, s_t = _token(pos, start, T, H)
-    g = tl.arange(0, GP)
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = bh % H
+    tok, ok, q_rows = _tile_rows(b, h, T, H, G, GR, TB)
     dk = tl.arange(0, DKP)
     dv = tl.arange(0, DVP)
-    g_ok = g < G
-    q_tile = tl.load(q + (row * (H * G) + h * G + g)[:, None] * DK + dk[None, :],
-                     mask=g_ok[:, None] & (dk < DK)[None, :], other=0.0)
+    q_tile = tl.load(q + q_rows[:, None] * DK + dk[None, :], mask=ok[:, None] & (dk < DK)[None, :], other=0.0)
 
-    m = tl.full([GP], float("-inf"), tl.float32)  # running max of the base-2 logits
-    l_sum = tl.zeros([GP], tl.float32)
-    acc = tl.zeros([GP, DVP], tl.float32)
-    blocks = _valid_blocks(block_idx, block_counts, row * H + h, p_t // BS, S, SP)
-    slots = tl.arange(0, SP)
-    for slot in range(S):  # no branch on the slot: masked loads, so the pipeliner overlaps the blocks
-        blk = tl.max(tl.where(slots == slot, blocks, -1), 0)  # -1: skipped, nothing of it is loaded
-        for chunk in tl.static_range(NSUB):  # the block in chunks of BSP keys
-            j, seen, key_row = _block_keys(blk, chunk, p_t, s_t, b, T, BS, BSP)
-            k_t = tl.load(k + (key_row * H + h)[None, :] * DK + dk[:, None],
-                          mask=seen[None, :] & (dk < DK)[:, None], other=0.0)  # [DKP, BSP]
-            v_tile = tl.load(v + (key_row * H + h)[:, None] * DV + dv[None, :],
-                             mask=seen[:, None] & (dv < DV)[None, :], other=0.0)  # [BSP, DVP]
-            s = tl.dot(q_tile, k_t, input_precision="ieee") * (SCALE * 1.4426950408889634)
-            s = tl.where(seen[None, :], s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, 1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet: no NaN
-            alpha = tl.exp2(m - m_use)
-            e = tl.exp2(s - m_use[:, None])
-            l_sum = l_sum * alpha + tl.sum(e, 1)
-            acc = acc * alpha[:, None] + tl.dot(e.to(v_tile.dtype), v_tile, input_precision="ieee")
-            m = m_new
+    m = tl.full([TB * GR], float("-inf"), tl.float32)  # running max of the base-2 logits
+    l_sum = tl.zeros([TB * GR], tl.float32)
+    acc = tl.zeros([TB * GR, DVP], tl.float32)
+    if TB == 1:
+        t = tl.program_id(0)
+        keys = _listed_keys(block_idx, block_counts, pos, start, t, b, h, T, H, BS, S, SP)
+        slots = tl.arange(0, SP)
+        for slot in range(S):  # no branch on the slot: masked loads, so the pipeliner overlaps the blocks
+            first = tl.max(tl.where(slots == slot, keys, -1), 0)  # T: skipped, nothing of it is loaded
+            last = tl.where(first < T, t, -1)
+            m, l_sum, acc = _attend(q_tile, k, v, m, l_sum, acc, first, last, last, 0.0, b, h,
+                                    T, H, DK, DV, BS, SCALE, DKP, DVP, BSP, NSUB)
+    else:
+        keys = _listed_keys(block_idx, block_counts, pos, start, tok[:, None], b, h, T, H, BS, S, SP)
+        first = tl.min(keys)
+        while first < T:  # a while loop: the number of distinct blocks is data-dependent
+            listed = tl.sum((keys == first).to(tl.float32), 1)  # times each row's token lists the block
+            row_last = tl.where(listed > 0, tok, -1)  # the last key token each row sees; -1: none
+            m, l_sum, acc = _attend(q_tile, k, v, m, l_sum, acc, first, tl.max(row_last), row_last[:, None],
+                                    tl.log2(tl.maximum(listed, 1.0))[:, None], b, h,
+                                    T, H, DK, DV, BS, SCALE, DKP, DVP, BSP, NSUB)
+            first = tl.min(tl.where(keys > first, keys, T))
 
     any_seen = l_sum > 0
     out = acc / tl.where(any_seen, l_sum, 1.0)[:, None]
-    out_rows = row * (H * G) + h * G + g
-    tl.store(o + out_rows[:, None] * DV + dv[None, :], out.to(o.dtype.element_ty),
-             mask=g_ok[:, None] & (dv < DV)[None, :])
+    tl.store(o + q_rows[:, None] * DV + dv[None, :], out.to(o.dtype.element_ty), mask=ok[:, None] & (dv < DV)[None, :])
     log_sum = tl.where(any_seen, (m + tl.log2(tl.where(any_seen, l_sum, 1.0))) * 0.6931471805599453,
                        float("-inf"))
-    tl.store(lse + out_rows, log_sum, mask=g_ok)
+    tl.store(lse + q_rows, log_sum, mask=ok)
 
 
 @triton.jit
@@ -143,44 +191,71 @@ def _query_rows(q, do, lse, delta, q_rows, ok, DK: tl.constexpr, DV: tl.constexp
 
 
 @triton.jit
-def _dq_kernel(q, k, v, block_idx, block_counts, pos, start, do, lse, delta, dq,
-               T: tl.constexpr, H: tl.constexpr, G: tl.constexpr, S: tl.constexpr, DK: tl.constexpr,
-               DV: tl.constexpr, BS: tl.constexpr, SCALE: tl.constexpr, GP: tl.constexpr,
-               DKP: tl.constexpr, DVP: tl.constexpr, BSP: tl.constexpr, NSUB: tl.constexpr, SP: tl.constexpr):
-    """dq of selected attention for one (query token, KV head), recomputing p from lse.
-
-    Grid: (T, B * H), as the forward. Tile: the G query heads (GP rows) against one key block.
-    Loads q [B, T, HQ, DK] and do [B, T, HQ, DV] (GP rows), lse and delta [B, T, HQ] (float32), then
-    for every valid slot the key block (transposed, DKP x BSP, and BSP x DKP) and the value block
-    (transposed, DVP x BSP). Stores dq [B, T, HQ, DK] in dq's dtype; zero where nothing is seen.
-    """
-    b, h, row, p_t, s_t = _token(pos, start, T, H)
-    g = tl.arange(0, GP)
+def _dq_step(q_tile, do_tile, lse2, delta_r, k, v, acc, first, last, row_last, row_bias, b, h,
+             T: tl.constexpr, H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BS: tl.constexpr,
+             SCALE: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr, BSP: tl.constexpr, NSUB: tl.constexpr):
+    """The dq tile against one key block, seen as in _attend: p = exp2(s + row_bias - lse2) recomputed,
+    acc [R, DKP] += (p * (do v^T - delta)) k, unscaled."""
     dk = tl.arange(0, DKP)
     dv = tl.arange(0, DVP)
-    g_ok = g < G
-    q_rows = row * (H * G) + h * G + g
-    q_tile, do_tile, lse2, delta_g = _query_rows(q, do, lse, delta, q_rows, g_ok, DK, DV, DKP, DVP)
+    for chunk in tl.static_range(NSUB):  # the block in chunks of BSP keys
+        key_tok, load, key_row = _block_keys(first, last, chunk, b, T, BS, BSP)
+        k_tile = tl.load(k + (key_row * H + h)[:, None] * DK + dk[None, :],
+                         mask=load[:, None] & (dk < DK)[None, :], other=0.0)  # [BSP, DKP]
+        v_t = tl.load(v + (key_row * H + h)[None, :] * DV + dv[:, None],
+                      mask=load[None, :] & (dv < DV)[:, None], other=0.0)  # [DVP, BSP]
+        s = tl.dot(q_tile, tl.trans(k_tile), input_precision="ieee") * (SCALE * 1.4426950408889634) + row_bias
+        p = tl.where(load[None, :] & (key_tok[None, :] <= row_last), tl.exp2(s - lse2[:, None]), 0.0)
+        dp = tl.dot(do_tile, v_t, input_precision="ieee")
+        ds = p * (dp - delta_r[:, None])
+        acc += tl.dot(ds.to(k_tile.dtype), k_tile, input_precision="ieee")
+    return acc
 
-    acc = tl.zeros([GP, DKP], tl.float32)
-    blocks = _valid_blocks(block_idx, block_counts, row * H + h, p_t // BS, S, SP)
-    slots = tl.arange(0, SP)
-    for slot in range(S):  # as the forward: no branch, masked loads
-        blk = tl.max(tl.where(slots == slot, blocks, -1), 0)
-        for chunk in tl.static_range(NSUB):  # the block in chunks of BSP keys
-            j, seen, key_row = _block_keys(blk, chunk, p_t, s_t, b, T, BS, BSP)
-            k_tile = tl.load(k + (key_row * H + h)[:, None] * DK + dk[None, :],
-                             mask=seen[:, None] & (dk < DK)[None, :], other=0.0)  # [BSP, DKP]
-            v_t = tl.load(v + (key_row * H + h)[None, :] * DV + dv[:, None],
-                          mask=seen[None, :] & (dv < DV)[:, None], other=0.0)  # [DVP, BSP]
-            s = tl.dot(q_tile, tl.trans(k_tile), input_precision="ieee") * (SCALE * 1.4426950408889634)
-            p = tl.where(seen[None, :] & g_ok[:, None], tl.exp2(s - lse2[:, None]), 0.0)
-            dp = tl.dot(do_tile, v_t, input_precision="ieee")
-            ds = p * (dp - delta_g[:, None])
-            acc += tl.dot(ds.to(k_tile.dtype), k_tile, input_precision="ieee")
 
+@triton.jit
+def _dq_kernel(q, k, v, block_idx, block_counts, pos, start, do, lse, delta, dq,
+               T: tl.constexpr, H: tl.constexpr, G: tl.constexpr, S: tl.constexpr, DK: tl.constexpr,
+               DV: tl.constexpr, BS: tl.constexpr, SCALE: tl.constexpr, GR: tl.constexpr, TB: tl.constexpr,
+               DKP: tl.constexpr, DVP: tl.constexpr, BSP: tl.constexpr, NSUB: tl.constexpr, SP: tl.constexpr):
+    """dq of selected attention for TB consecutive query tokens of one KV head, recomputing p from lse.
+
+    Grid: (ceil(T / TB), B * H), as the forward. Tile: the forward's R = TB * GR rows against one key
+    block at a time, walked as in the forward (TB = 1: the slots in a pipelined for loop; TB > 1: the
+    distinct blocks, log2 of the multiplicity added to the logits).
+    Loads q [B, T, HQ, DK] and do [B, T, HQ, DV] (R rows), lse and delta [B, T, HQ] (float32), the slots as
+    the forward, then per block the keys (BSP x DKP) and the values (transposed, DVP x BSP). Stores dq
+    [B, T, HQ, DK] in dq's dtype; zero where nothing is seen.
+    """
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = bh % H
+    tok, ok, q_rows = _tile_rows(b, h, T, H, G, GR, TB)
+    q_tile, do_tile, lse2, delta_r = _query_rows(q, do, lse, delta, q_rows, ok, DK, DV, DKP, DVP)
+
+    acc = tl.zeros([TB * GR, DKP], tl.float32)
+    if TB == 1:
+        t = tl.program_id(0)
+        keys = _listed_keys(block_idx, block_counts, pos, start, t, b, h, T, H, BS, S, SP)
+        slots = tl.arange(0, SP)
+        for slot in range(S):  # as the forward: no branch, masked loads
+            first = tl.max(tl.where(slots == slot, keys, -1), 0)
+            last = tl.where(first < T, t, -1)
+            acc = _dq_step(q_tile, do_tile, lse2, delta_r, k, v, acc, first, last, last, 0.0, b, h,
+                           T, H, DK, DV, BS, SCALE, DKP, DVP, BSP, NSUB)
+    else:
+        keys = _listed_keys(block_idx, block_counts, pos, start, tok[:, None], b, h, T, H, BS, S, SP)
+        first = tl.min(keys)
+        while first < T:  # as the forward: the distinct blocks in increasing order
+            listed = tl.sum((keys == first).to(tl.float32), 1)
+            row_last = tl.where(listed > 0, tok, -1)
+            acc = _dq_step(q_tile, do_tile, lse2, delta_r, k, v, acc, first, tl.max(row_last), row_last[:, None],
+                           tl.log2(tl.maximum(listed, 1.0))[:, None], b, h,
+                           T, H, DK, DV, BS, SCALE, DKP, DVP, BSP, NSUB)
+            first = tl.min(tl.where(keys > first, keys, T))
+
+    dk = tl.arange(0, DKP)
     tl.store(dq + q_rows[:, None] * DK + dk[None, :], (acc * SCALE).to(dq.dtype.element_ty),
-             mask=g_ok[:, None] & (dk < DK)[None, :])
+             mask=ok[:, None] & (dk < DK)[None, :])
 
 
 @triton.jit
@@ -198,8 +273,8 @@ def _key_rows(row_start, row_end, r, chunk, b, T: tl.constexpr, BS: tl.constexpr
 def _dkv_partial_kernel(q, k, v, do, lse, delta, row_start, row_end, seg_list, seg_lo, seg_hi, query_tok,
                         dk_part, dv_part,
                         T: tl.constexpr, H: tl.constexpr, G: tl.constexpr, NR: tl.constexpr, DK: tl.constexpr,
-                        DV: tl.constexpr, BS: tl.constexpr, SCALE: tl.constexpr, GP: tl.constexpr,
-                        GR: tl.constexpr, BQ: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr,
+                        DV: tl.constexpr, BS: tl.constexpr, SCALE: tl.constexpr, GR: tl.constexpr,
+                        BQ: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr,
                         BSP: tl.constexpr, NSUB: tl.constexpr):
     """Partial dk and dv of one key block row of one (batch, KV head), from one segment of its query list.
 
@@ -209,7 +284,7 @@ def _dkv_partial_kernel(q, k, v, do, lse, delta, row_start, row_end, seg_list, s
     seg_hi[s]] (token index in the batch row; a query listed twice counts twice). The segments past the
     real ones are empty: they store zeros that are never reduced.
     Tile: BQ queries at a time, each with its G heads padded to GR = next_pow2(G) rows, so BQ * GR rows
-    (>= 16; GP, the forward's padding, is unused here).
+    (>= 16).
     Loads the key block k [B, T, H, DK] (BSP x DKP) and the value block v [B, T, H, DV] once, then per
     step of BQ entries q [B, T, HQ, DK], do [B, T, HQ, DV], lse and delta [B, T, HQ].
     Stores the unscaled float32 partials dk_part [NSEG, BS, DK] and dv_part [NSEG, BS, DV] of segment s
@@ -310,13 +385,14 @@ def _pow2(n, least=16):
 
 
 def _tiles(G, Dk, Dv, block_size, dtype):
-    """Padded tile sizes, each a power of two >= 16: group rows GP, key/value dims DKP, DVP, and a key
-    block taken in NSUB chunks of BSP keys, BSP * (DKP + DVP) elements at most 64 KiB (shared memory:
-    float32 at Dk = Dv = 256 and block_size 128 does not fit in one chunk on an H200)."""
+    """Padded tile sizes: GR = next_pow2(G) rows per query token, and, each a power of two >= 16, the
+    key/value dims DKP, DVP and a key block taken in NSUB chunks of BSP keys, BSP * (DKP + DVP) elements at
+    most 64 KiB (shared memory: float32 at Dk = Dv = 256 and block_size 128 does not fit in one chunk on an
+    H200)."""
     DKP, DVP = _pow2(Dk), _pow2(Dv)
     fit = max(16, triton.next_power_of_2(65536 // (jnp.dtype(dtype).itemsize * (DKP + DVP)) + 1) // 2)
     BSP = min(_pow2(block_size), fit)
-    return dict(GP=_pow2(G), DKP=DKP, DVP=DVP, BSP=BSP, NSUB=-(-block_size // BSP))
+    return dict(GR=triton.next_power_of_2(G), DKP=DKP, DVP=DVP, BSP=BSP, NSUB=-(-block_size // BSP))
 
 
 def _warps(*sizes):
@@ -325,24 +401,25 @@ def _warps(*sizes):
 
 
 def _per_token_launch(meta, S, itemsize):
-    """Launch settings of the per-token kernels (forward, dq): warps, pipeline stages, the S slots and
-    SP = S padded to a power of two. Two stages (the next block's keys load while this one is
-    computed) where a whole key + value block and the q and do tiles take at most 160 KiB together; one
-    beyond. Checked by compiling for sm_90 (G 16 to 64, head dims to 256, block_size to 128, every
-    dtype): all within an H200's 227 KiB of shared memory, where two stages everywhere reached 330 KiB.
+    """Launch settings of the per-token kernels (forward, dq): warps, pipeline stages, the S slots, SP = S
+    padded to a power of two, and TB = 16 / GR query tokens per program when a group has fewer than 16
+    rows (TB * GR = 16 rows), else 1. Two stages (for G >= 16 the next block's keys load while this one
+    is computed) where a whole key + value block and the q and do tiles take at most 160 KiB together;
+    one beyond. Checked by compiling for sm_90 (scripts/sm90_shared_memory.py): two stages everywhere
+    reached 330 KiB, past an H200's 227 KiB.
     """
+    tb = max(1, 16 // meta["GR"])
     block_bytes = meta["NSUB"] * meta["BSP"] * (meta["DKP"] + meta["DVP"]) * itemsize
-    tile_bytes = meta["GP"] * (meta["DKP"] + meta["DVP"]) * itemsize
+    tile_bytes = tb * meta["GR"] * (meta["DKP"] + meta["DVP"]) * itemsize
     return dict(num_warps=_warps(meta["DKP"], meta["DVP"], meta["BSP"]),
-                num_stages=2 if block_bytes + tile_bytes <= 160 * 1024 else 1, S=S, SP=triton.next_power_of_2(S))
+                num_stages=2 if block_bytes + tile_bytes <= 160 * 1024 else 1, S=S, SP=triton.next_power_of_2(S),
+                TB=tb)
 
 
-def _dkv_rows(G, DKP, DVP):
-    """(GR, BQ) of the dk/dv tile: next_pow2(G) rows per query, BQ queries, BQ * GR = 64 rows (32 for
-    wide heads) or GR when one group is larger."""
-    group = triton.next_power_of_2(G)
+def _dkv_rows(GR, DKP, DVP):
+    """BQ, the queries of a dk/dv step: BQ * GR = 64 rows (32 for wide heads), or GR when one group is larger."""
     rows = 32 if max(DKP, DVP) > 128 else 64
-    return dict(GR=group, BQ=max(1, rows // group))
+    return dict(BQ=max(1, rows // GR))
 
 
 def _segment_length(num_entries, num_lists):
@@ -379,11 +456,12 @@ def forward(q, k, v, block_indices, block_counts, cu_seqlens, *, block_size, sca
         return reference.forward(q, k, v, block_indices, block_counts, cu_seqlens, block_size=block_size, scale=scale)
     B, T, H, G, S, Dk, Dv, meta = _config(q, k, v, block_indices, block_size, scale)
     tok = tokens(T, block_size, cu_seqlens)
+    launch = _per_token_launch(meta, S, q.dtype.itemsize)
     o, lse = _launch.triton_call(
         q, k, v, _clipped(block_indices, T, block_size), block_counts.astype(jnp.int32), tok.pos[0], tok.start[0],
         kernel=_fwd_kernel,
         out_shape=[_launch.shape_dtype(q.shape[:3] + (Dv,), q.dtype), _launch.shape_dtype(q.shape[:3], jnp.float32)],
-        grid=(T, B * H), **_per_token_launch(meta, S, q.dtype.itemsize), **meta)
+        grid=(triton.cdiv(T, launch["TB"]), B * H), **launch, **meta)
     return o, (q, k, v, block_indices, block_counts, cu_seqlens, o, lse)
 
 
@@ -463,10 +541,11 @@ def backward(residuals, do, *, block_size, scale):
     counts = block_counts.astype(jnp.int32)
     warps = _warps(meta["DKP"], meta["DVP"], meta["BSP"])
 
+    launch = _per_token_launch(meta, S, q.dtype.itemsize)
     dq = _launch.triton_call(
         q, k, v, idx, counts, tok.pos[0], tok.start[0], do, lse, delta,
         kernel=_dq_kernel, out_shape=_launch.shape_dtype(q.shape, q.dtype),
-        grid=(T, B * H), **_per_token_launch(meta, S, q.dtype.itemsize), **meta)
+        grid=(triton.cdiv(T, launch["TB"]), B * H), **launch, **meta)
 
     NR, row_start, row_end = _block_rows(T, block_size, cu_seqlens)
     offsets, query_tok = _query_lists(idx, counts, tok, B, T, H, NR, block_size)
@@ -478,7 +557,7 @@ def backward(residuals, do, *, block_size, scale):
         kernel=_dkv_partial_kernel,
         out_shape=[_launch.shape_dtype((NSEG, block_size, D), jnp.float32) for D in (Dk, Dv)],
         grid=(NSEG * meta["NSUB"],), num_warps=warps, num_stages=1, NR=NR,
-        **_dkv_rows(G, meta["DKP"], meta["DVP"]), **meta)
+        **_dkv_rows(meta["GR"], meta["DKP"], meta["DVP"]), **meta)
     dk, dv = _launch.triton_call(
         dk_part, dv_part, row_start, row_end, seg_offsets,
         kernel=_dkv_reduce_kernel,
