@@ -67,13 +67,13 @@ def compiled_memory_gib(fn, args):
     return peak / 2 ** 30, (stats.argument_size_in_bytes + stats.output_size_in_bytes) / 2 ** 30
 
 
-def jax_inputs(T, seed=0):
+def jax_inputs(T, seed=0, hq=HQ):
     keys = jax.random.split(jax.random.key(seed), 8)
-    q = jax.random.normal(keys[0], (B, T, HQ, D), jnp.bfloat16)
+    q = jax.random.normal(keys[0], (B, T, hq, D), jnp.bfloat16)
     k = jax.random.normal(keys[1], (B, T, H, D), jnp.bfloat16)
     v = jax.random.normal(keys[2], (B, T, H, D), jnp.bfloat16)
-    gates = [jax.nn.sigmoid(jax.random.normal(key, (B, T, HQ))).astype(jnp.bfloat16) for key in keys[3:6]]
-    do = jax.random.normal(keys[6], (B, T, HQ, D), jnp.bfloat16)
+    gates = [jax.nn.sigmoid(jax.random.normal(key, (B, T, hq))).astype(jnp.bfloat16) for key in keys[3:6]]
+    do = jax.random.normal(keys[6], (B, T, hq, D), jnp.bfloat16)
     return q, k, v, gates, do
 
 

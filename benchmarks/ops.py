@@ -1,11 +1,17 @@
 """Where the time of nsa.attention goes: each op of the full NSA pipeline timed alone on the GPU.
 
     python -m benchmarks.ops --out DIR [--seq-lens 65536] [--impl triton] [--sweep flash selected]
+        [--q-heads 64] [--shared-selection] [--ops selected ...]
 
-Standard shape of benchmarks/gpu.py (B=1, HQ=64, H=4, D=128, bf16, block 64, 16 blocks, window 512).
+Standard shape of benchmarks/gpu.py (B=1, HQ=64, H=4, D=128, bf16, block 64, 16 blocks, window 512);
+--q-heads changes HQ (the group size G = HQ / 4: small groups take another path in selected attention).
+selected_attention runs on the blocks select_blocks picks for the (random) inputs, or, with
+--shared-selection, on those of the last token of each 64-token block for every token of that block
+(what neighbouring queries of a trained model come closer to: they share most of their blocks).
 For each T it times, forward and forward+backward (median over --iters after warm-up): compress of k
 (and the same for v), compressed_attention, select_blocks (forward only), selected_attention on the
-selected blocks, sliding_window_attention, and the whole nsa.attention. Writes ops-<seq lens>.json into --out.
+selected blocks, sliding_window_attention, and the whole nsa.attention. Writes
+ops-<seq lens>[-hq<HQ>][-shared].json into --out.
 
 --sweep also times the flash kernels (window, compressed) and the per-token selected-attention
 kernels (forward, dq) under a few tile / warp / stage candidates, by replacing the heuristics for the run: a tuning aid, the
@@ -33,13 +39,15 @@ def _grad_fn(fn, argnums):
     return jax.jit(jax.grad(lambda *a: loss(*a), argnums=argnums))
 
 
-def op_cases(T, impl):
+def op_cases(T, impl, hq=HQ, shared_selection=False):
     """(name, forward fn, forward+backward fn or None, args) for each op of the pipeline."""
-    q, k, v, gates, do = jax_inputs(T)
+    q, k, v, gates, do = jax_inputs(T, hq=hq)
     kw = dict(implementation=impl)
     k_cmp = nsa.compress(k, block_size=BS)
     v_cmp = nsa.compress(v, block_size=BS)
     idx = jax.jit(lambda q, k_cmp: nsa.select_blocks(q, k_cmp, block_counts=S, block_size=BS, **kw))(q, k_cmp)
+    if shared_selection:
+        idx = idx[:, jnp.minimum((jnp.arange(T) // BS + 1) * BS - 1, T - 1)]
     dk_cmp = jnp.zeros_like(k_cmp)
 
     compress = lambda x, d: nsa.compress(x, block_size=BS)
@@ -62,12 +70,12 @@ def op_cases(T, impl):
     ]
 
 
-def time_ops(T, impl, iters, names=None):
+def time_ops(T, impl, iters, names=None, hq=HQ, shared_selection=False):
     rows = []
-    for name, fwd, fwd_bwd, args in op_cases(T, impl):
+    for name, fwd, fwd_bwd, args in op_cases(T, impl, hq, shared_selection):
         if names and name not in names:
             continue
-        row = dict(op=name, T=T, impl=impl)
+        row = dict(op=name, T=T, impl=impl, HQ=hq, shared_selection=shared_selection)
         try:
             row["fwd_ms"] = 1e3 * time_jax(fwd, args, iters)
             if fwd_bwd is not None:
@@ -111,14 +119,20 @@ def main():
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--sweep", nargs="*", choices=["flash", "selected"], default=[],
                         help="kernels to sweep over candidate configs")
+    parser.add_argument("--q-heads", type=int, default=HQ, help="HQ (4 KV heads): G = HQ / 4")
+    parser.add_argument("--shared-selection", action="store_true",
+                        help="every token of a 64-token block selects the blocks of its block's last token")
+    parser.add_argument("--ops", nargs="*", default=None, help="time only these ops (default: all)")
     args = parser.parse_args()
     result = dict(date=time.strftime("%Y-%m-%d"), device=str(jax.devices()[0].device_kind), jax=jax.__version__,
                   rows=[], sweep=[])
     for T in args.seq_lens:
-        result["rows"] += time_ops(T, args.impl, args.iters)
+        result["rows"] += time_ops(T, args.impl, args.iters, args.ops, args.q_heads, args.shared_selection)
         if args.sweep:
             result["sweep"] += sweep(T, args.iters, args.sweep)
-    with open(f"{args.out}/ops-{'-'.join(map(str, args.seq_lens))}.json", "w") as f:
+    name = "-".join(map(str, args.seq_lens)) + (f"-hq{args.q_heads}" if args.q_heads != HQ else "")
+    name += "-shared" if args.shared_selection else ""
+    with open(f"{args.out}/ops-{name}.json", "w") as f:
         json.dump(result, f, indent=1)
 
 

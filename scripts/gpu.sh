@@ -2,6 +2,8 @@
 # Everything nsa runs on the GPU, in one call: the gpu-marked tests, then the benchmark.
 #   scripts/gpu.sh [tests|bench|ops|all] [extra benchmark args...]
 # (ops: benchmarks/ops.py, the time of each op of the pipeline, with its own args, e.g. --sweep)
+# tests: PYTEST_ARGS (e.g. "-k 'selected and G1'") selects among the gpu tests; JOBS (default 4) pytest
+# processes run them side by side on the one GPU.
 # Installs the carried wheels (.whl/: jax-triton 0.3.1, fla-core) into /tmp/site first. Through the
 # device tool: run(command="bash scripts/gpu.sh all", carry=[".whl"]). Results go to $OUT (or
 # benchmarks/results when OUT is unset). The wheels (ignored by git) are fetched on the CPU machine with
@@ -25,9 +27,19 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c 'import jax, jax_triton, triton; print("jax", jax.__version__, "jax_triton", jax_triton.__version__, "triton", triton.__version__, jax.devices())'
 status=0
 if [[ $what == tests || $what == all ]]; then
-    eval "python3 -m pytest -q -m gpu -p no:cacheprovider -rf ${PYTEST_ARGS:-} --junitxml=$out/gpu-tests.xml" 2>&1 \
-        | tee "$out/gpu-tests.log" | tail -40
-    status=${PIPESTATUS[0]}
+    # JOBS pytest processes share the GPU, each on every JOBS-th test (Triton compiles on the CPU).
+    jobs=${JOBS:-4}
+    export XLA_PYTHON_CLIENT_PREALLOCATE=false
+    eval "python3 -m pytest -q -m gpu -p no:cacheprovider --collect-only ${PYTEST_ARGS:-}" | grep '::' > /tmp/gpu-tests.txt
+    echo "$(wc -l < /tmp/gpu-tests.txt) gpu tests in $jobs processes"
+    for ((j = 0; j < jobs; j++)); do
+        awk -v j=$j -v n=$jobs 'NR % n == j' /tmp/gpu-tests.txt > /tmp/gpu-tests-$j.txt
+        mapfile -t ids < /tmp/gpu-tests-$j.txt
+        python3 -m pytest -q -p no:cacheprovider -rf --junitxml="$out/gpu-tests-$j.xml" "${ids[@]}" \
+            > "$out/gpu-tests-$j.log" 2>&1 &
+    done
+    for ((j = 0; j < jobs; j++)); do wait -n || status=1; done
+    tail -q -n 15 "$out"/gpu-tests-*.log
 fi
 if [[ $what == bench || $what == all ]]; then
     python3 benchmarks/gpu.py --out "$out" "$@" 2>&1 | tee "$out/bench.log" | grep -v '^{'
