@@ -13,13 +13,13 @@ The decomposition follows fla's NSA kernels (batching the tokens of small groups
   token padded to GR = next_pow2(G) rows (row i: head i % GR of token t0 + i // GR), and tl.dot wants
   16 rows or more: groups of 16 or more run one token per program (TB = 1), smaller groups batch
   TB = 16 / GR tokens instead of padding a group to 16 rows. TB = 1 loops over the token's S slots (a
-  block listed twice is loaded and attended twice) in a for loop that Triton software-pipelines.
-  TB > 1 walks the distinct blocks its tokens list, each loaded once for the whole tile, in a while loop
-  (the number is data-dependent) that takes at each step the smallest block start above the previous
-  one. A block is named by the token where it starts, sequence start + block * block_size, so equal
-  in-sequence ids of two packed sequences are two blocks. Row r sees key u of the block iff its token
-  lists the block and u <= that token, and a token that lists the block k times adds log2(k) to its
-  rows' logits;
+  block listed twice is loaded and attended twice). TB > 1 loads each distinct block its tokens list once
+  for the whole tile: the TB * S slots are named by the token where their block starts (sequence start +
+  block * block_size, so equal in-sequence ids of two packed sequences are two blocks), sorted, and
+  ranked by an associative scan, and block i of the loop is the value of rank i + 1. Row r sees key u of
+  the block iff its token lists the block and u <= that token; a token that lists the block k times adds
+  log2(k) to its rows' logits. Both loops are for loops with no carried block state, which Triton
+  software-pipelines (the next block's keys load while this one is computed);
 - backward: delta = sum(o * do) in XLA, then `_dq_kernel` on the forward's grid and tiles, recomputing the
   probabilities from lse. dk and dv walk, for each key block row of each (batch, KV head), the list of
   the queries that selected it: the selections inverted in JAX (a stable sort of the valid entries by
@@ -53,60 +53,110 @@ from nsa.triton import _launch
 @triton.jit
 def _tile_rows(b, h, T: tl.constexpr, H: tl.constexpr, G: tl.constexpr, GR: tl.constexpr, TB: tl.constexpr):
     """The R = TB * GR rows of the tile of tokens t0 = program_id(0) * TB ... t0 + TB - 1 and KV head h of
-    batch row b: row i is head i % GR of token t0 + i // GR. Returns (tok [R]: the row's token, clamped to
-    T - 1; ok [R]: the row is a real (token, head); q_rows [R]: its int64 row (b * T + tok) * HQ + h * G +
-    i % GR of q, o, do, lse, delta and dq)."""
+    batch row b: row i is head i % GR of token t0 + i // GR. Returns (ok [R]: the row is a real (token, head);
+    q_rows [R]: its int64 row (b * T + token) * HQ + h * G + i % GR of q, o, do, lse, delta and dq, the token
+    clamped to T - 1)."""
     i = tl.arange(0, TB * GR)
     t = tl.program_id(0) * TB + i // GR
-    tok = tl.minimum(t, T - 1)
-    return tok, (t < T) & (i % GR < G), (b * T + tok) * (H * G) + h * G + i % GR
+    return (t < T) & (i % GR < G), (b * T + tl.minimum(t, T - 1)) * (H * G) + h * G + i % GR
 
 
 @triton.jit
-def _listed_keys(block_idx, block_counts, pos, start, tok, b, h, T: tl.constexpr, H: tl.constexpr,
-                 BS: tl.constexpr, S: tl.constexpr, SP: tl.constexpr):
-    """The S slots of block_idx [B, T, H, S] of query token tok (a scalar, or [R, 1]) of batch row b and KV
-    head h, each as the token of batch row b where its block starts: [SP] (or [R, SP]) int32, T where the
-    slot is skipped (past block_counts [B, T, H], negative, or after the token's own block). pos and
-    start [T] are each token's in-sequence position and sequence start, so blocks of different sequences
-    start at different tokens."""
-    list_row = (b * T + tok) * H + h
+def _per_row(x, TB: tl.constexpr, GR: tl.constexpr):
+    """A value per token of the tile, x [TB], as a value per row [TB * GR] (row i: token i // GR)."""
+    return tl.reshape(tl.broadcast_to(x[:, None], [TB, GR]), [TB * GR])
+
+
+@triton.jit
+def _runs(first_a, last_a, runs_a, first_b, last_b, runs_b):
+    """Combine of an associative scan: (first value, last value, number of runs of equal values) of a stretch
+    of a sequence, from those of its two halves."""
+    return first_a, last_b, runs_a + runs_b - (last_a == first_b).to(tl.int32)
+
+
+@triton.jit
+def _valid_blocks(block_idx, block_counts, list_row, last, S: tl.constexpr, SP: tl.constexpr):
+    """The S slots of block_idx [B, T, H, S] at list_row (= (b * T + t) * H + h; a scalar, or [TB, 1]) as
+    block ids [SP] (or [TB, SP]), -1 where the slot is skipped: past block_counts [B, T, H], negative, or
+    after the query's block `last`."""
     slots = tl.arange(0, SP)
-    blk = tl.load(block_idx + list_row * S + slots, mask=slots < S, other=-1)
-    valid = (slots < tl.load(block_counts + list_row)) & (blk >= 0) & (blk <= tl.load(pos + tok) // BS)
-    return tl.where(valid, tl.load(start + tok) + blk * BS, T)
+    listed = tl.load(block_idx + list_row * S + slots, mask=slots < S, other=-1)
+    count = tl.load(block_counts + list_row)
+    return tl.where((slots < count) & (listed >= 0) & (listed <= last), listed, -1)
 
 
 @triton.jit
-def _block_keys(first, last, chunk, b, T: tl.constexpr, BS: tl.constexpr, BSP: tl.constexpr):
-    """Keys chunk * BSP + j, j < BSP, of the block starting at token `first` (>= 0) of batch row b: (their
-    tokens first + j, which are loaded: j < BS and token <= last, none if last < first, their int64 global
-    token rows, in bounds also where not loaded)."""
+def _tile_blocks(block_idx, block_counts, pos, start, b, h, T: tl.constexpr, H: tl.constexpr, BS: tl.constexpr,
+                 S: tl.constexpr, SP: tl.constexpr, TB: tl.constexpr):
+    """The distinct blocks the TB tokens of the tile list, in increasing order, so that each is loaded once.
+
+    A block is named by the token where it starts, sequence start + block * BS (T for a skipped slot), so
+    that the same block id in two packed sequences names two blocks. Returns (p, seq [TB]: the tokens'
+    in-sequence positions and sequence starts, tokens past T clamped to T - 1; firsts [TB, SP]: their slots
+    so named; in_order [TB * SP]: firsts sorted; rank [TB * SP]: 1 + the number of distinct values below
+    each; num: the number of distinct blocks). Block i < num starts at token min(in_order where rank ==
+    i + 1): _tile_block computes it from i alone, so the loop over the blocks has a trip count and no
+    carried state, and Triton software-pipelines it."""
+    t = tl.minimum(tl.program_id(0) * TB + tl.arange(0, TB), T - 1)
+    p = tl.load(pos + t)
+    seq = tl.load(start + t)
+    blk = _valid_blocks(block_idx, block_counts, ((b * T + t) * H + h)[:, None], (p // BS)[:, None], S, SP)
+    firsts = tl.where(blk >= 0, seq[:, None] + blk * BS, T)
+    in_order = tl.sort(tl.reshape(firsts, [TB * SP]))
+    _, _, rank = tl.associative_scan((in_order, in_order, tl.full([TB * SP], 1, tl.int32)), 0, _runs)
+    return p, seq, firsts, in_order, rank, tl.max(tl.where(in_order < T, rank, 0))
+
+
+@triton.jit
+def _tile_block(i, p, seq, firsts, in_order, rank, T: tl.constexpr, BS: tl.constexpr, TB: tl.constexpr,
+                GR: tl.constexpr):
+    """Block i of _tile_blocks, as _attend takes it: (its block id; its sequence start s_blk; the last
+    position a row sees in it; p0 = t0 - s_blk, the tile's first token t0 as a position in the block's
+    sequence, so that row r's token is at position p0 + r // GR; row_bias [R, 1]: log2 of how many times
+    the row's token lists the block, -inf where it does not, so that a block listed twice weighs twice and
+    a row whose token does not list it sees none of it). The tokens that list a block are all of its
+    sequence.
+    """
+    first = tl.min(tl.where(rank == i + 1, in_order, T))
+    listed = tl.sum((firsts == first).to(tl.float32), 1)  # [TB]
+    seq_start = tl.max(tl.where(listed > 0, seq, 0))
+    t0 = tl.program_id(0) * TB
+    return ((first - seq_start) // BS, seq_start, tl.max(tl.where(listed > 0, p, -1)), t0 - seq_start,
+            _per_row(tl.where(listed > 0, tl.log2(tl.maximum(listed, 1.0)), float("-inf")), TB, GR)[:, None])
+
+
+@triton.jit
+def _block_keys(blk, chunk, p_last, s_blk, b, T: tl.constexpr, BS: tl.constexpr, BSP: tl.constexpr):
+    """Keys chunk * BSP + j, j < BSP, of in-sequence block blk of the sequence starting at token s_blk of
+    batch row b, up to position p_last: (their positions in the sequence, which are loaded (none if blk <
+    0), their int64 global token rows, in bounds also where not loaded)."""
     j = chunk * BSP + tl.arange(0, BSP)
-    key_tok = first + j
-    load = (j < BS) & (key_tok <= last)
-    return key_tok, load, b * T + tl.where(load, key_tok, 0)
+    key_pos = blk * BS + j
+    seen = (blk >= 0) & (j < BS) & (key_pos <= p_last)
+    return key_pos, seen, b * T + s_blk + tl.where(seen, key_pos, 0)
 
 
 @triton.jit
-def _attend(q_tile, k, v, m, l_sum, acc, first, last, row_last, row_bias, b, h,
+def _attend(q_tile, k, v, m, l_sum, acc, blk, s_blk, p_last, p0, row_bias, b, h,
             T: tl.constexpr, H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BS: tl.constexpr,
-            SCALE: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr, BSP: tl.constexpr, NSUB: tl.constexpr):
-    """The forward tile q_tile [R, DKP] against one key block: the keys first + j of batch row b up to token
-    `last` (_block_keys) are loaded once; row r sees key token u iff u <= row_last (a scalar or [R, 1]; -1
-    where the row's token does not list the block), with row_bias (a scalar or [R, 1]: log2 of how many
-    times the row's token lists the block) added to its base-2 logits. Returns the online softmax state
-    (running max m, sum l_sum [R], acc [R, DVP], float32) updated."""
+            SCALE: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr, BSP: tl.constexpr, NSUB: tl.constexpr,
+            TB: tl.constexpr, GR: tl.constexpr):
+    """The forward tile q_tile [R, DKP] against block blk of the sequence starting at token s_blk: its keys
+    up to position p_last (_block_keys) are loaded once; row r (of token TB-tile-index r // GR) sees the key
+    at position u iff u <= p0 + r // GR, with row_bias (a scalar or [R, 1]: see _tile_block) added to its
+    base-2 logits. Returns the online softmax state (running max m, sum l_sum [R], acc [R, DVP], float32)
+    updated."""
     dk = tl.arange(0, DKP)
     dv = tl.arange(0, DVP)
     for chunk in tl.static_range(NSUB):  # the block in chunks of BSP keys
-        key_tok, load, key_row = _block_keys(first, last, chunk, b, T, BS, BSP)
+        key_pos, seen, key_row = _block_keys(blk, chunk, p_last, s_blk, b, T, BS, BSP)
         k_t = tl.load(k + (key_row * H + h)[None, :] * DK + dk[:, None],
-                      mask=load[None, :] & (dk < DK)[:, None], other=0.0)  # [DKP, BSP]
+                      mask=seen[None, :] & (dk < DK)[:, None], other=0.0)  # [DKP, BSP]
         v_tile = tl.load(v + (key_row * H + h)[:, None] * DV + dv[None, :],
-                         mask=load[:, None] & (dv < DV)[None, :], other=0.0)  # [BSP, DVP]
+                         mask=seen[:, None] & (dv < DV)[None, :], other=0.0)  # [BSP, DVP]
         s = tl.dot(q_tile, k_t, input_precision="ieee") * (SCALE * 1.4426950408889634) + row_bias
-        s = tl.where(load[None, :] & (key_tok[None, :] <= row_last), s, float("-inf"))
+        row_pos = p0 + tl.arange(0, TB * GR) // GR
+        s = tl.where(seen[None, :] & (key_pos[None, :] <= row_pos[:, None]), s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet: no NaN
         alpha = tl.exp2(m - m_use)
@@ -126,10 +176,9 @@ def _fwd_kernel(q, k, v, block_idx, block_counts, pos, start, o, lse,
 
     Grid: (ceil(T / TB), B * H). Tile: R = TB * GR rows (_tile_rows: the G heads of each token padded to
     GR = next_pow2(G)) against one key block of BS tokens at a time, in NSUB chunks of BSP keys.
-    TB = 1 (G >= 16) walks the token's S slots in order, a block listed twice loaded twice, in a for loop
-    that Triton software-pipelines. TB > 1 walks the distinct blocks its tokens list, in increasing order
-    of first token, each loaded once for the tile (a while loop); a token that lists a block k times adds
-    log2(k) to its rows' logits.
+    TB = 1 (G >= 16) walks the token's S slots in order, a block listed twice loaded twice. TB > 1 walks
+    the distinct blocks its tokens list (_tile_blocks), in increasing order of first token, each loaded
+    once for the tile; a token that lists a block k times adds log2(k) to its rows' logits.
     Loads q [B, T, HQ, DK] (R x DKP), the slots of block_idx [B, T, H, S] with block_counts [B, T, H],
     pos and start [T] (each token's in-sequence position and sequence start) of the tile's tokens, then
     per block k [B, T, H, DK] (DKP x BSP) and v [B, T, H, DV] (BSP x DVP) up to the last token of the tile
@@ -139,7 +188,7 @@ def _fwd_kernel(q, k, v, block_idx, block_counts, pos, start, o, lse,
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)
     h = bh % H
-    tok, ok, q_rows = _tile_rows(b, h, T, H, G, GR, TB)
+    ok, q_rows = _tile_rows(b, h, T, H, G, GR, TB)
     dk = tl.arange(0, DKP)
     dv = tl.arange(0, DVP)
     q_tile = tl.load(q + q_rows[:, None] * DK + dk[None, :], mask=ok[:, None] & (dk < DK)[None, :], other=0.0)
@@ -149,23 +198,21 @@ def _fwd_kernel(q, k, v, block_idx, block_counts, pos, start, o, lse,
     acc = tl.zeros([TB * GR, DVP], tl.float32)
     if TB == 1:
         t = tl.program_id(0)
-        keys = _listed_keys(block_idx, block_counts, pos, start, t, b, h, T, H, BS, S, SP)
+        p_t = tl.load(pos + t)
+        s_t = tl.load(start + t)
+        blocks = _valid_blocks(block_idx, block_counts, (b * T + t) * H + h, p_t // BS, S, SP)
         slots = tl.arange(0, SP)
         for slot in range(S):  # no branch on the slot: masked loads, so the pipeliner overlaps the blocks
-            first = tl.max(tl.where(slots == slot, keys, -1), 0)  # T: skipped, nothing of it is loaded
-            last = tl.where(first < T, t, -1)
-            m, l_sum, acc = _attend(q_tile, k, v, m, l_sum, acc, first, last, last, 0.0, b, h,
-                                    T, H, DK, DV, BS, SCALE, DKP, DVP, BSP, NSUB)
+            blk = tl.max(tl.where(slots == slot, blocks, -1), 0)  # -1: skipped, nothing of it is loaded
+            m, l_sum, acc = _attend(q_tile, k, v, m, l_sum, acc, blk, s_t, p_t, p_t, 0.0, b, h,
+                                    T, H, DK, DV, BS, SCALE, DKP, DVP, BSP, NSUB, TB, GR)
     else:
-        keys = _listed_keys(block_idx, block_counts, pos, start, tok[:, None], b, h, T, H, BS, S, SP)
-        first = tl.min(keys)
-        while first < T:  # a while loop: the number of distinct blocks is data-dependent
-            listed = tl.sum((keys == first).to(tl.float32), 1)  # times each row's token lists the block
-            row_last = tl.where(listed > 0, tok, -1)  # the last key token each row sees; -1: none
-            m, l_sum, acc = _attend(q_tile, k, v, m, l_sum, acc, first, tl.max(row_last), row_last[:, None],
-                                    tl.log2(tl.maximum(listed, 1.0))[:, None], b, h,
-                                    T, H, DK, DV, BS, SCALE, DKP, DVP, BSP, NSUB)
-            first = tl.min(tl.where(keys > first, keys, T))
+        p, seq, firsts, in_order, rank, num = _tile_blocks(block_idx, block_counts, pos, start, b, h,
+                                                           T, H, BS, S, SP, TB)
+        for i in range(num):
+            blk, s_blk, p_last, p0, row_bias = _tile_block(i, p, seq, firsts, in_order, rank, T, BS, TB, GR)
+            m, l_sum, acc = _attend(q_tile, k, v, m, l_sum, acc, blk, s_blk, p_last, p0, row_bias, b, h,
+                                    T, H, DK, DV, BS, SCALE, DKP, DVP, BSP, NSUB, TB, GR)
 
     any_seen = l_sum > 0
     out = acc / tl.where(any_seen, l_sum, 1.0)[:, None]
@@ -191,21 +238,23 @@ def _query_rows(q, do, lse, delta, q_rows, ok, DK: tl.constexpr, DV: tl.constexp
 
 
 @triton.jit
-def _dq_step(q_tile, do_tile, lse2, delta_r, k, v, acc, first, last, row_last, row_bias, b, h,
+def _dq_step(q_tile, do_tile, lse2, delta_r, k, v, acc, blk, s_blk, p_last, p0, row_bias, b, h,
              T: tl.constexpr, H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BS: tl.constexpr,
-             SCALE: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr, BSP: tl.constexpr, NSUB: tl.constexpr):
+             SCALE: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr, BSP: tl.constexpr, NSUB: tl.constexpr,
+             TB: tl.constexpr, GR: tl.constexpr):
     """The dq tile against one key block, seen as in _attend: p = exp2(s + row_bias - lse2) recomputed,
     acc [R, DKP] += (p * (do v^T - delta)) k, unscaled."""
     dk = tl.arange(0, DKP)
     dv = tl.arange(0, DVP)
     for chunk in tl.static_range(NSUB):  # the block in chunks of BSP keys
-        key_tok, load, key_row = _block_keys(first, last, chunk, b, T, BS, BSP)
+        key_pos, seen, key_row = _block_keys(blk, chunk, p_last, s_blk, b, T, BS, BSP)
         k_tile = tl.load(k + (key_row * H + h)[:, None] * DK + dk[None, :],
-                         mask=load[:, None] & (dk < DK)[None, :], other=0.0)  # [BSP, DKP]
+                         mask=seen[:, None] & (dk < DK)[None, :], other=0.0)  # [BSP, DKP]
         v_t = tl.load(v + (key_row * H + h)[None, :] * DV + dv[:, None],
-                      mask=load[None, :] & (dv < DV)[:, None], other=0.0)  # [DVP, BSP]
+                      mask=seen[None, :] & (dv < DV)[:, None], other=0.0)  # [DVP, BSP]
         s = tl.dot(q_tile, tl.trans(k_tile), input_precision="ieee") * (SCALE * 1.4426950408889634) + row_bias
-        p = tl.where(load[None, :] & (key_tok[None, :] <= row_last), tl.exp2(s - lse2[:, None]), 0.0)
+        row_pos = p0 + tl.arange(0, TB * GR) // GR
+        p = tl.where(seen[None, :] & (key_pos[None, :] <= row_pos[:, None]), tl.exp2(s - lse2[:, None]), 0.0)
         dp = tl.dot(do_tile, v_t, input_precision="ieee")
         ds = p * (dp - delta_r[:, None])
         acc += tl.dot(ds.to(k_tile.dtype), k_tile, input_precision="ieee")
@@ -229,29 +278,27 @@ def _dq_kernel(q, k, v, block_idx, block_counts, pos, start, do, lse, delta, dq,
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)
     h = bh % H
-    tok, ok, q_rows = _tile_rows(b, h, T, H, G, GR, TB)
+    ok, q_rows = _tile_rows(b, h, T, H, G, GR, TB)
     q_tile, do_tile, lse2, delta_r = _query_rows(q, do, lse, delta, q_rows, ok, DK, DV, DKP, DVP)
 
     acc = tl.zeros([TB * GR, DKP], tl.float32)
     if TB == 1:
         t = tl.program_id(0)
-        keys = _listed_keys(block_idx, block_counts, pos, start, t, b, h, T, H, BS, S, SP)
+        p_t = tl.load(pos + t)
+        s_t = tl.load(start + t)
+        blocks = _valid_blocks(block_idx, block_counts, (b * T + t) * H + h, p_t // BS, S, SP)
         slots = tl.arange(0, SP)
-        for slot in range(S):  # as the forward: no branch, masked loads
-            first = tl.max(tl.where(slots == slot, keys, -1), 0)
-            last = tl.where(first < T, t, -1)
-            acc = _dq_step(q_tile, do_tile, lse2, delta_r, k, v, acc, first, last, last, 0.0, b, h,
-                           T, H, DK, DV, BS, SCALE, DKP, DVP, BSP, NSUB)
+        for slot in range(S):  # as the forward
+            blk = tl.max(tl.where(slots == slot, blocks, -1), 0)
+            acc = _dq_step(q_tile, do_tile, lse2, delta_r, k, v, acc, blk, s_t, p_t, p_t, 0.0, b, h,
+                           T, H, DK, DV, BS, SCALE, DKP, DVP, BSP, NSUB, TB, GR)
     else:
-        keys = _listed_keys(block_idx, block_counts, pos, start, tok[:, None], b, h, T, H, BS, S, SP)
-        first = tl.min(keys)
-        while first < T:  # as the forward: the distinct blocks in increasing order
-            listed = tl.sum((keys == first).to(tl.float32), 1)
-            row_last = tl.where(listed > 0, tok, -1)
-            acc = _dq_step(q_tile, do_tile, lse2, delta_r, k, v, acc, first, tl.max(row_last), row_last[:, None],
-                           tl.log2(tl.maximum(listed, 1.0))[:, None], b, h,
-                           T, H, DK, DV, BS, SCALE, DKP, DVP, BSP, NSUB)
-            first = tl.min(tl.where(keys > first, keys, T))
+        p, seq, firsts, in_order, rank, num = _tile_blocks(block_idx, block_counts, pos, start, b, h,
+                                                           T, H, BS, S, SP, TB)
+        for i in range(num):  # as the forward
+            blk, s_blk, p_last, p0, row_bias = _tile_block(i, p, seq, firsts, in_order, rank, T, BS, TB, GR)
+            acc = _dq_step(q_tile, do_tile, lse2, delta_r, k, v, acc, blk, s_blk, p_last, p0, row_bias, b, h,
+                           T, H, DK, DV, BS, SCALE, DKP, DVP, BSP, NSUB, TB, GR)
 
     dk = tl.arange(0, DKP)
     tl.store(dq + q_rows[:, None] * DK + dk[None, :], (acc * SCALE).to(dq.dtype.element_ty),
