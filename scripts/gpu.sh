@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything nsa runs on the GPU, in one call: the gpu-marked tests, then the benchmark.
-#   scripts/gpu.sh [tests|bench|ops|all] [extra benchmark args...]
-# (ops: benchmarks/ops.py, the time of each op of the pipeline, with its own args, e.g. --sweep)
+#   scripts/gpu.sh [tests|bench|ops|trace|all] [extra benchmark args...]
+# (ops: benchmarks/ops.py, the time of each op of the pipeline, with its own args, e.g. --sweep;
+#  trace: benchmarks/trace.py, the device time of each op kernel by kernel)
 # tests: PYTEST_ARGS (e.g. "-k 'selected and G1'") selects among the gpu tests; JOBS (default 4) pytest
 # processes run them side by side on the one GPU.
 # Installs the carried wheels (.whl/: jax-triton 0.3.1, fla-core) into /tmp/site first. Through the
@@ -43,6 +44,10 @@ if [[ $what == tests || $what == all ]]; then
 fi
 if [[ $what == bench || $what == all ]]; then
     python3 benchmarks/gpu.py --out "$out" "$@" 2>&1 | tee "$out/bench.log" | grep -v '^{'
+    [[ ${PIPESTATUS[0]} == 0 ]] || status=1
+fi
+if [[ $what == trace ]]; then
+    python3 -m benchmarks.trace --out "$out" "$@" 2>&1 | tee "$out/trace.log"
     [[ ${PIPESTATUS[0]} == 0 ]] || status=1
 fi
 if [[ $what == ops ]]; then
