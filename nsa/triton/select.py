@@ -138,8 +138,7 @@ def _select_kernel(q, k_cmp, lse, pos, cmp_start, out,
         # pass 1: lse (base 2) of each row over its visible rows
         m = tl.full([M], float("-inf"), tl.float32)
         l_sum = tl.zeros([M], tl.float32)
-        r0 = lo
-        while r0 < vis_end:  # a while loop: Triton's interpreter cannot take loaded bounds in range()
+        for r0 in range(lo, vis_end, BC):
             rows = r0 + c
             s = _logits(q_tile, k_cmp, rows, rows < vis_end, b, h, NC, H, DK, DKP, SCALE, IEEE)
             s = tl.where((rows[None, :] >= first_row[:, None]) & (rows[None, :] < end_row[:, None]), s,
@@ -148,7 +147,6 @@ def _select_kernel(q, k_cmp, lse, pos, cmp_start, out,
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet: no NaN
             l_sum = l_sum * tl.exp2(m - m_use) + tl.sum(tl.exp2(s - m_use[:, None]), 1)
             m = m_new
-            r0 += BC
         seen = l_sum > 0
         lse2 = tl.where(seen, m + tl.log2(tl.where(seen, l_sum, 1.0)), 0.0)
 
@@ -156,9 +154,8 @@ def _select_kernel(q, k_cmp, lse, pos, cmp_start, out,
     slot = tl.arange(0, SP)
     top = tl.full([TB, SP], -1, tl.int64)  # keys in ascending order: slot SP - 1 ranks first
     KTH: tl.constexpr = SP - S  # the slot of the S-th best
-    r0 = lo
     end = tl.max(first + cur, 0) + 1
-    while r0 < end:
+    for r0 in range(lo, end, BC):
         rows = r0 + c
         s = _logits(q_tile, k_cmp, rows, rows < vis_end, b, h, NC, H, DK, DKP, SCALE, IEEE)
         vis = (rows[None, :] >= first_row[:, None]) & (rows[None, :] < end_row[:, None]) & seen[:, None]
@@ -169,7 +166,6 @@ def _select_kernel(q, k_cmp, lse, pos, cmp_start, out,
         if tl.max((tl.max(key, 1) > kth).to(tl.int32), 0) > 0:  # some token's top-S changes
             # max of ascending and descending: the SP best of both, bitonic
             top = tl.bitonic_merge(tl.maximum(top, tl.topk(key, SP, dim=1)), dim=1)
-        r0 += BC
 
     ids = tl.where(top >= 0, 0x7FFFFFFF - (top & 0x7FFFFFFF), -1).to(tl.int32)
     out_slot = SP - 1 - slot  # top is ascending
@@ -200,6 +196,14 @@ def _tiles(T, G, Dk, num_blocks, slots, itemsize):
     return dict(GR=gr, TB=tb, DKP=dkp, BC=bc, SP=sp), 8 if largest > 16384 else 4
 
 
+def _stages(num_blocks, bc):
+    """Two pipeline stages (the next key chunk loads while this one is scored) once a tile walks several
+    chunks, else one: on an H200 two stages took select at T = 65536 (1024 blocks) from 11.66 to 11.36 ms
+    but at T = 8192 (128 blocks, about one chunk) from 0.49 to 0.70 ms (more shared memory, fewer
+    resident programs, nothing to overlap)."""
+    return 2 if num_blocks >= 4 * bc else 1
+
+
 def forward(q, k_cmp, lse, cu_seqlens, *, block_counts, block_size, scale):
     """Returns block_indices int32 [B, T, H, block_counts] (in-sequence block ids), as the reference.
 
@@ -222,7 +226,7 @@ def forward(q, k_cmp, lse, cu_seqlens, *, block_counts, block_size, scale):
         q.astype(dtype), k_cmp.astype(dtype), lse_arg, tok.pos[0], tok.cmp_start[0],
         kernel=_select_kernel,
         out_shape=_launch.shape_dtype((B, T, H, slots), jnp.int32),
-        grid=(cdiv(T, sizes["TB"]), B * H), num_warps=num_warps, num_stages=1,
+        grid=(cdiv(T, sizes["TB"]), B * H), num_warps=num_warps, num_stages=_stages(num_blocks, sizes["BC"]),
         T=T, NC=NC, H=H, G=G, DK=Dk, BS=block_size, S=slots, SCALE=float(scale),
         IEEE=bool(dtype == jnp.float32), HAS_LSE=lse is not None, **sizes)
     if slots < block_counts:

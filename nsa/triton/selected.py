@@ -331,7 +331,8 @@ def _dkv_partial_kernel(q, k, v, do, lse, delta, row_start, row_end, seg_list, s
     seg_hi[s]] (token index in the batch row; a query listed twice counts twice). The segments past the
     real ones are empty: they store zeros that are never reduced.
     Tile: BQ queries at a time, each with its G heads padded to GR = next_pow2(G) rows, so BQ * GR rows
-    (>= 16).
+    (>= 16), in a for loop that Triton software-pipelines (two stages: the next BQ entries' q and do load
+    while these are computed; on an H200 selected attention's fwd+bwd at T = 65536 went 49.6 -> 47.0 ms).
     Loads the key block k [B, T, H, DK] (BSP x DKP) and the value block v [B, T, H, DV] once, then per
     step of BQ entries q [B, T, HQ, DK], do [B, T, HQ, DV], lse and delta [B, T, HQ].
     Stores the unscaled float32 partials dk_part [NSEG, BS, DK] and dv_part [NSEG, BS, DV] of segment s
@@ -357,9 +358,8 @@ def _dkv_partial_kernel(q, k, v, do, lse, delta, row_start, row_end, seg_list, s
     g = rows % GR  # head of the group
     acc_k = tl.zeros([BSP, DKP], tl.float32)
     acc_v = tl.zeros([BSP, DVP], tl.float32)
-    i = tl.load(seg_lo + seg)
     hi = tl.load(seg_hi + seg)
-    while i < hi:  # a while loop: Triton's interpreter cannot take loaded bounds in range()
+    for i in range(tl.load(seg_lo + seg), hi, BQ):
         entry_ok = i + e < hi
         t = tl.load(query_tok + i + e, mask=entry_ok, other=0)
         ok = entry_ok & (g < G)
@@ -372,7 +372,6 @@ def _dkv_partial_kernel(q, k, v, do, lse, delta, row_start, row_end, seg_list, s
         dp = tl.dot(do_tile, tl.trans(v_tile), input_precision="ieee")
         ds = p * (dp - delta_r[:, None])
         acc_k += tl.dot(tl.trans(ds.to(q_tile.dtype)), q_tile, input_precision="ieee")
-        i += BQ
 
     part = seg.to(tl.int64) * BS + j
     tl.store(dk_part + part[:, None] * DK + dk[None, :], acc_k, mask=(j < BS)[:, None] & (dk < DK)[None, :])
@@ -603,7 +602,7 @@ def backward(residuals, do, *, block_size, scale):
         q, k, v, do, lse, delta, row_start, row_end, seg_list, seg_lo, seg_hi, query_tok,
         kernel=_dkv_partial_kernel,
         out_shape=[_launch.shape_dtype((NSEG, block_size, D), jnp.float32) for D in (Dk, Dv)],
-        grid=(NSEG * meta["NSUB"],), num_warps=warps, num_stages=1, NR=NR,
+        grid=(NSEG * meta["NSUB"],), num_warps=warps, num_stages=2, NR=NR,
         **_dkv_rows(meta["GR"], meta["DKP"], meta["DVP"]), **meta)
     dk, dv = _launch.triton_call(
         dk_part, dv_part, row_start, row_end, seg_offsets,
