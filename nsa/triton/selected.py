@@ -86,6 +86,16 @@ def _valid_blocks(block_idx, block_counts, list_row, last, S: tl.constexpr, SP: 
 
 
 @triton.jit
+def _token_blocks(block_idx, block_counts, pos, start, b, h, T: tl.constexpr, H: tl.constexpr, BS: tl.constexpr,
+                  S: tl.constexpr, SP: tl.constexpr):
+    """The one token t = program_id(0) of a TB = 1 tile: (its in-sequence position, its sequence start, its
+    slots as _valid_blocks)."""
+    t = tl.program_id(0)
+    p_t = tl.load(pos + t)
+    return p_t, tl.load(start + t), _valid_blocks(block_idx, block_counts, (b * T + t) * H + h, p_t // BS, S, SP)
+
+
+@triton.jit
 def _tile_blocks(block_idx, block_counts, pos, start, b, h, T: tl.constexpr, H: tl.constexpr, BS: tl.constexpr,
                  S: tl.constexpr, SP: tl.constexpr, TB: tl.constexpr):
     """The distinct blocks the TB tokens of the tile list, in increasing order, so that each is loaded once.
@@ -197,13 +207,9 @@ def _fwd_kernel(q, k, v, block_idx, block_counts, pos, start, o, lse,
     l_sum = tl.zeros([TB * GR], tl.float32)
     acc = tl.zeros([TB * GR, DVP], tl.float32)
     if TB == 1:
-        t = tl.program_id(0)
-        p_t = tl.load(pos + t)
-        s_t = tl.load(start + t)
-        blocks = _valid_blocks(block_idx, block_counts, (b * T + t) * H + h, p_t // BS, S, SP)
-        slots = tl.arange(0, SP)
+        p_t, s_t, blocks = _token_blocks(block_idx, block_counts, pos, start, b, h, T, H, BS, S, SP)
         for slot in range(S):  # no branch on the slot: masked loads, so the pipeliner overlaps the blocks
-            blk = tl.max(tl.where(slots == slot, blocks, -1), 0)  # -1: skipped, nothing of it is loaded
+            blk = tl.max(tl.where(tl.arange(0, SP) == slot, blocks, -1), 0)  # -1: skipped, nothing is loaded
             m, l_sum, acc = _attend(q_tile, k, v, m, l_sum, acc, blk, s_t, p_t, p_t, 0.0, b, h,
                                     T, H, DK, DV, BS, SCALE, DKP, DVP, BSP, NSUB, TB, GR)
     else:
@@ -283,13 +289,9 @@ def _dq_kernel(q, k, v, block_idx, block_counts, pos, start, do, lse, delta, dq,
 
     acc = tl.zeros([TB * GR, DKP], tl.float32)
     if TB == 1:
-        t = tl.program_id(0)
-        p_t = tl.load(pos + t)
-        s_t = tl.load(start + t)
-        blocks = _valid_blocks(block_idx, block_counts, (b * T + t) * H + h, p_t // BS, S, SP)
-        slots = tl.arange(0, SP)
+        p_t, s_t, blocks = _token_blocks(block_idx, block_counts, pos, start, b, h, T, H, BS, S, SP)
         for slot in range(S):  # as the forward
-            blk = tl.max(tl.where(slots == slot, blocks, -1), 0)
+            blk = tl.max(tl.where(tl.arange(0, SP) == slot, blocks, -1), 0)
             acc = _dq_step(q_tile, do_tile, lse2, delta_r, k, v, acc, blk, s_t, p_t, p_t, 0.0, b, h,
                            T, H, DK, DV, BS, SCALE, DKP, DVP, BSP, NSUB, TB, GR)
     else:
