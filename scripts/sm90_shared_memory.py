@@ -8,7 +8,8 @@ A kernel whose pipelined tiles do not fit compiles here but fails at launch on t
 the shapes that reach it (wide heads, large groups, float32): this finds them without device time.
 It runs nsa.attention forward and backward with implementation="triton" on the CPU, with the kernel
 launch (nsa.triton._launch._call) replaced by a compile for sm_90 that records the launch's shared
-memory and returns zeros, so every launch uses the library's own heuristics (tiles, warps, stages).
+memory and returns zeros, so every launch uses the library's own heuristics (tiles, warps, stages);
+select_blocks also at T = 256 blocks, where its launch pipelines.
 Needs triton (its bundled ptxas); exits 1 if a launch needs more than the limit.
 """
 
@@ -28,7 +29,7 @@ from triton.compiler import ASTSource  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import nsa  # noqa: E402
 from nsa import _dispatch  # noqa: E402
-from nsa.triton import KERNELS, _launch  # noqa: E402
+from nsa.triton import KERNELS, _launch, select  # noqa: E402
 
 LIMIT = 227 * 1024  # an H100 / H200 block's shared memory
 _TYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "int32": "i32"}
@@ -83,6 +84,20 @@ def check(config, records):
     jax.grad(loss, argnums=(0, 1, 2))(q, k, v, *gates)
 
 
+def check_long_select(config, records):
+    """select at T = 256 blocks, where its launch takes two pipeline stages (select._stages), with and
+    without compressed attention's lse: traced only (jax.eval_shape), so no T-long array is made."""
+    G, dtype, dk, _, bs = config
+    T = 256 * bs
+    q = jax.ShapeDtypeStruct((1, T, G, dk), dtype)
+    k_cmp = jax.ShapeDtypeStruct((1, T // bs, 1, dk), dtype)
+    lse = jax.ShapeDtypeStruct((1, T, G), jnp.float32)
+    for with_lse in (True, False):
+        run = lambda q, k_cmp, lse: select.forward(q, k_cmp, lse if with_lse else None, None, block_counts=16,
+                                                   block_size=bs, scale=dk ** -0.5)
+        jax.eval_shape(run, q, k_cmp, lse)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--float32", action="store_true", help="also the float32 configs")
@@ -93,6 +108,7 @@ def main():
         records = []
         _launch._call = compile_launch(records)
         check(config, records)
+        check_long_select(config, records)
         for name, shared, warps, stages in records:
             worst = max(worst, shared)
             flag = "  OVER THE LIMIT" if shared > LIMIT else ""
