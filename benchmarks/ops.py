@@ -13,9 +13,9 @@ For each T it times, forward and forward+backward (median over --iters after war
 selected blocks, sliding_window_attention, and the whole nsa.attention. Writes
 ops-<seq lens>[-hq<HQ>][-shared].json into --out.
 
---sweep also times the flash kernels (window, compressed) and the per-token selected-attention
-kernels (forward, dq) under a few tile / warp / stage candidates, by replacing the heuristics for the run: a tuning aid, the
-library's heuristics are not changed by it.
+--sweep also times the flash kernels (window, compressed) and the selected-attention forward and dq
+kernels under a few tile / warp / stage candidates, by replacing the heuristics for the run: a tuning
+aid, the library's heuristics are not changed by it.
 """
 
 import argparse
