@@ -1,39 +1,45 @@
 # make demo | make test | make venv | make clean
 #
-# Everything runs in a virtual environment built from setup.cfg. Override on the command line:
+# Everything runs in a virtual environment built from setup.cfg: `make demo` installs nsa and what the
+# demo needs (the `demo` extra: matplotlib); `make test` adds the test extras (pytest, and Triton for
+# its CPU interpreter). Override on the command line:
 #   PYTHON    the interpreter the venv is made from   (default python3, >= 3.11)
 #   VENV      the venv's folder                       (default .venv)
 #   JAX_SPEC  a pip requirement pinning JAX           (default: the newest pip finds), e.g. 'jax==0.11.2'
-#   EXTRAS    the extras of setup.cfg to install      (default test,demo)
 # e.g. make test PYTHON=python3.12 VENV=.venv-py3.12 JAX_SPEC='jax==0.11.2'
 
 PYTHON ?= python3
 VENV ?= .venv
 JAX_SPEC ?=
-EXTRAS ?= test,demo
 PYTEST_ARGS ?=
+TEST_EXTRAS := test demo
 
 PY := $(VENV)/bin/python
-# Holds the settings the venv was built with; rebuilt when setup.cfg, pyproject.toml or a setting changes.
-STAMP := $(VENV)/.nsa-installed
-SETTINGS := python=$(PYTHON) jax=$(JAX_SPEC) extras=$(EXTRAS)
+# The venv with nsa alone, and the settings it was built with: rebuilt (and its extras with it) when
+# setup.cfg, pyproject.toml or a setting changes. Each extra is then installed once: $(VENV)/.nsa-extra-NAME.
+BASE := $(VENV)/.nsa-installed
+SETTINGS := python=$(PYTHON) jax=$(JAX_SPEC)
 
 .PHONY: venv demo test clean FORCE
 
-venv: $(STAMP)
+venv: $(TEST_EXTRAS:%=$(VENV)/.nsa-extra-%)
 
-ifneq "$(SETTINGS)" "$(shell cat $(STAMP) 2>/dev/null)"
-$(STAMP): FORCE
+ifneq "$(SETTINGS)" "$(shell cat $(BASE) 2>/dev/null)"
+$(BASE): FORCE
 endif
 
-$(STAMP): setup.cfg pyproject.toml
+$(BASE): setup.cfg pyproject.toml
 	$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "nsa needs Python >= 3.11, $(PYTHON) is " + sys.version'
 	$(PYTHON) -m venv --clear $(VENV)
 	$(PY) -m pip install --upgrade pip
-	$(PY) -m pip install -e '.[$(EXTRAS)]' $(if $(JAX_SPEC),'$(JAX_SPEC)')
+	$(PY) -m pip install -e . $(if $(JAX_SPEC),'$(JAX_SPEC)')
 	echo '$(SETTINGS)' > $@
 
-demo: venv
+$(VENV)/.nsa-extra-%: $(BASE)
+	$(PY) -m pip install -e '.[$*]' $(if $(JAX_SPEC),'$(JAX_SPEC)')
+	touch $@
+
+demo: $(VENV)/.nsa-extra-demo
 	$(PY) -m nsa.demo
 
 test: venv

@@ -13,9 +13,10 @@ For each T it times, forward and forward+backward (median over --iters after war
 selected blocks, sliding_window_attention, and the whole nsa.attention. Writes
 ops-<seq lens>[-hq<HQ>][-shared].json into --out.
 
---sweep also times the flash kernels (window, compressed) and the selected-attention forward and dq
-kernels under a few tile / warp / stage candidates, by replacing the heuristics for the run: a tuning
-aid, the library's heuristics are not changed by it.
+--sweep also times the flash kernels (window, compressed) and the selected-attention kernels under a
+few tile / warp / stage candidates: each kernel module's forward and backward entry point takes a
+Config (nsa.triton._flash.Config, nsa.triton.selected.Config), and the sweep passes candidates to it
+instead of the default one. A tuning aid: the library's heuristics are not changed by it.
 """
 
 import argparse
@@ -87,27 +88,61 @@ def time_ops(T, impl, iters, names=None, hq=HQ, shared_selection=False):
     return rows
 
 
+def _entry_points(module, static, arrays, forward_config, backward_config):
+    """Forward and forward+backward (the backward on the forward's residuals) of a kernel module's entry
+    points with the given Configs, jitted."""
+    *inputs, do = arrays
+
+    def fwd(*inputs):
+        return module.forward(*inputs, **static, config=forward_config)[0]
+
+    def fwd_bwd(*arrays):
+        *inputs, do = arrays
+        out, res = module.forward(*inputs, **static, config=forward_config)
+        ct = (do, jax.numpy.zeros_like(out[1])) if isinstance(out, tuple) else do
+        return module.backward(res, ct, **static, config=backward_config)
+
+    return jax.jit(fwd), jax.jit(fwd_bwd), inputs
+
+
+def _time_config(name, T, iters, fwd, fwd_bwd, inputs, do, config):
+    row = dict(op=name, T=T, impl="triton", config=config)
+    try:
+        row["fwd_ms"] = 1e3 * time_jax(fwd, inputs, iters)
+        row["fwd_bwd_ms"] = 1e3 * time_jax(fwd_bwd, (*inputs, do), iters)
+    except Exception as e:  # recorded, not hidden (a config past the shared memory fails to launch)
+        row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    print(json.dumps(row), flush=True)
+    return row
+
+
 def sweep(T, iters, what):
-    """Times window / compressed ("flash") and selected ("selected") under candidate configs
-    (monkeypatched heuristics)."""
-    from nsa.triton import _flash, selected
+    """Times window / compressed ("flash") and selected ("selected") under candidate Configs."""
+    from nsa.triton import _flash, compressed, selected, window
 
+    q, k, v, _, do = jax_inputs(T)
+    k_cmp, v_cmp = nsa.compress(k, block_size=BS), nsa.compress(v, block_size=BS)
+    scale = q.shape[-1] ** -0.5
     rows = []
-    flash_default = _flash._config
-    flash_configs = itertools.product((64, 128), (64, 128), (4, 8), (2, 3)) if "flash" in what else ()
-    for bm, bn, warps, stages in flash_configs:
-        _flash._config = lambda *a, backward, **k: (min(bm, 64) if backward else bm, bn, warps, stages)
-        for row in time_ops(T, "triton", iters, names=("window", "compressed")):
-            rows.append(dict(row, config=dict(block_m=bm, block_n=bn, warps=warps, stages=stages)))
-    _flash._config = flash_default
+    flash = [("window", window, dict(window_size=WINDOW), (q, k, v, None), WINDOW),
+             ("compressed", compressed, dict(block_size=BS), (q, k_cmp, v_cmp, None), T)]
+    for bm, bn, warps, stages in itertools.product((64, 128), (64, 128), (4, 8), (2, 3)) if "flash" in what else ():
+        for name, module, static, inputs, span in flash:
+            fwd_config = _flash.Config(bm, bn, warps, stages)
+            bwd_config = _flash.default_config(*inputs[:3], backward=True, query_span=span)._replace(
+                block_m=min(bm, 64), block_n=bn, num_warps=warps, num_stages=stages)
+            fwd, fwd_bwd, args = _entry_points(module, dict(static, scale=scale), (*inputs, do), fwd_config,
+                                               bwd_config)
+            rows.append(_time_config(name, T, iters, fwd, fwd_bwd, args, do, bwd_config._asdict()))
 
-    launch_default = selected._per_token_launch
+    idx = jax.jit(lambda q, k_cmp: nsa.select_blocks(q, k_cmp, block_counts=S, block_size=BS))(q, k_cmp)
+    counts = jax.numpy.full(idx.shape[:3], S, jax.numpy.int32)
+    default = selected.default_config(q, k, v, idx, block_size=BS)
     for warps, stages in itertools.product((2, 4, 8), (1, 2, 3)) if "selected" in what else ():
-        selected._per_token_launch = lambda meta, S, size: dict(launch_default(meta, S, size), num_warps=warps,
-                                                                num_stages=stages)
-        for row in time_ops(T, "triton", iters, names=("selected",)):
-            rows.append(dict(row, config=dict(warps=warps, stages=stages)))
-    selected._per_token_launch = launch_default
+        config = default._replace(num_warps=warps, num_stages=stages)
+        fwd, fwd_bwd, args = _entry_points(selected, dict(block_size=BS, scale=scale),
+                                           (q, k, v, idx, counts, None, do), config, config)
+        rows.append(_time_config("selected", T, iters, fwd, fwd_bwd, args, do, config._asdict()))
     return rows
 
 

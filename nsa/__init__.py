@@ -9,9 +9,9 @@ Each op has a readable XLA reference (nsa.reference) and, where they exist, Trit
 (TPU) kernels with the same contract; `implementation=None` picks the best for the platform.
 """
 
-from nsa._varlen import check_cu_seqlens
-from nsa.api import (attention, compress, compressed_attention, select_blocks, selected_attention,
-                     sliding_window_attention)
+from nsa._dispatch import implementations
+from nsa.api import (attention, check_cu_seqlens, compress, compressed_attention, select_blocks,
+                     selected_attention, sliding_window_attention)
 
 __version__ = "0.1.0"
 
@@ -20,6 +20,7 @@ __all__ = [
     "check_cu_seqlens",
     "compress",
     "compressed_attention",
+    "implementations",
     "select_blocks",
     "selected_attention",
     "sliding_window_attention",

@@ -1,14 +1,17 @@
 """Trace-time validation of the public arguments.
 
 Every check raises ValueError (wrong shape or value) or TypeError (wrong type or dtype) with a message
-that names the argument, what was expected and what was received. Only what can be seen at trace time
-is checked here; `nsa.check_cu_seqlens` checks the values of a concrete `cu_seqlens`.
+that names the argument, what was expected and what was received. Values are checked where they are
+known at trace time: a concrete cu_seqlens has its values checked too; a traced one is made valid
+(`nsa._varlen.made_valid`), since nothing can be raised from inside a jitted computation.
 """
 
 import numbers
 
 import jax.numpy as jnp
 import numpy as np
+
+from nsa._varlen import concrete, made_valid
 
 FLOAT_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)
 IMPLEMENTATIONS = (None, "xla", "triton", "pallas")
@@ -22,9 +25,13 @@ def _shape(x):
     return tuple(np.shape(x))
 
 
+def _is_array(x):
+    return hasattr(x, "shape") and hasattr(x, "dtype")
+
+
 def array(name, x, ndim, *, dtypes=FLOAT_DTYPES, like=None):
     """Checks that `x` is an array of rank `ndim` with a dtype in `dtypes` (or `like`'s dtype)."""
-    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+    if not _is_array(x):
         raise TypeError(f"{name} must be an array, got {type(x).__name__}")
     if x.ndim != ndim:
         raise ValueError(f"{name} must have {ndim} dimensions, got shape {_shape(x)}")
@@ -35,7 +42,7 @@ def array(name, x, ndim, *, dtypes=FLOAT_DTYPES, like=None):
 
 
 def integer_array(name, x, ndim):
-    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+    if not _is_array(x):
         raise TypeError(f"{name} must be an integer array, got {type(x).__name__}")
     if not jnp.issubdtype(x.dtype, jnp.integer):
         raise TypeError(f"{name} must have an integer dtype, got {x.dtype.name}")
@@ -49,31 +56,58 @@ def shape(name, x, expected, description):
         raise ValueError(f"{name} must have shape {description} = {tuple(expected)}, got {_shape(x)}")
 
 
+def _integer_scalar(x):
+    """Whether x is a 0-d integer array (NumPy or JAX, concrete or traced)."""
+    return _is_array(x) and x.ndim == 0 and jnp.issubdtype(x.dtype, jnp.integer)
+
+
+def static_int(name, value):
+    """`value` as a Python int: a Python or NumPy integer, or a concrete 0-d integer array."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return int(value)
+    if _integer_scalar(value):
+        known = concrete(value)
+        if known is None:
+            raise TypeError(f"{name} must be a static int (it sets array shapes), got a traced 0-d "
+                            f"{value.dtype.name} array; pass a Python int")
+        return int(known)
+    raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+
+
 def positive_int(name, value):
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    value = static_int(name, value)
     if value <= 0:
         raise ValueError(f"{name} must be > 0, got {value}")
-    return int(value)
+    return value
 
 
 def non_negative_int(name, value):
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    value = static_int(name, value)
     if value < 0:
         raise ValueError(f"{name} must be >= 0, got {value}")
-    return int(value)
+    return value
 
 
 def scale(value, head_dim):
-    """Returns the softmax scale: `value`, or head_dim ** -0.5 when it is None."""
+    """The softmax scale: head_dim ** -0.5 for None; a float for a number or a concrete 0-d array
+    (finite and > 0); a traced 0-d array (a learned temperature) is returned as it is, for the op to
+    fold into q."""
     if value is None:
         return float(head_dim) ** -0.5
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"scale must be a Python float or None, got {type(value).__name__}")
-    if not np.isfinite(value) or value <= 0:
-        raise ValueError(f"scale must be a finite number > 0, got {value}")
-    return float(value)
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        number = float(value)
+    elif _is_array(value) and value.ndim == 0 and jnp.issubdtype(value.dtype, jnp.number) \
+            and not jnp.issubdtype(value.dtype, jnp.complexfloating):
+        known = concrete(value)
+        if known is None:
+            return value
+        number = float(known)
+    else:
+        what = f"an array of shape {_shape(value)}" if _is_array(value) else type(value).__name__
+        raise TypeError(f"scale must be a number, a 0-d real array or None, got {what}")
+    if not np.isfinite(number) or number <= 0:
+        raise ValueError(f"scale must be a finite number > 0, got {number}")
+    return number
 
 
 def implementation(value):
@@ -104,21 +138,41 @@ def group(HQ, H):
 def gate(name, g, B, T, HQ):
     if g is None:
         return
-    if not hasattr(g, "shape") or not hasattr(g, "dtype"):
+    if not _is_array(g):
         raise TypeError(f"{name} must be an array or None, got {type(g).__name__}")
     if not jnp.issubdtype(g.dtype, jnp.floating):
         raise TypeError(f"{name} must have a floating dtype, got {g.dtype.name}")
     shape(name, g, (B, T, HQ), "[B, T, HQ]")
 
 
-def cu_seqlens(cu, B):
+def cu_seqlens(cu, B, T):
+    """cu_seqlens as the ops take it (None stays None; a list or tuple becomes a NumPy array).
+
+    A concrete cu_seqlens must start at 0, never decrease (empty sequences are allowed) and end at T;
+    a traced one is made valid (`made_valid`).
+    """
     if cu is None:
-        return
+        return None
+    if isinstance(cu, (list, tuple)):
+        cu = np.asarray(cu)
     integer_array("cu_seqlens", cu, 1)
     if cu.shape[0] < 2:
         raise ValueError(f"cu_seqlens must have shape [N + 1] with N >= 1 sequences, got {_shape(cu)}")
     if B != 1:
         raise ValueError(f"cu_seqlens packs the sequences along T and needs batch size B = 1, got B = {B}")
+    values = concrete(cu)
+    if values is None:
+        return made_valid(cu, T)
+    if values[0] != 0:
+        raise ValueError(f"cu_seqlens must start at 0, got cu_seqlens[0] = {values[0]}")
+    steps = np.diff(values)
+    if np.any(steps < 0):
+        i = int(np.argmax(steps < 0))
+        raise ValueError(f"cu_seqlens must not decrease, got cu_seqlens[{i}] = {values[i]} > "
+                         f"cu_seqlens[{i + 1}] = {values[i + 1]}")
+    if values[-1] != T:
+        raise ValueError(f"cu_seqlens must end at T = {T}, got cu_seqlens[-1] = {values[-1]}")
+    return cu
 
 
 def block_indices(idx, B, T, H):
@@ -129,9 +183,12 @@ def block_indices(idx, B, T, H):
 
 
 def block_counts(counts, B, T, H):
-    """An int >= 0 or an integer array [B, T, H]."""
-    if hasattr(counts, "shape"):
+    """block_counts as the ops take it: a Python int >= 0 (from any integer scalar, NumPy or a concrete
+    0-d array), or an integer array, [B, T, H] or a traced 0-d one."""
+    if _is_array(counts) and counts.ndim > 0:
         integer_array("block_counts", counts, 3)
         shape("block_counts", counts, (B, T, H), "[B, T, H]")
-        return
-    non_negative_int("block_counts", counts)
+        return counts
+    if _integer_scalar(counts) and concrete(counts) is None:
+        return counts
+    return non_negative_int("block_counts", counts)

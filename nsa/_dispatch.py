@@ -1,19 +1,22 @@
-"""One custom_vjp for every op, and the choice of the code that runs it.
+"""One custom_vjp shared by every op, and the choice of the code that runs each op.
 
 `apply(op, implementation, static, arrays)` runs op's forward on `arrays` (a tuple; differentiable
-arrays and integer arrays alike) with the hashable `static` configuration (a tuple of (name, value)
-pairs). Forward and backward each go through `_choose`:
+arrays and integer arrays alike, the first one the op's main floating input, q or x) with the hashable
+`static` configuration (a tuple of (name, value) pairs). Forward and backward each go through `_choose`:
 
 - implementation="xla": the reference (nsa.reference);
-- implementation="triton" / "pallas": that kernel, or an error if it does not exist here;
-- implementation=None: `jax.lax.platform_dependent` between the kernels that exist (Triton on cuda,
-  Pallas on tpu) and the reference everywhere else.
+- implementation="triton" / "pallas": that kernel, or a ValueError (it does not import here, or has no
+  kernel for the op) or TypeError (it has no kernel for the dtype) that says why;
+- implementation=None: `jax.lax.platform_dependent` between the kernels that can run the op on its
+  dtype (Triton on cuda, Pallas on tpu) and the reference everywhere else. When jax-triton does not
+  import on a machine with a CUDA GPU, the reference runs there and a RuntimeWarning says so, once.
 
-platform_dependent traces every branch, so a Triton branch is only built when jax_triton imports
-(it does not on a CPU-only jaxlib).
+platform_dependent traces every branch, so a Triton branch is only built when jax_triton imports (it
+does not on a CPU-only jaxlib). `implementations()` tells which code implementation=None runs.
 """
 
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -21,27 +24,91 @@ from jax import lax
 
 from nsa import reference
 
+# kernel family -> the platform (as platform_dependent names it) where implementation=None runs it
 _PLATFORMS = {"triton": "cuda", "pallas": "tpu"}
+_INSTALL = {"triton": "pip install 'nsa[cuda]' (jax-triton 0.3.1, triton 3.6.0 and jax's CUDA 13 wheels)"}
+# the public name of each op
+PUBLIC_NAMES = {"compress": "compress", "compressed": "compressed_attention", "select": "select_blocks",
+                "selected": "selected_attention", "window": "sliding_window_attention"}
 
 
-def _kernels(implementation):
-    """The kernel table {op: (forward, backward)} of 'triton' or 'pallas', or None if unavailable."""
-    if implementation == "triton":
+@functools.cache
+def import_error(family):
+    """Why the kernel family cannot be imported in this process (a sentence), or None."""
+    if family == "triton":
         try:
             import jax_triton  # noqa: F401  (the GPU path's only extra dependency)
-        except ImportError:
-            return None
-        from nsa.triton import KERNELS
-        return KERNELS
-    from nsa.pallas import KERNELS
-    return KERNELS
+        except Exception as e:  # ImportError, or a jax_triton that does not match this jax
+            return f"jax-triton does not import ({type(e).__name__}: {e}); {_INSTALL['triton']}"
+    return None
 
 
-def _kernel(op, phase, implementation):
-    table = _kernels(implementation)
-    if table is None or op not in table:
-        return None
+def _family(name):
+    """(KERNELS, DTYPES) of nsa.triton or nsa.pallas; only call it when import_error(name) is None."""
+    if name == "triton":
+        from nsa import triton as family
+    else:
+        from nsa import pallas as family
+    return family.KERNELS, family.DTYPES
+
+
+def _kernel(op, phase, name, dtype):
+    """`phase` (0 forward, 1 backward) of op's kernel in family `name`, for inputs of `dtype`.
+
+    Raises ValueError when the family does not import here or has no kernel for op, and TypeError when
+    it has none for dtype: an explicitly requested kernel never falls back to the reference."""
+    wanted = f"implementation={name!r} cannot run {PUBLIC_NAMES[op]}"
+    error = import_error(name)
+    if error is not None:
+        raise ValueError(f"{wanted} here: {error}; or use implementation=None or 'xla'")
+    table, dtypes = _family(name)
+    if op not in table:
+        raise ValueError(f"{wanted}: it has no kernel for it; use implementation=None or 'xla'")
+    if jnp.dtype(dtype) not in dtypes:
+        names = ", ".join(jnp.dtype(d).name for d in dtypes)
+        raise TypeError(f"{wanted} on {jnp.dtype(dtype).name} inputs: its kernels take {names}; use "
+                        f"implementation='xla', or None (the reference for {jnp.dtype(dtype).name})")
     return table[op][phase]
+
+
+@functools.cache
+def _has_cuda_gpu():
+    try:
+        return bool(jax.devices("cuda"))
+    except RuntimeError:  # no CUDA backend in this jaxlib, or no GPU
+        return False
+
+
+_warned = set()
+
+
+def _warn_once(message):
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=2)
+
+
+def _runnable(op, name, dtype):
+    """Whether implementation=None can run family `name`'s kernel of op on dtype in this process."""
+    if import_error(name) is not None:
+        return False
+    table, dtypes = _family(name)
+    return op in table and jnp.dtype(dtype) in dtypes
+
+
+def implementations(platform=None, dtype=jnp.bfloat16):
+    """Which code `implementation=None` runs for each op: {public op name: 'triton', 'pallas' or 'xla'}.
+
+    For inputs of `dtype` on `platform` ('cpu', 'cuda' (or 'gpu'), 'tpu', ...; default: jax's default
+    backend), in this process (with the packages it can import).
+    """
+    platform = jax.default_backend() if platform is None else platform
+    platform = "cuda" if platform == "gpu" else platform
+    chosen = {}
+    for op in reference.OPS:
+        names = [n for n, p in _PLATFORMS.items() if p == platform and _runnable(op, n, dtype)]
+        chosen[PUBLIC_NAMES[op]] = names[0] if names else "xla"
+    return chosen
 
 
 def _mapped_over_vmap(fn):
@@ -68,25 +135,22 @@ def _mapped_over_vmap(fn):
     return batchable
 
 
-def _choose(op, phase, implementation, static):
-    """The function (*args) -> result that computes `phase` (0 forward, 1 backward) of `op`."""
+def _choose(op, phase, implementation, dtype, static):
+    """The function (*args) -> result that computes `phase` (0 forward, 1 backward) of `op` on inputs of
+    `dtype`."""
     static = dict(static)
     ref = functools.partial(reference.OPS[op][phase], **static)
     if implementation == "xla":
         return ref
     if implementation is not None:
-        kernel = _kernel(op, phase, implementation)
-        if kernel is None:
-            needs = " (it needs jax-triton and a CUDA jaxlib)" if implementation == "triton" else ""
-            raise NotImplementedError(
-                f"implementation={implementation!r} has no kernel for {op!r} here{needs}; "
-                f"use implementation=None or 'xla'")
-        return _mapped_over_vmap(functools.partial(kernel, **static))
+        return _mapped_over_vmap(functools.partial(_kernel(op, phase, implementation, dtype), **static))
     kernels = {}
     for name, platform in _PLATFORMS.items():
-        kernel = _kernel(op, phase, name)
-        if kernel is not None:
-            kernels[platform] = _mapped_over_vmap(functools.partial(kernel, **static))
+        if _runnable(op, name, dtype):
+            kernels[platform] = _mapped_over_vmap(functools.partial(_kernel(op, phase, name, dtype), **static))
+        elif import_error(name) is not None and platform == "cuda" and _has_cuda_gpu():
+            _warn_once(f"nsa runs its XLA reference on the GPU, more than 10x slower than its kernels: "
+                       f"{import_error(name)}. nsa.implementations() tells what runs where.")
     if not kernels:
         return ref
     return lambda *args: lax.platform_dependent(*args, default=ref, **kernels)
@@ -98,25 +162,27 @@ def _as_jax(arrays):
 
 def run(op, implementation, static, arrays):
     """Runs the forward of an op that has no gradient and no residuals (select)."""
-    return _choose(op, 0, implementation, static)(*_as_jax(arrays))
+    arrays = _as_jax(arrays)
+    return _choose(op, 0, implementation, arrays[0].dtype, static)(*arrays)
 
 
 def apply(op, implementation, static, arrays):
     """Runs op as a custom_vjp: differentiable in every floating array of `arrays`."""
-    return _apply(op, implementation, static, _as_jax(arrays))
+    arrays = _as_jax(arrays)
+    return _apply(op, implementation, arrays[0].dtype, static, arrays)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _apply(op, implementation, static, arrays):
-    return _choose(op, 0, implementation, static)(*arrays)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _apply(op, implementation, dtype, static, arrays):
+    return _choose(op, 0, implementation, dtype, static)(*arrays)[0]
 
 
-def _apply_fwd(op, implementation, static, arrays):
-    return _choose(op, 0, implementation, static)(*arrays)
+def _apply_fwd(op, implementation, dtype, static, arrays):
+    return _choose(op, 0, implementation, dtype, static)(*arrays)
 
 
-def _apply_bwd(op, implementation, static, residuals, cotangents):
-    return (tuple(_choose(op, 1, implementation, static)(residuals, cotangents)),)
+def _apply_bwd(op, implementation, dtype, static, residuals, cotangents):
+    return (tuple(_choose(op, 1, implementation, dtype, static)(residuals, cotangents)),)
 
 
 _apply.defvjp(_apply_fwd, _apply_bwd)

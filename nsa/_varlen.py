@@ -63,26 +63,13 @@ def num_compressed_blocks(seq_len, block_size, cu_seqlens=None):
     return min(seq_len, (seq_len + num_seqs * (block_size - 1)) // block_size)
 
 
-def check_cu_seqlens(cu_seqlens, seq_len):
-    """Checks the values of a concrete `cu_seqlens` (opt-in: ops cannot check values under jit).
-
-    Raises ValueError unless cu_seqlens starts at 0, never decreases (empty sequences are allowed)
-    and ends at `seq_len`, the T of the packed q, k and v.
-    """
-    cu = concrete(cu_seqlens)
-    if cu is None:
-        raise ValueError("check_cu_seqlens needs a concrete cu_seqlens (call it outside jit)")
-    if cu.ndim != 1 or cu.shape[0] < 2 or not np.issubdtype(cu.dtype, np.integer):
-        raise ValueError(f"cu_seqlens must be an integer array [N + 1], N >= 1, got {cu.dtype} {cu.shape}")
-    if cu[0] != 0:
-        raise ValueError(f"cu_seqlens must start at 0, got cu_seqlens[0] = {cu[0]}")
-    steps = np.diff(cu)
-    if np.any(steps < 0):
-        i = int(np.argmax(steps < 0))
-        raise ValueError(f"cu_seqlens must not decrease, got cu_seqlens[{i}] = {cu[i]} > "
-                         f"cu_seqlens[{i + 1}] = {cu[i + 1]}")
-    if cu[-1] != seq_len:
-        raise ValueError(f"cu_seqlens must end at T = {seq_len}, got cu_seqlens[-1] = {cu[-1]}")
+def made_valid(cu_seqlens, seq_len):
+    """A traced cu_seqlens made valid, as the ops use it (they cannot raise on a value under jit): each
+    entry clipped to [0, seq_len] after a running maximum (an entry below the one before it ends an empty
+    sequence there), then the first set to 0 and the last to seq_len (tokens before the first entry join
+    the first sequence, tokens after the last one the last sequence). A valid cu_seqlens is unchanged."""
+    cu = jnp.clip(jax.lax.cummax(cu_seqlens.astype(jnp.int32)), 0, seq_len)
+    return cu.at[0].set(0).at[-1].set(seq_len)
 
 
 def visible_compressed_rows(seq_len, block_size, cu_seqlens=None):

@@ -7,6 +7,7 @@ G = HQ / H query heads share each KV head (query head j uses KV head j // G). Wi
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from nsa import _checks, _dispatch
 from nsa._varlen import concrete, num_compressed_blocks, visible_compressed_rows
@@ -14,6 +15,38 @@ from nsa._varlen import concrete, num_compressed_blocks, visible_compressed_rows
 
 def _statics(**kwargs):
     return tuple(sorted(kwargs.items()))
+
+
+def _scaled(q, scale):
+    """(q, scale) as the ops run them: `scale` checked (`_checks.scale`, None gives Dk ** -0.5). A traced
+    scale (a learned temperature) is folded into q, q * scale rounded to q's dtype, and the op runs with
+    scale 1: the kernels keep a static scale, and the gradient of scale flows through the product."""
+    scale = _checks.scale(scale, q.shape[-1])
+    if isinstance(scale, float):
+        return q, scale
+    acc = jnp.promote_types(q.dtype, jnp.float32)
+    return (q.astype(acc) * scale.astype(acc)).astype(q.dtype), 1.0
+
+
+def _no_queries(x):
+    """Whether x [B, T, ...] holds no token (B = 0 or T = 0): the op then returns empty outputs (and
+    zero gradients) without running any implementation."""
+    return x.shape[0] * x.shape[1] == 0
+
+
+def check_cu_seqlens(cu_seqlens, seq_len):
+    """Checks a concrete `cu_seqlens` (an int array [N + 1], a list or a tuple) as every op does.
+
+    Every op checks a concrete cu_seqlens itself; this is the check alone, outside any op. Raises
+    TypeError for a non-integer dtype, ValueError unless cu_seqlens starts at 0, never decreases (empty
+    sequences are allowed) and ends at `seq_len`, the T of the packed q, k and v, and ValueError for a
+    traced cu_seqlens (whose values are unknown: the ops make it valid, see `nsa._varlen.made_valid`).
+    """
+    if isinstance(cu_seqlens, (list, tuple)):
+        cu_seqlens = np.asarray(cu_seqlens)
+    if _checks._is_array(cu_seqlens) and concrete(cu_seqlens) is None:
+        raise ValueError("check_cu_seqlens needs a concrete cu_seqlens (call it outside jit)")
+    _checks.cu_seqlens(cu_seqlens, 1, seq_len)
 
 
 def _compressed_kv(q, k_cmp, v_cmp, block_size, cu_seqlens):
@@ -41,8 +74,10 @@ def compress(x, *, block_size, cu_seqlens=None):
     """
     _checks.array("x", x, 4)
     block_size = _checks.positive_int("block_size", block_size)
-    _checks.cu_seqlens(cu_seqlens, x.shape[0])
+    cu_seqlens = _checks.cu_seqlens(cu_seqlens, x.shape[0], x.shape[1])
     num_blocks = num_compressed_blocks(x.shape[1], block_size, cu_seqlens)
+    if _no_queries(x):
+        return jnp.zeros((x.shape[0], num_blocks) + x.shape[2:], x.dtype)
     static = _statics(block_size=block_size, num_blocks=num_blocks)
     return _dispatch.apply("compress", None, static, (x, cu_seqlens))
 
@@ -59,10 +94,14 @@ def compressed_attention(q, k_cmp, v_cmp, *, block_size, scale=None, cu_seqlens=
     """
     _checks.array("q", q, 4)
     block_size = _checks.positive_int("block_size", block_size)
-    _checks.cu_seqlens(cu_seqlens, q.shape[0])
+    cu_seqlens = _checks.cu_seqlens(cu_seqlens, q.shape[0], q.shape[1])
     _compressed_kv(q, k_cmp, v_cmp, block_size, cu_seqlens)
-    static = _statics(block_size=block_size, scale=_checks.scale(scale, q.shape[-1]))
+    q, scale = _scaled(q, scale)
     impl = _checks.implementation(implementation)
+    if _no_queries(q):
+        return (jnp.zeros(q.shape[:3] + v_cmp.shape[3:], q.dtype),
+                jnp.zeros(q.shape[:3], jnp.promote_types(q.dtype, jnp.float32)))
+    static = _statics(block_size=block_size, scale=scale)
     return _dispatch.apply("compressed", impl, static, (q, k_cmp, v_cmp, cu_seqlens))
 
 
@@ -81,15 +120,19 @@ def select_blocks(q, k_cmp, *, block_counts, block_size, scale=None, cu_seqlens=
     _checks.array("q", q, 4)
     block_size = _checks.positive_int("block_size", block_size)
     block_counts = _checks.positive_int("block_counts", block_counts)
-    _checks.cu_seqlens(cu_seqlens, q.shape[0])
+    cu_seqlens = _checks.cu_seqlens(cu_seqlens, q.shape[0], q.shape[1])
     _compressed_kv(q, k_cmp, None, block_size, cu_seqlens)
+    q, scale = _scaled(q, scale)
     return _select(q, k_cmp, None, block_counts, block_size, scale, cu_seqlens, implementation)
 
 
 def _select(q, k_cmp, lse, block_counts, block_size, scale, cu_seqlens, implementation):
-    """select_blocks after its checks; lse [B, T, HQ] is compressed attention's, when known (or None)."""
-    static = _statics(block_counts=block_counts, block_size=block_size, scale=_checks.scale(scale, q.shape[-1]))
+    """select_blocks after its checks (scale None or a float); lse [B, T, HQ] is compressed attention's,
+    when known (or None)."""
     impl = _checks.implementation(implementation)
+    if _no_queries(q):
+        return jnp.zeros(q.shape[:2] + (k_cmp.shape[2], block_counts), jnp.int32)
+    static = _statics(block_counts=block_counts, block_size=block_size, scale=_checks.scale(scale, q.shape[-1]))
     arrays = tuple(None if x is None else jax.lax.stop_gradient(x) for x in (q, k_cmp, lse)) + (cu_seqlens,)
     return _dispatch.run("select", impl, static, arrays)
 
@@ -108,13 +151,16 @@ def selected_attention(q, k, v, block_indices, *, block_counts=None, block_size=
     B, T, HQ, H = _checks.qkv(q, k, v)
     _checks.block_indices(block_indices, B, T, H)
     block_size = _checks.positive_int("block_size", block_size)
-    _checks.cu_seqlens(cu_seqlens, B)
+    cu_seqlens = _checks.cu_seqlens(cu_seqlens, B, T)
     if block_counts is None:
         block_counts = block_indices.shape[-1]
-    _checks.block_counts(block_counts, B, T, H)
+    block_counts = _checks.block_counts(block_counts, B, T, H)
     counts = jnp.broadcast_to(jnp.asarray(block_counts, jnp.int32), (B, T, H))
-    static = _statics(block_size=block_size, scale=_checks.scale(scale, q.shape[-1]))
+    q, scale = _scaled(q, scale)
     impl = _checks.implementation(implementation)
+    if _no_queries(q):
+        return jnp.zeros(q.shape[:3] + v.shape[3:], q.dtype)
+    static = _statics(block_size=block_size, scale=scale)
     return _dispatch.apply("selected", impl, static, (q, k, v, block_indices, counts, cu_seqlens))
 
 
@@ -125,15 +171,19 @@ def sliding_window_attention(q, k, v, *, window_size, scale=None, cu_seqlens=Non
     """
     B, T, HQ, H = _checks.qkv(q, k, v)
     window_size = _checks.non_negative_int("window_size", window_size)
-    _checks.cu_seqlens(cu_seqlens, B)
-    static = _statics(window_size=window_size, scale=_checks.scale(scale, q.shape[-1]))
+    cu_seqlens = _checks.cu_seqlens(cu_seqlens, B, T)
+    q, scale = _scaled(q, scale)
     impl = _checks.implementation(implementation)
+    if _no_queries(q):
+        return jnp.zeros(q.shape[:3] + v.shape[3:], q.dtype)
+    static = _statics(window_size=window_size, scale=scale)
     return _dispatch.apply("window", impl, static, (q, k, v, cu_seqlens))
 
 
 def _slots(block_counts):
-    """The static number of slots S to select when block_indices is None."""
-    if not hasattr(block_counts, "shape"):
+    """The static number of slots S to select when block_indices is None (block_counts as
+    `_checks.block_counts` returns it)."""
+    if isinstance(block_counts, int):
         return max(1, block_counts)  # 0 selects one slot that selected_attention then leaves unused
     counts = concrete(block_counts)
     if counts is None:
@@ -161,11 +211,12 @@ def attention(q, k, v, *, g_cmp=None, g_slc=None, g_swa=None, block_indices=None
         _checks.gate(name, g, B, T, HQ)
     block_size = _checks.positive_int("block_size", block_size)
     window_size = _checks.non_negative_int("window_size", window_size)
-    _checks.cu_seqlens(cu_seqlens, B)
+    cu_seqlens = _checks.cu_seqlens(cu_seqlens, B, T)
     if block_counts is None and block_indices is None:
         raise ValueError("block_counts=None (use every slot of block_indices) needs block_indices")
     if block_counts is not None:
-        _checks.block_counts(block_counts, B, T, H)
+        block_counts = _checks.block_counts(block_counts, B, T, H)
+    q, scale = _scaled(q, scale)  # a traced scale is folded into q once, for every branch
     common = dict(scale=scale, cu_seqlens=cu_seqlens, implementation=implementation)
 
     branches = []

@@ -4,10 +4,12 @@ It runs `nsa.attention` on random q, k, v and gates, recomputes the same output 
 (each branch as a softmax over all T keys under an explicit [T, T] mask, or [T, NC] for the
 compressed keys), prints the largest difference with PASS or FAIL (exit code 1 on FAIL), checks the
 selection against the dense compressed scores, prints how sparse the attention is, and draws which
-blocks each query selected to demo_selection.png.
+blocks each query selected to demo_selection.png (with matplotlib: `pip install 'nsa[demo]'`; without
+it the demo says so and skips the picture).
 """
 
 import argparse
+import importlib.util
 import os
 import sys
 import time
@@ -227,9 +229,12 @@ def main(argv=None):
           f"(at the last query: {100 * share[:, -1].mean():.1f}%): {BLOCK_COUNTS} blocks of {BLOCK_SIZE} "
           f"and a {WINDOW_SIZE}-token window, plus {T // BLOCK_SIZE} compressed keys at most")
 
-    path = os.path.abspath(args.output)
-    draw(block_indices, share, path)
-    print(f"saved the selected blocks of KV head 0 to {path}")
+    if importlib.util.find_spec("matplotlib") is None:
+        print("no picture of the selected blocks: it needs matplotlib (pip install 'nsa[demo]')")
+    else:
+        path = os.path.abspath(args.output)
+        draw(block_indices, share, path)
+        print(f"saved the selected blocks of KV head 0 to {path}")
     print("PASS" if ok else "FAIL")
     return 0 if ok else 1
 

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Everything nsa runs on the GPU, in one call: the gpu-marked tests, then the benchmark.
-#   scripts/gpu.sh [tests|bench|ops|trace|all] [extra benchmark args...]
+#   scripts/gpu.sh [tests|bench|ops|trace|sanitize|all] [extra benchmark args...]
 # (ops: benchmarks/ops.py, the time of each op of the pipeline, with its own args, e.g. --sweep;
-#  trace: benchmarks/trace.py, the device time of each op kernel by kernel)
+#  trace: benchmarks/trace.py, the device time of each op kernel by kernel;
+#  sanitize: scripts/gpu_hostile.py, every kernel on hostile inputs, under compute-sanitizer's memcheck)
 # tests: PYTEST_ARGS (e.g. "-k 'selected and G1'") selects among the gpu tests; JOBS (default 4) pytest
 # processes run them side by side on the one GPU.
 # Installs the carried wheels (.whl/: jax-triton 0.3.1, fla-core) into /tmp/site first. Through the
@@ -48,6 +49,12 @@ if [[ $what == bench || $what == all ]]; then
 fi
 if [[ $what == trace ]]; then
     python3 -m benchmarks.trace --out "$out" "$@" 2>&1 | tee "$out/trace.log"
+    [[ ${PIPESTATUS[0]} == 0 ]] || status=1
+fi
+if [[ $what == sanitize ]]; then
+    XLA_PYTHON_CLIENT_ALLOCATOR=platform XLA_FLAGS=--xla_gpu_autotune_level=0 \
+        compute-sanitizer --tool memcheck --error-exitcode 99 python3 scripts/gpu_hostile.py 2>&1 \
+        | tee "$out/sanitize.log" | grep -v '^ok '
     [[ ${PIPESTATUS[0]} == 0 ]] || status=1
 fi
 if [[ $what == ops ]]; then

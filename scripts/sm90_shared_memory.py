@@ -3,6 +3,8 @@ checks its shared memory against the H200's 227 KiB per block.
 
     python scripts/sm90_shared_memory.py            # bf16 / fp16 configs (a few minutes)
     python scripts/sm90_shared_memory.py --float32  # also the float32 ones (FMA dots: slow to compile)
+    python scripts/sm90_shared_memory.py --ptx-dir DIR  # also writes each launch's PTX (debug lines
+                                                        # dropped), to diff two versions of a kernel
 
 A kernel whose pipelined tiles do not fit compiles here but fails at launch on the GPU, and only for
 the shapes that reach it (wide heads, large groups, float32): this finds them without device time.
@@ -29,7 +31,7 @@ from triton.compiler import ASTSource  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import nsa  # noqa: E402
 from nsa import _dispatch  # noqa: E402
-from nsa.triton import KERNELS, _launch, select  # noqa: E402
+from nsa.triton import _launch, select  # noqa: E402
 
 LIMIT = 227 * 1024  # an H100 / H200 block's shared memory
 _TYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "int32": "i32"}
@@ -48,6 +50,12 @@ FLOAT32_CONFIGS = [
 ]
 
 
+def _code(ptx):
+    """The PTX without its debug lines (.loc, .file and the debug sections), which move with the source."""
+    keep = [line for line in ptx.splitlines() if not line.lstrip().startswith((".loc", ".file"))]
+    return "\n".join(keep[:next((i for i, line in enumerate(keep) if line.lstrip().startswith(".section")), len(keep))])
+
+
 def compile_launch(records):
     """A stand-in for jax_triton.triton_call that compiles the launch for sm_90 and returns zeros."""
 
@@ -61,7 +69,7 @@ def compile_launch(records):
         compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                                   options=dict(num_warps=num_warps, num_stages=num_stages))
         name = f"{kernel.fn.__module__.rsplit('.', 1)[-1]}.{kernel.fn.__name__}"
-        records.append((name, compiled.metadata.shared, num_warps, num_stages))
+        records.append((name, compiled.metadata.shared, num_warps, num_stages, _code(compiled.asm["ptx"])))
         zeros = [jnp.zeros(o.shape, o.dtype) for o in outs]
         return zeros if isinstance(out_shape, (list, tuple)) else zeros[0]
 
@@ -101,16 +109,22 @@ def check_long_select(config, records):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--float32", action="store_true", help="also the float32 configs")
+    parser.add_argument("--ptx-dir", help="write each launch's PTX here, one file per config and launch")
     args = parser.parse_args()
-    _dispatch._kernels = lambda implementation: KERNELS if implementation == "triton" else None
+    _dispatch.import_error = lambda family: None  # the kernels only compile here: no jax_triton needed
     worst = 0
     for config in CONFIGS + (FLOAT32_CONFIGS if args.float32 else []):
         records = []
         _launch._call = compile_launch(records)
         check(config, records)
         check_long_select(config, records)
-        for name, shared, warps, stages in records:
+        for i, (name, shared, warps, stages, ptx) in enumerate(records):
             worst = max(worst, shared)
+            if args.ptx_dir:
+                os.makedirs(args.ptx_dir, exist_ok=True)
+                tag = "-".join(map(str, config))
+                with open(os.path.join(args.ptx_dir, f"{tag}-{i:02d}-{name}.ptx"), "w") as f:
+                    f.write(ptx)
             flag = "  OVER THE LIMIT" if shared > LIMIT else ""
             print(f"G={config[0]:<3} {config[1]:<9} Dk={config[2]:<4} Dv={config[3]:<4} bs={config[4]:<4} "
                   f"{name:<30} warps={warps} stages={stages} shared={shared / 1024:6.1f} KiB{flag}", flush=True)

@@ -68,9 +68,15 @@ CASES = {
     "window_size < 0": (lambda: nsa.attention(q, k, v, window_size=-1), ValueError, r"window_size must be >= 0, got -1"),
     "sliding window_size < 0": (lambda: nsa.sliding_window_attention(q, k, v, window_size=-3), ValueError,
                                 r"window_size must be >= 0, got -3"),
-    "scale array": (lambda: nsa.attention(q, k, v, scale=jnp.float32(0.1)), TypeError,
-                    r"scale must be a Python float or None, got"),
+    "scale array": (lambda: nsa.attention(q, k, v, scale=jnp.ones(2)), TypeError,
+                    r"scale must be a number, a 0-d real array or None, got an array of shape \(2,\)"),
     "scale <= 0": (lambda: nsa.attention(q, k, v, scale=0.0), ValueError, r"scale must be a finite number > 0, got 0.0"),
+    "scale nan array": (lambda: nsa.sliding_window_attention(q, k, v, window_size=2, scale=jnp.float32(jnp.nan)),
+                        ValueError, r"scale must be a finite number > 0, got nan"),
+    "block_size traced": (lambda: jax.jit(lambda b: nsa.compress(k, block_size=b))(jnp.int32(8)), TypeError,
+                          r"block_size must be a static int \(it sets array shapes\), got a traced 0-d int32 array"),
+    "window_size float array": (lambda: nsa.sliding_window_attention(q, k, v, window_size=jnp.float32(3)), TypeError,
+                                r"window_size must be an int, got"),
     # cu_seqlens
     "cu_seqlens with B = 2": (lambda: nsa.attention(jnp.zeros((2, T, HQ, D)), jnp.zeros((2, T, H, D)), jnp.zeros((2, T, H, D)),
                                                     cu_seqlens=cu), ValueError, r"cu_seqlens .* needs batch size B = 1, got B = 2"),
@@ -80,6 +86,20 @@ CASES = {
                         r"cu_seqlens must have 1 dimensions, got shape \(1, 3\)"),
     "cu_seqlens too short": (lambda: nsa.attention(q, k, v, cu_seqlens=cu[:1]), ValueError,
                              r"cu_seqlens must have shape \[N \+ 1\] with N >= 1 sequences, got \(1,\)"),
+    # a concrete cu_seqlens has its values checked by every op
+    "cu_seqlens decreasing": (lambda: nsa.compress(k, block_size=BS, cu_seqlens=[0, 20, 10, T]), ValueError,
+                              r"cu_seqlens must not decrease, got cu_seqlens\[1\] = 20 > cu_seqlens\[2\] = 10"),
+    "cu_seqlens start": (lambda: nsa.selected_attention(q, k, v, idx, cu_seqlens=jnp.array([10, 20, T])), ValueError,
+                         r"cu_seqlens must start at 0, got cu_seqlens\[0\] = 10"),
+    "cu_seqlens end": (lambda: nsa.sliding_window_attention(q, k, v, window_size=3, cu_seqlens=np.array([0, 30])),
+                       ValueError, r"cu_seqlens must end at T = 32, got cu_seqlens\[-1\] = 30"),
+    "cu_seqlens end (compressed)": (lambda: nsa.compressed_attention(q, k_cmp, k_cmp, block_size=BS, cu_seqlens=(0, 33)),
+                                    ValueError, r"cu_seqlens must end at T = 32, got cu_seqlens\[-1\] = 33"),
+    "cu_seqlens decreasing (select)": (lambda: nsa.select_blocks(q, k_cmp, block_counts=2, block_size=BS,
+                                                                 cu_seqlens=[0, 20, 10, T]),
+                                       ValueError, r"cu_seqlens must not decrease"),
+    "cu_seqlens list of floats": (lambda: nsa.attention(q, k, v, cu_seqlens=[0.0, 32.0]), TypeError,
+                                  r"cu_seqlens must have an integer dtype, got float64"),
     # compressed keys
     "k_cmp too short": (lambda: nsa.compressed_attention(q, k_cmp[:, :2], k_cmp[:, :2], block_size=BS), ValueError,
                         r"k_cmp must have at least 4 compressed rows \(NC, axis 1\) for T = 32, block_size = 8, got 2"),
@@ -91,7 +111,8 @@ CASES = {
     "unknown implementation": (lambda: nsa.attention(q, k, v, implementation="cuda"), ValueError,
                                r"implementation must be one of \(None, 'xla', 'triton', 'pallas'\), got 'cuda'"),
     "no pallas kernel": (lambda: nsa.sliding_window_attention(q, k, v, window_size=4, implementation="pallas"),
-                         NotImplementedError, r"implementation='pallas' has no kernel for 'window'"),
+                         ValueError, r"implementation='pallas' cannot run sliding_window_attention: it has no kernel "
+                                     r"for it; use implementation=None or 'xla'"),
 }
 
 
@@ -109,19 +130,23 @@ def test_errors_raise_under_jit_before_anything_runs(name):
         jax.jit(call).lower()
 
 
-@pytest.mark.parametrize("cu_seqlens, message", [
-    (np.array([0, 5, 3, 32]), r"must not decrease, got cu_seqlens\[1\] = 5 > cu_seqlens\[2\] = 3"),
-    (np.array([0, 5, 30]), r"must end at T = 32, got cu_seqlens\[-1\] = 30"),
-    (np.array([1, 5, 32]), r"must start at 0, got cu_seqlens\[0\] = 1"),
-    (np.array([0.0, 32.0]), r"must be an integer array \[N \+ 1\]"),
+@pytest.mark.parametrize("cu_seqlens, error, message", [
+    (np.array([0, 5, 3, 32]), ValueError, r"must not decrease, got cu_seqlens\[1\] = 5 > cu_seqlens\[2\] = 3"),
+    ([0, 5, 30], ValueError, r"must end at T = 32, got cu_seqlens\[-1\] = 30"),
+    ((1, 5, 32), ValueError, r"must start at 0, got cu_seqlens\[0\] = 1"),
+    (np.array([0.0, 32.0]), TypeError, r"cu_seqlens must have an integer dtype, got float64"),
+    (np.array([[0, 32]]), ValueError, r"cu_seqlens must have 1 dimensions, got shape \(1, 2\)"),
 ])
-def test_check_cu_seqlens_rejects(cu_seqlens, message):
-    with pytest.raises(ValueError, match=message):
+def test_check_cu_seqlens_rejects_what_the_ops_reject(cu_seqlens, error, message):
+    with pytest.raises(error, match=message):
         nsa.check_cu_seqlens(cu_seqlens, T)
+    with pytest.raises(error, match=message):
+        nsa.sliding_window_attention(q, k, v, window_size=3, cu_seqlens=cu_seqlens)
 
 
 def test_check_cu_seqlens_accepts_empty_sequences_and_needs_concrete_values():
     nsa.check_cu_seqlens(np.array([0, 5, 5, 32]), T)
+    nsa.check_cu_seqlens([0, 32], T)
     nsa.check_cu_seqlens(jnp.array([0, 32]), T)
     with pytest.raises(ValueError, match=re.escape("needs a concrete cu_seqlens (call it outside jit)")):
         jax.jit(lambda c: nsa.check_cu_seqlens(c, T))(cu)

@@ -5,12 +5,16 @@ Run on an NVIDIA GPU with jax-triton installed: `scripts/gpu.sh tests` (pytest -
 by tests/test_triton_*.py.
 """
 
+import sys
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import nsa
+from nsa import _dispatch
 from tests.base import TOLERANCE, NSATestBase, assert_close
 
 pytestmark = pytest.mark.gpu
@@ -66,3 +70,40 @@ def test_long_sequence_needs_64_bit_offsets():
     assert same.mean() >= 0.99, f"{1 - same.mean():.2%} of the selections differ"
     for name, a, b in zip(["o_cmp", "lse", "o_slc", "o_swa"], got[1:], ref[1:]):
         assert_close(np.asarray(a[1], np.float32), np.asarray(b[0], np.float32), 2 * TOLERANCE["bfloat16"], name)
+
+
+def test_what_runs_where_on_gpu():
+    assert nsa.implementations() == {"compress": "xla", "compressed_attention": "triton", "select_blocks": "triton",
+                                     "selected_attention": "triton", "sliding_window_attention": "triton"}
+    assert set(nsa.implementations(dtype=jnp.float64).values()) == {"xla"}
+
+
+def test_explicit_triton_refuses_float64():
+    with jax.enable_x64(True):
+        q = jnp.zeros((1, 64, 4, 16), jnp.float64)
+        k = jnp.zeros((1, 64, 2, 16), jnp.float64)
+        with pytest.raises(TypeError, match="implementation='triton' cannot run sliding_window_attention on float64"):
+            nsa.sliding_window_attention(q, k, k, window_size=8, implementation="triton")
+
+
+def test_without_jax_triton_the_default_warns_once_and_runs_the_reference(monkeypatch):
+    """A plain `pip install nsa` on a GPU machine: jax_triton does not import."""
+    monkeypatch.setitem(sys.modules, "jax_triton", None)
+    monkeypatch.setattr(_dispatch, "_warned", set())
+    _dispatch.import_error.cache_clear()
+    try:
+        rng = np.random.default_rng(0)
+        q = jnp.asarray(rng.standard_normal((1, 128, 4, 32)), jnp.float32)
+        k = jnp.asarray(rng.standard_normal((1, 128, 2, 32)), jnp.float32)
+        run = lambda impl: nsa.attention(q, k, k, block_counts=2, block_size=16, window_size=8, implementation=impl)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            o, o2 = run(None), run(None)
+        messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+        assert len(messages) == 1 and "pip install 'nsa[cuda]'" in messages[0], messages
+        np.testing.assert_array_equal(np.asarray(o), np.asarray(run("xla")))
+        assert set(nsa.implementations().values()) == {"xla"}
+        with pytest.raises(ValueError, match="jax-triton does not import"):
+            run("triton")
+    finally:
+        _dispatch.import_error.cache_clear()

@@ -117,10 +117,9 @@ def test_given_lse_packed_tiles_across_sequences(interpreted):
     (lse = -inf)."""
     B, T, HQ, H, Dk, bs = 1, 70, 10, 2, 16, 4
     cu = jnp.asarray(CU)
-    sizes, _ = triton_select._tiles(T, HQ // H, Dk, -(-T // bs), 5, 4)
-    tb = sizes["TB"]
-    assert tb > 1 and any(c % tb for c in CU[1:-1]), "no program spans two sequences"  # tokens c - 1 and c
     q, k_cmp = _inputs(B, T, HQ, H, Dk, bs, "float32", CU, seed=1)
+    tb = triton_select.default_config(q, k_cmp, block_counts=5, block_size=bs).tokens
+    assert tb > 1 and any(c % tb for c in CU[1:-1]), "no program spans two sequences"  # tokens c - 1 and c
     lse = nsa.compressed_attention(q, k_cmp, k_cmp, block_size=bs, cu_seqlens=cu, implementation="xla")[1]
     assert np.any(np.isneginf(np.asarray(lse)))
     got = select_with_lse(q, k_cmp, lse, 5, bs, None, cu, "triton")

@@ -17,7 +17,7 @@ import pytest
 import nsa
 from nsa._varlen import tokens
 from nsa.reference import selected as reference
-from tests.base import GRAD_TOLERANCE, TOLERANCE, Inputs, assert_close
+from tests.base import GRAD_TOLERANCE, TOLERANCE, Inputs, assert_close, gradient_scales
 from tests.conftest import ON_GPU
 
 # Relative RMS error against the float32 reference.
@@ -38,6 +38,11 @@ CASES = {
 def _counts(kind, B, T, H):
     return {"all": None, "int": 3,
             "array": np.random.default_rng(2).integers(0, 6, (B, T, H)).astype(np.int32)}[kind]
+
+
+def _sizes(x):
+    """The natural size of o (0: its own RMS; o is never a cancellation), dq, dk and dv on the inputs x."""
+    return [0.0] + gradient_scales(x.q, x.k, x.v, x.do, x.shape[4] ** -0.5)
 
 
 def _f32(*arrays):
@@ -88,9 +93,9 @@ def test_forward_and_gradients_match_reference(interpreted, shape, dtype, counts
     o_ref, grads_ref = _run("xla", *_f32(x.q, x.k, x.v, x.do), idx, counts, bs, cu)
     assert o.dtype == x.q.dtype
     assert_close(o, o_ref, REL[dtype], "o")
-    for name, g, g_ref, arg in zip(("dq", "dk", "dv"), grads, grads_ref, (x.q, x.k, x.v)):
+    for name, g, g_ref, arg, size in zip(("dq", "dk", "dv"), grads, grads_ref, (x.q, x.k, x.v), _sizes(x)[1:]):
         assert g.dtype == arg.dtype, name
-        assert_close(g, g_ref, REL[dtype], name)
+        assert_close(g, g_ref, REL[dtype], name, size)
 
     lse, lse_ref = _direct_lse(x.q, x.k, x.v, idx, counts, bs, cu, Dk ** -0.5)
     assert lse.dtype == np.float32 and lse.shape == (B, T, shape[2])
@@ -107,9 +112,9 @@ def test_varlen_traced_cu_seqlens_and_bitwise_repeatable(interpreted):
     first = _run("triton", x.q, x.k, x.v, x.do, idx, None, 16, cu, jit=True)
     second = _run("triton", x.q, x.k, x.v, x.do, idx, None, 16, cu, jit=True)
     ref = _run("xla", x.q, x.k, x.v, x.do, idx, None, 16, cu)
-    for a, b, c in zip(*(jax.tree_util.tree_leaves(r) for r in (first, second, ref))):
+    for a, b, c, size in zip(*(jax.tree_util.tree_leaves(r) for r in (first, second, ref)), _sizes(x)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-        assert_close(a, c, 1e-5, "traced cu_seqlens")
+        assert_close(a, c, 1e-5, "traced cu_seqlens", size)
 
 
 def test_invalid_entries_are_never_read(interpreted):
@@ -127,8 +132,9 @@ def test_invalid_entries_are_never_read(interpreted):
     k_zero, v_zero = jnp.where(poison, 0.0, x.k), jnp.where(poison, 0.0, x.v)
     o, (dq, dk, dv) = _run("triton", x.q, k_nan, v_nan, x.do, idx, counts, bs, None)
     o_ref, (dq_ref, dk_ref, dv_ref) = _run("xla", x.q, k_zero, v_zero, x.do, idx, counts, bs, None)
-    for name, a, b in [("o", o, o_ref), ("dq", dq, dq_ref), ("dk", dk, dk_ref), ("dv", dv, dv_ref)]:
-        assert_close(a, b, 1e-5, name)
+    sizes = _sizes(x)
+    for name, a, b, size in zip(("o", "dq", "dk", "dv"), (o, dq, dk, dv), (o_ref, dq_ref, dk_ref, dv_ref), sizes):
+        assert_close(a, b, 1e-5, name, size)
     assert np.all(np.asarray(dk)[:, 2 * bs:] == 0) and np.all(np.asarray(dv)[:, 2 * bs:] == 0)
 
 
@@ -143,8 +149,8 @@ def test_rows_that_see_nothing(interpreted):
     o, (dq, dk, dv) = _run("triton", x.q, x.k, x.v, x.do, idx, None, bs, None)
     o_ref, grads_ref = _run("xla", x.q, x.k, x.v, x.do, idx, None, bs, None)
     assert np.all(np.asarray(o)[:, blind] == 0) and np.all(np.asarray(dq)[:, blind] == 0)
-    for a, b in zip((o, dq, dk, dv), (o_ref, *grads_ref)):
-        assert_close(a, b, 1e-5, "partly blind")
+    for a, b, size in zip((o, dq, dk, dv), (o_ref, *grads_ref), _sizes(x)):
+        assert_close(a, b, 1e-5, "partly blind", size)
     lse, _ = _direct_lse(x.q, x.k, x.v, idx, None, bs, None, D ** -0.5)
     assert np.all(lse[:, blind] == -np.inf) and np.all(np.isfinite(lse[:, ~blind]))
 
@@ -180,9 +186,10 @@ def test_tokens_of_a_tile_share_blocks(interpreted, shape, cu):
     counts[:, :4] = 5  # the first four tokens use every slot
     first, second = (_run("triton", x.q, x.k, x.v, x.do, idx, counts, bs, cu, jit=True) for _ in range(2))
     ref = _run("xla", x.q, x.k, x.v, x.do, idx, counts, bs, cu, jit=True)
-    for name, a, b, c in zip(("o", "dq", "dk", "dv"), *(jax.tree_util.tree_leaves(r) for r in (first, second, ref))):
+    leaves = (jax.tree_util.tree_leaves(r) for r in (first, second, ref))
+    for name, a, b, c, size in zip(("o", "dq", "dk", "dv"), *leaves, _sizes(x)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b), name)
-        assert_close(a, c, REL["float32"], name)
+        assert_close(a, c, REL["float32"], name, size)
 
     lse, lse_ref = _direct_lse(x.q, x.k, x.v, idx, counts, bs, cu, scale)
     np.testing.assert_array_equal(lse == -np.inf, lse_ref == -np.inf)
@@ -209,8 +216,8 @@ def test_wide_heads_on_gpu(shape, dtype):
     o, grads = _run("triton", x.q, x.k, x.v, x.do, idx, counts, x.block_size, None)
     o_ref, grads_ref = _run("xla", *_f32(x.q, x.k, x.v, x.do), idx, counts, x.block_size, None)
     assert_close(o, o_ref, max(REL[dtype], TOLERANCE[dtype]), "o")
-    for name, g, g_ref in zip(("dq", "dk", "dv"), grads, grads_ref):
-        assert_close(g, g_ref, max(REL[dtype], GRAD_TOLERANCE[dtype]), name)
+    for name, g, g_ref, size in zip(("dq", "dk", "dv"), grads, grads_ref, _sizes(x)[1:]):
+        assert_close(g, g_ref, max(REL[dtype], GRAD_TOLERANCE[dtype]), name, size)
 
 
 def test_vmap_runs_the_kernel_per_mapped_element(interpreted):
@@ -249,19 +256,12 @@ def test_segments_tile_every_list():
     ((2, 32, 6, 2, 16, 24, 16), 24, None),  # G = 3: steps of 16 queries, 16 then 8 per segment; b, h > 0
     ((1, 60, 2, 1, 16, 16, 16), 5, np.array([0, 13, 13, 40, 60], np.int32)),  # packed, traced under jit
 ], ids=["split-by-24", "varlen-split-by-5"])
-def test_long_lists_split_into_segments(interpreted, monkeypatch, shape, seg_len, cu):
-    """Lists cut into many segments (L monkeypatched small) where block 0 is selected by every token, the
+def test_long_lists_split_into_segments(interpreted, shape, seg_len, cu):
+    """Lists cut into many segments (a Config with a small L) where block 0 is selected by every token, the
     current block twice (so block 0 up to three times) and a random one: the backward (jitted, so a
     cu_seqlens is traced) against the reference's gradients, and bitwise repeatable."""
     from nsa.triton import selected as kernels
 
-    calls = []
-
-    def segment_length(*args):
-        calls.append(args)
-        return seg_len
-
-    monkeypatch.setattr(kernels, "_segment_length", segment_length)
     x = Inputs(shape, "float32")
     B, T, _, H = shape[:4]
     bs, scale = x.block_size, shape[4] ** -0.5
@@ -270,11 +270,11 @@ def test_long_lists_split_into_segments(interpreted, monkeypatch, shape, seg_len
     rand = np.random.default_rng(3).integers(-1, cur + 2)  # -1, a visible block or the next (invalid)
     idx = np.broadcast_to(np.stack([0 * cur, cur, cur, rand], -1)[None, :, None], (B, T, H, 4)).astype(np.int32)
     counts = jnp.full((B, T, H), 4, jnp.int32)
+    config = kernels.default_config(x.q, x.k, x.v, idx, block_size=bs, cu_seqlens=cu_j)._replace(segment=seg_len)
     _, res = kernels.forward(x.q, x.k, x.v, jnp.asarray(idx), counts, cu_j, block_size=bs, scale=scale)
-    backward = jax.jit(lambda res, do: kernels.backward(res, do, block_size=bs, scale=scale)[:3])
+    backward = jax.jit(lambda res, do: kernels.backward(res, do, block_size=bs, scale=scale, config=config)[:3])
     first, second = backward(res, x.do), backward(res, x.do)
     _, ref = _run("xla", x.q, x.k, x.v, x.do, idx, None, bs, cu)
-    assert calls, "the backward did not run"
-    for name, a, b, c in zip(("dq", "dk", "dv"), first, second, ref):
+    for name, a, b, c, size in zip(("dq", "dk", "dv"), first, second, ref, _sizes(x)[1:]):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-        assert_close(a, c, 1e-5, name)
+        assert_close(a, c, 1e-5, name, size)

@@ -91,10 +91,10 @@ def install(monkeypatch):
     TRITON_INTERPRET=1 must already be set when nsa.triton is first imported (tests/conftest.py)."""
     assert os.environ.get("TRITON_INTERPRET") == "1", "set TRITON_INTERPRET=1 before nsa.triton is imported"
     from nsa import _dispatch
-    from nsa.triton import KERNELS, _launch
+    from nsa.triton import _launch
 
     _loop_bounds_as_ints(monkeypatch)
 
     monkeypatch.setattr(_launch, "_call", interpret_call)
-    real = _dispatch._kernels
-    monkeypatch.setattr(_dispatch, "_kernels", lambda impl: KERNELS if impl == "triton" else real(impl))
+    real = _dispatch.import_error
+    monkeypatch.setattr(_dispatch, "import_error", lambda family: None if family == "triton" else real(family))

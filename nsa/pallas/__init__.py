@@ -1,7 +1,11 @@
 """Pallas kernels for TPUs.
 
 KERNELS maps an op name of nsa.reference.OPS to its (forward, backward) kernels, with the reference's
-signatures and residuals. Empty until the kernels land: every op then runs the reference.
+signatures and residuals; DTYPES are the input dtypes they take. Empty until the kernels land: every op
+then runs the reference.
 """
 
+import jax.numpy as jnp
+
 KERNELS = {}
+DTYPES = tuple(jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16))

@@ -37,7 +37,7 @@ def softmax(s, mask):
     Returns p [..., K] and lse [...] (natural log). A row with no visible key gets p = 0, lse = -inf.
     """
     s = jnp.where(mask, s, -jnp.inf)
-    m = jnp.max(s, axis=-1)
+    m = jnp.max(s, axis=-1, initial=-jnp.inf)  # initial: K may be 0 (no compressed rows at T = 0)
     m = jnp.where(jnp.isfinite(m), m, 0.0)
     e = jnp.where(mask, jnp.exp(s - m[..., None]), 0.0)
     total = jnp.sum(e, axis=-1)
@@ -69,7 +69,7 @@ def delta(o, do):
 def chunk_size(seq_len, bytes_per_query):
     """A power-of-two number of queries per chunk that keeps a chunk under CHUNK_BYTES."""
     fit = max(1, CHUNK_BYTES // max(1, bytes_per_query))
-    return min(1 << (fit.bit_length() - 1), seq_len)
+    return min(1 << (fit.bit_length() - 1), max(seq_len, 1))
 
 
 def scan_queries(body, carry, xs, *, chunk):

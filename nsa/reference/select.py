@@ -10,12 +10,12 @@ unused slots are -1. No gradient flows through the selection.
 import jax.numpy as jnp
 from jax import lax
 
-from nsa._varlen import tokens
+from nsa._varlen import cdiv, tokens
 from nsa.reference import _common as c
 from nsa.reference.compressed import softmax_over_blocks
 
 # Ranks of the forced blocks, above any score (a mean of probabilities is at most 1).
-_CURRENT, _PREVIOUS, _FIRST = 4.0, 3.0, 2.0
+CURRENT, PREVIOUS, FIRST = 4.0, 3.0, 2.0
 
 
 def block_ranks(scores, pos, *, block_size):
@@ -23,9 +23,9 @@ def block_ranks(scores, pos, *, block_size):
     block = jnp.arange(scores.shape[-1])
     current = (pos // block_size)[:, :, None, None]
     rank = jnp.where(block > current, -jnp.inf, scores)
-    rank = jnp.where(block == 0, _FIRST, rank)
-    rank = jnp.where(block == current - 1, _PREVIOUS, rank)
-    return jnp.where(block == current, _CURRENT, rank)
+    rank = jnp.where(block == 0, FIRST, rank)
+    rank = jnp.where(block == current - 1, PREVIOUS, rank)
+    return jnp.where(block == current, CURRENT, rank)
 
 
 def top_blocks(ranks, num_slots):
@@ -45,14 +45,17 @@ def forward(q, k_cmp, lse, cu_seqlens, *, block_counts, block_size, scale):
     """
     B, T, HQ, _ = q.shape
     NC = k_cmp.shape[1]
+    NB = cdiv(T, block_size)  # the most in-sequence blocks a query can have (k_cmp may hold fewer rows)
     tok = tokens(T, block_size, cu_seqlens)
 
     def body(_, xs):
         q_c, pos, cmp_start, lse_c = xs
         p, _ = softmax_over_blocks(q_c, k_cmp, pos, cmp_start, lse_c, block_size=block_size, scale=scale)
         by_row = jnp.mean(p, axis=3)  # [B, Tc, H, NC]: score of each row of k_cmp
-        rows = jnp.minimum(cmp_start[:, :, None, None] + jnp.arange(NC), NC - 1)
-        by_block = jnp.take_along_axis(by_row, jnp.broadcast_to(rows, by_row.shape), axis=-1)
+        # in-sequence block c is row cmp_start + c; rows past the last of k_cmp score 0 (a zero column)
+        by_row = jnp.pad(by_row, [(0, 0)] * 3 + [(0, 1)])
+        rows = jnp.minimum(cmp_start[:, :, None, None] + jnp.arange(NB), NC)
+        by_block = jnp.take_along_axis(by_row, jnp.broadcast_to(rows, by_row.shape[:3] + (NB,)), axis=-1)
         return None, top_blocks(block_ranks(by_block, pos, block_size=block_size), block_counts)
 
     _, idx = c.scan_queries(body, None, (q, tok.pos, tok.cmp_start, lse), chunk=c.chunk_size(T, 24 * HQ * NC))

@@ -18,15 +18,14 @@ lse is stored in natural log. All accumulation is float32; no atomics, so result
 """
 
 import functools
+from typing import NamedTuple
 
 import jax.numpy as jnp
 import triton
 import triton.language as tl
 
 from nsa.triton import _launch
-
-_LOG2E = 1.4426950408889634
-_LN2 = 0.6931471805599453
+from nsa.triton._common import LN2, LOG2E, pow2
 
 
 # ------------------------------------------------------------------------------------------ kernels
@@ -95,7 +94,7 @@ def _softmax_stats(LSE, DELTA, q_rows, m_valid):
     lse = tl.load(LSE + q_rows, mask=m_valid, other=float("-inf"))
     delta = tl.load(DELTA + q_rows, mask=m_valid, other=0.0)
     row_seen = lse > float("-inf")
-    return row_seen, tl.where(row_seen, lse * 1.4426950408889634, 0.0), delta
+    return row_seen, tl.where(row_seen, lse * LOG2E, 0.0), delta
 
 
 @triton.jit
@@ -111,7 +110,8 @@ def _fwd_kernel(Q, K, V, LO, HI, O, LSE,
     loading k [BLOCK_N, BLOCK_DK] and v [BLOCK_N, BLOCK_DV] of KV head hq // G, with an online
     softmax in float32.
     """
-    b, h, q_rows, m_valid, lo, hi, k_begin, k_end = _query_tile(LO, HI, T, NK, HQ, H, BLOCK_M, BLOCK_N)
+    b, h, q_rows, m_valid, lo, hi, k_begin, k_end = _query_tile(LO, HI, T=T, NK=NK, HQ=HQ, H=H, BLOCK_M=BLOCK_M,
+                                                                BLOCK_N=BLOCK_N)
     offs_dk = tl.arange(0, BLOCK_DK)
     offs_dv = tl.arange(0, BLOCK_DV)
     q = _tile(Q, q_rows, m_valid, offs_dk, DK)
@@ -119,10 +119,10 @@ def _fwd_kernel(Q, K, V, LO, HI, O, LSE,
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    qk_scale = SCALE * 1.4426950408889634  # base-2 logits
+    qk_scale = SCALE * LOG2E  # base-2 logits
     for n0 in range(k_begin, k_end, BLOCK_N):
-        k, v, s, visible = _key_tile(K, V, q, lo, hi, n0, b, h, offs_dk, offs_dv, qk_scale, NK, H, DK, DV,
-                                     BLOCK_N, IEEE)
+        k, v, s, visible = _key_tile(K, V, q, lo, hi, n0, b, h, offs_dk, offs_dv, qk_scale, NK=NK, H=H, DK=DK,
+                                     DV=DV, BLOCK_N=BLOCK_N, IEEE=IEEE)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet: no NaN
@@ -134,7 +134,7 @@ def _fwd_kernel(Q, K, V, LO, HI, O, LSE,
 
     has = l_i > 0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
-    lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * LN2, float("-inf"))
     tl.store(O + q_rows[:, None] * DV + offs_dv[None, :], o.to(O.dtype.element_ty),
              mask=m_valid[:, None] & (offs_dv[None, :] < DV))
     tl.store(LSE + q_rows, lse, mask=m_valid)
@@ -152,7 +152,8 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, LO, HI, DQ,
     walks the same key tiles as the forward (k [BLOCK_N, BLOCK_DK], v [BLOCK_N, BLOCK_DV]),
     recomputes p from lse, and stores dq once.
     """
-    b, h, q_rows, m_valid, lo, hi, k_begin, k_end = _query_tile(LO, HI, T, NK, HQ, H, BLOCK_M, BLOCK_N)
+    b, h, q_rows, m_valid, lo, hi, k_begin, k_end = _query_tile(LO, HI, T=T, NK=NK, HQ=HQ, H=H, BLOCK_M=BLOCK_M,
+                                                                BLOCK_N=BLOCK_N)
     offs_dk = tl.arange(0, BLOCK_DK)
     offs_dv = tl.arange(0, BLOCK_DV)
     q = _tile(Q, q_rows, m_valid, offs_dk, DK)
@@ -160,10 +161,10 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, LO, HI, DQ,
     row_seen, lse2, delta = _softmax_stats(LSE, DELTA, q_rows, m_valid)
 
     dq = tl.zeros([BLOCK_M, BLOCK_DK], tl.float32)
-    qk_scale = SCALE * 1.4426950408889634
+    qk_scale = SCALE * LOG2E
     for n0 in range(k_begin, k_end, BLOCK_N):
-        k, v, s, visible = _key_tile(K, V, q, lo, hi, n0, b, h, offs_dk, offs_dv, qk_scale, NK, H, DK, DV,
-                                     BLOCK_N, IEEE)
+        k, v, s, visible = _key_tile(K, V, q, lo, hi, n0, b, h, offs_dk, offs_dv, qk_scale, NK=NK, H=H, DK=DK,
+                                     DV=DV, BLOCK_N=BLOCK_N, IEEE=IEEE)
         visible = visible & row_seen[:, None]
         p = tl.where(visible, tl.exp2(s - lse2[:, None]), 0.0)
         dp = _mm(do, tl.trans(v), IEEE)
@@ -217,7 +218,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, LO, HI, FIRST, LAST, DK_OUT, DV_OU
 
     dk = tl.zeros([BLOCK_N, BLOCK_DK], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
-    qk_scale = SCALE * 1.4426950408889634
+    qk_scale = SCALE * LOG2E
     for g in range(G):
         hq = h * G + g
         for m0 in range(q_begin, q_end, BLOCK_M):
@@ -248,19 +249,29 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, LO, HI, FIRST, LAST, DK_OUT, DV_OU
 # ------------------------------------------------------------------------------------ launches
 
 
-def _pow2(n, least=16):
-    return max(least, triton.next_power_of_2(int(n)))
+class Config(NamedTuple):
+    """The launch of one flash kernel: BLOCK_M queries by BLOCK_N keys per tile, warps, pipeline stages,
+    and (backward) how many splits of the queries the dk/dv kernel sums (its grid's second axis)."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    splits: int = 1
 
 
-def _config(T, NK, dk, dv, itemsize, backward):
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages): a small heuristic on the padded head dims and dtype.
+def default_config(q, k, v, *, backward=False, query_span=None):
+    """The Config of the forward (or of the backward: then query_span, the most queries that see one key
+    row, is needed) of q [B, T, HQ, Dk] against k [B, NK, H, Dk] and v [B, NK, H, Dv].
 
     Measured on an H200 (bf16, head dim 128, benchmarks/ops.py --sweep): 64 x 64 tiles with 4 warps
     were best forward (3 stages) and backward (2 stages). Wider heads and float32 (twice the bytes)
     get smaller tiles or fewer stages, so that the tiles of all stages fit in shared memory.
     """
-    d = max(_pow2(dk), _pow2(dv))
-    wide, single = d > 128, itemsize > 2
+    B, T = q.shape[:2]
+    NK, H = k.shape[1], k.shape[2]
+    d = max(pow2(q.shape[3]), pow2(v.shape[3]))
+    wide, single = d > 128, q.dtype.itemsize > 2
     if backward:
         block_m, block_n = (32, 32) if wide else (32, 64) if single and d > 64 else (64, 64)
         num_stages = 2
@@ -269,9 +280,10 @@ def _config(T, NK, dk, dv, itemsize, backward):
         num_stages = 2 if wide or single else 3
     if single and wide:
         block_m = max(16, block_m // 2)
-    block_m = min(block_m, _pow2(T))
-    block_n = min(block_n, _pow2(NK))
-    return block_m, block_n, 8 if wide else 4, num_stages
+    block_m = min(block_m, pow2(T))
+    block_n = min(block_n, pow2(NK))
+    splits = _query_splits(T, triton.cdiv(NK, block_n), B * H, query_span, block_m) if backward else 1
+    return Config(block_m, block_n, 8 if wide else 4, num_stages, splits)
 
 
 _DKDV_PROGRAMS = 2048  # the dk/dv grid _query_splits aims at
@@ -288,15 +300,16 @@ def _query_splits(T, num_key_tiles, batch_heads, query_span, block_m):
     H200 (compressed attention at T = 65536, fwd+bwd): 17.1 ms with 1024 programs, 16.2 with 2048,
     15.9 with 4096.
     """
-    wanted = -(-_DKDV_PROGRAMS // (num_key_tiles * batch_heads))
+    wanted = -(-_DKDV_PROGRAMS // max(1, num_key_tiles * batch_heads))  # no key tile: k_cmp of 0 rows
     return max(1, min(wanted, -(-query_span // 256), -(-T // block_m)))
 
 
-def _meta(q, k, v, block_m, block_n, scale):
+def _meta(q, k, v, cfg, scale):
     _, T, HQ, dk = q.shape
     NK, H, dv = k.shape[1], k.shape[2], v.shape[3]
-    return dict(T=T, NK=NK, HQ=HQ, H=H, DK=dk, DV=dv, BLOCK_DK=_pow2(dk), BLOCK_DV=_pow2(dv),
-                BLOCK_M=block_m, BLOCK_N=block_n, SCALE=float(scale), IEEE=bool(q.dtype == jnp.float32))
+    return dict(T=T, NK=NK, HQ=HQ, H=H, DK=dk, DV=dv, BLOCK_DK=pow2(dk), BLOCK_DV=pow2(dv), BLOCK_M=cfg.block_m,
+                BLOCK_N=cfg.block_n, SCALE=float(scale), IEEE=bool(q.dtype == jnp.float32),
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def _check(q, k, v, lo):
@@ -305,19 +318,18 @@ def _check(q, k, v, lo):
     assert HQ % H == 0 and k.shape[:3] == v.shape[:3] and k.shape[0] == B and lo.shape == (T,)
 
 
-def attend(q, k, v, lo, hi, *, scale):
-    """o [B, T, HQ, Dv] (q's dtype) and lse [B, T, HQ] float32 of query t over key rows [lo[t], hi[t]]."""
+def attend(q, k, v, lo, hi, *, scale, config=None):
+    """o [B, T, HQ, Dv] (q's dtype) and lse [B, T, HQ] float32 of query t over key rows [lo[t], hi[t]];
+    config: a forward Config (None: `default_config`)."""
     _check(q, k, v, lo)
     B, T, HQ, _ = q.shape
-    NK = k.shape[1]
-    block_m, block_n, num_warps, num_stages = _config(T, NK, q.shape[3], v.shape[3], q.dtype.itemsize,
-                                                      backward=False)
-    o, lse = _launch.triton_call(
-        q, k, v, lo, hi, kernel=_fwd_kernel,
-        out_shape=[_launch.shape_dtype((B, T, HQ, v.shape[3]), q.dtype), _launch.shape_dtype((B, T, HQ), jnp.float32)],
-        grid=(triton.cdiv(T, block_m), B * HQ), num_warps=num_warps, num_stages=num_stages,
-        **_meta(q, k, v, block_m, block_n, scale))
-    return o, lse
+    cfg = default_config(q, k, v) if config is None else config
+    return _launch.launch(
+        _fwd_kernel, grid=(triton.cdiv(T, cfg.block_m), B * HQ),
+        inputs=dict(Q=q, K=k, V=v, LO=lo, HI=hi),
+        outputs=dict(O=_launch.shape_dtype((B, T, HQ, v.shape[3]), q.dtype),
+                     LSE=_launch.shape_dtype((B, T, HQ), jnp.float32)),
+        **_meta(q, k, v, cfg, scale))
 
 
 def query_ranges(lo, hi, num_keys):
@@ -332,36 +344,33 @@ def query_ranges(lo, hi, num_keys):
     return first, last
 
 
-def attend_backward(q, k, v, lo, hi, o, lse, do, dlse=None, *, scale, query_span):
+def attend_backward(q, k, v, lo, hi, o, lse, do, dlse=None, *, scale, query_span, config=None):
     """(dq, dk, dv) of `attend`, in q's, k's and v's dtypes; dlse [B, T, HQ] is lse's cotangent or None.
 
-    query_span (static) bounds how many queries see one key row: it decides how the dk/dv kernel
-    splits the queries (`_query_splits`).
+    query_span (static) bounds how many queries see one key row: the default backward Config
+    (config=None) splits the dk/dv kernel's queries by it (`_query_splits`).
     """
     _check(q, k, v, lo)
-    B, T, HQ, dk_dim = q.shape
+    B, T, HQ, _ = q.shape
     NK, H = k.shape[1], k.shape[2]
+    cfg = default_config(q, k, v, backward=True, query_span=query_span) if config is None else config
     # the pre-pass: ds = p * (dp - delta), with the lse path folded into delta
     delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)
     if dlse is not None:
         delta = delta - jnp.where(jnp.isfinite(lse), dlse.astype(jnp.float32), 0.0)
     do = do.astype(q.dtype)
-    block_m, block_n, num_warps, num_stages = _config(T, NK, dk_dim, v.shape[3], q.dtype.itemsize, backward=True)
-    meta = _meta(q, k, v, block_m, block_n, scale)
-    dq = _launch.triton_call(
-        q, k, v, do, lse, delta, lo, hi, kernel=_bwd_dq_kernel,
-        out_shape=_launch.shape_dtype(q.shape, q.dtype),
-        grid=(triton.cdiv(T, block_m), B * HQ), num_warps=num_warps, num_stages=num_stages, **meta)
+    meta = _meta(q, k, v, cfg, scale)
+    softmax = dict(Q=q, K=k, V=v, DO=do, LSE=lse, DELTA=delta, LO=lo, HI=hi)
+    [dq] = _launch.launch(_bwd_dq_kernel, grid=(triton.cdiv(T, cfg.block_m), B * HQ), inputs=softmax,
+                          outputs=dict(DQ=_launch.shape_dtype(q.shape, q.dtype)), **meta)
     first, last = query_ranges(lo, hi, NK)
-    key_tiles = triton.cdiv(NK, block_n)
-    splits = _query_splits(T, key_tiles, B * H, query_span, block_m)
-    split_m = triton.cdiv(triton.cdiv(T, splits), block_m) * block_m
+    split_m = triton.cdiv(triton.cdiv(T, cfg.splits), cfg.block_m) * cfg.block_m
     splits = triton.cdiv(T, split_m)
     part = lambda x: _launch.shape_dtype((splits,) + x.shape, x.dtype if splits == 1 else jnp.float32)
-    dk, dv = _launch.triton_call(
-        q, k, v, do, lse, delta, lo, hi, first, last, kernel=_bwd_dkdv_kernel,
-        out_shape=[part(k), part(v)], grid=(key_tiles, splits, B * H), num_warps=num_warps,
-        num_stages=num_stages, SPLIT_M=split_m, **meta)
+    dk, dv = _launch.launch(
+        _bwd_dkdv_kernel, grid=(triton.cdiv(NK, cfg.block_n), splits, B * H),
+        inputs=dict(softmax, FIRST=first, LAST=last), outputs=dict(DK_OUT=part(k), DV_OUT=part(v)),
+        SPLIT_M=split_m, **meta)
     # the splits summed in a fixed order: deterministic
     dk, dv = (functools.reduce(jnp.add, list(x)).astype(y.dtype) for x, y in ((dk, k), (dv, v)))
     return dq, dk, dv

@@ -1,11 +1,14 @@
 """The one place where nsa's Triton kernels are launched from JAX.
 
-Every kernel goes through `triton_call`, which is jax_triton.triton_call on a GPU. The CPU tests
-replace `_call` with a launcher that runs the same kernel in Triton's interpreter (TRITON_INTERPRET=1)
-through jax.pure_callback (tests/triton_interpreter.py), so the kernel bodies are tested in CI.
+Every kernel goes through `launch`, which calls jax_triton.triton_call on a GPU. The CPU tests replace
+`_call` with a launcher that runs the same kernel in Triton's interpreter (TRITON_INTERPRET=1) through
+jax.pure_callback (tests/triton_interpreter.py), so the kernel bodies are tested in CI.
 """
 
+import math
+
 import jax
+import jax.numpy as jnp
 
 
 def _call(*args, **kwargs):
@@ -20,19 +23,35 @@ def _varying(x):
     return frozenset() if axis_type is None else axis_type.varying
 
 
-def triton_call(*args, **kwargs):
-    """jax_triton.triton_call: arrays and scalars positionally, then the kernel's keywords.
-
-    Inside shard_map the outputs vary along every mesh axis an input varies along (the kernel's
-    outputs are typed as replicated otherwise, and custom_vjp then rejects the gradients).
-    """
-    axes = frozenset().union(*(_varying(a) for a in args if isinstance(a, jax.Array)))
-    return jax.tree_util.tree_map(lambda o: _vary(o, axes), _call(*args, **kwargs))
-
-
 def _vary(x, axes):
     missing = tuple(sorted(axes - _varying(x)))
     return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def launch(kernel, *, grid, inputs, outputs, num_warps, num_stages, **constexprs):
+    """Runs `kernel` on the grid; returns its outputs, a tuple in the kernel's argument order.
+
+    The kernel's pointer arguments (those not given in `constexprs`) are its inputs, then its outputs;
+    each is passed by its name in the kernel's signature, `inputs` {name: array} and `outputs` {name:
+    jax.ShapeDtypeStruct}, so that two arrays can never be swapped (a missing or unknown name raises).
+    A grid of no programs (no key tile, no query) launches nothing: its outputs, empty, are zeros.
+    Inside shard_map the outputs vary along every mesh axis an input varies along (the kernel's outputs
+    are typed as replicated otherwise, and custom_vjp then rejects the gradients).
+    """
+    pointers = [name for name in kernel.arg_names if name not in constexprs]
+    order = [name for name in pointers if name in inputs] + [name for name in pointers if name in outputs]
+    if order != pointers or len(pointers) != len(inputs) + len(outputs):
+        raise TypeError(f"{kernel.fn.__name__} takes the arrays {pointers} (inputs, then outputs), got inputs "
+                        f"{list(inputs)} and outputs {list(outputs)}")
+    out_names = [name for name in pointers if name in outputs]
+    shapes = [outputs[name] for name in out_names]
+    if math.prod(grid) == 0:
+        return tuple(jnp.zeros(s.shape, s.dtype) for s in shapes)
+    args = [inputs[name] for name in pointers if name in inputs]
+    axes = frozenset().union(*(_varying(a) for a in args if isinstance(a, jax.Array)))
+    results = _call(*args, kernel=kernel, out_shape=shapes, grid=grid, num_warps=num_warps, num_stages=num_stages,
+                    **constexprs)
+    return tuple(_vary(r, axes) for r in results)
 
 
 def shape_dtype(shape, dtype):

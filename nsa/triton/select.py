@@ -28,6 +28,8 @@ out [B, T, H, S] int32; query head hq uses KV head hq // G. Token offsets are co
 (b * T + t can be multiplied past 2^31).
 """
 
+from typing import NamedTuple
+
 import jax.numpy as jnp
 import triton
 import triton.language as tl
@@ -35,9 +37,12 @@ import triton.language as tl
 from nsa._varlen import cdiv, tokens
 from nsa.reference import select as reference
 from nsa.triton import _launch
+from nsa.triton._common import LOG2E, pow2
 
 _ROWS = 64  # query rows per tile (TB tokens x GR heads): the M of one wgmma
 _ROWS_FP32 = 32  # float32 takes no wgmma (IEEE products: an FMA dot), and spills less with fewer rows
+# the forced blocks' ranks, nsa.reference.select's
+_CURRENT, _PREVIOUS, _FIRST = (tl.constexpr(r) for r in (reference.CURRENT, reference.PREVIOUS, reference.FIRST))
 
 # ------------------------------------------------------------------------------------------ kernels
 
@@ -59,7 +64,7 @@ def _logits(q_tile, k_cmp, rows, load, b, h,
         s = tl.dot(q_tile, k_t, input_precision="ieee")
     else:
         s = tl.dot(q_tile, k_t)
-    return s * (SCALE * 1.4426950408889634)
+    return s * (SCALE * LOG2E)
 
 
 @triton.jit
@@ -71,9 +76,9 @@ def _keys(score, blk, cur):
     candidates (0 <= blk <= cur) get (float bits of the rank) << 32 | (2^31 - 1 - blk), which orders
     as (rank, -blk) since ranks are >= 0; every other block gets -1, below any candidate.
     """
-    rank = tl.where(blk == 0, 2.0, score)
-    rank = tl.where(blk == cur[:, None] - 1, 3.0, rank)
-    rank = tl.where(blk == cur[:, None], 4.0, rank)
+    rank = tl.where(blk == 0, _FIRST, score)
+    rank = tl.where(blk == cur[:, None] - 1, _PREVIOUS, rank)
+    rank = tl.where(blk == cur[:, None], _CURRENT, rank)
     key = (rank.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (0x7FFFFFFF - blk).to(tl.int64)
     return tl.where((blk >= 0) & (blk <= cur[:, None]), key, -1)
 
@@ -91,7 +96,7 @@ def _select_kernel(q, k_cmp, lse, pos, cmp_start, out,
     Loads q [B, T, HQ, DK] once (M x DKP), pos and cmp_start [T] (int32, shared by the batch) per token
     and per row, lse [B, T, HQ] (M rows, when HAS_LSE), then the key chunks k_cmp [B, NC, H, DK]
     (DKP x BC). The chunks walk the rows of k_cmp from the tile's lowest cmp_start, and load the rows
-    below the tile's last visible one (vis_end): rows past it are never read; the partial last block of
+    below the tile's last visible one (vis_end, at most NC): rows past it are never read; the partial last block of
     a packed sequence may be loaded when the tile holds the next sequence's tokens, but no query uses it.
     Without HAS_LSE a first pass up to vis_end computes the lse of each query row; the second pass up
     to the last candidate block (the current block may be one past the visible rows) sums the
@@ -105,7 +110,6 @@ def _select_kernel(q, k_cmp, lse, pos, cmp_start, out,
     b = (bh // H).to(tl.int64)
     h = bh % H
     M: tl.constexpr = TB * GR
-    LOG2E: tl.constexpr = 1.4426950408889634
 
     # each token of the tile [TB]: its sequence's first compressed row, visible rows and current block
     tok = t0 + tl.arange(0, TB)
@@ -115,13 +119,15 @@ def _select_kernel(q, k_cmp, lse, pos, cmp_start, out,
     n_vis = tl.where(tok_ok, (p_tok + 1) // BS, 0)
     cur = tl.where(tok_ok, p_tok // BS, -1)  # padded tokens have no candidates
 
-    # each query row of the tile [M]: its token's visible rows [first_row, end_row) of k_cmp
+    # each query row of the tile [M]: its token's visible rows [first_row, end_row) of k_cmp (none past its
+    # last row: under jit a cu_seqlens can ask for more rows than a given k_cmp holds)
     i = tl.arange(0, M)
     t_row = t0 + i // GR
     hq = h * G + i % GR
     row_ok = (i % GR < G) & (t_row < T)
     first_row = tl.load(cmp_start + t_row, mask=row_ok, other=0)
     end_row = tl.where(row_ok, first_row + (tl.load(pos + t_row, mask=row_ok, other=0) + 1) // BS, first_row)
+    end_row = tl.minimum(end_row, NC)
     q_row = (b * T + t_row) * (H * G) + hq  # int64 row of q and lse
     dk = tl.arange(0, DKP)
     q_tile = tl.load(q + q_row[:, None] * DK + dk[None, :], mask=row_ok[:, None] & (dk < DK)[None, :], other=0.0)
@@ -129,7 +135,7 @@ def _select_kernel(q, k_cmp, lse, pos, cmp_start, out,
     c = tl.arange(0, BC)
     # the chunks walk k_cmp from the tile's lowest cmp_start; no token of the tile sees a row >= vis_end
     lo = tl.min(tl.where(tok_ok, first, NC), 0)
-    vis_end = tl.max(first + n_vis, 0)
+    vis_end = tl.minimum(tl.max(first + n_vis, 0), NC)
     if HAS_LSE:
         lse_row = tl.load(lse + q_row, mask=row_ok, other=float("-inf"))
         seen = lse_row > float("-inf")  # rows that see no compressed row get p = 0, never NaN
@@ -140,7 +146,7 @@ def _select_kernel(q, k_cmp, lse, pos, cmp_start, out,
         l_sum = tl.zeros([M], tl.float32)
         for r0 in range(lo, vis_end, BC):
             rows = r0 + c
-            s = _logits(q_tile, k_cmp, rows, rows < vis_end, b, h, NC, H, DK, DKP, SCALE, IEEE)
+            s = _logits(q_tile, k_cmp, rows, rows < vis_end, b, h, NC=NC, H=H, DK=DK, DKP=DKP, SCALE=SCALE, IEEE=IEEE)
             s = tl.where((rows[None, :] >= first_row[:, None]) & (rows[None, :] < end_row[:, None]), s,
                          float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))
@@ -157,7 +163,7 @@ def _select_kernel(q, k_cmp, lse, pos, cmp_start, out,
     end = tl.max(first + cur, 0) + 1
     for r0 in range(lo, end, BC):
         rows = r0 + c
-        s = _logits(q_tile, k_cmp, rows, rows < vis_end, b, h, NC, H, DK, DKP, SCALE, IEEE)
+        s = _logits(q_tile, k_cmp, rows, rows < vis_end, b, h, NC=NC, H=H, DK=DK, DKP=DKP, SCALE=SCALE, IEEE=IEEE)
         vis = (rows[None, :] >= first_row[:, None]) & (rows[None, :] < end_row[:, None]) & seen[:, None]
         p = tl.where(vis, tl.exp2(s - lse2[:, None]), 0.0)
         score = tl.sum(tl.reshape(p, [TB, GR, BC]), 1) / G
@@ -176,59 +182,62 @@ def _select_kernel(q, k_cmp, lse, pos, cmp_start, out,
 # ------------------------------------------------------------------------------------ wrappers
 
 
-def _tiles(T, G, Dk, num_blocks, slots, itemsize):
-    """Launch sizes: GR, TB, DKP, BC, SP and num_warps.
+class Config(NamedTuple):
+    """The launch of the select kernel: TB query tokens per program, BC compressed rows per step, warps
+    and pipeline stages."""
 
-    GR = G padded to a power of two; TB tokens per tile so that TB * GR = 64 rows, 32 in float32 (one
-    token when G is larger; fewer for a short T, never under tl.dot's 16 rows). BC = 64 compressed
-    rows per step, fewer (>= 16) when there are fewer blocks, at least SP (tl.topk takes SP of them).
-    Eight warps when a tile passes 16 KiB: q [M, DKP], the key chunk [DKP, BC] (itemsize bytes each),
-    the float32 logits [M, BC] or the int64 keys [TB, BC].
+    tokens: int
+    chunk: int
+    num_warps: int
+    num_stages: int
+
+
+def default_config(q, k_cmp, *, block_counts, block_size):
+    """The Config for q [B, T, HQ, Dk] against k_cmp [B, NC, H, Dk].
+
+    TB tokens per tile so that their heads, G padded to GR = a power of two, fill TB * GR = 64 rows, 32
+    in float32 (one token when G is larger; fewer for a short T, never under tl.dot's 16 rows). BC = 64
+    compressed rows per step, fewer (>= 16) when there are fewer blocks, at least SP (tl.topk takes SP of
+    them). Eight warps when a tile passes 16 KiB: q [M, DKP], the key chunk [DKP, BC] (itemsize bytes
+    each), the float32 logits [M, BC] or the int64 keys [TB, BC]. Two pipeline stages (the next key chunk
+    loads while this one is scored) once a tile walks four chunks or more, else one: on an H200 two stages
+    took select at T = 65536 (1024 blocks) from 11.66 to 11.36 ms but at T = 8192 (128 blocks, about one
+    chunk) from 0.49 to 0.70 ms (more shared memory, fewer resident programs, nothing to overlap).
     """
-    gr = triton.next_power_of_2(G)
-    target = _ROWS_FP32 if itemsize == 4 else _ROWS
-    tb = max(16 // gr, min(max(1, target // gr), triton.next_power_of_2(T)))
-    dkp = max(16, triton.next_power_of_2(Dk))
-    sp = max(2, triton.next_power_of_2(slots))
+    T, sizes = q.shape[1], _sizes(q, k_cmp, block_counts, block_size)
+    itemsize = jnp.dtype(q.dtype).itemsize
+    gr, dkp, sp, num_blocks = sizes["GR"], sizes["DKP"], sizes["SP"], cdiv(T, block_size)
+    tb = max(16 // gr, min(max(1, (_ROWS_FP32 if itemsize == 4 else _ROWS) // gr), triton.next_power_of_2(T)))
     bc = max(sp, min(64, max(16, triton.next_power_of_2(num_blocks))))
-    rows = tb * gr
-    largest = max(rows * dkp * itemsize, dkp * bc * itemsize, rows * bc * 4, tb * bc * 8)
-    return dict(GR=gr, TB=tb, DKP=dkp, BC=bc, SP=sp), 8 if largest > 16384 else 4
+    largest = max(tb * gr * dkp * itemsize, dkp * bc * itemsize, tb * gr * bc * 4, tb * bc * 8)
+    return Config(tb, bc, 8 if largest > 16384 else 4, 2 if num_blocks >= 4 * bc else 1)
 
 
-def _stages(num_blocks, bc):
-    """Two pipeline stages (the next key chunk loads while this one is scored) once a tile walks several
-    chunks, else one: on an H200 two stages took select at T = 65536 (1024 blocks) from 11.66 to 11.36 ms
-    but at T = 8192 (128 blocks, about one chunk) from 0.49 to 0.70 ms (more shared memory, fewer
-    resident programs, nothing to overlap)."""
-    return 2 if num_blocks >= 4 * bc else 1
+def _sizes(q, k_cmp, block_counts, block_size):
+    """What the shapes fix: GR (the group G padded to a power of two), DKP (Dk padded, >= 16), S (the
+    slots the kernel fills: at most the blocks of the longest sequence) and SP (S padded, >= 2)."""
+    slots = min(block_counts, cdiv(q.shape[1], block_size))
+    return dict(GR=triton.next_power_of_2(q.shape[2] // k_cmp.shape[2]), DKP=pow2(q.shape[3]), S=slots,
+                SP=max(2, triton.next_power_of_2(slots)))
 
 
-def forward(q, k_cmp, lse, cu_seqlens, *, block_counts, block_size, scale):
+def forward(q, k_cmp, lse, cu_seqlens, *, block_counts, block_size, scale, config=None):
     """Returns block_indices int32 [B, T, H, block_counts] (in-sequence block ids), as the reference.
 
     lse [B, T, HQ] (compressed attention's of the same q and k_cmp) saves the kernel its first pass;
-    None computes it."""
-    if q.dtype == jnp.float64 or k_cmp.dtype == jnp.float64 or q.size == 0 or k_cmp.size == 0:
-        # Triton has no float64; empty grids do not launch
-        return reference.forward(q, k_cmp, lse, cu_seqlens, block_counts=block_counts, block_size=block_size,
-                                 scale=scale)
+    None computes it. config: a Config (None: `default_config`)."""
     B, T, HQ, Dk = q.shape
     NC, H = k_cmp.shape[1], k_cmp.shape[2]
-    G = HQ // H
-    num_blocks = cdiv(T, block_size)  # a bound on any token's candidates
-    slots = min(block_counts, num_blocks)  # the kernel's S; the slots after it are always unused
-    dtype = jnp.promote_types(q.dtype, k_cmp.dtype)  # tl.dot takes one dtype
-    sizes, num_warps = _tiles(T, G, Dk, num_blocks, slots, jnp.dtype(dtype).itemsize)
+    cfg = default_config(q, k_cmp, block_counts=block_counts, block_size=block_size) if config is None else config
+    sizes = _sizes(q, k_cmp, block_counts, block_size)
     tok = tokens(T, block_size, cu_seqlens)
     lse_arg = jnp.zeros((1,), jnp.float32) if lse is None else lse.astype(jnp.float32)  # unread when None
-    idx = _launch.triton_call(
-        q.astype(dtype), k_cmp.astype(dtype), lse_arg, tok.pos[0], tok.cmp_start[0],
-        kernel=_select_kernel,
-        out_shape=_launch.shape_dtype((B, T, H, slots), jnp.int32),
-        grid=(cdiv(T, sizes["TB"]), B * H), num_warps=num_warps, num_stages=_stages(num_blocks, sizes["BC"]),
-        T=T, NC=NC, H=H, G=G, DK=Dk, BS=block_size, S=slots, SCALE=float(scale),
-        IEEE=bool(dtype == jnp.float32), HAS_LSE=lse is not None, **sizes)
-    if slots < block_counts:
-        idx = jnp.pad(idx, [(0, 0)] * 3 + [(0, block_counts - slots)], constant_values=-1)
-    return idx
+    [idx] = _launch.launch(
+        _select_kernel, grid=(cdiv(T, cfg.tokens), B * H),
+        inputs=dict(q=q, k_cmp=k_cmp, lse=lse_arg, pos=tok.pos[0], cmp_start=tok.cmp_start[0]),
+        outputs=dict(out=_launch.shape_dtype((B, T, H, sizes["S"]), jnp.int32)),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, T=T, NC=NC, H=H, G=HQ // H, DK=Dk, BS=block_size,
+        SCALE=float(scale), IEEE=bool(q.dtype == jnp.float32), HAS_LSE=lse is not None, TB=cfg.tokens,
+        BC=cfg.chunk, **sizes)
+    # the slots past S are always unused
+    return jnp.pad(idx, [(0, 0)] * 3 + [(0, block_counts - sizes["S"])], constant_values=-1)

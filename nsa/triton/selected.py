@@ -37,6 +37,8 @@ Every array is indexed as [B, T, heads, D] row-major; token offsets (b * T + t) 
 int64 before they are multiplied by heads * D, which can pass 2^31.
 """
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import triton
@@ -44,8 +46,8 @@ import triton.language as tl
 
 from nsa._varlen import num_compressed_blocks, tokens
 from nsa.reference import _common
-from nsa.reference import selected as reference
 from nsa.triton import _launch
+from nsa.triton._common import LN2, LOG2E, pow2
 
 # ------------------------------------------------------------------------------------------ kernels
 
@@ -92,7 +94,8 @@ def _token_blocks(block_idx, block_counts, pos, start, b, h, T: tl.constexpr, H:
     slots as _valid_blocks)."""
     t = tl.program_id(0)
     p_t = tl.load(pos + t)
-    return p_t, tl.load(start + t), _valid_blocks(block_idx, block_counts, (b * T + t) * H + h, p_t // BS, S, SP)
+    return p_t, tl.load(start + t), _valid_blocks(block_idx, block_counts, (b * T + t) * H + h, p_t // BS, S=S,
+                                                  SP=SP)
 
 
 @triton.jit
@@ -101,38 +104,38 @@ def _tile_blocks(block_idx, block_counts, pos, start, b, h, T: tl.constexpr, H: 
     """The distinct blocks the TB tokens of the tile list, in increasing order, so that each is loaded once.
 
     A block is named by the token where it starts, sequence start + block * BS (T for a skipped slot), so
-    that the same block id in two packed sequences names two blocks. Returns (p, seq [TB]: the tokens'
-    in-sequence positions and sequence starts, tokens past T clamped to T - 1; firsts [TB, SP]: their slots
-    so named; in_order [TB * SP]: firsts sorted; rank [TB * SP]: 1 + the number of distinct values below
-    each; num: the number of distinct blocks). Block i < num starts at token min(in_order where rank ==
-    i + 1): _tile_block computes it from i alone, so the loop over the blocks has a trip count and no
-    carried state, and Triton software-pipelines it."""
+    that the same block id in two packed sequences names two blocks. Returns (tile, num): tile = (p, seq
+    [TB]: the tokens' in-sequence positions and sequence starts, tokens past T clamped to T - 1; firsts
+    [TB, SP]: their slots so named; in_order [TB * SP]: firsts sorted; rank [TB * SP]: 1 + the number of
+    distinct values below each), num: the number of distinct blocks. Block i < num starts at token
+    min(in_order where rank == i + 1): _tile_block computes it from i alone, so the loop over the blocks
+    has a trip count and no carried state, and Triton software-pipelines it."""
     t = tl.minimum(tl.program_id(0) * TB + tl.arange(0, TB), T - 1)
     p = tl.load(pos + t)
     seq = tl.load(start + t)
-    blk = _valid_blocks(block_idx, block_counts, ((b * T + t) * H + h)[:, None], (p // BS)[:, None], S, SP)
+    blk = _valid_blocks(block_idx, block_counts, ((b * T + t) * H + h)[:, None], (p // BS)[:, None], S=S, SP=SP)
     firsts = tl.where(blk >= 0, seq[:, None] + blk * BS, T)
     in_order = tl.sort(tl.reshape(firsts, [TB * SP]))
     _, _, rank = tl.associative_scan((in_order, in_order, tl.full([TB * SP], 1, tl.int32)), 0, _runs)
-    return p, seq, firsts, in_order, rank, tl.max(tl.where(in_order < T, rank, 0))
+    return (p, seq, firsts, in_order, rank), tl.max(tl.where(in_order < T, rank, 0))
 
 
 @triton.jit
-def _tile_block(i, p, seq, firsts, in_order, rank, T: tl.constexpr, BS: tl.constexpr, TB: tl.constexpr,
-                GR: tl.constexpr):
-    """Block i of _tile_blocks, as _attend takes it: (its block id; its sequence start s_blk; the last
+def _tile_block(i, tile, T: tl.constexpr, BS: tl.constexpr, TB: tl.constexpr, GR: tl.constexpr):
+    """Block i of the tile of _tile_blocks, as _attend takes it: (its block id; its sequence start s_blk; the last
     position a row sees in it; p0 = t0 - s_blk, the tile's first token t0 as a position in the block's
     sequence, so that row r's token is at position p0 + r // GR; row_bias [R, 1]: log2 of how many times
     the row's token lists the block, -inf where it does not, so that a block listed twice weighs twice and
     a row whose token does not list it sees none of it). The tokens that list a block are all of its
     sequence.
     """
+    p, seq, firsts, in_order, rank = tile
     first = tl.min(tl.where(rank == i + 1, in_order, T))
     listed = tl.sum((firsts == first).to(tl.float32), 1)  # [TB]
     seq_start = tl.max(tl.where(listed > 0, seq, 0))
     t0 = tl.program_id(0) * TB
     return ((first - seq_start) // BS, seq_start, tl.max(tl.where(listed > 0, p, -1)), t0 - seq_start,
-            _per_row(tl.where(listed > 0, tl.log2(tl.maximum(listed, 1.0)), float("-inf")), TB, GR)[:, None])
+            _per_row(tl.where(listed > 0, tl.log2(tl.maximum(listed, 1.0)), float("-inf")), TB=TB, GR=GR)[:, None])
 
 
 @triton.jit
@@ -147,24 +150,25 @@ def _block_keys(blk, chunk, p_last, s_blk, b, T: tl.constexpr, BS: tl.constexpr,
 
 
 @triton.jit
-def _attend(q_tile, k, v, m, l_sum, acc, blk, s_blk, p_last, p0, row_bias, b, h,
+def _attend(q_tile, k, v, m, l_sum, acc, block, b, h,
             T: tl.constexpr, H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BS: tl.constexpr,
             SCALE: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr, BSP: tl.constexpr, NSUB: tl.constexpr,
             TB: tl.constexpr, GR: tl.constexpr):
-    """The forward tile q_tile [R, DKP] against block blk of the sequence starting at token s_blk: its keys
-    up to position p_last (_block_keys) are loaded once; row r (of token TB-tile-index r // GR) sees the key
-    at position u iff u <= p0 + r // GR, with row_bias (a scalar or [R, 1]: see _tile_block) added to its
-    base-2 logits. Returns the online softmax state (running max m, sum l_sum [R], acc [R, DVP], float32)
-    updated."""
+    """The forward tile q_tile [R, DKP] against one block, block = (blk, s_blk, p_last, p0, row_bias) as
+    _tile_block gives it: the keys of block blk of the sequence starting at token s_blk, up to position
+    p_last (_block_keys), are loaded once; row r (of token TB-tile-index r // GR) sees the key at position
+    u iff u <= p0 + r // GR, with row_bias (a scalar or [R, 1]) added to its base-2 logits. Returns the
+    online softmax state (running max m, sum l_sum [R], acc [R, DVP], float32) updated."""
+    blk, s_blk, p_last, p0, row_bias = block
     dk = tl.arange(0, DKP)
     dv = tl.arange(0, DVP)
     for chunk in tl.static_range(NSUB):  # the block in chunks of BSP keys
-        key_pos, seen, key_row = _block_keys(blk, chunk, p_last, s_blk, b, T, BS, BSP)
+        key_pos, seen, key_row = _block_keys(blk, chunk, p_last, s_blk, b, T=T, BS=BS, BSP=BSP)
         k_t = tl.load(k + (key_row * H + h)[None, :] * DK + dk[:, None],
                       mask=seen[None, :] & (dk < DK)[:, None], other=0.0)  # [DKP, BSP]
         v_tile = tl.load(v + (key_row * H + h)[:, None] * DV + dv[None, :],
                          mask=seen[:, None] & (dv < DV)[None, :], other=0.0)  # [BSP, DVP]
-        s = tl.dot(q_tile, k_t, input_precision="ieee") * (SCALE * 1.4426950408889634) + row_bias
+        s = tl.dot(q_tile, k_t, input_precision="ieee") * (SCALE * LOG2E) + row_bias
         row_pos = p0 + tl.arange(0, TB * GR) // GR
         s = tl.where(seen[None, :] & (key_pos[None, :] <= row_pos[:, None]), s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
@@ -198,7 +202,7 @@ def _fwd_kernel(q, k, v, block_idx, block_counts, pos, start, o, lse,
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)
     h = bh % H
-    ok, q_rows = _tile_rows(b, h, T, H, G, GR, TB)
+    ok, q_rows = _tile_rows(b, h, T=T, H=H, G=G, GR=GR, TB=TB)
     dk = tl.arange(0, DKP)
     dv = tl.arange(0, DVP)
     q_tile = tl.load(q + q_rows[:, None] * DK + dk[None, :], mask=ok[:, None] & (dk < DK)[None, :], other=0.0)
@@ -207,24 +211,22 @@ def _fwd_kernel(q, k, v, block_idx, block_counts, pos, start, o, lse,
     l_sum = tl.zeros([TB * GR], tl.float32)
     acc = tl.zeros([TB * GR, DVP], tl.float32)
     if TB == 1:
-        p_t, s_t, blocks = _token_blocks(block_idx, block_counts, pos, start, b, h, T, H, BS, S, SP)
+        p_t, s_t, blocks = _token_blocks(block_idx, block_counts, pos, start, b, h, T=T, H=H, BS=BS, S=S, SP=SP)
         for slot in range(S):  # no branch on the slot: masked loads, so the pipeliner overlaps the blocks
             blk = tl.max(tl.where(tl.arange(0, SP) == slot, blocks, -1), 0)  # -1: skipped, nothing is loaded
-            m, l_sum, acc = _attend(q_tile, k, v, m, l_sum, acc, blk, s_t, p_t, p_t, 0.0, b, h,
-                                    T, H, DK, DV, BS, SCALE, DKP, DVP, BSP, NSUB, TB, GR)
+            m, l_sum, acc = _attend(q_tile, k, v, m, l_sum, acc, (blk, s_t, p_t, p_t, 0.0), b, h, T=T, H=H, DK=DK,
+                                    DV=DV, BS=BS, SCALE=SCALE, DKP=DKP, DVP=DVP, BSP=BSP, NSUB=NSUB, TB=TB, GR=GR)
     else:
-        p, seq, firsts, in_order, rank, num = _tile_blocks(block_idx, block_counts, pos, start, b, h,
-                                                           T, H, BS, S, SP, TB)
+        tile, num = _tile_blocks(block_idx, block_counts, pos, start, b, h, T=T, H=H, BS=BS, S=S, SP=SP, TB=TB)
         for i in range(num):
-            blk, s_blk, p_last, p0, row_bias = _tile_block(i, p, seq, firsts, in_order, rank, T, BS, TB, GR)
-            m, l_sum, acc = _attend(q_tile, k, v, m, l_sum, acc, blk, s_blk, p_last, p0, row_bias, b, h,
-                                    T, H, DK, DV, BS, SCALE, DKP, DVP, BSP, NSUB, TB, GR)
+            m, l_sum, acc = _attend(q_tile, k, v, m, l_sum, acc, _tile_block(i, tile, T=T, BS=BS, TB=TB, GR=GR), b, h,
+                                    T=T, H=H, DK=DK, DV=DV, BS=BS, SCALE=SCALE, DKP=DKP, DVP=DVP, BSP=BSP,
+                                    NSUB=NSUB, TB=TB, GR=GR)
 
     any_seen = l_sum > 0
     out = acc / tl.where(any_seen, l_sum, 1.0)[:, None]
     tl.store(o + q_rows[:, None] * DV + dv[None, :], out.to(o.dtype.element_ty), mask=ok[:, None] & (dv < DV)[None, :])
-    log_sum = tl.where(any_seen, (m + tl.log2(tl.where(any_seen, l_sum, 1.0))) * 0.6931471805599453,
-                       float("-inf"))
+    log_sum = tl.where(any_seen, (m + tl.log2(tl.where(any_seen, l_sum, 1.0))) * LN2, float("-inf"))
     tl.store(lse + q_rows, log_sum, mask=ok)
 
 
@@ -239,26 +241,29 @@ def _query_rows(q, do, lse, delta, q_rows, ok, DK: tl.constexpr, DV: tl.constexp
     q_tile = tl.load(q + q_rows[:, None] * DK + dk[None, :], mask=ok[:, None] & (dk < DK)[None, :], other=0.0)
     do_tile = tl.load(do + q_rows[:, None] * DV + dv[None, :], mask=ok[:, None] & (dv < DV)[None, :], other=0.0)
     lse_r = tl.load(lse + q_rows, mask=ok, other=0.0)
-    lse2 = tl.where(lse_r > float("-inf"), lse_r * 1.4426950408889634, 0.0)
+    lse2 = tl.where(lse_r > float("-inf"), lse_r * LOG2E, 0.0)
     return q_tile, do_tile, lse2, tl.load(delta + q_rows, mask=ok, other=0.0)
 
 
 @triton.jit
-def _dq_step(q_tile, do_tile, lse2, delta_r, k, v, acc, blk, s_blk, p_last, p0, row_bias, b, h,
+def _dq_step(rows, k, v, acc, block, b, h,
              T: tl.constexpr, H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BS: tl.constexpr,
              SCALE: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr, BSP: tl.constexpr, NSUB: tl.constexpr,
              TB: tl.constexpr, GR: tl.constexpr):
-    """The dq tile against one key block, seen as in _attend: p = exp2(s + row_bias - lse2) recomputed,
-    acc [R, DKP] += (p * (do v^T - delta)) k, unscaled."""
+    """The dq tile, rows = (q_tile, do_tile, lse2, delta) as _query_rows gives them, against one key block
+    seen as in _attend: p = exp2(s + row_bias - lse2) recomputed, acc [R, DKP] += (p * (do v^T - delta)) k,
+    unscaled."""
+    q_tile, do_tile, lse2, delta_r = rows
+    blk, s_blk, p_last, p0, row_bias = block
     dk = tl.arange(0, DKP)
     dv = tl.arange(0, DVP)
     for chunk in tl.static_range(NSUB):  # the block in chunks of BSP keys
-        key_pos, seen, key_row = _block_keys(blk, chunk, p_last, s_blk, b, T, BS, BSP)
+        key_pos, seen, key_row = _block_keys(blk, chunk, p_last, s_blk, b, T=T, BS=BS, BSP=BSP)
         k_tile = tl.load(k + (key_row * H + h)[:, None] * DK + dk[None, :],
                          mask=seen[:, None] & (dk < DK)[None, :], other=0.0)  # [BSP, DKP]
         v_t = tl.load(v + (key_row * H + h)[None, :] * DV + dv[:, None],
                       mask=seen[None, :] & (dv < DV)[:, None], other=0.0)  # [DVP, BSP]
-        s = tl.dot(q_tile, tl.trans(k_tile), input_precision="ieee") * (SCALE * 1.4426950408889634) + row_bias
+        s = tl.dot(q_tile, tl.trans(k_tile), input_precision="ieee") * (SCALE * LOG2E) + row_bias
         row_pos = p0 + tl.arange(0, TB * GR) // GR
         p = tl.where(seen[None, :] & (key_pos[None, :] <= row_pos[:, None]), tl.exp2(s - lse2[:, None]), 0.0)
         dp = tl.dot(do_tile, v_t, input_precision="ieee")
@@ -284,23 +289,21 @@ def _dq_kernel(q, k, v, block_idx, block_counts, pos, start, do, lse, delta, dq,
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)
     h = bh % H
-    ok, q_rows = _tile_rows(b, h, T, H, G, GR, TB)
-    q_tile, do_tile, lse2, delta_r = _query_rows(q, do, lse, delta, q_rows, ok, DK, DV, DKP, DVP)
+    ok, q_rows = _tile_rows(b, h, T=T, H=H, G=G, GR=GR, TB=TB)
+    rows = _query_rows(q, do, lse, delta, q_rows, ok, DK=DK, DV=DV, DKP=DKP, DVP=DVP)
 
     acc = tl.zeros([TB * GR, DKP], tl.float32)
     if TB == 1:
-        p_t, s_t, blocks = _token_blocks(block_idx, block_counts, pos, start, b, h, T, H, BS, S, SP)
+        p_t, s_t, blocks = _token_blocks(block_idx, block_counts, pos, start, b, h, T=T, H=H, BS=BS, S=S, SP=SP)
         for slot in range(S):  # as the forward
             blk = tl.max(tl.where(tl.arange(0, SP) == slot, blocks, -1), 0)
-            acc = _dq_step(q_tile, do_tile, lse2, delta_r, k, v, acc, blk, s_t, p_t, p_t, 0.0, b, h,
-                           T, H, DK, DV, BS, SCALE, DKP, DVP, BSP, NSUB, TB, GR)
+            acc = _dq_step(rows, k, v, acc, (blk, s_t, p_t, p_t, 0.0), b, h, T=T, H=H, DK=DK, DV=DV, BS=BS,
+                           SCALE=SCALE, DKP=DKP, DVP=DVP, BSP=BSP, NSUB=NSUB, TB=TB, GR=GR)
     else:
-        p, seq, firsts, in_order, rank, num = _tile_blocks(block_idx, block_counts, pos, start, b, h,
-                                                           T, H, BS, S, SP, TB)
+        tile, num = _tile_blocks(block_idx, block_counts, pos, start, b, h, T=T, H=H, BS=BS, S=S, SP=SP, TB=TB)
         for i in range(num):  # as the forward
-            blk, s_blk, p_last, p0, row_bias = _tile_block(i, p, seq, firsts, in_order, rank, T, BS, TB, GR)
-            acc = _dq_step(q_tile, do_tile, lse2, delta_r, k, v, acc, blk, s_blk, p_last, p0, row_bias, b, h,
-                           T, H, DK, DV, BS, SCALE, DKP, DVP, BSP, NSUB, TB, GR)
+            acc = _dq_step(rows, k, v, acc, _tile_block(i, tile, T=T, BS=BS, TB=TB, GR=GR), b, h, T=T, H=H, DK=DK,
+                           DV=DV, BS=BS, SCALE=SCALE, DKP=DKP, DVP=DVP, BSP=BSP, NSUB=NSUB, TB=TB, GR=GR)
 
     dk = tl.arange(0, DKP)
     tl.store(dq + q_rows[:, None] * DK + dk[None, :], (acc * SCALE).to(dq.dtype.element_ty),
@@ -347,7 +350,7 @@ def _dkv_partial_kernel(q, k, v, do, lse, delta, row_start, row_end, seg_list, s
     h = bh % H
     r = list_id % NR
     chunk = tl.program_id(0) % NSUB
-    j, key_tok, key_ok, key_row = _key_rows(row_start, row_end, r, chunk, b, T, BS, BSP)
+    j, key_tok, key_ok, key_row = _key_rows(row_start, row_end, r, chunk, b, T=T, BS=BS, BSP=BSP)
     dk = tl.arange(0, DKP)
     dv = tl.arange(0, DVP)
     k_tile = tl.load(k + (key_row * H + h)[:, None] * DK + dk[None, :],
@@ -366,9 +369,9 @@ def _dkv_partial_kernel(q, k, v, do, lse, delta, row_start, row_end, seg_list, s
         t = tl.load(query_tok + i + e, mask=entry_ok, other=0)
         ok = entry_ok & (g < G)
         q_rows = (b * T + t) * (H * G) + h * G + tl.where(ok, g, 0)
-        q_tile, do_tile, lse2, delta_r = _query_rows(q, do, lse, delta, q_rows, ok, DK, DV, DKP, DVP)
+        q_tile, do_tile, lse2, delta_r = _query_rows(q, do, lse, delta, q_rows, ok, DK=DK, DV=DV, DKP=DKP, DVP=DVP)
         seen = ok[:, None] & key_ok[None, :] & (key_tok[None, :] <= t[:, None])  # [BQ * GR, BSP]
-        s = tl.dot(q_tile, tl.trans(k_tile), input_precision="ieee") * (SCALE * 1.4426950408889634)
+        s = tl.dot(q_tile, tl.trans(k_tile), input_precision="ieee") * (SCALE * LOG2E)
         p = tl.where(seen, tl.exp2(s - lse2[:, None]), 0.0)  # lse is finite: each listed query sees this block
         acc_v += tl.dot(tl.trans(p.to(do_tile.dtype)), do_tile, input_precision="ieee")
         dp = tl.dot(do_tile, tl.trans(v_tile), input_precision="ieee")
@@ -411,70 +414,87 @@ def _dkv_reduce_kernel(dk_part, dv_part, row_start, row_end, seg_offsets, dk_out
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)
     h = bh % H
-    j, _, key_ok, key_row = _key_rows(row_start, row_end, r, tl.program_id(0) % NSUB, b, T, BS, BSP)
+    j, _, key_ok, key_row = _key_rows(row_start, row_end, r, tl.program_id(0) % NSUB, b, T=T, BS=BS, BSP=BSP)
     list_id = bh.to(tl.int64) * NR + r
     first = tl.load(seg_offsets + list_id)
     stop = tl.load(seg_offsets + list_id + 1)
     dk = tl.arange(0, DKP)
-    acc_k = _sum_partials(dk_part, first, stop, j, DK, DKP, BS, BSP)
+    acc_k = _sum_partials(dk_part, first, stop, j, D=DK, DP=DKP, BS=BS, BSP=BSP)
     tl.store(dk_out + (key_row * H + h)[:, None] * DK + dk[None, :], (acc_k * SCALE).to(dk_out.dtype.element_ty),
              mask=key_ok[:, None] & (dk < DK)[None, :])
     dv = tl.arange(0, DVP)
-    acc_v = _sum_partials(dv_part, first, stop, j, DV, DVP, BS, BSP)
+    acc_v = _sum_partials(dv_part, first, stop, j, D=DV, DP=DVP, BS=BS, BSP=BSP)
     tl.store(dv_out + (key_row * H + h)[:, None] * DV + dv[None, :], acc_v.to(dv_out.dtype.element_ty),
              mask=key_ok[:, None] & (dv < DV)[None, :])
 
 
-# --------------------------------------------------------------------------------- heuristics
+# --------------------------------------------------------------------------------- launches
 
 
-def _pow2(n, least=16):
-    return max(least, triton.next_power_of_2(int(n)))
+class Config(NamedTuple):
+    """The launches of the selected-attention kernels: BSP keys of a block loaded at once (a block is
+    NSUB = ceil(block_size / BSP) chunks), TB query tokens per forward and dq program, the warps of every
+    kernel, the pipeline stages of the forward and dq, BQ list entries per dk/dv step, and L, the most
+    entries of a dk/dv segment."""
+
+    block_keys: int
+    tokens: int
+    num_warps: int
+    num_stages: int
+    dkv_entries: int
+    segment: int
 
 
-def _tiles(G, Dk, Dv, block_size, dtype):
-    """Padded tile sizes: GR = next_pow2(G) rows per query token, and, each a power of two >= 16, the
-    key/value dims DKP, DVP and a key block taken in NSUB chunks of BSP keys, BSP * (DKP + DVP) elements at
-    most 64 KiB (shared memory: float32 at Dk = Dv = 256 and block_size 128 does not fit in one chunk on an
-    H200)."""
-    DKP, DVP = _pow2(Dk), _pow2(Dv)
-    fit = max(16, triton.next_power_of_2(65536 // (jnp.dtype(dtype).itemsize * (DKP + DVP)) + 1) // 2)
-    BSP = min(_pow2(block_size), fit)
-    return dict(GR=triton.next_power_of_2(G), DKP=DKP, DVP=DVP, BSP=BSP, NSUB=-(-block_size // BSP))
+def default_config(q, k, v, block_indices, *, block_size, cu_seqlens=None):
+    """The Config for q [B, T, HQ, Dk], k [B, T, H, Dk], v [B, T, H, Dv] and block_indices [B, T, H, S].
 
-
-def _warps(*sizes):
-    """4 warps for small tiles, 8 once a tile side passes 128."""
-    return 8 if max(sizes) > 128 else 4
-
-
-def _per_token_launch(meta, S, itemsize):
-    """Launch settings of the per-token kernels (forward, dq): warps, pipeline stages, the S slots, SP = S
-    padded to a power of two, and TB = 16 / GR query tokens per program when a group has fewer than 16
-    rows (TB * GR = 16 rows), else 1. Two stages (for G >= 16 the next block's keys load while this one
-    is computed) where a whole key + value block and the q and do tiles take at most 160 KiB together;
-    one beyond. Checked by compiling for sm_90 (scripts/sm90_shared_memory.py): two stages everywhere
-    reached 330 KiB, past an H200's 227 KiB.
+    - BSP: the block in one chunk when BSP * (DKP + DVP) elements take at most 64 KiB (shared memory:
+      float32 at Dk = Dv = 256 and block_size 128 does not fit in one chunk on an H200).
+    - TB = 16 / GR query tokens per program when a group has fewer than 16 rows (TB * GR = 16 rows),
+      else 1.
+    - Warps: 4 for small tiles, 8 once a tile side passes 128.
+    - Stages: two (the next block's keys load while this one is computed) where a whole key + value block
+      and the q and do tiles take at most 160 KiB together, one beyond. Checked by compiling for sm_90
+      (scripts/sm90_shared_memory.py): two stages everywhere reached 330 KiB, past an H200's 227 KiB.
+    - BQ: BQ * GR = 64 rows (32 for wide heads), or GR when one group is larger.
+    - L: the mean list length rounded up to a power of two, within [256, 1024] (a multiple of every BQ).
+      The longest dk/dv program then walks no more than about a mean list, and the segments number at
+      most twice the lists once L reaches the mean.
     """
-    tb = max(1, 16 // meta["GR"])
-    block_bytes = meta["NSUB"] * meta["BSP"] * (meta["DKP"] + meta["DVP"]) * itemsize
-    tile_bytes = tb * meta["GR"] * (meta["DKP"] + meta["DVP"]) * itemsize
-    return dict(num_warps=_warps(meta["DKP"], meta["DVP"], meta["BSP"]),
-                num_stages=2 if block_bytes + tile_bytes <= 160 * 1024 else 1, S=S, SP=triton.next_power_of_2(S),
-                TB=tb)
+    B, T, HQ, Dk = q.shape
+    H, S = k.shape[2], block_indices.shape[-1]
+    itemsize = jnp.dtype(q.dtype).itemsize
+    gr, dkp, dvp = triton.next_power_of_2(HQ // H), pow2(Dk), pow2(v.shape[3])
+    fit = max(16, triton.next_power_of_2(65536 // (itemsize * (dkp + dvp)) + 1) // 2)
+    bsp = min(pow2(block_size), fit)
+    tb = max(1, 16 // gr)
+    block_bytes = triton.cdiv(block_size, bsp) * bsp * (dkp + dvp) * itemsize
+    tile_bytes = tb * gr * (dkp + dvp) * itemsize
+    entries, lists = B * T * H * S, B * H * num_compressed_blocks(T, block_size, cu_seqlens)
+    segment = min(1024, max(256, triton.next_power_of_2(-(-entries // max(lists, 1)))))
+    return Config(block_keys=bsp, tokens=tb, num_warps=8 if max(dkp, dvp, bsp) > 128 else 4,
+                  num_stages=2 if block_bytes + tile_bytes <= 160 * 1024 else 1,
+                  dkv_entries=max(1, (32 if max(dkp, dvp) > 128 else 64) // gr), segment=segment)
 
 
-def _dkv_rows(GR, DKP, DVP):
-    """BQ, the queries of a dk/dv step: BQ * GR = 64 rows (32 for wide heads), or GR when one group is larger."""
-    rows = 32 if max(DKP, DVP) > 128 else 64
-    return dict(BQ=max(1, rows // GR))
+_DKV_STAGES = 2  # dk/dv partials: the next BQ entries' q and do load while these are computed
 
 
-def _segment_length(num_entries, num_lists):
-    """L, the most entries of a segment of a query list: the mean list length rounded up to a power of
-    two, within [256, 1024] (a multiple of every BQ). The longest program then walks no more than about
-    a mean list, and the segments number at most twice the lists once L reaches the mean."""
-    return min(1024, max(256, triton.next_power_of_2(-(-num_entries // max(num_lists, 1)))))
+def _meta(q, k, v, block_size, scale, cfg):
+    """The constexprs every selected-attention kernel takes."""
+    _, T, HQ, Dk = q.shape
+    H, Dv = k.shape[2], v.shape[3]
+    return dict(T=T, H=H, DK=Dk, DV=Dv, BS=block_size, SCALE=float(scale), DKP=pow2(Dk), DVP=pow2(Dv),
+                BSP=cfg.block_keys, NSUB=triton.cdiv(block_size, cfg.block_keys), num_warps=cfg.num_warps)
+
+
+def _per_token(q, k, block_indices, cfg):
+    """The constexprs and the grid of the per-token kernels (forward, dq): the S slots, SP = S padded to a
+    power of two, G and GR, TB tokens per program."""
+    B, T, HQ, _ = q.shape
+    H, S = k.shape[2], block_indices.shape[-1]
+    return dict(grid=(triton.cdiv(T, cfg.tokens), B * H), num_stages=cfg.num_stages, S=S,
+                SP=triton.next_power_of_2(S), G=HQ // H, GR=triton.next_power_of_2(HQ // H), TB=cfg.tokens)
 
 
 # ------------------------------------------------------------------------------------ wrappers
@@ -485,31 +505,24 @@ def _clipped(block_indices, T, block_size):
     return jnp.clip(block_indices, -1, T // block_size + 1).astype(jnp.int32)
 
 
-def _unsupported(q):
-    """float64 and empty inputs run the reference (Triton has no float64; empty grids do not launch)."""
-    return q.dtype == jnp.float64 or q.size == 0
+def _config(q, k, v, block_indices, block_size, cu_seqlens, config):
+    return default_config(q, k, v, block_indices, block_size=block_size, cu_seqlens=cu_seqlens) \
+        if config is None else config
 
 
-def _config(q, k, v, block_indices, block_size, scale):
-    B, T, HQ, Dk = q.shape
-    H, Dv, S = k.shape[2], v.shape[-1], block_indices.shape[-1]
-    G = HQ // H
-    return B, T, H, G, S, Dk, Dv, dict(T=T, H=H, G=G, DK=Dk, DV=Dv, BS=block_size, SCALE=float(scale),
-                                       **_tiles(G, Dk, Dv, block_size, q.dtype))
-
-
-def forward(q, k, v, block_indices, block_counts, cu_seqlens, *, block_size, scale):
-    """Returns o [B, T, HQ, Dv] and the reference's residuals (inputs, o, lse [B, T, HQ] float32)."""
-    if _unsupported(q):
-        return reference.forward(q, k, v, block_indices, block_counts, cu_seqlens, block_size=block_size, scale=scale)
-    B, T, H, G, S, Dk, Dv, meta = _config(q, k, v, block_indices, block_size, scale)
+def forward(q, k, v, block_indices, block_counts, cu_seqlens, *, block_size, scale, config=None):
+    """Returns o [B, T, HQ, Dv] and the reference's residuals (inputs, o, lse [B, T, HQ] float32);
+    config: a Config (None: `default_config`)."""
+    T = q.shape[1]
+    cfg = _config(q, k, v, block_indices, block_size, cu_seqlens, config)
     tok = tokens(T, block_size, cu_seqlens)
-    launch = _per_token_launch(meta, S, q.dtype.itemsize)
-    o, lse = _launch.triton_call(
-        q, k, v, _clipped(block_indices, T, block_size), block_counts.astype(jnp.int32), tok.pos[0], tok.start[0],
-        kernel=_fwd_kernel,
-        out_shape=[_launch.shape_dtype(q.shape[:3] + (Dv,), q.dtype), _launch.shape_dtype(q.shape[:3], jnp.float32)],
-        grid=(triton.cdiv(T, launch["TB"]), B * H), **launch, **meta)
+    o, lse = _launch.launch(
+        _fwd_kernel,
+        inputs=dict(q=q, k=k, v=v, block_idx=_clipped(block_indices, T, block_size),
+                    block_counts=block_counts.astype(jnp.int32), pos=tok.pos[0], start=tok.start[0]),
+        outputs=dict(o=_launch.shape_dtype(q.shape[:3] + v.shape[3:], q.dtype),
+                     lse=_launch.shape_dtype(q.shape[:3], jnp.float32)),
+        **_per_token(q, k, block_indices, cfg), **_meta(q, k, v, block_size, scale, cfg))
     return o, (q, k, v, block_indices, block_counts, cu_seqlens, o, lse)
 
 
@@ -576,40 +589,40 @@ def _segments(offsets, num_entries, seg_len):
     return seg_offsets, seg_list, jnp.where(real, lo, 0), jnp.where(real, hi, 0)
 
 
-def backward(residuals, do, *, block_size, scale):
-    """Gradients (dq, dk, dv, None, None, None) in the input dtypes, as the reference's backward."""
+def backward(residuals, do, *, block_size, scale, config=None):
+    """Gradients (dq, dk, dv, None, None, None) in the input dtypes, as the reference's backward; config:
+    a Config (None: `default_config`)."""
     q, k, v, block_indices, block_counts, cu_seqlens, o, lse = residuals
-    if _unsupported(q):
-        return reference.backward(residuals, do, block_size=block_size, scale=scale)
-    B, T, H, G, S, Dk, Dv, meta = _config(q, k, v, block_indices, block_size, scale)
+    B, T, HQ, _ = q.shape
+    H = k.shape[2]
+    cfg = _config(q, k, v, block_indices, block_size, cu_seqlens, config)
+    meta = _meta(q, k, v, block_size, scale, cfg)
     tok = tokens(T, block_size, cu_seqlens)
     delta = _common.delta(o, do).astype(jnp.float32)
     do = do.astype(q.dtype)
     idx = _clipped(block_indices, T, block_size)
     counts = block_counts.astype(jnp.int32)
-    warps = _warps(meta["DKP"], meta["DVP"], meta["BSP"])
+    softmax = dict(q=q, k=k, v=v, do=do, lse=lse, delta=delta)
 
-    launch = _per_token_launch(meta, S, q.dtype.itemsize)
-    dq = _launch.triton_call(
-        q, k, v, idx, counts, tok.pos[0], tok.start[0], do, lse, delta,
-        kernel=_dq_kernel, out_shape=_launch.shape_dtype(q.shape, q.dtype),
-        grid=(triton.cdiv(T, launch["TB"]), B * H), **launch, **meta)
+    [dq] = _launch.launch(
+        _dq_kernel, inputs=dict(q=q, k=k, v=v, block_idx=idx, block_counts=counts, pos=tok.pos[0], start=tok.start[0],
+                                do=do, lse=lse, delta=delta),
+        outputs=dict(dq=_launch.shape_dtype(q.shape, q.dtype)), **_per_token(q, k, block_indices, cfg), **meta)
 
     NR, row_start, row_end = _block_rows(T, block_size, cu_seqlens)
     offsets, query_tok = _query_lists(idx, counts, tok, B, T, H, NR, block_size)
-    E = query_tok.shape[0]
-    seg_offsets, seg_list, seg_lo, seg_hi = _segments(offsets, E, _segment_length(E, B * H * NR))
+    seg_offsets, seg_list, seg_lo, seg_hi = _segments(offsets, query_tok.shape[0], cfg.segment)
     NSEG = seg_list.shape[0]
-    dk_part, dv_part = _launch.triton_call(
-        q, k, v, do, lse, delta, row_start, row_end, seg_list, seg_lo, seg_hi, query_tok,
-        kernel=_dkv_partial_kernel,
-        out_shape=[_launch.shape_dtype((NSEG, block_size, D), jnp.float32) for D in (Dk, Dv)],
-        grid=(NSEG * meta["NSUB"],), num_warps=warps, num_stages=2, NR=NR,
-        **_dkv_rows(meta["GR"], meta["DKP"], meta["DVP"]), **meta)
-    dk, dv = _launch.triton_call(
-        dk_part, dv_part, row_start, row_end, seg_offsets,
-        kernel=_dkv_reduce_kernel,
-        out_shape=[_launch.shape_dtype(k.shape, k.dtype), _launch.shape_dtype(v.shape, v.dtype)],
-        grid=(NR * meta["NSUB"], B * H), num_warps=warps, num_stages=1, NR=NR,
-        **{n: meta[n] for n in ("T", "H", "DK", "DV", "BS", "SCALE", "DKP", "DVP", "BSP", "NSUB")})
+    rows = dict(row_start=row_start, row_end=row_end)
+    dk_part, dv_part = _launch.launch(
+        _dkv_partial_kernel, grid=(NSEG * meta["NSUB"],),
+        inputs=dict(softmax, **rows, seg_list=seg_list, seg_lo=seg_lo, seg_hi=seg_hi, query_tok=query_tok),
+        outputs=dict(dk_part=_launch.shape_dtype((NSEG, block_size, k.shape[3]), jnp.float32),
+                     dv_part=_launch.shape_dtype((NSEG, block_size, v.shape[3]), jnp.float32)),
+        num_stages=_DKV_STAGES, G=HQ // H, GR=triton.next_power_of_2(HQ // H), NR=NR, BQ=cfg.dkv_entries, **meta)
+    dk, dv = _launch.launch(
+        _dkv_reduce_kernel, grid=(NR * meta["NSUB"], B * H),
+        inputs=dict(dk_part=dk_part, dv_part=dv_part, **rows, seg_offsets=seg_offsets),
+        outputs=dict(dk_out=_launch.shape_dtype(k.shape, k.dtype), dv_out=_launch.shape_dtype(v.shape, v.dtype)),
+        num_stages=1, NR=NR, **meta)
     return dq, dk, dv, None, None, None

@@ -1,16 +1,13 @@
 """Sliding-window attention on the Triton flash kernels (nsa/triton/_flash.py).
 
 Query t sees the key rows [max(sequence start, t - window_size + 1), t]; signatures and residuals are
-those of nsa.reference.window.
+those of nsa.reference.window. `config` (a _flash.Config; None: its default) sets the kernels' tiles.
 """
 
 import jax.numpy as jnp
 
 from nsa._varlen import tokens
-from nsa.reference import window as reference
 from nsa.triton import _flash
-
-_KERNEL_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)  # float64 runs the reference
 
 
 def _key_range(T, window_size, cu_seqlens):
@@ -21,21 +18,17 @@ def _key_range(T, window_size, cu_seqlens):
     return jnp.maximum(tok.start[0], t - W + 1), t
 
 
-def forward(q, k, v, cu_seqlens, *, window_size, scale):
+def forward(q, k, v, cu_seqlens, *, window_size, scale, config=None):
     """Returns o [B, T, HQ, Dv] and the residuals (inputs, o, lse [B, T, HQ])."""
-    if q.dtype not in _KERNEL_DTYPES:
-        return reference.forward(q, k, v, cu_seqlens, window_size=window_size, scale=scale)
     lo, hi = _key_range(q.shape[1], window_size, cu_seqlens)
-    o, lse = _flash.attend(q, k, v, lo, hi, scale=scale)
+    o, lse = _flash.attend(q, k, v, lo, hi, scale=scale, config=config)
     return o, (q, k, v, cu_seqlens, o, lse)
 
 
-def backward(residuals, do, *, window_size, scale):
+def backward(residuals, do, *, window_size, scale, config=None):
     """Gradients (dq, dk, dv, None)."""
     q, k, v, cu_seqlens, o, lse = residuals
-    if q.dtype not in _KERNEL_DTYPES:
-        return reference.backward(residuals, do, window_size=window_size, scale=scale)
     lo, hi = _key_range(q.shape[1], window_size, cu_seqlens)
     dq, dk, dv = _flash.attend_backward(q, k, v, lo, hi, o, lse, do, scale=scale,
-                                        query_span=min(int(window_size), q.shape[1]))
+                                        query_span=min(int(window_size), q.shape[1]), config=config)
     return dq, dk, dv, None

@@ -1,0 +1,155 @@
+"""Every Triton kernel on hostile inputs, against the XLA reference: run it under compute-sanitizer.
+
+    XLA_PYTHON_CLIENT_ALLOCATOR=platform XLA_FLAGS=--xla_gpu_autotune_level=0 \
+        compute-sanitizer --tool memcheck --error-exitcode 99 python3 scripts/gpu_hostile.py
+
+(`scripts/gpu.sh sanitize` does that). The platform allocator gives each buffer its own allocation, so
+a read past an array is a memcheck error, not a read of its neighbour. The cases: block indices of -1,
+past t // block_size, 2^30 and -2^31, repeated, with counts from 0 to past S; odd groups (G = 3, 5),
+Dv != Dk, T not a multiple of the block, packed sequences with empty ones (concrete and traced
+cu_seqlens), a traced cu_seqlens that asks for more compressed rows than k_cmp holds, k_cmp of no
+rows, window sizes 0, 1 and past T, and empty inputs (B = 0, T = 0). Each output and gradient must
+match the reference (relative RMS error against the quantity's natural size); exits 1 on a mismatch.
+"""
+
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import nsa  # noqa: E402
+
+jax.config.update("jax_default_matmul_precision", "highest")  # the float32 reference, not TF32
+TOL = {"float32": 2e-5, "bfloat16": 2e-2}
+failures = []
+
+
+def _rms(x):
+    x = np.asarray(x, np.float64)
+    return float(np.sqrt(np.mean(x ** 2))) if x.size else 0.0
+
+
+def check(name, got, want, scale):
+    """Relative RMS error of got against want, floored at the natural size `scale`, finite everywhere."""
+    for i, (a, b) in enumerate(zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want))):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        finite = np.isfinite(b)
+        ok = a.shape == b.shape and np.array_equal(np.isfinite(a), finite)
+        err = _rms(np.where(finite, a - b, 0.0)) / max(_rms(np.where(finite, b, 0.0)), scale, 1e-30) if ok else np.inf
+        tol = TOL["bfloat16" if "bf16" in name else "float32"]
+        status = "ok" if err <= tol else "MISMATCH"
+        print(f"{status:8} {name} output {i}: relative error {err:.2e}", flush=True)
+        if status != "ok":
+            failures.append(f"{name} output {i}")
+
+
+def inputs(B, T, HQ, H, Dk, Dv, dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    arrays = [rng.standard_normal(s) for s in ((B, T, HQ, Dk), (B, T, H, Dk), (B, T, H, Dv), (B, T, HQ, Dv))]
+    return [jnp.asarray(a, dtype) for a in arrays]
+
+
+def hostile_indices(B, T, H, S, bs, seed=1):
+    """-1, past t // bs, 2^30, -2^31 and repeated entries; the first slot a visible block."""
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(-2, T // bs + 3, (B, T, H, S)).astype(np.int64)
+    idx[..., 0] = (rng.integers(0, 1 << 20, (T,)) % (np.arange(T) // bs + 1))[None, :, None]
+    idx[:, ::3, :, -1] = 2 ** 30
+    idx[:, 1::5, :, -1] = -2 ** 31
+    idx[:, 1::4, :, 1 % S] = idx[:, 1::4, :, 0]
+    return jnp.asarray(idx.astype(np.int32))
+
+
+def grads(f, args, ct):
+    out, vjp = jax.vjp(f, *args)
+    return out, vjp(ct)
+
+
+def case_selected(dtype, B, T, HQ, H, Dk, Dv, bs, cu):
+    q, k, v, do = inputs(B, T, HQ, H, Dk, Dv, dtype)
+    idx = hostile_indices(B, T, H, 5, bs)
+    counts = jnp.asarray(np.random.default_rng(2).integers(0, 8, (B, T, H)), jnp.int32)
+    run = lambda impl: jax.jit(lambda q, k, v, do, cu: grads(
+        lambda q, k, v: nsa.selected_attention(q, k, v, idx, block_counts=counts, block_size=bs, cu_seqlens=cu,
+                                               implementation=impl), (q, k, v), do))(q, k, v, do, cu)
+    tag = "bf16" if dtype == jnp.bfloat16 else "f32"
+    check(f"selected {tag} G={HQ // H} T={T} Dk={Dk} Dv={Dv} bs={bs} cu={cu is not None}", run("triton"),
+          run("xla"), _rms(v) * _rms(do))
+
+
+def case_attention(dtype, B, T, HQ, H, Dk, Dv, bs, window, cu):
+    q, k, v, do = inputs(B, T, HQ, H, Dk, Dv, dtype)
+    g = jax.nn.sigmoid(q[..., :3].astype(jnp.float32)).astype(dtype)
+
+    def run(impl):
+        def f(q, k, v, g):
+            return nsa.attention(q, k, v, g_cmp=g[..., 0], g_slc=g[..., 1], g_swa=g[..., 2], block_counts=4,
+                                 block_size=bs, window_size=window, cu_seqlens=cu, implementation=impl)
+        return jax.jit(lambda q, k, v, g, do: grads(f, (q, k, v, g), do))(q, k, v, g, do)
+
+    tag = "bf16" if dtype == jnp.bfloat16 else "f32"
+    check(f"attention {tag} G={HQ // H} T={T} Dk={Dk} Dv={Dv} bs={bs} w={window} cu={cu is not None}",
+          run("triton"), run("xla"), _rms(v) * _rms(do))
+
+
+def case_short_k_cmp():
+    """A traced cu_seqlens that asks for rows k_cmp does not hold (only the first sequence's are there),
+    and k_cmp of no rows at T < block_size: nothing past k_cmp may be read."""
+    T, HQ, H, D, bs = 200, 6, 2, 32, 16
+    q, k, v, do = inputs(1, T, HQ, H, D, D, jnp.float32)
+    cu = jnp.asarray([0, 100, 100, 200], jnp.int32)
+    k_cmp, v_cmp = k[:, :7 * bs:bs], v[:, :7 * bs:bs]  # 7 rows: the first sequence's; 14 in all
+
+    def run(impl):
+        def f(q, kc, vc, cu):
+            o, lse = nsa.compressed_attention(q, kc, vc, block_size=bs, cu_seqlens=cu, implementation=impl)
+            idx = nsa.select_blocks(q, kc, block_counts=5, block_size=bs, cu_seqlens=cu, implementation=impl)
+            return o, jnp.where(jnp.isfinite(lse), lse, 0.0), idx.astype(jnp.float32)
+
+        out, vjp = jax.vjp(lambda q, kc, vc: jax.jit(f)(q, kc, vc, cu), q, k_cmp, v_cmp)
+        return out, vjp((do, jnp.ones(q.shape[:3]), jnp.zeros(q.shape[:2] + (H, 5))))
+
+    check("compressed + select, traced cu_seqlens past k_cmp", run("triton"), run("xla"), _rms(v) * _rms(do))
+    q0 = q[:, :10]
+    for impl in ("triton", "xla"):
+        o, lse = nsa.compressed_attention(q0, k_cmp[:, :0], v_cmp[:, :0], block_size=bs, implementation=impl)
+        idx = nsa.select_blocks(q0, k_cmp[:, :0], block_counts=2, block_size=bs, implementation=impl)
+        ok = not np.any(np.asarray(o)) and np.all(np.isneginf(np.asarray(lse))) and np.all(
+            np.asarray(idx) == np.array([0, -1]))
+        print(f"{'ok' if ok else 'MISMATCH':8} k_cmp of no rows ({impl})", flush=True)
+        if not ok:
+            failures.append(f"k_cmp of no rows ({impl})")
+
+
+def case_empty():
+    for B, T in ((0, 64), (1, 0)):
+        q, k, v, do = inputs(B, T, 4, 2, 32, 16, jnp.float32)
+        f = lambda q, k, v: nsa.attention(q, k, v, g_cmp=q[..., 0], block_counts=3, block_size=16, window_size=8,
+                                          implementation="triton")
+        out, g = grads(f, (q, k, v), do)
+        ok = out.shape == (B, T, 4, 16) and all(x.shape == y.shape for x, y in zip(g, (q, k, v)))
+        print(f"{'ok' if ok else 'MISMATCH':8} empty input B={B} T={T}", flush=True)
+        if not ok:
+            failures.append(f"empty B={B} T={T}")
+
+
+def main():
+    packed = jnp.asarray([0, 37, 37, 300, 300, 517], jnp.int32)  # empty sequences, partial blocks
+    for dtype in (jnp.float32, jnp.bfloat16):
+        case_selected(dtype, 2, 517, 6, 2, 64, 32, 32, None)  # G = 3, Dv != Dk, ragged T
+        case_selected(dtype, 1, 517, 5, 1, 32, 64, 64, packed)  # G = 5
+        case_selected(dtype, 1, 300, 32, 2, 64, 64, 16, None)  # G = 16, the one-token slot loop
+        case_attention(dtype, 1, 517, 6, 2, 64, 32, 32, 100, packed)
+        case_attention(dtype, 2, 300, 4, 4, 32, 32, 16, 1, None)  # G = 1, window 1
+        case_attention(dtype, 1, 300, 6, 2, 32, 32, 64, 5000, None)  # window past T
+    case_short_k_cmp()
+    case_empty()
+    print(f"{len(failures)} mismatches" + (f": {failures}" if failures else ""), flush=True)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,265 @@
+"""What the public API promises beyond the numbers: cu_seqlens values (checked when concrete, made valid
+when traced, lists accepted), integer scalars of any kind, a traced (learned) scale, empty inputs, and
+which implementation runs: explicit requests that cannot run raise, implementation=None says when it
+falls back, and nsa.implementations() tells what runs where."""
+
+import sys
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import nsa
+from nsa import _dispatch
+from nsa._varlen import made_valid
+from tests.base import Inputs, assert_close, gradient_scales
+
+B, T, HQ, H, D, BS = 1, 100, 4, 2, 16, 16
+
+
+def _ops(x, cu, **kw):
+    """Every op on the inputs x with cu_seqlens cu, as a tuple of outputs."""
+    k_cmp = nsa.compress(x.k, block_size=BS, cu_seqlens=cu)
+    v_cmp = nsa.compress(x.v, block_size=BS, cu_seqlens=cu)
+    g = [gi[0] for gi in x.gates]
+    return (k_cmp,
+            *nsa.compressed_attention(x.q, k_cmp, v_cmp, block_size=BS, cu_seqlens=cu, **kw),
+            nsa.select_blocks(x.q, k_cmp, block_counts=3, block_size=BS, cu_seqlens=cu, **kw),
+            nsa.selected_attention(x.q, x.k, x.v, x.block_indices(3), block_size=BS, cu_seqlens=cu, **kw),
+            nsa.sliding_window_attention(x.q, x.k, x.v, window_size=7, cu_seqlens=cu, **kw),
+            nsa.attention(x.q, x.k, x.v, g_cmp=g[0], g_slc=g[1], g_swa=g[2], block_counts=3, block_size=BS,
+                          window_size=7, cu_seqlens=cu, **kw))
+
+
+def _assert_equal(got, want):
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+# ------------------------------------------------------------------------------------- cu_seqlens
+
+@pytest.mark.parametrize("bad, valid", [
+    ([0, 60, 40, 100], [0, 60, 60, 100]),  # decreasing: an empty sequence where it goes down
+    ([10, 40, 100], [0, 40, 100]),  # not starting at 0: the leading tokens join the first sequence
+    ([0, 40, 70], [0, 40, 100]),  # not ending at T: the trailing tokens join the last sequence
+    ([-5, 130, 130, 200], [0, 100, 100, 100]),  # out of [0, T]: clipped
+])
+def test_traced_invalid_cu_seqlens_runs_as_made_valid(bad, valid):
+    """Under jit cu_seqlens cannot be checked: every op then runs on its valid form (the README's rule)."""
+    np.testing.assert_array_equal(np.asarray(made_valid(jnp.asarray(bad), T)), valid)
+    x = Inputs((B, T, HQ, H, D, D, BS), "float32")
+    run = jax.jit(lambda cu: _ops(x, cu))
+    _assert_equal(run(jnp.asarray(bad, jnp.int32)), run(jnp.asarray(valid, jnp.int32)))
+
+
+def test_cu_seqlens_as_a_list_tuple_or_array():
+    x = Inputs((B, T, HQ, H, D, D, BS), "float32")
+    want = _ops(x, np.array([0, 30, 30, 100], np.int32))
+    for cu in ([0, 30, 30, 100], (0, 30, 30, 100), jnp.array([0, 30, 30, 100])):
+        _assert_equal(_ops(x, cu), want)
+
+
+@pytest.mark.parametrize("name", ["compressed", "select"])
+def test_traced_cu_seqlens_asking_for_more_compressed_rows_than_given(interpreted, name):
+    """Under jit a cu_seqlens may ask for more rows of a given k_cmp than it holds: rows past its end
+    count as not there, in the reference and in the kernels (which never read past it)."""
+    x = Inputs((B, T, HQ, H, D, D, BS), "float32")
+    cu = np.array([0, 50, 100], np.int32)  # 4 compressed rows per sequence; k_cmp holds the first one's
+    k_cmp, v_cmp = x.k[:, :4 * BS:BS], x.v[:, :4 * BS:BS]
+
+    def run(impl):
+        if name == "compressed":
+            f = lambda q, kc, vc, cu: nsa.compressed_attention(q, kc, vc, block_size=BS, cu_seqlens=cu,
+                                                               implementation=impl)
+            out, vjp = jax.vjp(lambda q, kc, vc: jax.jit(f)(q, kc, vc, cu), x.q, k_cmp, v_cmp)
+            dlse = jnp.where(jnp.isfinite(out[1]), 1.0, 0.0)
+            return out + vjp((x.do, dlse))
+        f = lambda q, kc, cu: nsa.select_blocks(q, kc, block_counts=4, block_size=BS, cu_seqlens=cu,
+                                                implementation=impl)
+        return (jax.jit(f)(x.q, k_cmp, cu),)
+
+    got, want = run("triton"), run("xla")
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-5)
+
+
+# ---------------------------------------------------------------------------------- integer scalars
+
+@pytest.mark.parametrize("wrap", [np.int64, np.int32, jnp.int32, np.array, jnp.array],
+                         ids=["np.int64", "np.int32", "jnp.int32", "np.array", "jnp.array"])
+def test_any_integer_scalar_where_an_int_goes(wrap):
+    x = Inputs((B, T, HQ, H, D, D, BS), "float32")
+    g = x.gates[0][0]
+    run = lambda c, bs, w: nsa.attention(x.q, x.k, x.v, g_cmp=g, block_counts=c, block_size=bs, window_size=w)
+    np.testing.assert_array_equal(np.asarray(run(wrap(2), wrap(BS), wrap(7))), np.asarray(run(2, BS, 7)))
+    k_cmp = nsa.compress(x.k, block_size=wrap(BS))
+    np.testing.assert_array_equal(np.asarray(nsa.select_blocks(x.q, k_cmp, block_counts=wrap(3), block_size=wrap(BS))),
+                                  np.asarray(nsa.select_blocks(x.q, k_cmp, block_counts=3, block_size=BS)))
+
+
+def test_traced_scalar_block_counts_in_selected_attention():
+    x = Inputs((B, T, HQ, H, D, D, BS), "float32")
+    idx = x.block_indices(4)
+    f = lambda c: nsa.selected_attention(x.q, x.k, x.v, idx, block_counts=c, block_size=BS)
+    np.testing.assert_array_equal(np.asarray(jax.jit(f)(jnp.int32(2))), np.asarray(f(2)))
+    with pytest.raises(ValueError, match="block_counts is a traced array and block_indices is None"):
+        jax.jit(lambda c: nsa.attention(x.q, x.k, x.v, block_counts=c, block_size=BS))(jnp.int32(2))
+
+
+# ---------------------------------------------------------------------------------- a learned scale
+
+def _loss_of_scale(x, name):
+    def loss(scale):
+        kw = dict(scale=scale)
+        if name == "compressed":
+            kc, vc = nsa.compress(x.k, block_size=BS), nsa.compress(x.v, block_size=BS)
+            o, lse = nsa.compressed_attention(x.q, kc, vc, block_size=BS, **kw)
+            return jnp.sum(o * x.do) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
+        if name == "selected":
+            o = nsa.selected_attention(x.q, x.k, x.v, x.block_indices(3), block_size=BS, **kw)
+        elif name == "window":
+            o = nsa.sliding_window_attention(x.q, x.k, x.v, window_size=7, **kw)
+        else:
+            g = [gi[0] for gi in x.gates]
+            o = nsa.attention(x.q, x.k, x.v, g_cmp=g[0], g_slc=g[1], g_swa=g[2], block_counts=3, block_size=BS,
+                              window_size=7, **kw)
+        return jnp.sum(o * x.do)
+
+    return loss
+
+
+@pytest.mark.parametrize("name", ["compressed", "selected", "window", "attention"])
+def test_traced_scale_is_differentiable(name):
+    """A traced scale (a learned temperature) gives the float scale's result, and its gradient matches a
+    central difference (float64)."""
+    with jax.enable_x64(True):
+        x = Inputs((B, 60, HQ, H, D, D, BS), "float64")
+        loss = _loss_of_scale(x, name)
+        np.testing.assert_allclose(float(jax.jit(loss)(jnp.float64(0.3))), float(loss(0.3)), rtol=1e-12)
+        grad = float(jax.jit(jax.grad(loss))(jnp.float64(0.3)))
+        h = 1e-5
+        numeric = (float(loss(0.3 + h)) - float(loss(0.3 - h))) / (2 * h)
+        np.testing.assert_allclose(grad, numeric, rtol=1e-6)
+
+
+def test_traced_scale_in_select_blocks():
+    x = Inputs((B, T, HQ, H, D, D, BS), "float32")
+    k_cmp = nsa.compress(x.k, block_size=BS)
+    f = lambda s: nsa.select_blocks(x.q, k_cmp, block_counts=3, block_size=BS, scale=s)
+    np.testing.assert_array_equal(np.asarray(jax.jit(f)(jnp.float32(0.5))), np.asarray(f(0.5)))
+
+
+# ------------------------------------------------------------------------------------- empty inputs
+
+@pytest.mark.parametrize("impl", ["xla", "triton"])
+@pytest.mark.parametrize("batch, seq_len", [(0, 40), (1, 0)], ids=["B=0", "T=0"])
+def test_empty_inputs(interpreted, impl, batch, seq_len):
+    """No tokens: every op returns empty outputs of the right shapes and zero gradients."""
+    x = Inputs((batch, seq_len, HQ, H, D, 8, BS), "float32")
+    g = [gi[0] for gi in x.gates]
+
+    def loss(q, k, v, *gates):
+        o = nsa.attention(q, k, v, g_cmp=gates[0], g_slc=gates[1], g_swa=gates[2], block_counts=3, block_size=BS,
+                          window_size=7, implementation=impl)
+        assert o.shape == (batch, seq_len, HQ, 8)
+        return jnp.sum(o)
+
+    grads = jax.grad(loss, argnums=tuple(range(6)))(x.q, x.k, x.v, *g)
+    for grad, arg in zip(grads, (x.q, x.k, x.v, *g)):
+        assert grad.shape == arg.shape and not np.any(np.asarray(grad))
+    k_cmp = nsa.compress(x.k, block_size=BS)
+    assert k_cmp.shape == (batch, -(-seq_len // BS), H, D)
+    assert nsa.select_blocks(x.q, k_cmp, block_counts=3, block_size=BS, implementation=impl).shape == (
+        batch, seq_len, H, 3)
+
+
+@pytest.mark.parametrize("impl", ["xla", "triton"])
+def test_no_compressed_rows(interpreted, impl):
+    """T < block_size with k_cmp of 0 rows (all a query can see): compressed attention sees nothing,
+    and the selection still holds the query's own block 0."""
+    x = Inputs((B, 10, HQ, H, D, D, BS), "float32")
+    k_cmp, v_cmp = x.k[:, :0], x.v[:, :0]
+    (o, lse), vjp = jax.vjp(lambda q: nsa.compressed_attention(q, k_cmp, v_cmp, block_size=BS,
+                                                               implementation=impl), x.q)
+    assert not np.any(np.asarray(o)) and np.all(np.isneginf(np.asarray(lse)))
+    assert not np.any(np.asarray(vjp((x.do, jnp.ones_like(lse)))[0]))
+    idx = nsa.select_blocks(x.q, k_cmp, block_counts=2, block_size=BS, implementation=impl)
+    np.testing.assert_array_equal(np.asarray(idx), np.broadcast_to([0, -1], (B, 10, H, 2)))
+
+
+# --------------------------------------------------------------------------- which implementation runs
+
+@pytest.fixture
+def without_jax_triton(monkeypatch):
+    """A process where jax_triton does not import (as after a plain `pip install nsa` on a GPU)."""
+    monkeypatch.setitem(sys.modules, "jax_triton", None)  # import jax_triton raises ImportError
+    _dispatch.import_error.cache_clear()
+    yield
+    _dispatch.import_error.cache_clear()
+
+
+def test_explicit_triton_without_jax_triton_raises(without_jax_triton):
+    x = Inputs((B, 20, HQ, H, D, D, BS), "float32")
+    with pytest.raises(ValueError, match=r"implementation='triton' cannot run sliding_window_attention here: "
+                                         r"jax-triton does not import \((ModuleNotFound|Import)Error.*pip install 'nsa\[cuda\]'"):
+        nsa.sliding_window_attention(x.q, x.k, x.v, window_size=3, implementation="triton")
+
+
+def test_default_on_a_gpu_without_jax_triton_warns_once(without_jax_triton, monkeypatch):
+    monkeypatch.setattr(_dispatch, "_has_cuda_gpu", lambda: True)
+    monkeypatch.setattr(_dispatch, "_warned", set())
+    x = Inputs((B, 20, HQ, H, D, D, BS), "float32")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        o = nsa.attention(x.q, x.k, x.v, block_counts=2, block_size=BS, window_size=5)
+        nsa.attention(x.q, x.k, x.v, block_counts=2, block_size=BS, window_size=5)
+    messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(messages) == 1, messages
+    assert "XLA reference on the GPU" in messages[0] and "pip install 'nsa[cuda]'" in messages[0]
+    want = nsa.attention(x.q, x.k, x.v, block_counts=2, block_size=BS, window_size=5, implementation="xla")
+    np.testing.assert_array_equal(np.asarray(o), np.asarray(want))
+    assert set(nsa.implementations("gpu").values()) == {"xla"}
+
+
+def test_no_warning_without_a_gpu(without_jax_triton, monkeypatch):
+    monkeypatch.setattr(_dispatch, "_warned", set())
+    x = Inputs((B, 20, HQ, H, D, D, BS), "float32")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        nsa.attention(x.q, x.k, x.v, block_counts=2, block_size=BS, window_size=5)
+
+
+def test_explicit_triton_on_float64_raises(interpreted):
+    with jax.enable_x64(True):
+        x = Inputs((B, 20, HQ, H, D, D, BS), "float64")
+        with pytest.raises(TypeError, match=r"implementation='triton' cannot run selected_attention on float64 "
+                                            r"inputs: its kernels take float32, bfloat16, float16"):
+            nsa.selected_attention(x.q, x.k, x.v, x.block_indices(2), block_size=BS, implementation="triton")
+        # implementation=None runs the reference for float64
+        o = nsa.selected_attention(x.q, x.k, x.v, x.block_indices(2), block_size=BS)
+        assert o.dtype == jnp.float64
+
+
+def test_implementations_tells_what_runs_where(interpreted):
+    """nsa.implementations() with jax_triton importable (as the interpreted fixture makes it)."""
+    kernels = {"compress": "xla", "compressed_attention": "triton", "select_blocks": "triton",
+               "selected_attention": "triton", "sliding_window_attention": "triton"}
+    assert nsa.implementations("gpu") == nsa.implementations("cuda") == kernels
+    assert set(nsa.implementations("cuda", dtype=jnp.float64).values()) == {"xla"}
+    assert set(nsa.implementations("cpu").values()) == {"xla"}
+    assert set(nsa.implementations().values()) == {"xla"}  # the CPU is the default backend here
+    assert set(nsa.implementations("tpu").values()) == {"xla"}  # no Pallas kernel yet
+
+
+def test_gradient_scales_are_never_zero_where_the_gradient_is():
+    """The test base's natural sizes: a window of 1 makes dq and dk exactly 0, yet their sizes are not."""
+    x = Inputs((B, 30, HQ, H, D, D, BS), "float32")
+    f = lambda q, k, v: nsa.sliding_window_attention(q, k, v, window_size=1, implementation="xla")
+    _, vjp = jax.vjp(f, x.q, x.k, x.v)
+    dq, dk, dv = vjp(x.do)
+    sizes = gradient_scales(x.q, x.k, x.v, x.do, D ** -0.5)
+    assert all(s > 0.1 for s in sizes)
+    assert_close(dq, np.zeros(dq.shape), 1e-6, "dq", sizes[0])  # roundoff against a natural size
+    assert_close(dv, np.asarray(x.do).reshape(B, 30, H, HQ // H, D).sum(3), 1e-6, "dv", sizes[2])
