@@ -25,13 +25,13 @@ def _shape(x):
     return tuple(np.shape(x))
 
 
-def _is_array(x):
+def is_array(x):
     return hasattr(x, "shape") and hasattr(x, "dtype")
 
 
 def array(name, x, ndim, *, dtypes=FLOAT_DTYPES, like=None):
     """Checks that `x` is an array of rank `ndim` with a dtype in `dtypes` (or `like`'s dtype)."""
-    if not _is_array(x):
+    if not is_array(x):
         raise TypeError(f"{name} must be an array, got {type(x).__name__}")
     if x.ndim != ndim:
         raise ValueError(f"{name} must have {ndim} dimensions, got shape {_shape(x)}")
@@ -42,7 +42,7 @@ def array(name, x, ndim, *, dtypes=FLOAT_DTYPES, like=None):
 
 
 def integer_array(name, x, ndim):
-    if not _is_array(x):
+    if not is_array(x):
         raise TypeError(f"{name} must be an integer array, got {type(x).__name__}")
     if not jnp.issubdtype(x.dtype, jnp.integer):
         raise TypeError(f"{name} must have an integer dtype, got {x.dtype.name}")
@@ -58,7 +58,7 @@ def shape(name, x, expected, description):
 
 def _integer_scalar(x):
     """Whether x is a 0-d integer array (NumPy or JAX, concrete or traced)."""
-    return _is_array(x) and x.ndim == 0 and jnp.issubdtype(x.dtype, jnp.integer)
+    return is_array(x) and x.ndim == 0 and jnp.issubdtype(x.dtype, jnp.integer)
 
 
 def static_int(name, value):
@@ -96,14 +96,14 @@ def scale(value, head_dim):
         return float(head_dim) ** -0.5
     if isinstance(value, numbers.Real) and not isinstance(value, bool):
         number = float(value)
-    elif _is_array(value) and value.ndim == 0 and jnp.issubdtype(value.dtype, jnp.number) \
+    elif is_array(value) and value.ndim == 0 and jnp.issubdtype(value.dtype, jnp.number) \
             and not jnp.issubdtype(value.dtype, jnp.complexfloating):
         known = concrete(value)
         if known is None:
             return value
         number = float(known)
     else:
-        what = f"an array of shape {_shape(value)}" if _is_array(value) else type(value).__name__
+        what = f"an array of shape {_shape(value)}" if is_array(value) else type(value).__name__
         raise TypeError(f"scale must be a number, a 0-d real array or None, got {what}")
     if not np.isfinite(number) or number <= 0:
         raise ValueError(f"scale must be a finite number > 0, got {number}")
@@ -138,7 +138,7 @@ def group(HQ, H):
 def gate(name, g, B, T, HQ):
     if g is None:
         return
-    if not _is_array(g):
+    if not is_array(g):
         raise TypeError(f"{name} must be an array or None, got {type(g).__name__}")
     if not jnp.issubdtype(g.dtype, jnp.floating):
         raise TypeError(f"{name} must have a floating dtype, got {g.dtype.name}")
@@ -185,7 +185,7 @@ def block_indices(idx, B, T, H):
 def block_counts(counts, B, T, H):
     """block_counts as the ops take it: a Python int >= 0 (from any integer scalar, NumPy or a concrete
     0-d array), or an integer array, [B, T, H] or a traced 0-d one."""
-    if _is_array(counts) and counts.ndim > 0:
+    if is_array(counts) and counts.ndim > 0:
         integer_array("block_counts", counts, 3)
         shape("block_counts", counts, (B, T, H), "[B, T, H]")
         return counts

@@ -99,11 +99,12 @@ def _runnable(op, name, dtype):
 def implementations(platform=None, dtype=jnp.bfloat16):
     """Which code `implementation=None` runs for each op: {public op name: 'triton', 'pallas' or 'xla'}.
 
-    For inputs of `dtype` on `platform` ('cpu', 'cuda' (or 'gpu'), 'tpu', ...; default: jax's default
-    backend), in this process (with the packages it can import).
+    For inputs of `dtype` on `platform` ('cpu', 'cuda', 'rocm', 'tpu', or 'gpu': this machine's GPUs, CUDA
+    where it has none; default: jax's default backend), in this process (with the packages it can import).
     """
     platform = jax.default_backend() if platform is None else platform
-    platform = "cuda" if platform == "gpu" else platform
+    if platform == "gpu":  # jax's name for both CUDA and ROCm
+        platform = "cuda" if _has_cuda_gpu() or jax.default_backend() != "gpu" else "rocm"
     chosen = {}
     for op in reference.OPS:
         names = [n for n, p in _PLATFORMS.items() if p == platform and _runnable(op, n, dtype)]

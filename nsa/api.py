@@ -44,7 +44,7 @@ def check_cu_seqlens(cu_seqlens, seq_len):
     """
     if isinstance(cu_seqlens, (list, tuple)):
         cu_seqlens = np.asarray(cu_seqlens)
-    if _checks._is_array(cu_seqlens) and concrete(cu_seqlens) is None:
+    if _checks.is_array(cu_seqlens) and concrete(cu_seqlens) is None:
         raise ValueError("check_cu_seqlens needs a concrete cu_seqlens (call it outside jit)")
     _checks.cu_seqlens(cu_seqlens, 1, seq_len)
 
