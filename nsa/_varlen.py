@@ -63,6 +63,24 @@ def num_compressed_blocks(seq_len, block_size, cu_seqlens=None):
     return min(seq_len, (seq_len + num_seqs * (block_size - 1)) // block_size)
 
 
+def window_key_range(seq_len, window_size, cu_seqlens=None):
+    """lo, hi int32 [T]: query t of a sliding window sees the key rows [lo[t], hi[t]] = [max(sequence start,
+    t - window_size + 1), t] (empty for window_size 0); both non-decreasing in t."""
+    tok = tokens(seq_len, 1, cu_seqlens)
+    t = jnp.arange(seq_len, dtype=jnp.int32)
+    W = min(int(window_size), seq_len)  # window_size may be huge: keep t - W + 1 in int32
+    return jnp.maximum(tok.start[0], t - W + 1), t
+
+
+def compressed_key_range(seq_len, num_rows, block_size, cu_seqlens=None):
+    """lo, hi int32 [T]: query t sees the rows [lo[t], hi[t]] of k_cmp [B, num_rows, ...], those of its
+    sequence's complete blocks (empty before its first one; none past row num_rows - 1, which under jit a
+    cu_seqlens may ask for); both non-decreasing in t."""
+    tok = tokens(seq_len, block_size, cu_seqlens)
+    lo = tok.cmp_start[0]
+    return lo, jnp.minimum(lo + (tok.pos[0] + 1) // block_size - 1, num_rows - 1)
+
+
 def made_valid(cu_seqlens, seq_len):
     """A traced cu_seqlens made valid, as the ops use it (they cannot raise on a value under jit): each
     entry clipped to [0, seq_len] after a running maximum (an entry below the one before it ends an empty

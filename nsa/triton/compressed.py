@@ -6,23 +6,13 @@ those of nsa.reference.compressed, the gradient also flows through lse. `config`
 its default) sets the kernels' tiles.
 """
 
-import jax.numpy as jnp
-
-from nsa._varlen import tokens
+from nsa._varlen import compressed_key_range
 from nsa.triton import _flash
-
-
-def _key_range(T, NC, block_size, cu_seqlens):
-    """lo, hi int32 [T]: the visible rows of k_cmp [B, NC, ...] of query t (empty before its first full
-    block; none past row NC - 1, which under jit a cu_seqlens may ask for)."""
-    tok = tokens(T, block_size, cu_seqlens)
-    lo = tok.cmp_start[0]
-    return lo, jnp.minimum(lo + (tok.pos[0] + 1) // block_size - 1, NC - 1)
 
 
 def forward(q, k_cmp, v_cmp, cu_seqlens, *, block_size, scale, config=None):
     """Returns (o [B, T, HQ, Dv], lse [B, T, HQ] float32) and the residuals."""
-    lo, hi = _key_range(q.shape[1], k_cmp.shape[1], block_size, cu_seqlens)
+    lo, hi = compressed_key_range(q.shape[1], k_cmp.shape[1], block_size, cu_seqlens)
     o, lse = _flash.attend(q, k_cmp, v_cmp, lo, hi, scale=scale, config=config)
     return (o, lse), (q, k_cmp, v_cmp, cu_seqlens, o, lse)
 
@@ -31,7 +21,7 @@ def backward(residuals, cotangents, *, block_size, scale, config=None):
     """Gradients (dq, dk_cmp, dv_cmp, None), including the path through lse."""
     q, k_cmp, v_cmp, cu_seqlens, o, lse = residuals
     do, dlse = cotangents
-    lo, hi = _key_range(q.shape[1], k_cmp.shape[1], block_size, cu_seqlens)
+    lo, hi = compressed_key_range(q.shape[1], k_cmp.shape[1], block_size, cu_seqlens)
     dq, dk, dv = _flash.attend_backward(q, k_cmp, v_cmp, lo, hi, o, lse, do, dlse, scale=scale,
                                         query_span=q.shape[1], config=config)
     return dq, dk, dv, None
