@@ -81,6 +81,18 @@ def compressed_key_range(seq_len, num_rows, block_size, cu_seqlens=None):
     return lo, jnp.minimum(lo + (tok.pos[0] + 1) // block_size - 1, num_rows - 1)
 
 
+def query_ranges(lo, hi, num_keys):
+    """first, last int32 [NK]: the queries that see key row r are [first[r], last[r]] (empty if first > last).
+
+    Valid because lo and hi are non-decreasing in t: {t: lo[t] <= r} is a prefix of the queries and
+    {t: hi[t] >= r} a suffix.
+    """
+    r = jnp.arange(num_keys, dtype=jnp.int32)
+    first = jnp.searchsorted(hi, r, side="left").astype(jnp.int32)
+    last = (jnp.searchsorted(lo, r, side="right") - 1).astype(jnp.int32)
+    return first, last
+
+
 def made_valid(cu_seqlens, seq_len):
     """A traced cu_seqlens made valid, as the ops use it (they cannot raise on a value under jit): each
     entry clipped to [0, seq_len] after a running maximum (an entry below the one before it ends an empty

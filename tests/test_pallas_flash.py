@@ -1,12 +1,15 @@
-"""The Pallas TPU flash kernel of the window and compressed branches (nsa/pallas/_flash.py), forward.
+"""The Pallas TPU flash kernels of the window and compressed branches (nsa/pallas/_flash.py).
 
 On the CPU it runs in Pallas's TPU interpret mode (race detection on) against the XLA reference:
 G = 1, 3 and 16, Dv != Dk, head dims that are not a multiple of 128 lanes, T not a multiple of the tile,
-packed sequences with an empty one, rows that see nothing, float32 and bfloat16. It is also exported
-for TPU (jax.export, platforms=["tpu"]) at the standard shape and an odd one, which lowers it through
+packed sequences with an empty one, rows that see nothing, float32 and bfloat16: o, lse, and dq, dk, dv
+(with a cotangent on lse) against the reference's gradients. Forward and backward are also exported
+for TPU (jax.export, platforms=["tpu"]) at the standard shape and an odd one, which lowers them through
 Mosaic and so catches the layout and tiling errors that interpret mode lets through. No op dispatches
-to it yet: its backward is to come.
+to them yet.
 """
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -17,66 +20,93 @@ from jax.experimental.pallas import tpu as pltpu
 import nsa
 from nsa._varlen import compressed_key_range, window_key_range
 from nsa.pallas import _flash
-from tests.base import TOLERANCE, assert_close
+from tests.base import GRAD_TOLERANCE, TOLERANCE, assert_close, gradient_scales
 
 CU = np.array([0, 37, 37, 150, 200], np.int32)  # lengths 37, 0, 113, 50 (T = 200)
 INTERPRET = pltpu.InterpretParams(detect_races=True)
 
 
 def _inputs(B, T, HQ, H, Dk, Dv, dtype):
+    """q, k, v and a cotangent do."""
     rng = np.random.default_rng(0)
-    return [jnp.asarray(rng.standard_normal(s), dtype) for s in ((B, T, HQ, Dk), (B, T, H, Dk), (B, T, H, Dv))]
+    shapes = ((B, T, HQ, Dk), (B, T, H, Dk), (B, T, H, Dv), (B, T, HQ, Dv))
+    return [jnp.asarray(rng.standard_normal(s), dtype) for s in shapes]
 
 
 # (B, T, HQ, H, Dk, Dv), window_size, block_size, cu_seqlens, dtype
 CASES = {
-    "G2-dk64-dv32-T300": ((1, 300, 4, 2, 64, 32), 100, 16, None, "float32"),
+    "G2-dk64-dv32-T300-bs2": ((1, 300, 4, 2, 64, 32), 100, 2, None, "float32"),  # 150 compressed rows: 2 key tiles
     "G3-w1-bs8-B2": ((2, 130, 3, 1, 32, 32), 1, 8, None, "float32"),
     "G16-w>T-varlen": ((1, 200, 16, 1, 128, 128), 1000, 32, CU, "float32"),
     "G1-bf16": ((1, 256, 4, 4, 128, 64), 64, 64, None, "bfloat16"),
 }
 
 
+def _branches(q, k, v, T, window_size, block_size, cu):
+    """(name, keys, values, lo, hi, key_span, query_span, the public op on f32 inputs with the xla
+    implementation) of the window and the compressed branch."""
+    k_cmp, v_cmp = (nsa.compress(x, block_size=block_size, cu_seqlens=cu) for x in (k, v))
+    window = lambda q, k, v: nsa.sliding_window_attention(q, k, v, window_size=window_size, cu_seqlens=cu,
+                                                          implementation="xla")
+    compressed = lambda q, k, v: nsa.compressed_attention(q, k, v, block_size=block_size, cu_seqlens=cu,
+                                                          implementation="xla")
+    NC = k_cmp.shape[1]
+    return [("window", k, v, *window_key_range(T, window_size, cu), 128 + window_size - 1, window_size, window),
+            ("compressed", k_cmp, v_cmp, *compressed_key_range(T, NC, block_size, cu), NC, T, compressed)]
+
+
 @pytest.mark.parametrize("shape, window_size, block_size, cu, dtype", CASES.values(), ids=CASES.keys())
-def test_forward_matches_the_reference_in_interpret_mode(shape, window_size, block_size, cu, dtype):
+def test_matches_the_reference_in_interpret_mode(shape, window_size, block_size, cu, dtype):
     B, T, HQ, H, Dk, Dv = shape
-    q, k, v = _inputs(B, T, HQ, H, Dk, Dv, dtype)
+    q, k, v, do = _inputs(B, T, HQ, H, Dk, Dv, dtype)
     cu_j = None if cu is None else jnp.asarray(cu)
     f32 = lambda x: x.astype(jnp.float32)
     scale = Dk ** -0.5
-    k_cmp, v_cmp = (nsa.compress(x, block_size=block_size, cu_seqlens=cu_j) for x in (k, v))
-    cases = [
-        (k, v, window_key_range(T, window_size, cu_j), 128 + window_size - 1,
-         nsa.sliding_window_attention(f32(q), f32(k), f32(v), window_size=window_size, cu_seqlens=cu_j,
-                                      implementation="xla"), None),
-        (k_cmp, v_cmp, compressed_key_range(T, k_cmp.shape[1], block_size, cu_j), k_cmp.shape[1],
-         *nsa.compressed_attention(f32(q), f32(k_cmp), f32(v_cmp), block_size=block_size, cu_seqlens=cu_j,
-                                   implementation="xla")),
-    ]
-    for keys, values, (lo, hi), span, o_ref, lse_ref in cases:
-        o, lse = jax.jit(lambda q, k, v: _flash.attend(q, k, v, lo, hi, scale=scale, key_span=span,
-                                                       interpret=INTERPRET))(q, keys, values)
+    for name, keys, values, lo, hi, key_span, query_span, reference in _branches(q, k, v, T, window_size,
+                                                                                  block_size, cu_j):
+        run = functools.partial(_flash.attend, scale=scale, key_span=key_span, interpret=INTERPRET)
+        o, lse = jax.jit(lambda q, k, v: run(q, k, v, lo, hi))(q, keys, values)
+        out_ref, vjp = jax.vjp(reference, f32(q), f32(keys), f32(values))
+        o_ref, lse_ref = out_ref if name == "compressed" else (out_ref, None)
         assert o.dtype == q.dtype and o.shape == o_ref.shape and lse.dtype == jnp.float32
-        assert_close(o, o_ref, TOLERANCE[dtype], "o")
+        assert_close(o, o_ref, TOLERANCE[dtype], f"{name} o")
         if lse_ref is not None:
-            lse, lse_ref = np.asarray(lse), np.asarray(lse_ref)
-            np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(lse_ref))
-            seen = np.isfinite(lse_ref)
-            assert_close(lse[seen], lse_ref[seen], TOLERANCE[dtype], "lse")
+            lse_np, lse_ref_np = np.asarray(lse), np.asarray(lse_ref)
+            np.testing.assert_array_equal(np.isneginf(lse_np), np.isneginf(lse_ref_np))
+            seen = np.isfinite(lse_ref_np)
+            assert_close(lse_np[seen], lse_ref_np[seen], TOLERANCE[dtype], f"{name} lse")
+        # gradients, with a cotangent on lse where it is finite (compressed)
+        dlse = jnp.where(jnp.isfinite(lse), jnp.cos(jnp.arange(lse.size, dtype=jnp.float32)).reshape(lse.shape), 0.0)
+        backward = functools.partial(_flash.attend_backward, scale=scale, key_span=key_span, query_span=query_span,
+                                     interpret=INTERPRET)
+        grads = jax.jit(lambda q, k, v, o, lse, do, dlse: backward(
+            q, k, v, lo, hi, o, lse, do, dlse if name == "compressed" else None))(q, keys, values, o, lse, do, dlse)
+        grads_ref = vjp((f32(do), dlse) if name == "compressed" else f32(do))
+        for g_name, g, g_ref, x, size in zip(("dq", "dk", "dv"), grads, grads_ref, (q, keys, values),
+                                             gradient_scales(q, keys, values, do, scale)):
+            assert g.dtype == x.dtype and g.shape == x.shape, g_name
+            assert_close(g, g_ref, GRAD_TOLERANCE[dtype], f"{name} {g_name}", size)
 
 
 @pytest.mark.parametrize("shape, dtype", [((1, 8192, 64, 4, 128, 128), jnp.bfloat16),  # the standard shape
                                           ((1, 1000, 6, 2, 64, 48), jnp.float32)],  # G = 3, Dv != Dk
                          ids=["standard-bf16", "odd-f32"])
 def test_lowers_for_tpu(shape, dtype):
-    """jax.export for TPU lowers the kernel through Mosaic (a tpu_custom_call), window and compressed."""
+    """jax.export for TPU lowers the kernels through Mosaic (tpu_custom_calls: the forward, then dq and
+    dk/dv), window and compressed."""
     B, T, HQ, H, Dk, Dv = shape
-    for NK, (lo, hi), span in [(T, window_key_range(T, 512), 128 + 511),
-                               (-(-T // 64), compressed_key_range(T, -(-T // 64), 64), -(-T // 64))]:
-        f = jax.jit(lambda q, k, v: _flash.attend(q, k, v, lo, hi, scale=0.1, key_span=span))
-        args = [jax.ShapeDtypeStruct(s, dtype) for s in ((B, T, HQ, Dk), (B, NK, H, Dk), (B, NK, H, Dv))]
-        module = jax.export.export(f, platforms=["tpu"])(*args).mlir_module()
-        assert module.count("tpu_custom_call") == 1
+    NC = -(-T // 64)
+    for NK, (lo, hi), key_span, query_span in [(T, window_key_range(T, 512), 128 + 511, 512),
+                                               (NC, compressed_key_range(T, NC, 64), NC, T)]:
+        def forward_backward(q, k, v, do):
+            o, lse = _flash.attend(q, k, v, lo, hi, scale=0.1, key_span=key_span)
+            return _flash.attend_backward(q, k, v, lo, hi, o, lse, do, lse, scale=0.1, key_span=key_span,
+                                          query_span=query_span)
+
+        shapes = ((B, T, HQ, Dk), (B, NK, H, Dk), (B, NK, H, Dv), (B, T, HQ, Dv))
+        args = [jax.ShapeDtypeStruct(s, dtype) for s in shapes]
+        module = jax.export.export(jax.jit(forward_backward), platforms=["tpu"])(*args).mlir_module()
+        assert module.count("tpu_custom_call") == 3
 
 
 @pytest.mark.parametrize("dk, dv, itemsize", [(128, 128, 2), (256, 256, 4), (16, 256, 4)])

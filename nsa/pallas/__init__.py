@@ -2,8 +2,8 @@
 
 KERNELS maps an op name of nsa.reference.OPS to its (forward, backward) kernels, with the reference's
 signatures and residuals; DTYPES are the input dtypes they take. Empty until the kernels land: every op
-then runs the reference. `_flash` (the window and compressed branches' forward) is written and tested,
-and joins KERNELS with its backward.
+then runs the reference. `_flash` (the window and compressed branches' forward and backward) is written
+and tested; the ops that use it join KERNELS with the dispatch to interpret mode and Mosaic.
 """
 
 import jax.numpy as jnp

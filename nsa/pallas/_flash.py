@@ -6,23 +6,31 @@ visible key rows of query t form one interval [lo[t], hi[t]] (empty when lo > hi
 max(sequence start, t - window_size + 1), hi = t; the compressed branch's are k_cmp [B, NC, H, Dk] with
 lo = the sequence's first row, hi = lo + (pos + 1) // block_size - 1.
 
-This module holds the forward (`attend`); its backward is to come, and until then no op dispatches to it.
+`attend` is the forward, `attend_backward` the backward (dq, dk, dv; the lse cotangent folds into delta).
 
 Layouts. The kernel reads q, k and v as [B, T, H * Dp] views (Dp = the head dim padded to a multiple of
 128 lanes inside the op: no copy when it already is one, as at Dk = Dv = 128), so a block (1, BQ, Dp) at
 column h is head h, with no transpose; T is padded to a multiple of the tiles (padded queries see
-nothing, padded keys are never visible). lo and hi travel as one int32 [T, 2] array, and lse is written
-lane-broadcast, [B, HQ, T, 128] (Mosaic's (8, 128) tiling), then returned as [B, T, HQ].
+nothing, padded keys are never visible). lo and hi travel as one int32 [T, 2] array; lse and delta as
+[B, HQ, T, 1] float32 (a (BQ, 1) block is tile-legal: its minor dim is the whole dim), returned as
+[B, T, HQ].
 
 Grid: (B, HQ, T / BQ, STEPS). One program owns the BQ queries of one query tile of one head hq, against
 KV head hq // G: it walks STEPS key tiles of BK rows from the first one any of its queries sees (both
 ends per query tile are scalar-prefetched into SMEM); a step past the tile's last key tile re-maps to it
 (so no new DMA is issued) and is skipped. Online softmax in float32 (natural exp on TPU).
 
-VMEM per step (`vmem_bytes`; the pipeline double-buffers each block): q [BQ, Dkp], k [BK, Dkp], v
-[BK, Dvp] and o [BQ, Dvp] in the input dtype, lo/hi [BQ, 2] int32 and lse [BQ, 128] float32, plus the
-float32 scratch m, l [BQ, 128] and acc [BQ, Dvp]. At BQ = BK = 128, Dkp = Dvp = 128 in bf16: 2 * (4 * 32
-+ 1 + 64) KiB + 3 * 64 KiB = 578 KiB, far inside the scoped VMEM limit of every TPU (16 MiB or more).
+Backward. `_dq_kernel` runs on the forward's grid and tiles, recomputing p from lse. `_dkdv_kernel` runs on
+(B, H, NK / BK, G, QSTEPS): one program owns a key tile of one KV head and walks, for each of its G query
+heads, the query tiles that see it (the query interval of each key row follows from lo and hi, which
+are non-decreasing: `query_bands`), accumulating dk and dv in float32 VMEM scratch in a fixed order
+(deterministic, no atomics), stored at its last step.
+
+VMEM per step (`vmem_bytes`, the largest of the three kernels; the pipeline double-buffers each block):
+the dk/dv kernel's q, k [., Dkp], v, do [., Dvp] in the input dtype, lo/hi [BQ, 2] int32 and lse, delta
+[BQ, 1] float32 (each padded to 128 lanes in VMEM), plus the float32 scratch dk [BK, Dkp], dv [BK, Dvp]
+and its outputs. At BQ = BK = 128, Dkp = Dvp = 128 in bf16 that is under 1 MiB, far inside the scoped
+VMEM limit of every TPU (16 MiB or more).
 """
 
 import functools
@@ -33,6 +41,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+
+from nsa._varlen import query_ranges
 
 LANES = 128  # a vreg's lanes: the minor dim of every block is a multiple of it (or the whole dim)
 
@@ -93,26 +103,163 @@ def _kernel(band_ref, range_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_scr, l_s
         seen = l > 0
         o_ref[0] = (acc_scr[...] / jnp.where(seen, l, 1.0)).astype(o_ref.dtype)
         lse = jnp.where(seen, m_scr[...][:, :1] + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
-        lse_ref[0, 0] = jnp.broadcast_to(lse, lse_ref.shape[2:])
+        lse_ref[0, 0] = lse
 
 
-def _bands(lo, hi, num_q_tiles, config):
-    """int32 [2 * num_q_tiles]: the first key tile any query of each query tile sees, then the last (0 and
-    -1 for a tile whose queries see nothing)."""
-    seen = (lo <= hi).reshape(num_q_tiles, config.block_q)
-    first = jnp.min(jnp.where(seen, lo.reshape(seen.shape), jnp.iinfo(jnp.int32).max), axis=1)
-    last = jnp.max(jnp.where(seen, hi.reshape(seen.shape), -1), axis=1)
+def _probabilities(q, k, rows, key_tile, lse, *, scale, block_k, precision):
+    """p [BQ, BK] float32 of the query tile q [BQ, Dkp] against the key tile k [BK, Dkp], recomputed from
+    lse [BQ, 1] (0 where a query sees nothing, or the key row is outside its [lo, hi] of rows [BQ, 2])."""
+    s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
+                        preferred_element_type=jnp.float32) * scale
+    key = key_tile * block_k + lax.broadcasted_iota(jnp.int32, s.shape, 1)
+    seen = lse > -jnp.inf
+    visible = (key >= rows[:, :1]) & (key <= rows[:, 1:]) & seen
+    return jnp.where(visible, jnp.exp(s - jnp.where(seen, lse, 0.0)), 0.0)
+
+
+def _dq_kernel(band_ref, range_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, acc_scr, *, scale,
+               block_k, steps, precision):
+    i, j = pl.program_id(2), pl.program_id(3)
+
+    @pl.when(j == 0)
+    def _init():
+        acc_scr[...] = jnp.zeros(acc_scr.shape, jnp.float32)
+
+    key_tile = band_ref[i] + j
+
+    @pl.when(key_tile <= band_ref[pl.num_programs(2) + i])
+    def _step():
+        q, k, v, do = q_ref[0], k_ref[0], v_ref[0], do_ref[0]
+        p = _probabilities(q, k, range_ref[...], key_tile, lse_ref[0, 0], scale=scale, block_k=block_k,
+                           precision=precision)
+        dp = lax.dot_general(do, v, (((1,), (1,)), ((), ())), precision=precision,
+                             preferred_element_type=jnp.float32)
+        ds = p * (dp - delta_ref[0, 0])
+        acc_scr[...] += lax.dot_general(ds.astype(k.dtype), k, (((1,), (0,)), ((), ())), precision=precision,
+                                        preferred_element_type=jnp.float32)
+
+    @pl.when(j == steps - 1)
+    def _store():
+        dq_ref[0] = (acc_scr[...] * scale).astype(dq_ref.dtype)
+
+
+def _dkdv_kernel(band_ref, range_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, dk_scr,
+                 dv_scr, *, scale, block_k, steps, precision):
+    n, g, s = pl.program_id(2), pl.program_id(3), pl.program_id(4)
+
+    @pl.when((g == 0) & (s == 0))
+    def _init():
+        dk_scr[...] = jnp.zeros(dk_scr.shape, jnp.float32)
+        dv_scr[...] = jnp.zeros(dv_scr.shape, jnp.float32)
+
+    q_tile = band_ref[n] + s
+
+    @pl.when(q_tile <= band_ref[pl.num_programs(2) + n])
+    def _step():
+        q, k, v, do = q_ref[0], k_ref[0], v_ref[0], do_ref[0]
+        p = _probabilities(q, k, range_ref[...], n, lse_ref[0, 0], scale=scale, block_k=block_k,
+                           precision=precision)  # [BQ, BK]
+        dv_scr[...] += lax.dot_general(p.T.astype(do.dtype), do, (((1,), (0,)), ((), ())), precision=precision,
+                                       preferred_element_type=jnp.float32)
+        dp = lax.dot_general(do, v, (((1,), (1,)), ((), ())), precision=precision,
+                             preferred_element_type=jnp.float32)
+        ds = p * (dp - delta_ref[0, 0])
+        dk_scr[...] += lax.dot_general(ds.T.astype(q.dtype), q, (((1,), (0,)), ((), ())), precision=precision,
+                                       preferred_element_type=jnp.float32)
+
+    @pl.when((g == pl.num_programs(3) - 1) & (s == steps - 1))
+    def _store():
+        dk_ref[0] = (dk_scr[...] * scale).astype(dk_ref.dtype)
+        dv_ref[0] = dv_scr[...].astype(dv_ref.dtype)
+
+
+def _bands(first, last, num_tiles, tile):
+    """int32 [2 * num_tiles]: per tile of `tile` rows, the first tile of the other side any of its rows
+    sees (first [R], by row), then the last (last [R]); 0 and -1 for a tile whose rows see nothing."""
+    seen = (first <= last).reshape(num_tiles, -1)
+    lo = jnp.min(jnp.where(seen, first.reshape(seen.shape), jnp.iinfo(jnp.int32).max), axis=1)
+    hi = jnp.max(jnp.where(seen, last.reshape(seen.shape), -1), axis=1)
     any_seen = jnp.any(seen, axis=1)
-    return jnp.concatenate([jnp.where(any_seen, first // config.block_k, 0),
-                            jnp.where(any_seen, last // config.block_k, -1)]).astype(jnp.int32)
+    return jnp.concatenate([jnp.where(any_seen, lo // tile, 0), jnp.where(any_seen, hi // tile, -1)]).astype(jnp.int32)
 
 
 def vmem_bytes(dk, dv, itemsize, config=Config()):
-    """The VMEM one grid step holds: every block double-buffered, plus the float32 scratch."""
+    """The VMEM one grid step of the dk/dv kernel (the largest) holds: every block double-buffered (int32
+    and (BQ, 1) float32 blocks padded to 128 lanes), plus the float32 scratch."""
     bq, bk = config.block_q, config.block_k
     dkp, dvp = _cdiv(dk, LANES) * LANES, _cdiv(dv, LANES) * LANES
-    blocks = (bq * dkp + bk * dkp + bk * dvp + bq * dvp) * itemsize + bq * 2 * 4 + bq * LANES * 4
-    return 2 * blocks + (2 * bq * LANES + bq * dvp) * 4
+    blocks = (bq * dkp + bk * dkp + bk * dvp + bq * dvp + bk * dkp + bk * dvp) * itemsize + 3 * bq * LANES * 4
+    return 2 * blocks + (bk * dkp + bk * dvp) * 4
+
+
+class _Layout(NamedTuple):
+    """The padded sizes and views the kernels take (see the module docstring)."""
+
+    tp: int  # T padded to a multiple of BQ
+    nkp: int  # NK padded to a multiple of BK
+    dkp: int
+    dvp: int
+    rows: jax.Array  # int32 [tp, 2]: lo, hi (padded queries: 1, 0)
+
+
+def _layout(q, k, v, lo, hi, config):
+    T, NK = q.shape[1], k.shape[1]
+    tp, nkp = _cdiv(T, config.block_q) * config.block_q, max(1, _cdiv(NK, config.block_k)) * config.block_k
+    padding = jnp.arange(tp) >= T
+    rows = jnp.stack([jnp.where(padding, 1, _padded(lo.astype(jnp.int32), 0, tp)),
+                      jnp.where(padding, 0, _padded(hi.astype(jnp.int32), 0, tp))], axis=1)
+    return _Layout(tp, nkp, _cdiv(q.shape[3], LANES) * LANES, _cdiv(v.shape[3], LANES) * LANES, rows)
+
+
+def _view(x, rows, dim):
+    """x [B, R, H, D] as the kernels read it: [B, rows, H * dim], zero-padded."""
+    return _padded(_padded(x, 3, dim), 1, rows).reshape(x.shape[0], rows, x.shape[2] * dim)
+
+
+def _by_head(x, tp):
+    """[B, T, HQ] float32 -> [B, HQ, tp, 1], the layout of lse and delta in the kernels."""
+    return _padded(jnp.transpose(x.astype(jnp.float32), (0, 2, 1)), 2, tp)[..., None]
+
+
+def _params(q, interpret, semantics):
+    return dict(compiler_params=pltpu.CompilerParams(dimension_semantics=semantics), interpret=interpret), dict(
+        precision=lax.Precision.HIGHEST if q.dtype == jnp.float32 else None)
+
+
+def _query_grid(kernel, q, k, v, lay, extra, outputs, scratch, *, scale, key_span, interpret, config):
+    """pallas_call of the forward or the dq kernel on the query grid (B, HQ, tp / BQ, STEPS).
+
+    The kernel takes the key bands (scalar prefetch), rows, q, k, v, then `extra`: (array, width) pairs,
+    read per query tile of a head: [B, tp, HQ * width] views for width > 0, [B, HQ, tp, 1] ones for
+    width 0; `outputs` are (ShapeDtypeStruct, width) pairs of the same kinds.
+    """
+    B, _, HQ, _ = q.shape
+    G = HQ // k.shape[2]
+    bq, bk = config
+    nq = lay.tp // bq
+    steps = min(_cdiv(key_span, bk) + 1, lay.nkp // bk)
+    band = _bands(lay.rows[:, 0], lay.rows[:, 1], nq, bk)
+
+    def key_map(b, h, i, j, band):  # the clamped key tile: a skipped step re-maps to the last one
+        return b, jnp.minimum(band[i] + j, jnp.maximum(band[nq + i], band[i])), lax.div(h, G)
+
+    def spec(width):
+        if width:
+            return pl.BlockSpec((1, bq, width), lambda b, h, i, j, band: (b, i, h))
+        return pl.BlockSpec((1, 1, bq, 1), lambda b, h, i, j, band: (b, h, i, 0))
+
+    compiler, dots = _params(q, interpret, ("parallel", "parallel", "parallel", "arbitrary"))
+    return pl.pallas_call(
+        functools.partial(kernel, scale=float(scale), block_k=bk, steps=steps, **dots),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1, grid=(B, HQ, nq, steps),
+            in_specs=[pl.BlockSpec((bq, 2), lambda b, h, i, j, band: (i, 0)), spec(lay.dkp),
+                      pl.BlockSpec((1, bk, lay.dkp), key_map), pl.BlockSpec((1, bk, lay.dvp), key_map)]
+            + [spec(width) for _, width in extra],
+            out_specs=[spec(width) for _, width in outputs], scratch_shapes=scratch),
+        out_shape=[shape for shape, _ in outputs], **compiler,
+    )(band, lay.rows, _view(q, lay.tp, lay.dkp), _view(k, lay.nkp, lay.dkp), _view(v, lay.nkp, lay.dvp),
+      *[x for x, _ in extra])
 
 
 def attend(q, k, v, lo, hi, *, scale, key_span, interpret=False, config=Config()):
@@ -122,38 +269,75 @@ def attend(q, k, v, lo, hi, *, scale, key_span, interpret=False, config=Config()
     (static) bounds the key rows one tile of BQ queries can see: it sets the steps of the grid.
     interpret: a pltpu.InterpretParams to run in Pallas's TPU interpret mode (on any platform), or False.
     """
-    B, T, HQ, dk = q.shape
-    NK, H, dv = k.shape[1], k.shape[2], v.shape[3]
-    bq, bk = config
-    dkp, dvp = _cdiv(dk, LANES) * LANES, _cdiv(dv, LANES) * LANES
-    tp, nkp = _cdiv(T, bq) * bq, max(1, _cdiv(NK, bk)) * bk
-    steps = min(_cdiv(key_span, bk) + 1, nkp // bk)
-    lo = _padded(lo.astype(jnp.int32), 0, tp) + jnp.where(jnp.arange(tp) < T, 0, 1)  # padded: lo = 1 > hi = 0
-    hi = _padded(hi.astype(jnp.int32), 0, tp)
-    view = lambda x, t, d: _padded(_padded(x, 3, d), 1, t).reshape(B, t, x.shape[2] * d)
+    B, T, HQ, _ = q.shape
+    dv = v.shape[3]
+    lay = _layout(q, k, v, lo, hi, config)
+    bq = config.block_q
+    o, lse = _query_grid(
+        _kernel, q, k, v, lay, [],
+        [(jax.ShapeDtypeStruct((B, lay.tp, HQ * lay.dvp), q.dtype), lay.dvp),
+         (jax.ShapeDtypeStruct((B, HQ, lay.tp, 1), jnp.float32), 0)],
+        [pltpu.VMEM((bq, LANES), jnp.float32), pltpu.VMEM((bq, LANES), jnp.float32),
+         pltpu.VMEM((bq, lay.dvp), jnp.float32)],
+        scale=scale, key_span=key_span, interpret=interpret, config=config)
+    return o.reshape(B, lay.tp, HQ, lay.dvp)[:, :T, :, :dv], jnp.transpose(lse[:, :, :T, 0], (0, 2, 1))
+
+
+def attend_backward(q, k, v, lo, hi, o, lse, do, dlse=None, *, scale, key_span, query_span, interpret=False,
+                    config=Config()):
+    """(dq, dk, dv) of `attend`, in q's, k's and v's dtypes; dlse [B, T, HQ] is lse's cotangent or None.
+
+    key_span as for `attend`; query_span (static) bounds how many queries see one key row: it sets the
+    steps of the dk/dv grid.
+    """
+    B, T, HQ, dk_dim = q.shape
+    NK, H, dv_dim = k.shape[1], k.shape[2], v.shape[3]
     G = HQ // H
+    bq, bk = config
+    lay = _layout(q, k, v, lo, hi, config)
+    # the pre-pass: ds = p * (dp - delta), with the lse path folded into delta
+    delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)
+    if dlse is not None:
+        delta = delta - jnp.where(jnp.isfinite(lse), dlse.astype(jnp.float32), 0.0)
+    do = do.astype(q.dtype)
+    lse_h, delta_h, do_v = _by_head(lse, lay.tp), _by_head(delta, lay.tp), _view(do, lay.tp, lay.dvp)
+    [dq] = _query_grid(
+        _dq_kernel, q, k, v, lay, [(do_v, lay.dvp), (lse_h, 0), (delta_h, 0)],
+        [(jax.ShapeDtypeStruct((B, lay.tp, HQ * lay.dkp), q.dtype), lay.dkp)],
+        [pltpu.VMEM((bq, lay.dkp), jnp.float32)], scale=scale, key_span=key_span, interpret=interpret,
+        config=config)
 
-    def key_map(b, h, i, j, band):  # the clamped key tile: a skipped step re-maps to the last one
-        return b, jnp.minimum(band[i] + j, jnp.maximum(band[tp // bq + i], band[i])), lax.div(h, G)
+    # the queries that see each key row: an interval, since lo and hi are non-decreasing
+    first, last = query_ranges(lo, hi, lay.nkp)
+    nk = lay.nkp // bk
+    band = _bands(first, last, nk, bq)
+    steps = min(_cdiv(query_span + bk - 1, bq) + 1, lay.tp // bq)
 
-    o, lse = pl.pallas_call(
-        functools.partial(_kernel, scale=float(scale), block_k=bk, steps=steps,
-                          precision=lax.Precision.HIGHEST if q.dtype == jnp.float32 else None),
+    def query_map(b, h, n, g, s, band):  # the clamped query tile, of head h * G + g
+        return b, jnp.minimum(band[n] + s, jnp.maximum(band[nk + n], band[n])), h * G + g
+
+    def head_map(b, h, n, g, s, band):
+        return b, h * G + g, jnp.minimum(band[n] + s, jnp.maximum(band[nk + n], band[n])), 0
+
+    def rows_map(b, h, n, g, s, band):
+        return jnp.minimum(band[n] + s, jnp.maximum(band[nk + n], band[n])), 0
+
+    key_map = lambda b, h, n, g, s, band: (b, n, h)
+    compiler, dots = _params(q, interpret, ("parallel", "parallel", "parallel", "arbitrary", "arbitrary"))
+    dk, dv = pl.pallas_call(
+        functools.partial(_dkdv_kernel, scale=float(scale), block_k=bk, steps=steps, **dots),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=1, grid=(B, HQ, tp // bq, steps),
-            in_specs=[pl.BlockSpec((bq, 2), lambda b, h, i, j, band: (i, 0)),
-                      pl.BlockSpec((1, bq, dkp), lambda b, h, i, j, band: (b, i, h)),
-                      pl.BlockSpec((1, bk, dkp), key_map),
-                      pl.BlockSpec((1, bk, dvp), key_map)],
-            out_specs=[pl.BlockSpec((1, bq, dvp), lambda b, h, i, j, band: (b, i, h)),
-                       pl.BlockSpec((1, 1, bq, LANES), lambda b, h, i, j, band: (b, h, i, 0))],
-            scratch_shapes=[pltpu.VMEM((bq, LANES), jnp.float32), pltpu.VMEM((bq, LANES), jnp.float32),
-                            pltpu.VMEM((bq, dvp), jnp.float32)]),
-        out_shape=[jax.ShapeDtypeStruct((B, tp, HQ * dvp), q.dtype),
-                   jax.ShapeDtypeStruct((B, HQ, tp, LANES), jnp.float32)],
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
-        interpret=interpret,
-    )(_bands(lo, hi, tp // bq, config), jnp.stack([lo, hi], axis=1), view(q, tp, dkp), view(k, nkp, dkp),
-      view(v, nkp, dvp))
-    o = o.reshape(B, tp, HQ, dvp)[:, :T, :, :dv]
-    return o, jnp.transpose(lse[:, :, :T, 0], (0, 2, 1))
+            num_scalar_prefetch=1, grid=(B, H, nk, G, steps),
+            in_specs=[pl.BlockSpec((bq, 2), rows_map), pl.BlockSpec((1, bq, lay.dkp), query_map),
+                      pl.BlockSpec((1, bk, lay.dkp), key_map), pl.BlockSpec((1, bk, lay.dvp), key_map),
+                      pl.BlockSpec((1, bq, lay.dvp), query_map), pl.BlockSpec((1, 1, bq, 1), head_map),
+                      pl.BlockSpec((1, 1, bq, 1), head_map)],
+            out_specs=[pl.BlockSpec((1, bk, lay.dkp), key_map), pl.BlockSpec((1, bk, lay.dvp), key_map)],
+            scratch_shapes=[pltpu.VMEM((bk, lay.dkp), jnp.float32), pltpu.VMEM((bk, lay.dvp), jnp.float32)]),
+        out_shape=[jax.ShapeDtypeStruct((B, lay.nkp, H * lay.dkp), k.dtype),
+                   jax.ShapeDtypeStruct((B, lay.nkp, H * lay.dvp), v.dtype)], **compiler,
+    )(band, lay.rows, _view(q, lay.tp, lay.dkp), _view(k, lay.nkp, lay.dkp), _view(v, lay.nkp, lay.dvp), do_v,
+      lse_h, delta_h)
+    return (dq.reshape(B, lay.tp, HQ, lay.dkp)[:, :T, :, :dk_dim],
+            dk.reshape(B, lay.nkp, H, lay.dkp)[:, :NK, :, :dk_dim],
+            dv.reshape(B, lay.nkp, H, lay.dvp)[:, :NK, :, :dv_dim])

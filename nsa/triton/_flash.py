@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import triton
 import triton.language as tl
 
+from nsa import _varlen
 from nsa.triton import _launch
 from nsa.triton._common import LN2, LOG2E, pow2
 
@@ -332,18 +333,6 @@ def attend(q, k, v, lo, hi, *, scale, config=None):
         **_meta(q, k, v, cfg, scale))
 
 
-def query_ranges(lo, hi, num_keys):
-    """first, last int32 [NK]: the queries that see key row r are [first[r], last[r]] (empty if first > last).
-
-    Valid because lo and hi are non-decreasing in t: {t: lo[t] <= r} is a prefix of the queries and
-    {t: hi[t] >= r} a suffix.
-    """
-    r = jnp.arange(num_keys, dtype=jnp.int32)
-    first = jnp.searchsorted(hi, r, side="left").astype(jnp.int32)
-    last = (jnp.searchsorted(lo, r, side="right") - 1).astype(jnp.int32)
-    return first, last
-
-
 def attend_backward(q, k, v, lo, hi, o, lse, do, dlse=None, *, scale, query_span, config=None):
     """(dq, dk, dv) of `attend`, in q's, k's and v's dtypes; dlse [B, T, HQ] is lse's cotangent or None.
 
@@ -363,7 +352,7 @@ def attend_backward(q, k, v, lo, hi, o, lse, do, dlse=None, *, scale, query_span
     softmax = dict(Q=q, K=k, V=v, DO=do, LSE=lse, DELTA=delta, LO=lo, HI=hi)
     [dq] = _launch.launch(_bwd_dq_kernel, grid=(triton.cdiv(T, cfg.block_m), B * HQ), inputs=softmax,
                           outputs=dict(DQ=_launch.shape_dtype(q.shape, q.dtype)), **meta)
-    first, last = query_ranges(lo, hi, NK)
+    first, last = _varlen.query_ranges(lo, hi, NK)
     split_m = triton.cdiv(triton.cdiv(T, cfg.splits), cfg.block_m) * cfg.block_m
     splits = triton.cdiv(T, split_m)
     part = lambda x: _launch.shape_dtype((splits,) + x.shape, x.dtype if splits == 1 else jnp.float32)
