@@ -64,6 +64,12 @@ def _padded(x, axis, size):
     return x if missing == 0 else jnp.pad(x, [(0, missing if a == axis else 0) for a in range(x.ndim)])
 
 
+def _dot(a, b, precision, *, transpose_b=False):
+    """a @ b, or a @ b.T, with float32 accumulation."""
+    dims = (((1,), (1,)), ((), ())) if transpose_b else (((1,), (0,)), ((), ()))
+    return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
+
+
 def _kernel(band_ref, range_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_scr, l_scr, acc_scr, *, scale, block_k,
             steps, precision):
     i, j = pl.program_id(2), pl.program_id(3)
@@ -80,8 +86,7 @@ def _kernel(band_ref, range_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_scr, l_s
     @pl.when(key_tile <= band_ref[num_q_tiles + i])
     def _step():
         q, k, v = q_ref[0], k_ref[0], v_ref[0]  # [BQ, Dkp], [BK, Dkp], [BK, Dvp]
-        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
-                            preferred_element_type=jnp.float32) * scale  # [BQ, BK]
+        s = _dot(q, k, precision, transpose_b=True) * scale  # [BQ, BK]
         rows = range_ref[...]  # [BQ, 2]: lo, hi
         key = key_tile * block_k + lax.broadcasted_iota(jnp.int32, s.shape, 1)
         s = jnp.where((key >= rows[:, :1]) & (key <= rows[:, 1:]), s, -jnp.inf)
@@ -91,9 +96,7 @@ def _kernel(band_ref, range_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_scr, l_s
         alpha = jnp.exp(m_prev - m_use)
         p = jnp.exp(s - m_use)
         l_new = l_scr[...][:, :1] * alpha + jnp.sum(p, axis=1, keepdims=True)
-        pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision,
-                             preferred_element_type=jnp.float32)
-        acc_scr[...] = acc_scr[...] * alpha + pv
+        acc_scr[...] = acc_scr[...] * alpha + _dot(p.astype(v.dtype), v, precision)
         m_scr[...] = jnp.broadcast_to(m_new, m_scr.shape)
         l_scr[...] = jnp.broadcast_to(l_new, l_scr.shape)
 
@@ -106,15 +109,16 @@ def _kernel(band_ref, range_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_scr, l_s
         lse_ref[0, 0] = lse
 
 
-def _probabilities(q, k, rows, key_tile, lse, *, scale, block_k, precision):
-    """p [BQ, BK] float32 of the query tile q [BQ, Dkp] against the key tile k [BK, Dkp], recomputed from
-    lse [BQ, 1] (0 where a query sees nothing, or the key row is outside its [lo, hi] of rows [BQ, 2])."""
-    s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
-                        preferred_element_type=jnp.float32) * scale
+def _grad_logits(q, k, v, do, rows, key_tile, lse, delta, *, scale, block_k, precision):
+    """p and ds = p * (do v^T - delta), [BQ, BK] float32, of the query tile q [BQ, Dkp] (with do [BQ, Dvp],
+    lse and delta [BQ, 1]) against the key tile k [BK, Dkp], v [BK, Dvp]: p recomputed from lse, 0 where a
+    query sees nothing or the key row is outside its [lo, hi] (rows [BQ, 2])."""
+    s = _dot(q, k, precision, transpose_b=True) * scale
     key = key_tile * block_k + lax.broadcasted_iota(jnp.int32, s.shape, 1)
     seen = lse > -jnp.inf
     visible = (key >= rows[:, :1]) & (key <= rows[:, 1:]) & seen
-    return jnp.where(visible, jnp.exp(s - jnp.where(seen, lse, 0.0)), 0.0)
+    p = jnp.where(visible, jnp.exp(s - jnp.where(seen, lse, 0.0)), 0.0)
+    return p, p * (_dot(do, v, precision, transpose_b=True) - delta)
 
 
 def _dq_kernel(band_ref, range_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, acc_scr, *, scale,
@@ -129,14 +133,10 @@ def _dq_kernel(band_ref, range_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_
 
     @pl.when(key_tile <= band_ref[pl.num_programs(2) + i])
     def _step():
-        q, k, v, do = q_ref[0], k_ref[0], v_ref[0], do_ref[0]
-        p = _probabilities(q, k, range_ref[...], key_tile, lse_ref[0, 0], scale=scale, block_k=block_k,
-                           precision=precision)
-        dp = lax.dot_general(do, v, (((1,), (1,)), ((), ())), precision=precision,
-                             preferred_element_type=jnp.float32)
-        ds = p * (dp - delta_ref[0, 0])
-        acc_scr[...] += lax.dot_general(ds.astype(k.dtype), k, (((1,), (0,)), ((), ())), precision=precision,
-                                        preferred_element_type=jnp.float32)
+        k = k_ref[0]
+        _, ds = _grad_logits(q_ref[0], k, v_ref[0], do_ref[0], range_ref[...], key_tile, lse_ref[0, 0],
+                             delta_ref[0, 0], scale=scale, block_k=block_k, precision=precision)
+        acc_scr[...] += _dot(ds.astype(k.dtype), k, precision)
 
     @pl.when(j == steps - 1)
     def _store():
@@ -156,16 +156,11 @@ def _dkdv_kernel(band_ref, range_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delt
 
     @pl.when(q_tile <= band_ref[pl.num_programs(2) + n])
     def _step():
-        q, k, v, do = q_ref[0], k_ref[0], v_ref[0], do_ref[0]
-        p = _probabilities(q, k, range_ref[...], n, lse_ref[0, 0], scale=scale, block_k=block_k,
-                           precision=precision)  # [BQ, BK]
-        dv_scr[...] += lax.dot_general(p.T.astype(do.dtype), do, (((1,), (0,)), ((), ())), precision=precision,
-                                       preferred_element_type=jnp.float32)
-        dp = lax.dot_general(do, v, (((1,), (1,)), ((), ())), precision=precision,
-                             preferred_element_type=jnp.float32)
-        ds = p * (dp - delta_ref[0, 0])
-        dk_scr[...] += lax.dot_general(ds.T.astype(q.dtype), q, (((1,), (0,)), ((), ())), precision=precision,
-                                       preferred_element_type=jnp.float32)
+        q, do = q_ref[0], do_ref[0]
+        p, ds = _grad_logits(q, k_ref[0], v_ref[0], do, range_ref[...], n, lse_ref[0, 0], delta_ref[0, 0],
+                             scale=scale, block_k=block_k, precision=precision)  # [BQ, BK]
+        dv_scr[...] += _dot(p.T.astype(do.dtype), do, precision)
+        dk_scr[...] += _dot(ds.T.astype(q.dtype), q, precision)
 
     @pl.when((g == pl.num_programs(3) - 1) & (s == steps - 1))
     def _store():
