@@ -52,23 +52,33 @@ def _family(name):
     return family.KERNELS, family.DTYPES
 
 
-def _kernel(op, phase, name, dtype):
-    """`phase` (0 forward, 1 backward) of op's kernel in family `name`, for inputs of `dtype`.
-
-    Raises ValueError when the family does not import here or has no kernel for op, and TypeError when
-    it has none for dtype: an explicitly requested kernel never falls back to the reference."""
+def _why_not(op, name, dtype):
+    """None when family `name` can run op on inputs of `dtype` in this process, else (the exception class,
+    the reason): ValueError when the family does not import here or has no kernel for op, TypeError when
+    it has none for dtype."""
     wanted = f"implementation={name!r} cannot run {PUBLIC_NAMES[op]}"
     error = import_error(name)
     if error is not None:
-        raise ValueError(f"{wanted} here: {error}; or use implementation=None or 'xla'")
+        return ValueError, f"{wanted} here: {error}; or use implementation=None or 'xla'"
     table, dtypes = _family(name)
     if op not in table:
-        raise ValueError(f"{wanted}: it has no kernel for it; use implementation=None or 'xla'")
+        return ValueError, f"{wanted}: it has no kernel for it; use implementation=None or 'xla'"
     if jnp.dtype(dtype) not in dtypes:
         names = ", ".join(jnp.dtype(d).name for d in dtypes)
-        raise TypeError(f"{wanted} on {jnp.dtype(dtype).name} inputs: its kernels take {names}; use "
-                        f"implementation='xla', or None (the reference for {jnp.dtype(dtype).name})")
-    return table[op][phase]
+        return TypeError, (f"{wanted} on {jnp.dtype(dtype).name} inputs: its kernels take {names}; use "
+                           f"implementation='xla', or None (the reference for {jnp.dtype(dtype).name})")
+    return None
+
+
+def _kernel(op, phase, name, dtype):
+    """`phase` (0 forward, 1 backward) of op's kernel in family `name`, for inputs of `dtype`; raises
+    `_why_not`'s error when it cannot run: an explicitly requested kernel never falls back to the
+    reference."""
+    why = _why_not(op, name, dtype)
+    if why is not None:
+        error, message = why
+        raise error(message)
+    return _family(name)[0][op][phase]
 
 
 @functools.cache
@@ -90,10 +100,7 @@ def _warn_once(message):
 
 def _runnable(op, name, dtype):
     """Whether implementation=None can run family `name`'s kernel of op on dtype in this process."""
-    if import_error(name) is not None:
-        return False
-    table, dtypes = _family(name)
-    return op in table and jnp.dtype(dtype) in dtypes
+    return _why_not(op, name, dtype) is None
 
 
 def implementations(platform=None, dtype=jnp.bfloat16):
