@@ -5,7 +5,8 @@ arrays and integer arrays alike, the first one the op's main floating input, q o
 `static` configuration (a tuple of (name, value) pairs). Forward and backward each go through `_choose`:
 
 - implementation="xla": the reference (nsa.reference);
-- implementation="triton" / "pallas": that kernel, or a ValueError (it does not import here, or has no
+- implementation="triton" / "pallas": that kernel (Pallas: Mosaic on a TPU, its TPU interpret mode on
+  every other platform), or a ValueError (it does not import here, or has no
   kernel for the op) or TypeError (it has no kernel for the dtype) that says why;
 - implementation=None: `jax.lax.platform_dependent` between the kernels that can run the op on its
   dtype (Triton on cuda, Pallas on tpu) and the reference everywhere else. When jax-triton does not
@@ -70,15 +71,19 @@ def _why_not(op, name, dtype):
     return None
 
 
-def _kernel(op, phase, name, dtype):
+def _kernel(op, phase, name, dtype, explicit):
     """`phase` (0 forward, 1 backward) of op's kernel in family `name`, for inputs of `dtype`; raises
     `_why_not`'s error when it cannot run: an explicitly requested kernel never falls back to the
-    reference."""
+    reference. Pallas kernels run Mosaic on a TPU and, when `explicit`, interpret mode elsewhere."""
     why = _why_not(op, name, dtype)
     if why is not None:
         error, message = why
         raise error(message)
-    return _family(name)[0][op][phase]
+    kernel = _family(name)[0][op][phase]
+    if name == "pallas":
+        from nsa import pallas
+        return pallas.runner(kernel, everywhere=explicit)
+    return kernel
 
 
 @functools.cache
@@ -151,11 +156,11 @@ def _choose(op, phase, implementation, dtype, static):
     if implementation == "xla":
         return ref
     if implementation is not None:
-        return _mapped_over_vmap(functools.partial(_kernel(op, phase, implementation, dtype), **static))
+        return _mapped_over_vmap(functools.partial(_kernel(op, phase, implementation, dtype, True), **static))
     kernels = {}
     for name, platform in _PLATFORMS.items():
         if _runnable(op, name, dtype):
-            kernels[platform] = _mapped_over_vmap(functools.partial(_kernel(op, phase, name, dtype), **static))
+            kernels[platform] = _mapped_over_vmap(functools.partial(_kernel(op, phase, name, dtype, False), **static))
         elif import_error(name) is not None and platform == "cuda" and _has_cuda_gpu():
             _warn_once(f"nsa runs its XLA reference on the GPU, more than 10x slower than its kernels: "
                        f"{import_error(name)}. nsa.implementations() tells what runs where.")

@@ -253,7 +253,9 @@ def test_implementations_tells_what_runs_where(interpreted):
     assert set(nsa.implementations("cuda", dtype=jnp.float64).values()) == {"xla"}
     assert set(nsa.implementations("cpu").values()) == {"xla"}
     assert set(nsa.implementations().values()) == {"xla"}  # the CPU is the default backend here
-    assert set(nsa.implementations("tpu").values()) == {"xla"}  # no Pallas kernel yet
+    pallas = {**kernels, **{name: "pallas" for name, family in kernels.items() if family == "triton"}}
+    assert nsa.implementations("tpu") == pallas
+    assert set(nsa.implementations("tpu", dtype=jnp.float64).values()) == {"xla"}
 
 
 def test_gradient_scales_are_never_zero_where_the_gradient_is():

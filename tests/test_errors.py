@@ -110,9 +110,6 @@ CASES = {
     # implementation
     "unknown implementation": (lambda: nsa.attention(q, k, v, implementation="cuda"), ValueError,
                                r"implementation must be one of \(None, 'xla', 'triton', 'pallas'\), got 'cuda'"),
-    "no pallas kernel": (lambda: nsa.sliding_window_attention(q, k, v, window_size=4, implementation="pallas"),
-                         ValueError, r"implementation='pallas' cannot run sliding_window_attention: it has no kernel "
-                                     r"for it; use implementation=None or 'xla'"),
 }
 
 
@@ -150,3 +147,12 @@ def test_check_cu_seqlens_accepts_empty_sequences_and_needs_concrete_values():
     nsa.check_cu_seqlens(jnp.array([0, 32]), T)
     with pytest.raises(ValueError, match=re.escape("needs a concrete cu_seqlens (call it outside jit)")):
         jax.jit(lambda c: nsa.check_cu_seqlens(c, T))(cu)
+
+
+def test_explicit_pallas_on_float64_raises():
+    """Pallas kernels take float32, bfloat16, float16: asking for them on float64 raises, naming the op."""
+    with jax.enable_x64(True):
+        x = jnp.zeros((1, 8, 2, 8), jnp.float64)
+        with pytest.raises(TypeError, match=r"implementation='pallas' cannot run sliding_window_attention on "
+                                            r"float64 inputs: its kernels take float32, bfloat16, float16"):
+            nsa.sliding_window_attention(x, x[:, :, :1], x[:, :, :1], window_size=4, implementation="pallas")

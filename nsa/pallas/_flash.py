@@ -257,13 +257,15 @@ def _query_grid(kernel, q, k, v, lay, extra, outputs, scratch, *, scale, key_spa
       *[x for x, _ in extra])
 
 
-def attend(q, k, v, lo, hi, *, scale, key_span, interpret=False, config=Config()):
+def attend(q, k, v, lo, hi, *, scale, key_span, interpret=False, config=None):
     """o [B, T, HQ, Dv] (q's dtype) and lse [B, T, HQ] float32 of query t over key rows [lo[t], hi[t]].
 
     q [B, T, HQ, Dk], k [B, NK, H, Dk], v [B, NK, H, Dv]; lo, hi int32 [T], non-decreasing. key_span
     (static) bounds the key rows one tile of BQ queries can see: it sets the steps of the grid.
     interpret: a pltpu.InterpretParams to run in Pallas's TPU interpret mode (on any platform), or False.
+    config: the tiles (None: Config()).
     """
+    config = config or Config()
     B, T, HQ, _ = q.shape
     dv = v.shape[3]
     lay = _layout(q, k, v, lo, hi, config)
@@ -279,12 +281,13 @@ def attend(q, k, v, lo, hi, *, scale, key_span, interpret=False, config=Config()
 
 
 def attend_backward(q, k, v, lo, hi, o, lse, do, dlse=None, *, scale, key_span, query_span, interpret=False,
-                    config=Config()):
+                    config=None):
     """(dq, dk, dv) of `attend`, in q's, k's and v's dtypes; dlse [B, T, HQ] is lse's cotangent or None.
 
     key_span as for `attend`; query_span (static) bounds how many queries see one key row: it sets the
     steps of the dk/dv grid.
     """
+    config = config or Config()
     B, T, HQ, dk_dim = q.shape
     NK, H, dv_dim = k.shape[1], k.shape[2], v.shape[3]
     G = HQ // H
