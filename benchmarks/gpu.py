@@ -15,102 +15,28 @@ gpu.json and gpu.png into --out and prints the table. fla is skipped with a note
 import argparse
 import json
 import os
-import platform
-import statistics
-import time
+import sys
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
-import nsa
+if not __package__:  # run as a script (python benchmarks/gpu.py): the repo root holds the benchmarks package
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-B, HQ, H, D, BS, S, WINDOW = 1, 64, 4, 128, 64, 16, 512
+from benchmarks.common import (STANDARD, compiled_memory_gib, dense_flops, jax_inputs, jax_timings, loss_of,  # noqa: F401
+                               measure, meta, module_versions, nsa_fns, random_block_indices, run, table,
+                               time_jax, useful_flops, window_flops, write_json)
+
+B, HQ, H, D, BS, S, WINDOW = STANDARD
 # jax_triton clears TRITON_CACHE_DIR when it is imported; fla's Triton (its driver helpers, its
 # autotuner) needs a cache directory, so the one set before the import is put back for fla.
 TRITON_CACHE_DIR = os.environ.get("TRITON_CACHE_DIR") or os.path.expanduser("~/.triton/cache")
-
-
-def useful_flops(case, T):
-    """Forward FLOPs of the useful work; forward+backward counts 3.5x (two matmuls forward, five back)."""
-    selection = 4 * T * HQ * S * BS * D
-    if case == "selection":
-        return selection
-    window = 4 * T * HQ * WINDOW * D
-    compressed = 4 * T * HQ * (T // BS) / 2 * D
-    scores = compressed / 2
-    return selection + window + compressed + scores
-
-
-def dense_flops(T):
-    return 2 * T * T * HQ * D
-
-
-def time_jax(fn, args, iters):
-    """Median seconds per call of a jitted fn, after warm-up."""
-    jax.block_until_ready(fn(*args))
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def compiled_memory_gib(fn, args):
-    """(peak, arguments + outputs) of a jitted fn in GiB, from XLA's buffer assignment: Triton
-    kernels allocate nothing beyond their outputs, so the peak is the program's."""
-    stats = fn.lower(*args).compile().memory_analysis()
-    peak = getattr(stats, "peak_memory_in_bytes", 0) or (
-        stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes)
-    return peak / 2 ** 30, (stats.argument_size_in_bytes + stats.output_size_in_bytes) / 2 ** 30
-
-
-def jax_inputs(T, seed=0, hq=HQ):
-    keys = jax.random.split(jax.random.key(seed), 8)
-    q = jax.random.normal(keys[0], (B, T, hq, D), jnp.bfloat16)
-    k = jax.random.normal(keys[1], (B, T, H, D), jnp.bfloat16)
-    v = jax.random.normal(keys[2], (B, T, H, D), jnp.bfloat16)
-    gates = [jax.nn.sigmoid(jax.random.normal(key, (B, T, hq))).astype(jnp.bfloat16) for key in keys[3:6]]
-    do = jax.random.normal(keys[6], (B, T, hq, D), jnp.bfloat16)
-    return q, k, v, gates, do
-
-
-def random_block_indices(T, seed=0):
-    """16 distinct blocks per (token, KV head) among the visible ones (fewer visible: -1 padded)."""
-    rng = np.random.default_rng(seed)
-    current = np.arange(T) // BS
-    scores = rng.random((T, H, T // BS + 1))
-    scores = np.where(np.arange(T // BS + 1)[None, None, :] > current[:, None, None], -1.0, scores)
-    idx = np.argsort(-scores, axis=-1)[..., :S]
-    idx = np.where(np.take_along_axis(scores, idx, -1) < 0, -1, idx)
-    return idx[None].astype(np.int32)
-
-
-def nsa_fns(case, implementation, T, idx):
-    def forward(q, k, v, g):
-        if case == "selection":
-            return nsa.selected_attention(q, k, v, idx, block_size=BS, implementation=implementation)
-        return nsa.attention(q, k, v, g_cmp=g[0], g_slc=g[1], g_swa=g[2], block_counts=S, block_size=BS,
-                             window_size=WINDOW, implementation=implementation)
-
-    def loss(q, k, v, g, do):
-        return jnp.sum(forward(q, k, v, g).astype(jnp.float32) * do.astype(jnp.float32))
-
-    fwd = jax.jit(forward)
-    fwd_bwd = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
-    return (lambda q, k, v, g, do: fwd(q, k, v, g)), fwd_bwd
 
 
 def dense_fns():
     def forward(q, k, v):
         return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
 
-    def loss(q, k, v, do):
-        return jnp.sum(forward(q, k, v).astype(jnp.float32) * do.astype(jnp.float32))
-
-    return jax.jit(forward), jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    return jax.jit(forward), jax.jit(jax.grad(loss_of(forward), argnums=(0, 1, 2)))
 
 
 def time_fla(case, T, idx, iters):
@@ -136,66 +62,36 @@ def time_fla(case, T, idx, iters):
     return bench(fwd), bench(fwd_bwd)
 
 
-def run(args):
-    rows = []
-    for case in args.cases:
-        for T in args.seq_lens:
-            idx = random_block_indices(T)
-            q, k, v, gates, do = jax_inputs(T)
-            useful = useful_flops(case, T)
-            for impl in args.impls:
-                if impl == "xla" and T > args.xla_max_seq_len:
-                    continue
-                row = dict(case=case, T=T, impl=f"nsa-{impl}", useful_tflop_fwd=useful / 1e12)
-                try:
-                    fwd, fwd_bwd = nsa_fns(case, impl, T, idx)
-                    row["fwd_ms"] = 1e3 * time_jax(fwd, (q, k, v, gates, do), args.iters)
-                    row["fwd_bwd_ms"] = 1e3 * time_jax(fwd_bwd, (q, k, v, gates, do), args.iters)
-                    row["fwd_bwd_peak_gib"], row["fwd_bwd_io_gib"] = compiled_memory_gib(fwd_bwd, (q, k, v, gates, do))
-                except Exception as e:  # recorded, not hidden: the table says what failed
-                    row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-            if not args.no_dense:
-                row = dict(case=case, T=T, impl="dense-cudnn", useful_tflop_fwd=dense_flops(T) / 1e12)
-                try:
-                    fwd, fwd_bwd = dense_fns()
-                    row["fwd_ms"] = 1e3 * time_jax(fwd, (q, k, v), args.iters)
-                    row["fwd_bwd_ms"] = 1e3 * time_jax(fwd_bwd, (q, k, v, do), args.iters)
-                    row["fwd_bwd_peak_gib"], row["fwd_bwd_io_gib"] = compiled_memory_gib(fwd_bwd, (q, k, v, do))
-                except Exception as e:
-                    row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-            if args.no_fla:
+def gpu_rows(args):
+    """rows_for of common.run: nsa's implementations, dense cuDNN and fla at (case, T)."""
+    def rows_for(case, T):
+        idx = random_block_indices(T)
+        q, k, v, gates, do = jax_inputs(T)
+        useful = useful_flops(case, T)
+        for impl in args.impls:
+            if impl == "xla" and T > args.xla_max_seq_len:
                 continue
-            row = dict(case=case, T=T, impl="fla" + ("" if case == "selection" else " (no window)"),
-                       useful_tflop_fwd=(useful if case == "selection" else useful - 4 * T * HQ * WINDOW * D) / 1e12)
-            try:
-                row["fwd_ms"], row["fwd_bwd_ms"] = (1e3 * t for t in time_fla(case, T, idx, args.iters))
-            except Exception as e:
-                row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-    return rows
+            fwd, fwd_bwd = nsa_fns(case, impl, T, idx)
+            args_ = (q, k, v, gates, do)
+            yield measure(dict(case=case, T=T, impl=f"nsa-{impl}", useful_tflop_fwd=useful / 1e12),
+                          jax_timings(fwd, fwd_bwd, args_, args_, args.iters))
+        if not args.no_dense:
+            fwd, fwd_bwd = dense_fns()
+            yield measure(dict(case=case, T=T, impl="dense-cudnn", useful_tflop_fwd=dense_flops(T) / 1e12),
+                          jax_timings(fwd, fwd_bwd, (q, k, v), (q, k, v, do), args.iters))
+        if args.no_fla:
+            return
+        row = dict(case=case, T=T, impl="fla" + ("" if case == "selection" else " (no window)"),
+                   useful_tflop_fwd=(useful if case == "selection" else useful - window_flops(T)) / 1e12)
+        yield measure(row, lambda row: row.update(zip(("fwd_ms", "fwd_bwd_ms"),
+                                                      (1e3 * t for t in time_fla(case, T, idx, args.iters)))))
+
+    return rows_for
 
 
-def table(rows):
-    lines = ["| case | T | implementation | fwd ms | fwd+bwd ms | fwd TFLOP/s | fwd+bwd TFLOP/s | fwd+bwd speedup vs fla "
-             "| fwd+bwd peak GiB (inputs + outputs) |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        if "error" in r:
-            lines.append(f"| {r['case']} | {r['T']} | {r['impl']} | failed: {r['error'][:80]} | | | | | |")
-            continue
-        fla = next((f for f in rows if f["case"] == r["case"] and f["T"] == r["T"] and f["impl"].startswith("fla")
-                    and "error" not in f), None)
-        speedup = f"{fla['fwd_bwd_ms'] / r['fwd_bwd_ms']:.2f}x" if fla else "-"
-        memory = f"{r['fwd_bwd_peak_gib']:.1f} ({r['fwd_bwd_io_gib']:.1f})" if "fwd_bwd_peak_gib" in r else "-"
-        lines.append(f"| {r['case']} | {r['T']} | {r['impl']} | {r['fwd_ms']:.2f} | {r['fwd_bwd_ms']:.2f} | "
-                     f"{r['useful_tflop_fwd'] / r['fwd_ms'] * 1e3:.0f} | "
-                     f"{3.5 * r['useful_tflop_fwd'] / r['fwd_bwd_ms'] * 1e3:.0f} | {speedup} | {memory} |")
-    return "\n".join(lines)
+def is_fla_of(row, other):
+    """Whether `other` is the fla row of row's case and T (the speedup column's baseline)."""
+    return other["case"] == row["case"] and other["T"] == row["T"] and other["impl"].startswith("fla")
 
 
 def plot(rows, path):
@@ -228,20 +124,12 @@ def main():
     parser.add_argument("--xla-max-seq-len", type=int, default=16384)
     parser.add_argument("--iters", type=int, default=20)
     args = parser.parse_args()
-    rows = run(args)
-    meta = dict(date=time.strftime("%Y-%m-%d"), device=str(jax.devices()[0].device_kind), jax=jax.__version__,
-                python=platform.python_version(), shape=dict(B=B, HQ=HQ, H=H, D=D, block_size=BS, blocks=S,
-                                                            window=WINDOW, dtype="bfloat16"))
-    for name in ("triton", "torch", "fla", "jax_triton"):
-        try:
-            meta[name] = __import__(name).__version__
-        except Exception:
-            meta[name] = None
-    with open(f"{args.out}/gpu.json", "w") as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    rows = run(args.cases, args.seq_lens, gpu_rows(args))
+    info = meta(**module_versions(("triton", "torch", "fla", "jax_triton")))
+    write_json(f"{args.out}/gpu.json", info, rows)
     plot(rows, f"{args.out}/gpu.png")
-    print(json.dumps(meta))
-    print(table(rows))
+    print(json.dumps(info))
+    print(table(rows, "fla", is_fla_of))
 
 
 if __name__ == "__main__":

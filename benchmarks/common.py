@@ -1,0 +1,219 @@
+"""What the GPU and the TPU benchmark share: the shape, the cases, the inputs, the FLOP count, the timing
+loop, the rows, the table and the JSON.
+
+A benchmark (benchmarks/gpu.py, benchmarks/tpu.py) supplies, per (case, T), the rows it times (a
+generator of `measure(...)` results); `run` walks the cases and sequence lengths, prints each row as JSON
+as soon as it is timed, and returns them; `table` renders them as markdown, with a speedup column
+against a baseline row the benchmark names; `write_json` writes {meta, rows}.
+"""
+
+import json
+import platform
+import statistics
+import time
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import nsa
+
+
+class Shape(NamedTuple):
+    """The attention shape and NSA configuration a benchmark runs at (bf16)."""
+
+    B: int = 1
+    HQ: int = 64
+    H: int = 4
+    D: int = 128
+    block_size: int = 64
+    blocks: int = 16  # selected blocks per (token, KV head)
+    window: int = 512
+
+    def describe(self):
+        """The shape as the JSON's meta records it."""
+        return dict(B=self.B, HQ=self.HQ, H=self.H, D=self.D, block_size=self.block_size, blocks=self.blocks,
+                    window=self.window, dtype="bfloat16")
+
+
+STANDARD = Shape()
+# fwd+bwd FLOPs per forward FLOP: two matmuls forward, five backward (recomputed scores, dp, dv, dq, dk)
+FWD_BWD_FLOPS_FACTOR = 3.5
+
+
+def useful_flops(case, T, shape=STANDARD):
+    """Forward FLOPs of the useful work (what a perfect kernel must compute); forward+backward counts
+    FWD_BWD_FLOPS_FACTOR times as much. Cases: 'selection' (selected attention alone), 'full' (compression
+    + top-k scores + selection + window), 'dense' (causal attention)."""
+    HQ, D = shape.HQ, shape.D
+    if case == "dense":
+        return dense_flops(T, shape)
+    selection = 4 * T * HQ * shape.blocks * shape.block_size * D
+    if case == "selection":
+        return selection
+    window = 4 * T * HQ * shape.window * D
+    compressed = 4 * T * HQ * (T // shape.block_size) / 2 * D
+    scores = compressed / 2
+    return selection + window + compressed + scores
+
+
+def window_flops(T, shape=STANDARD):
+    """The sliding window's share of useful_flops('full')."""
+    return 4 * T * shape.HQ * shape.window * shape.D
+
+
+def dense_flops(T, shape=STANDARD):
+    """Causal dense attention: half of the 4 T^2 HQ D of full attention."""
+    return 2 * T * T * shape.HQ * shape.D
+
+
+def time_jax(fn, args, iters):
+    """Median seconds per call of a jitted fn, after warm-up."""
+    jax.block_until_ready(fn(*args))
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def compiled_memory_gib(fn, args):
+    """(peak, arguments + outputs) of a jitted fn in GiB, from XLA's buffer assignment: Triton and Pallas
+    kernels allocate nothing beyond their outputs, so the peak is the program's."""
+    stats = fn.lower(*args).compile().memory_analysis()
+    peak = getattr(stats, "peak_memory_in_bytes", 0) or (
+        stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes)
+    return peak / 2 ** 30, (stats.argument_size_in_bytes + stats.output_size_in_bytes) / 2 ** 30
+
+
+def jax_inputs(T, seed=0, hq=None, shape=STANDARD):
+    """q [B, T, hq, D], k, v [B, T, H, D], the three gates [B, T, hq] and the output cotangent, bf16."""
+    hq = shape.HQ if hq is None else hq
+    B, H, D = shape.B, shape.H, shape.D
+    keys = jax.random.split(jax.random.key(seed), 8)
+    q = jax.random.normal(keys[0], (B, T, hq, D), jnp.bfloat16)
+    k = jax.random.normal(keys[1], (B, T, H, D), jnp.bfloat16)
+    v = jax.random.normal(keys[2], (B, T, H, D), jnp.bfloat16)
+    gates = [jax.nn.sigmoid(jax.random.normal(key, (B, T, hq))).astype(jnp.bfloat16) for key in keys[3:6]]
+    do = jax.random.normal(keys[6], (B, T, hq, D), jnp.bfloat16)
+    return q, k, v, gates, do
+
+
+def random_block_indices(T, seed=0, shape=STANDARD):
+    """`shape.blocks` distinct blocks per (token, KV head) among the visible ones (fewer visible: -1 padded)."""
+    BS, S, H = shape.block_size, shape.blocks, shape.H
+    rng = np.random.default_rng(seed)
+    current = np.arange(T) // BS
+    scores = rng.random((T, H, T // BS + 1))
+    scores = np.where(np.arange(T // BS + 1)[None, None, :] > current[:, None, None], -1.0, scores)
+    idx = np.argsort(-scores, axis=-1)[..., :S]
+    idx = np.where(np.take_along_axis(scores, idx, -1) < 0, -1, idx)
+    return idx[None].astype(np.int32)
+
+
+def loss_of(forward):
+    """sum(forward(*args, do) * do) in float32: its gradient is the backward with cotangent do."""
+    def loss(*args):
+        *inputs, do = args
+        return jnp.sum(forward(*inputs).astype(jnp.float32) * do.astype(jnp.float32))
+
+    return loss
+
+
+def nsa_fns(case, implementation, T, idx, shape=STANDARD):
+    """(forward, forward+backward) jitted fns of (q, k, v, gates, do) for nsa's `case` with `implementation`;
+    the backward differentiates q, k, v and the gates."""
+    BS, S = shape.block_size, shape.blocks
+
+    def forward(q, k, v, g):
+        if case == "selection":
+            return nsa.selected_attention(q, k, v, idx, block_size=BS, implementation=implementation)
+        return nsa.attention(q, k, v, g_cmp=g[0], g_slc=g[1], g_swa=g[2], block_counts=S, block_size=BS,
+                             window_size=shape.window, implementation=implementation)
+
+    fwd = jax.jit(forward)
+    fwd_bwd = jax.jit(jax.grad(loss_of(forward), argnums=(0, 1, 2, 3)))
+    return (lambda q, k, v, g, do: fwd(q, k, v, g)), fwd_bwd
+
+
+def error_text(e):
+    """How a row records a failure."""
+    return f"{type(e).__name__}: {str(e)[:300]}"
+
+
+def measure(row, timings, strict=False):
+    """`row` after `timings(row)` has added its fields (fwd_ms, fwd_bwd_ms...) to it; when that raises, the
+    error is recorded in row['error'] next to the fields already added (the table says what failed), or,
+    if `strict`, raised."""
+    try:
+        timings(row)
+    except Exception as e:
+        if strict:
+            raise
+        row["error"] = error_text(e)
+    return row
+
+
+def jax_timings(fwd, fwd_bwd, fwd_args, fwd_bwd_args, iters):
+    """A `timings` for `measure`: fwd_ms, fwd_bwd_ms (medians) and the fwd+bwd memory of two jitted fns."""
+    def timings(row):
+        row["fwd_ms"] = 1e3 * time_jax(fwd, fwd_args, iters)
+        row["fwd_bwd_ms"] = 1e3 * time_jax(fwd_bwd, fwd_bwd_args, iters)
+        row["fwd_bwd_peak_gib"], row["fwd_bwd_io_gib"] = compiled_memory_gib(fwd_bwd, fwd_bwd_args)
+
+    return timings
+
+
+def run(cases, seq_lens, rows_for):
+    """Every row of every (case, T): rows_for(case, T) yields them; each is printed as JSON when it is done."""
+    rows = []
+    for case in cases:
+        for T in seq_lens:
+            for row in rows_for(case, T):
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    return rows
+
+
+def table(rows, baseline_name, is_baseline):
+    """Markdown table of the rows; the speedup column is the fwd+bwd time of the first row b without an
+    error for which is_baseline(row, b), over the row's."""
+    lines = [f"| case | T | implementation | fwd ms | fwd+bwd ms | fwd TFLOP/s | fwd+bwd TFLOP/s | fwd+bwd speedup vs "
+             f"{baseline_name} | fwd+bwd peak GiB (inputs + outputs) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['case']} | {r['T']} | {r['impl']} | failed: {r['error'][:80]} | | | | | |")
+            continue
+        base = next((b for b in rows if is_baseline(r, b) and "error" not in b), None)
+        speedup = f"{base['fwd_bwd_ms'] / r['fwd_bwd_ms']:.2f}x" if base else "-"
+        memory = f"{r['fwd_bwd_peak_gib']:.1f} ({r['fwd_bwd_io_gib']:.1f})" if "fwd_bwd_peak_gib" in r else "-"
+        lines.append(f"| {r['case']} | {r['T']} | {r['impl']} | {r['fwd_ms']:.2f} | {r['fwd_bwd_ms']:.2f} | "
+                     f"{r['useful_tflop_fwd'] / r['fwd_ms'] * 1e3:.0f} | "
+                     f"{FWD_BWD_FLOPS_FACTOR * r['useful_tflop_fwd'] / r['fwd_bwd_ms'] * 1e3:.0f} | {speedup} | {memory} |")
+    return "\n".join(lines)
+
+
+def meta(shape=STANDARD, **extra):
+    """The run's metadata: date, device kind, jax version, Python version, shape, then `extra`."""
+    return dict(date=time.strftime("%Y-%m-%d"), device=str(jax.devices()[0].device_kind), jax=jax.__version__,
+                python=platform.python_version(), shape=shape.describe(), **extra)
+
+
+def module_versions(names):
+    """{name: the module's __version__, or None where it does not import}."""
+    versions = {}
+    for name in names:
+        try:
+            versions[name] = __import__(name).__version__
+        except Exception:
+            versions[name] = None
+    return versions
+
+
+def write_json(path, meta, rows):
+    with open(path, "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
