@@ -1,0 +1,308 @@
+"""Block selection (`select_blocks`) as one Pallas TPU (Mosaic) kernel: compressed-attention scores fused
+with top-k.
+
+The contract is nsa.reference.select's. Query t of KV head h, at in-sequence position p, sees the
+compressed rows first <= r < first + (p + 1) // block_size of k_cmp (first = its sequence's cmp_start,
+none past row NC - 1); each of its G = HQ / H query heads takes the softmax p_g(r) of scale * q_g . k_cmp[r]
+over them, and block c (row first + c) scores mean_g p_g(first + c) (0 for a row it does not see). Blocks
+0, p // bs - 1 and p // bs are forced (ranks FIRST, PREVIOUS, CURRENT of nsa.reference.select, above any
+score), blocks after p // bs are never candidates; the block_counts best are kept in rank order, ties
+going to the lower block id, unused slots -1. nsa/triton/select.py is the GPU version of the same op.
+
+Layouts. The kernel reads q as a [B, T, HQ * Dp] view and k_cmp as a [B, R, H * Dp] view (Dp = Dk padded to
+a multiple of 128 lanes inside the op, T padded to a multiple of TB, R = the rows any token's current block
+may name, padded to a multiple of BC with zero rows), so the block (1, TB, G * Dp) at column h holds the G
+query heads of KV head h side by side (head g at lanes [g * Dp, (g + 1) * Dp): a static, aligned slice) and
+(1, BC, Dp) at column h is one chunk of that head's compressed rows, with no transpose. Per token, int32
+[T, 3]: its first row, its end of visible rows and the row of its current block (padded tokens: 0, 0, -1,
+no candidates). lse travels as [B, H, T, G] float32 (a (TB, G) block: its minor dim is the whole dim). The
+ids are written as [B, H, T, S] int32 (S = min(block_counts, cdiv(T, bs)) slots: no token has more
+candidates), returned as [B, T, H, block_counts] with -1 in the slots past S.
+
+Grid: (B, H, T / TB, PASSES * STEPS). One program owns the TB tokens of one token tile and one KV head, with
+their G query heads, and walks the chunks of BC compressed rows its tokens may name, from the first to the
+last (both scalar-prefetched into SMEM per token tile; a step past the last re-maps to it, so no new DMA
+is issued, and is skipped). Without lse (PASSES = 2) the first walk computes each query row's softmax
+maximum and sum online, in the (TB, G) float32 scratch m and l; the last walk (the only one when lse is
+given) recomputes the logits of each head, turns them into probabilities, averages them over the G heads
+and stores the chunk's ranks (forced ranks, scores, -inf for non-candidates) in the float32 scratch
+[R / BC, TB, BC]: the [T, R] scores never reach HBM. Everything is float32 whatever the input dtype.
+
+Top-k (the last step; Mosaic has no sort): S rounds over the tile's chunks of that scratch, each one pass
+that removes the previous round's pick (-inf) and takes each token's maximum rank, then one that takes the
+lowest row holding that maximum (ties to the lower id); a token whose maximum is -inf has no candidate
+left and gets -1. Row ids are float32 in these passes (exact below 2^24 rows) so that every reduction is
+a float one.
+
+VMEM per step (`vmem_bytes`; the pipeline double-buffers each block): q (TB, G * Dp) and k_cmp (BC, Dp) in
+the input dtype, the token rows (TB, 3), lse (TB, G) and the ids (TB, S) (each padded to 128 lanes), plus
+the float32 scratch: ranks [R / BC, TB, BC] and m, l (TB, G). `default_config` halves TB until that is
+within 12 MiB (Mosaic's default scoped VMEM limit is 16 MiB): at the standard shape (T = 8192, block_size
+64, G = 16, TB = 128) it is 1.6 MiB in bfloat16 at Dk = 128 and 5.2 MiB in float32 at Dk = 256. The ranks
+grow with R (T / block_size): TB = 128 holds R up to about 16k rows in 8 MiB.
+"""
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from nsa._varlen import cdiv, num_compressed_blocks, tokens
+from nsa.pallas._flash import LANES, _bands, _dot, _view
+from nsa.reference.select import CURRENT, FIRST, PREVIOUS
+
+VMEM_BUDGET = 12 * 2 ** 20  # what default_config lets one step hold: Mosaic's default scoped limit is 16 MiB
+MAX_TOKENS = 128  # TB at most: 128 rows fill the MXU's M and make a chunk's ranks (TB, 128) 16 vregs
+
+
+class Config(NamedTuple):
+    """The tiles: TB tokens per program (a multiple of 8, 16 for 2-byte inputs), BC compressed rows per step
+    (a multiple of 128)."""
+
+    tokens: int
+    chunk: int
+
+
+def _round_up(x, m):
+    return cdiv(x, m) * m
+
+
+def _sublanes(dtype):
+    """The rows of one vreg tile of `dtype`: 8 for 4-byte types, 16 for 2-byte ones (packed)."""
+    return 8 * 4 // jnp.dtype(dtype).itemsize
+
+
+def _slots(T, block_counts, block_size):
+    """S: the slots the kernel fills (no token has more than cdiv(T, block_size) candidates)."""
+    return min(block_counts, cdiv(T, block_size))
+
+
+def _num_rows(T, NC, block_size, cu_seqlens):
+    """R: the rows of k_cmp a token may see or name as its current block (rows past NC score 0)."""
+    return max(NC, num_compressed_blocks(T, block_size, cu_seqlens), 1)
+
+
+def vmem_bytes(G, dk, itemsize, num_rows, slots, config):
+    """The VMEM one grid step holds: every block double-buffered (int32 and float32 blocks padded to 128
+    lanes), plus the float32 scratch (ranks of every chunk of `num_rows` rows, m and l)."""
+    tb, bc = config
+    dkp = _round_up(dk, LANES)
+    lanes = lambda n: _round_up(n, LANES)
+    blocks = (tb * G * dkp + bc * dkp) * itemsize + tb * (lanes(3) + lanes(G) + lanes(slots)) * 4
+    return 2 * blocks + (_round_up(num_rows, bc) * tb + 2 * tb * lanes(G)) * 4
+
+
+def default_config(q, k_cmp, cu_seqlens=None, *, block_counts, block_size):
+    """The Config for q [B, T, HQ, Dk] against k_cmp [B, NC, H, Dk].
+
+    BC = 128: one chunk's ranks (TB, 128) are lane-dense and its logits one MXU pass of N = 128. TB =
+    MAX_TOKENS (no more than T, rounded up to the dtype's sublanes), halved while a step would hold more than
+    VMEM_BUDGET (`vmem_bytes`: wide heads of a large group, or many compressed rows), down to the sublanes.
+    """
+    T, HQ, Dk = q.shape[1], q.shape[2], q.shape[3]
+    G = HQ // k_cmp.shape[2]
+    rows = _num_rows(T, k_cmp.shape[1], block_size, cu_seqlens)
+    slots = _slots(T, block_counts, block_size)
+    sub = _sublanes(q.dtype)
+    tb = min(MAX_TOKENS, _round_up(T, sub))
+    while tb > sub and vmem_bytes(G, Dk, q.dtype.itemsize, rows, slots, Config(tb, LANES)) > VMEM_BUDGET:
+        tb = max(sub, _round_up(tb // 2, sub))
+    return Config(tb, LANES)
+
+
+def _check_config(config, dtype):
+    tb, bc = config
+    if tb <= 0 or tb % _sublanes(dtype):
+        raise ValueError(f"config.tokens: expected a positive multiple of {_sublanes(dtype)} for {dtype}, got {tb}")
+    if bc <= 0 or bc % LANES:
+        raise ValueError(f"config.chunk: expected a positive multiple of {LANES}, got {bc}")
+
+
+# ------------------------------------------------------------------------------------------ kernel
+
+
+def _logits(q_ref, k, g, visible, *, scale, dkp, precision):
+    """scale * q_g . k [TB, BC] float32 of head g against the chunk k [BC, Dp]; -inf where not visible."""
+    q = q_ref[0, :, g * dkp:(g + 1) * dkp]
+    if q.dtype == jnp.float16:  # the MXU takes no float16: float32 is exact for it
+        q, k = q.astype(jnp.float32), k.astype(jnp.float32)
+    return jnp.where(visible, _dot(q, k, precision, transpose_b=True) * scale, -jnp.inf)
+
+
+def _online_softmax(q_ref, k, visible, m_scr, l_scr, **kw):
+    """The first pass: folds the chunk into each query row's running maximum m and sum l, (TB, G)."""
+    for g in range(m_scr.shape[1]):
+        s = _logits(q_ref, k, g, visible, **kw)
+        m_prev = m_scr[:, g:g + 1]
+        m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows that saw nothing yet: no NaN
+        l_scr[:, g:g + 1] = l_scr[:, g:g + 1] * jnp.exp(m_prev - m_use) + jnp.sum(jnp.exp(s - m_use), axis=1,
+                                                                                  keepdims=True)
+        m_scr[:, g:g + 1] = m_new
+
+
+def _chunk_scores(q_ref, k, visible, lse_ref, m_scr, l_scr, **kw):
+    """The mean over the G heads of the probabilities [TB, BC] of the chunk's rows: exp(s - lse) with a given
+    lse (as nsa.reference.compressed.probabilities), else exp(s - m) / l (as its softmax); 0 where a row is
+    not visible or a query sees nothing."""
+    G = m_scr.shape[1]
+    total = None
+    for g in range(G):
+        s = _logits(q_ref, k, g, visible, **kw)
+        if lse_ref is None:
+            m, l = m_scr[:, g:g + 1], l_scr[:, g:g + 1]
+            seen = l > 0
+            p = jnp.exp(s - jnp.where(seen, m, 0.0)) / jnp.where(seen, l, 1.0)
+        else:
+            lse = lse_ref[0, 0, :, g:g + 1]
+            seen = lse > -jnp.inf
+            p = jnp.exp(s - jnp.where(seen, lse, 0.0))
+        p = jnp.where(visible & seen, p, 0.0)
+        total = p if total is None else total + p
+    return total / G
+
+
+def _ranks(score, row, first, cur):
+    """nsa.reference.select.block_ranks on global rows [TB, BC]: the forced ranks on rows first, cur - 1 and
+    cur (in its order), the scores elsewhere, -inf outside the candidates first <= row <= cur."""
+    rank = jnp.where(row == first, FIRST, score)
+    rank = jnp.where(row == cur - 1, PREVIOUS, rank)
+    rank = jnp.where(row == cur, CURRENT, rank)
+    return jnp.where((row >= first) & (row <= cur), rank, -jnp.inf)
+
+
+def _top_k(rank_scr, lo, hi, first, slots):
+    """ids int32 [TB, slots]: in rank order, each token's best in-sequence blocks among the ranks of the chunks
+    lo..hi of rank_scr [R / BC, TB, BC] (ties to the lower row), -1 once none is left. Consumes rank_scr."""
+    tb, bc = rank_scr.shape[1], rank_scr.shape[2]
+    lane = lax.broadcasted_iota(jnp.int32, (tb, bc), 1)
+    row = lambda c: (c * bc + lane).astype(jnp.float32)  # exact below 2^24 rows
+    slot = lax.broadcasted_iota(jnp.int32, (tb, slots), 1)
+
+    def one_round(r, carry):
+        ids, taken = carry  # taken [TB, 1]: the row the last round picked (-1: none)
+
+        def remove_and_max(c, m):
+            x = jnp.where(row(c) == taken, -jnp.inf, rank_scr[c])
+            rank_scr[c] = x
+            return jnp.maximum(m, jnp.max(x, axis=1, keepdims=True))
+
+        best = lax.fori_loop(lo, hi + 1, remove_and_max, jnp.full((tb, 1), -jnp.inf, jnp.float32))
+
+        def lowest(c, low):
+            at_best = jnp.where(rank_scr[c] == best, row(c), jnp.inf)
+            return jnp.minimum(low, jnp.min(at_best, axis=1, keepdims=True))
+
+        low = lax.fori_loop(lo, hi + 1, lowest, jnp.full((tb, 1), jnp.inf, jnp.float32))
+        found = best > -jnp.inf
+        ids = jnp.where(slot == r, jnp.where(found, low.astype(jnp.int32) - first, -1), ids)
+        return ids, jnp.where(found, low, -1.0)
+
+    init = (jnp.full((tb, slots), -1, jnp.int32), jnp.full((tb, 1), -1.0, jnp.float32))
+    return lax.fori_loop(0, slots, one_round, init)[0]
+
+
+def _kernel(band_ref, rows_ref, q_ref, k_ref, *refs, scale, dkp, steps, has_lse, precision):
+    """One step: chunk band[i] + j % STEPS of pass j // STEPS (see the module docstring)."""
+    lse_ref = refs[0] if has_lse else None
+    out_ref, rank_scr, m_scr, l_scr = refs[1:] if has_lse else refs
+    i, j = pl.program_id(2), pl.program_id(3)
+    last_pass = 0 if has_lse else 1
+    lo, hi = band_ref[i], band_ref[pl.num_programs(2) + i]
+    chunk = lo + lax.rem(j, steps)
+    tb, bc = rank_scr.shape[1], rank_scr.shape[2]
+    tok = rows_ref[...]  # [TB, 3]: first row, end of visible rows, current block's row
+    first, cur = tok[:, 0:1], tok[:, 2:3]
+    row = chunk * bc + lax.broadcasted_iota(jnp.int32, (tb, bc), 1)
+    visible = (row >= first) & (row < tok[:, 1:2])
+    kw = dict(scale=scale, dkp=dkp, precision=precision)
+
+    if not has_lse:
+        @pl.when(j == 0)
+        def _init():
+            m_scr[...] = jnp.full(m_scr.shape, -jnp.inf, jnp.float32)
+            l_scr[...] = jnp.zeros(l_scr.shape, jnp.float32)
+
+        @pl.when((j < steps) & (chunk <= hi))
+        def _first_pass():
+            _online_softmax(q_ref, k_ref[0], visible, m_scr, l_scr, **kw)
+
+    @pl.when((lax.div(j, steps) == last_pass) & (chunk <= hi))
+    def _score():
+        score = _chunk_scores(q_ref, k_ref[0], visible, lse_ref, m_scr, l_scr, **kw)
+        rank_scr[chunk] = _ranks(score, row, first, cur)
+
+    @pl.when(j == pl.num_programs(3) - 1)
+    def _select():
+        out_ref[0, 0] = _top_k(rank_scr, lo, hi, first, out_ref.shape[3])
+
+
+# ------------------------------------------------------------------------------------------ wrapper
+
+
+def _token_rows(T, tp, NC, block_size, cu_seqlens):
+    """int32 [tp, 3] per token: its first row of k_cmp, the end of its visible rows (at most NC) and the row
+    of its current block; padded tokens 0, 0, -1 (no candidates)."""
+    tok = tokens(T, block_size, cu_seqlens)
+    first, pos = tok.cmp_start[0], tok.pos[0]
+    end = jnp.minimum(first + (pos + 1) // block_size, NC)
+    rows = jnp.stack([first, end, first + pos // block_size], axis=1).astype(jnp.int32)
+    padding = jnp.broadcast_to(jnp.array([0, 0, -1], jnp.int32), (tp - T, 3))
+    return jnp.concatenate([rows, padding])
+
+
+def forward(q, k_cmp, lse, cu_seqlens, *, block_counts, block_size, scale, interpret=False, config=None):
+    """Returns block_indices int32 [B, T, H, block_counts] (in-sequence block ids), as the reference.
+
+    q [B, T, HQ, Dk], k_cmp [B, NC, H, Dk]; lse [B, T, HQ] float32 is compressed attention's log-sum-exp of
+    the same q and k_cmp (it saves the kernel its first pass), or None; cu_seqlens None or int32 [N + 1]
+    (packed sequences, B = 1). interpret: a pltpu.InterpretParams to run in Pallas's TPU interpret mode (on
+    any platform), or False. config: a Config (None: `default_config`).
+    """
+    B, T, HQ, Dk = q.shape
+    NC, H = k_cmp.shape[1], k_cmp.shape[2]
+    G = HQ // H
+    slots = _slots(T, block_counts, block_size)
+    if B * T * slots == 0:
+        return jnp.full((B, T, H, block_counts), -1, jnp.int32)
+    config = config or default_config(q, k_cmp, cu_seqlens, block_counts=block_counts, block_size=block_size)
+    _check_config(config, q.dtype)
+    tb, bc = config
+    tp, dkp = _round_up(T, tb), _round_up(Dk, LANES)
+    rp = _round_up(_num_rows(T, NC, block_size, cu_seqlens), bc)
+    nt, steps = tp // tb, rp // bc
+    rows = _token_rows(T, tp, NC, block_size, cu_seqlens)
+    band = jnp.minimum(_bands(rows[:, 0], rows[:, 2], nt, bc), steps - 1)  # first, then last chunk per tile
+    passes = 1 if lse is not None else 2
+
+    def chunk_map(b, h, i, j, band):  # the clamped chunk: a skipped step re-maps to the last one
+        return b, jnp.minimum(band[i] + lax.rem(j, steps), jnp.maximum(band[nt + i], band[i])), h
+
+    tile_map = lambda b, h, i, j, band: (b, h, i, 0)
+    in_specs = [pl.BlockSpec((tb, 3), lambda b, h, i, j, band: (i, 0)),
+                pl.BlockSpec((1, tb, G * dkp), lambda b, h, i, j, band: (b, i, h)),
+                pl.BlockSpec((1, bc, dkp), chunk_map)]
+    args = [band, rows, _view(q, tp, dkp), _view(k_cmp, rp, dkp)]
+    if lse is not None:
+        in_specs.append(pl.BlockSpec((1, 1, tb, G), tile_map))
+        lse_by_head = jnp.transpose(lse.astype(jnp.float32).reshape(B, T, H, G), (0, 2, 1, 3))
+        args.append(jnp.pad(lse_by_head, [(0, 0), (0, 0), (0, tp - T), (0, 0)]))
+    kernel = functools.partial(_kernel, scale=float(scale), dkp=dkp, steps=steps, has_lse=lse is not None,
+                               precision=lax.Precision.HIGHEST if q.dtype != jnp.bfloat16 else None)
+    out = pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1, grid=(B, H, nt, passes * steps), in_specs=in_specs,
+            out_specs=pl.BlockSpec((1, 1, tb, slots), tile_map),
+            scratch_shapes=[pltpu.VMEM((steps, tb, bc), jnp.float32), pltpu.VMEM((tb, G), jnp.float32),
+                            pltpu.VMEM((tb, G), jnp.float32)]),
+        out_shape=jax.ShapeDtypeStruct((B, H, tp, slots), jnp.int32),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
+        interpret=interpret,
+    )(*args)
+    idx = jnp.transpose(out[:, :, :T], (0, 2, 1, 3))
+    return jnp.pad(idx, [(0, 0)] * 3 + [(0, block_counts - slots)], constant_values=-1)
