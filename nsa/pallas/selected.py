@@ -1,0 +1,580 @@
+"""Selected attention (the fine-grained branch) as Pallas TPU (Mosaic) kernels: forward, dq and a
+deterministic dk/dv.
+
+The contract is nsa.reference.selected's: query t of KV head h, with its G = HQ / H query heads, attends
+to the tokens at in-sequence positions <= t of the blocks listed in block_indices[b, t, h, :count]
+(count = block_counts[b, t, h]). Entries < 0 or > t // block_size are skipped and never read; a block
+listed twice is attended twice; a query that sees nothing gets o = 0, lse = -inf and zero gradients.
+
+Naming. A block is named by its first token's global row x = sequence start + block * block_size, so the
+same in-sequence id in two packed sequences names two blocks; each skipped slot is named -1.
+
+Layouts (all built in XLA around the kernels; D padded to Dp, a multiple of 128 lanes, T to Tp = NT * TB):
+- query side, per tile of TB consecutive tokens: q [B, H, NT, G, TB, Dkp], do, o [.., Dvp], dq, and lse,
+  delta [B, H, NT, G, TB, 1] float32. A (G, TB, Dp) block flattens to [G * TB, Dp] for free (TB is a
+  multiple of the sublane tile), so one tile is R = G * TB MXU rows (row g * TB + j: head g, token j);
+- names [B, H, NT, TB, S] int32: the name of each slot of each token of the tile;
+- the tile's blocks [B, H, NT, 1, U + 1] int32: how many distinct blocks the tile's tokens list, then
+  those names in increasing order (the union; U = min(TB * S, the number of block rows) bounds it). It
+  is sorted in XLA, and each grid step gets only its own row in SMEM (a BlockSpec in SMEM): the whole
+  table (B * H * NT * (U + 1) ints) would not fit in SMEM's 1 MiB at long T;
+- k [B, H, T + BSP, Dkp], v [.., Dvp] stay in HBM (memory_space ANY): a kernel copies a block's BSP
+  rows (block_size rounded up to the sublane tile) from row x into VMEM itself (`make_async_copy`); rows
+  past the block, or past the query, are masked.
+
+Forward (`_fwd_kernel`), grid (B, H, NT), all parallel. A step owns a tile: it loads q (G, TB, Dkp) and
+the names (TB, S) through BlockSpecs, then walks the tile's union in order with a double-buffered DMA
+loop (`_pipelined`: block u + 1's keys and values are in flight while block u is computed). Row (g, j)
+sees key row x + c of block x iff token j lists x (m > 0 times), c < block_size and x + c <= its global
+row; log(m) is added to its logits, so a block listed twice weighs twice. Online softmax in float32.
+
+Backward. delta = sum(o * do) in XLA. `_dq_kernel` runs on the forward's grid and loop, recomputing p from
+lse. dk/dv inverts the selection (fla's decomposition): each (tile, union block) pair is an entry keyed
+by (b, h, block row); a stable sort in XLA makes, for each block row, the list of the tiles that selected
+it, in tile order. The lists are very uneven (block 0 and the current block are in every tile's union),
+so each is cut into segments of at most L entries (like nsa/triton/selected.py): `_dkdv_kernel`, grid
+(NSEG,), copies its block's keys and values once, then walks its entries' tiles with the DMA loop (q, do,
+lse, delta, names: one tile each) and writes float32 partial dk and dv of its block; `_reduce_kernel`,
+grid (lists,), adds a list's partials in segment order (DMA loop again); XLA gathers each key row's sum.
+No atomics and a fixed order everywhere: dk and dv are bitwise repeatable.
+
+VMEM per step (`vmem_bytes`, every BlockSpec block double-buffered, 1-wide and int32 blocks padded to
+128 lanes): the dq kernel holds q (G, TB, Dkp), do (G, TB, Dvp), lse, delta, names (TB, S), dq, two
+key and value buffers (BSP rows) and a float32 [R, Dkp] accumulator. At the standard shape (G = 16,
+TB = 16, bf16, Dp = 128, block_size 64) that is about 2 MiB; float32 heads of 256 stay under 16 MiB.
+"""
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from nsa._varlen import num_compressed_blocks, tokens
+
+LANES = 128  # a vreg's lanes: head dims are padded to a multiple of it
+MXU_ROWS = 128  # the rows a tile aims for: one MXU pass (the G heads of TB tokens)
+_NONE = -1  # the name of a skipped slot
+_PAST = np.iinfo(np.int32).max  # sorts after every name
+
+
+class Config(NamedTuple):
+    """TB query tokens per tile (forward, dq, and the dk/dv entries) and L, the most entries (tiles) of
+    one dk/dv segment."""
+
+    tokens: int
+    segment: int
+
+
+def _cdiv(a, b):
+    return -(-a // b)
+
+
+def _round_up(a, b):
+    return _cdiv(a, b) * b
+
+
+def _sublanes(dtype):
+    """Rows of one (sublane) tile: 8 for 32-bit dtypes, 16 for 16-bit ones (packed two per sublane)."""
+    return 32 // jnp.dtype(dtype).itemsize
+
+
+def default_config(q, k, v, block_indices, *, block_size, cu_seqlens=None):
+    """The Config for q [B, T, HQ, Dk], k [B, T, H, Dk], v [B, T, H, Dv], block_indices [B, T, H, S].
+
+    - TB: the fewest tokens whose G heads fill MXU_ROWS = 128 rows, rounded up to the sublane tile of
+      q's dtype (8 rows in float32, 16 in 16-bit) so that the (G, TB, Dp) tile flattens for free: 128 at
+      G = 1, 48 at G = 3, 8 (float32) or 16 (bfloat16) at G = 16. More tokens would only widen the union
+      of blocks a tile walks (each token's rows see a fraction of it).
+    - L: a list holds at most NT entries (one per tile), so L = min(64, NT): short sequences never
+      split; long ones split the long lists (block 0's holds all NT tiles) into segments of 64 tiles,
+      each a grid step of about 64 tile matmuls, long enough to hide its block's DMA.
+    """
+    del v, block_indices, cu_seqlens
+    T, HQ = q.shape[1], q.shape[2]
+    G = HQ // k.shape[2]
+    tb = _round_up(_cdiv(MXU_ROWS, G), _sublanes(q.dtype))
+    return Config(tokens=tb, segment=max(1, min(64, _cdiv(T, tb))))
+
+
+def _dot(a, b, precision, contract=(1, 0)):
+    """a @ b over dims `contract` of (a, b) (1, 1: a @ b.T; 0, 0: a.T @ b), with float32 accumulation."""
+    return lax.dot_general(a, b, (((contract[0],), (contract[1],)), ((), ())), precision=precision,
+                           preferred_element_type=jnp.float32)
+
+
+# ------------------------------------------------------------------------------------------ kernels
+
+
+def _pipelined(n, copies, body):
+    """for u in range(n): body(u, slot), once the copies `copies(u, slot)` (a list of async copy
+    descriptors into buffer `slot` in {0, 1}) have landed; those of u + 1 fly while body(u) runs."""
+
+    @pl.when(n > 0)
+    def _first():
+        for c in copies(0, 0):
+            c.start()
+
+    def step(u, carry):
+        slot = lax.rem(u, 2)
+
+        @pl.when(u + 1 < n)
+        def _next():
+            for c in copies(u + 1, 1 - slot):
+                c.start()
+
+        for c in copies(u, slot):
+            c.wait()
+        body(u, slot)
+        return carry
+
+    lax.fori_loop(0, n, step, 0)
+
+
+def _block_copies(k_hbm, v_hbm, k_buf, v_buf, sems, b, h, x, slot):
+    """The copies of the BSP key and value rows from global row x of batch row b, KV head h, into buffer
+    `slot` of k_buf [2, BSP, Dkp] and v_buf [2, BSP, Dvp]."""
+    rows = k_buf.shape[1]
+    return [pltpu.make_async_copy(k_hbm.at[b, h, pl.ds(x, rows)], k_buf.at[slot], sems.at[0, slot]),
+            pltpu.make_async_copy(v_hbm.at[b, h, pl.ds(x, rows)], v_buf.at[slot], sems.at[1, slot])]
+
+
+def _block_bias(names, x, t0, *, block_size, rows):
+    """[TB, BSP] float32: log(m) where token t0 + j (names [TB, S]: its slots) lists block x m > 0 times
+    and sees key row x + c (c < block_size, x + c <= t0 + j); -inf elsewhere."""
+    listed = jnp.sum((names == x).astype(jnp.float32), axis=1, keepdims=True)  # [TB, 1]
+    shape = (names.shape[0], rows)
+    c = lax.broadcasted_iota(jnp.int32, shape, 1)
+    token = t0 + lax.broadcasted_iota(jnp.int32, shape, 0)
+    seen = (listed > 0) & (c < block_size) & (x + c <= token)
+    return jnp.where(seen, jnp.log(jnp.maximum(listed, 1.0)), -jnp.inf)
+
+
+def _logits(q, k, bias, scale, precision):
+    """The logits of the tile q [G * TB, Dkp] against one block k [BSP, Dkp] with its bias [TB, BSP], as
+    [G, TB, BSP] float32."""
+    s = _dot(q, k, precision, (1, 1)) * scale
+    return s.reshape(q.shape[0] // bias.shape[0], *bias.shape) + bias[None]
+
+
+def _fwd_kernel(blocks_ref, q_ref, names_ref, k_hbm, v_hbm, o_ref, lse_ref, k_buf, v_buf, sems, m_scr, l_scr,
+                acc_scr, *, scale, block_size, precision):
+    b, h, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    G, TB, _ = q_ref.shape
+    q = q_ref[...].reshape(G * TB, q_ref.shape[2])
+    names = names_ref[...]
+    m_scr[...] = jnp.full(m_scr.shape, -jnp.inf, jnp.float32)
+    l_scr[...] = jnp.zeros(l_scr.shape, jnp.float32)
+    acc_scr[...] = jnp.zeros(acc_scr.shape, jnp.float32)
+    copies = lambda u, slot: _block_copies(k_hbm, v_hbm, k_buf, v_buf, sems, b, h, blocks_ref[0, 1 + u], slot)
+
+    def attend(u, slot):
+        bias = _block_bias(names, blocks_ref[0, 1 + u], i * TB, block_size=block_size, rows=k_buf.shape[1])
+        v = v_buf[slot]
+        s = _logits(q, k_buf[slot], bias, scale, precision)  # [G, TB, BSP]
+        m_prev = m_scr[...][:, :, :1]
+        m_new = jnp.maximum(m_prev, jnp.max(s, axis=2, keepdims=True))
+        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows that saw nothing yet: no NaN
+        alpha = jnp.exp(m_prev - m_use)
+        p = jnp.exp(s - m_use)
+        l_scr[...] = jnp.broadcast_to(l_scr[...][:, :, :1] * alpha + jnp.sum(p, axis=2, keepdims=True), l_scr.shape)
+        m_scr[...] = jnp.broadcast_to(m_new, m_scr.shape)
+        pv = _dot(p.reshape(G * TB, p.shape[2]).astype(v.dtype), v, precision).reshape(acc_scr.shape)
+        acc_scr[...] = acc_scr[...] * alpha + pv
+
+    _pipelined(blocks_ref[0, 0], copies, attend)
+    l = l_scr[...][:, :, :1]
+    seen = l > 0
+    o_ref[...] = (acc_scr[...] / jnp.where(seen, l, 1.0)).astype(o_ref.dtype)
+    lse_ref[...] = jnp.where(seen, m_scr[...][:, :, :1] + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
+
+
+def _probabilities(q, k, bias, lse, scale, precision):
+    """p [G, TB, BSP] float32 of the tile q [G * TB, Dkp] against the block k, recomputed from lse
+    [G, TB, 1] (0 where a row sees nothing)."""
+    s = _logits(q, k, bias, scale, precision)
+    return jnp.where(s > -jnp.inf, jnp.exp(s - jnp.where(lse > -jnp.inf, lse, 0.0)), 0.0)
+
+
+def _dlogits(p, do, v, delta, precision):
+    """ds = p * (do v^T - delta), [G * TB, BSP] float32, for p [G, TB, BSP], do [G * TB, Dvp], v [BSP, Dvp],
+    delta [G, TB, 1]."""
+    dp = _dot(do, v, precision, (1, 1)).reshape(p.shape)
+    return (p * (dp - delta)).reshape(do.shape[0], p.shape[2])
+
+
+def _dq_kernel(blocks_ref, q_ref, names_ref, do_ref, lse_ref, delta_ref, k_hbm, v_hbm, dq_ref, k_buf, v_buf, sems,
+               acc_scr, *, scale, block_size, precision):
+    b, h, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    G, TB, _ = q_ref.shape
+    q = q_ref[...].reshape(G * TB, q_ref.shape[2])
+    do = do_ref[...].reshape(G * TB, do_ref.shape[2])
+    names, lse, delta = names_ref[...], lse_ref[...], delta_ref[...]
+    acc_scr[...] = jnp.zeros(acc_scr.shape, jnp.float32)
+    copies = lambda u, slot: _block_copies(k_hbm, v_hbm, k_buf, v_buf, sems, b, h, blocks_ref[0, 1 + u], slot)
+
+    def step(u, slot):
+        bias = _block_bias(names, blocks_ref[0, 1 + u], i * TB, block_size=block_size, rows=k_buf.shape[1])
+        k = k_buf[slot]
+        p = _probabilities(q, k, bias, lse, scale, precision)
+        ds = _dlogits(p, do, v_buf[slot], delta, precision)
+        acc_scr[...] += _dot(ds.astype(k.dtype), k, precision)
+
+    _pipelined(blocks_ref[0, 0], copies, step)
+    dq_ref[...] = (acc_scr[...] * scale).reshape(dq_ref.shape).astype(dq_ref.dtype)
+
+
+def _dkdv_kernel(seg_ref, k_hbm, v_hbm, q_hbm, do_hbm, lse_hbm, delta_hbm, names_hbm, dk_ref, dv_ref, k_buf,
+                 v_buf, q_buf, do_buf, lse_buf, delta_buf, names_buf, sems, *, scale, block_size, precision):
+    """One segment, seg_ref [1, 4 + L] = (b, h, x, n, the n tiles of its entries): float32 partial dk and
+    dv [BSP, Dp] of block x (dk unscaled)."""
+    b, h, x, n = seg_ref[0, 0], seg_ref[0, 1], seg_ref[0, 2], seg_ref[0, 3]
+    _, G, TB, _ = q_buf.shape
+    dk_ref[...] = jnp.zeros(dk_ref.shape, jnp.float32)
+    dv_ref[...] = jnp.zeros(dv_ref.shape, jnp.float32)
+
+    @pl.when(n > 0)
+    def _block():
+        for c in _block_copies(k_hbm, v_hbm, k_buf, v_buf, sems, b, h, x, 0):
+            c.start()
+            c.wait()
+
+    def copies(u, slot):
+        tile = seg_ref[0, 4 + u]
+        return [pltpu.make_async_copy(src.at[b, h, tile], buf.at[slot], sems.at[2 + j, slot])
+                for j, (src, buf) in enumerate([(q_hbm, q_buf), (do_hbm, do_buf), (lse_hbm, lse_buf),
+                                                (delta_hbm, delta_buf), (names_hbm, names_buf)])]
+
+    def step(u, slot):
+        k, v = k_buf[0], v_buf[0]
+        q = q_buf[slot].reshape(G * TB, q_buf.shape[3])
+        do = do_buf[slot].reshape(G * TB, do_buf.shape[3])
+        bias = _block_bias(names_buf[slot], x, seg_ref[0, 4 + u] * TB, block_size=block_size, rows=k.shape[0])
+        p = _probabilities(q, k, bias, lse_buf[slot], scale, precision)
+        ds = _dlogits(p, do, v, delta_buf[slot], precision)
+        dv_ref[...] += _dot(p.reshape(G * TB, p.shape[2]).astype(do.dtype), do, precision, (0, 0))
+        dk_ref[...] += _dot(ds.astype(q.dtype), q, precision, (0, 0))
+
+    _pipelined(n, copies, step)
+
+
+def _reduce_kernel(list_ref, dk_hbm, dv_hbm, dk_ref, dv_ref, dk_buf, dv_buf, sems):
+    """One list, list_ref [1, 2] = (its first segment, its number of segments): the sum of its partials in
+    segment order."""
+    first = list_ref[0, 0]
+    dk_ref[...] = jnp.zeros(dk_ref.shape, jnp.float32)
+    dv_ref[...] = jnp.zeros(dv_ref.shape, jnp.float32)
+
+    def copies(u, slot):
+        return [pltpu.make_async_copy(dk_hbm.at[first + u], dk_buf.at[slot], sems.at[0, slot]),
+                pltpu.make_async_copy(dv_hbm.at[first + u], dv_buf.at[slot], sems.at[1, slot])]
+
+    def add(u, slot):
+        dk_ref[...] += dk_buf[slot]
+        dv_ref[...] += dv_buf[slot]
+
+    _pipelined(list_ref[0, 1], copies, add)
+
+
+# ------------------------------------------------------------------------------------------ layouts
+
+
+class _Layout(NamedTuple):
+    """The static sizes of one call (see the module docstring)."""
+
+    B: int
+    T: int
+    H: int
+    G: int
+    S: int
+    tb: int  # TB
+    nt: int  # NT = Tp / TB
+    bsp: int  # BSP: block_size rounded up to the sublane tile
+    dkp: int
+    dvp: int
+    num_rows: int  # block rows per (batch row, KV head): a static bound on the distinct blocks
+
+
+def _layout(q, k, v, block_indices, block_size, cu_seqlens, cfg):
+    B, T, HQ, Dk = q.shape
+    H, S = k.shape[2], block_indices.shape[3]
+    return _Layout(B, T, H, HQ // H, S, cfg.tokens, _cdiv(T, cfg.tokens),
+                   _round_up(block_size, _sublanes(k.dtype)), _round_up(Dk, LANES), _round_up(v.shape[3], LANES),
+                   num_compressed_blocks(T, block_size, cu_seqlens))
+
+
+def _pad_to(x, axis, size):
+    missing = size - x.shape[axis]
+    return x if missing == 0 else jnp.pad(x, [(0, missing if a == axis else 0) for a in range(x.ndim)],
+                                          constant_values=jnp.asarray(0, x.dtype))
+
+
+def _query_tiles(x, lay, dp):
+    """[B, T, HQ, D] -> [B, H, NT, G, TB, dp], zero-padded."""
+    x = _pad_to(_pad_to(x, 3, dp), 1, lay.nt * lay.tb)
+    x = x.reshape(lay.B, lay.nt, lay.tb, lay.H, lay.G, dp)
+    return jnp.transpose(x, (0, 3, 1, 4, 2, 5))
+
+
+def _from_query_tiles(x, lay, d):
+    """[B, H, NT, G, TB, Dp] -> [B, T, HQ, d]."""
+    x = jnp.transpose(x, (0, 2, 4, 1, 3, 5)).reshape(lay.B, lay.nt * lay.tb, lay.H * lay.G, x.shape[5])
+    return x[:, :lay.T, :, :d]
+
+
+def _row_tiles(x, lay, fill):
+    """[B, T, HQ] float32 -> [B, H, NT, G, TB, 1], padded with `fill`."""
+    x = jnp.pad(x.astype(jnp.float32), [(0, 0), (0, lay.nt * lay.tb - lay.T), (0, 0)], constant_values=fill)
+    return _query_tiles(x[..., None], lay, 1)
+
+
+def _key_rows(x, lay, dp):
+    """[B, T, H, D] -> [B, H, T + BSP, dp], zero-padded: a copy of BSP rows from any block start x < T stays
+    in bounds."""
+    return jnp.transpose(_pad_to(_pad_to(x, 3, dp), 1, lay.T + lay.bsp), (0, 2, 1, 3))
+
+
+def _names(block_indices, block_counts, cu_seqlens, lay, block_size):
+    """int32 [B, T, H, S]: each slot's block named by its first token's global row, _NONE where skipped."""
+    tok = tokens(lay.T, block_size, cu_seqlens)
+    pos, start = tok.pos[:, :, None, None], tok.start[:, :, None, None]
+    blk = block_indices.astype(jnp.int32)
+    counts = jnp.broadcast_to(jnp.asarray(block_counts, jnp.int32), block_indices.shape[:3])
+    valid = (jnp.arange(lay.S) < counts[..., None]) & (blk >= 0) & (blk <= pos // block_size)
+    return jnp.where(valid, start + jnp.where(valid, blk, 0) * block_size, _NONE)
+
+
+def _tile_names(names, lay):
+    """[B, T, H, S] -> [B, H, NT, TB, S], padded tokens listing nothing."""
+    names = jnp.pad(names, [(0, 0), (0, lay.nt * lay.tb - lay.T), (0, 0), (0, 0)], constant_values=_NONE)
+    return jnp.transpose(names.reshape(lay.B, lay.nt, lay.tb, lay.H, lay.S), (0, 3, 1, 2, 4))
+
+
+def _tile_blocks(tile_names, lay):
+    """[B, H, NT, U] int32: the distinct names each tile lists, increasing, then _PAST; and their number
+    [B, H, NT]."""
+    flat = tile_names.reshape(lay.B, lay.H, lay.nt, lay.tb * lay.S)
+    ordered = jnp.sort(jnp.where(flat == _NONE, _PAST, flat), axis=-1)
+    repeated = jnp.concatenate([jnp.zeros_like(ordered[..., :1], bool), ordered[..., 1:] == ordered[..., :-1]], -1)
+    union = jnp.sort(jnp.where(repeated, _PAST, ordered), axis=-1)[..., :min(lay.tb * lay.S, lay.num_rows)]
+    return union, jnp.sum(union != _PAST, axis=-1).astype(jnp.int32)
+
+
+def _smem_rows(*columns):
+    """Per-step SMEM tables: [..., 1, W] int32 from leading columns [...] and trailing tables [..., n]."""
+    cols = [c[..., None] if c.ndim == columns[0].ndim else c for c in columns]
+    return jnp.concatenate([c.astype(jnp.int32) for c in cols], axis=-1)[..., None, :]
+
+
+def _params(q, interpret, semantics):
+    return dict(compiler_params=pltpu.CompilerParams(dimension_semantics=semantics), interpret=interpret), dict(
+        precision=lax.Precision.HIGHEST if q.dtype == jnp.float32 else None)
+
+
+def _block_buffers(lay, k, v, copies):
+    """Double buffers of one block's keys and values, and the DMA semaphores of `copies` copy streams."""
+    return [pltpu.VMEM((2, lay.bsp, lay.dkp), k.dtype), pltpu.VMEM((2, lay.bsp, lay.dvp), v.dtype),
+            pltpu.SemaphoreType.DMA((copies, 2))]
+
+
+def _query_grid(kernel, lay, blocks, tiled, k_rows, v_rows, outputs, scratch, *, q, scale, block_size,
+                interpret):
+    """pallas_call of the forward or the dq kernel on the grid (B, H, NT): the tile's SMEM blocks row,
+    then the tiled inputs [B, H, NT, ...] (one block each), then k and v in HBM."""
+    def tile_spec(shape):
+        return pl.BlockSpec((None, None, None) + shape[3:], lambda b, h, i: (b, h, i) + (0,) * (len(shape) - 3))
+
+    compiler, dots = _params(q, interpret, ("parallel", "parallel", "parallel"))
+    any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    return pl.pallas_call(
+        functools.partial(kernel, scale=float(scale), block_size=block_size, **dots),
+        grid=(lay.B, lay.H, lay.nt),
+        in_specs=[pl.BlockSpec((None, None, None) + blocks.shape[3:], lambda b, h, i: (b, h, i, 0, 0),
+                               memory_space=pltpu.SMEM)]
+        + [tile_spec(x.shape) for x in tiled] + [any_spec, any_spec],
+        out_specs=[tile_spec(o.shape) for o in outputs],
+        out_shape=outputs, scratch_shapes=scratch, **compiler,
+    )(blocks, *tiled, k_rows, v_rows)
+
+
+def vmem_bytes(G, dk, dv, itemsize, block_size, num_slots, config):
+    """The VMEM one grid step holds, the largest over the four kernels: BlockSpec blocks double-buffered
+    (1-wide and int32 blocks padded to 128 lanes), the DMA buffers and the float32 scratch."""
+    tb, lanes = config.tokens, LANES
+    R = G * tb
+    bsp = _round_up(block_size, 32 // itemsize)
+    dkp, dvp = _round_up(dk, lanes), _round_up(dv, lanes)
+    slots = _round_up(num_slots, lanes)
+    tile = (R * dkp + R * dvp) * itemsize + 2 * R * lanes * 4 + tb * slots * 4  # q, do, lse, delta, names
+    block = bsp * (dkp + dvp) * itemsize
+    forward = 2 * (R * dkp * itemsize + tb * slots * 4 + R * dvp * itemsize + R * lanes * 4) + 2 * block \
+        + (2 * R * lanes + R * dvp) * 4
+    dq = 2 * (tile + R * dkp * itemsize) + 2 * block + R * dkp * 4
+    dkdv = 2 * tile + block + 2 * bsp * (dkp + dvp) * 4
+    reduce = 4 * bsp * (dkp + dvp) * 4
+    return max(forward, dq, dkdv, reduce)
+
+
+def _config(q, k, v, block_indices, block_size, cu_seqlens, config):
+    if config is not None:
+        return config
+    return default_config(q, k, v, block_indices, block_size=block_size, cu_seqlens=cu_seqlens)
+
+
+# ------------------------------------------------------------------------------------------ entry points
+
+
+def _check(q, k, v, block_indices, block_size):
+    if q.shape[2] % k.shape[2]:
+        raise ValueError(f"q: expected a multiple of k's {k.shape[2]} KV heads, got {q.shape[2]} heads")
+    if block_indices.shape[:3] != (q.shape[0], q.shape[1], k.shape[2]):
+        raise ValueError(f"block_indices: expected shape [B, T, H, S] = {q.shape[:2] + k.shape[2:3]} + [S], "
+                         f"got {block_indices.shape}")
+    if int(block_size) < 1:
+        raise ValueError(f"block_size: expected a positive int, got {block_size}")
+
+
+def forward(q, k, v, block_indices, block_counts, cu_seqlens, *, block_size, scale, interpret=False, config=None):
+    """o [B, T, HQ, Dv] (q's dtype) and the residuals (q, k, v, block_indices, block_counts, cu_seqlens, o,
+    lse [B, T, HQ] float32).
+
+    q [B, T, HQ, Dk], k [B, T, H, Dk], v [B, T, H, Dv]; block_indices int [B, T, H, S]; block_counts int
+    [B, T, H] (or a scalar); cu_seqlens None or int32 [N + 1] (B = 1). interpret: False (Mosaic) or a
+    pltpu.InterpretParams; config: a Config or None (`default_config`).
+    """
+    _check(q, k, v, block_indices, block_size)
+    cfg = _config(q, k, v, block_indices, block_size, cu_seqlens, config)
+    lay = _layout(q, k, v, block_indices, block_size, cu_seqlens, cfg)
+    names = _tile_names(_names(block_indices, block_counts, cu_seqlens, lay, block_size), lay)
+    union, count = _tile_blocks(names, lay)
+    tile_shape = (lay.B, lay.H, lay.nt, lay.G, lay.tb)
+    o, lse = _query_grid(
+        _fwd_kernel, lay, _smem_rows(count, union), [_query_tiles(q, lay, lay.dkp), names],
+        _key_rows(k, lay, lay.dkp), _key_rows(v, lay, lay.dvp),
+        [jax.ShapeDtypeStruct(tile_shape + (lay.dvp,), q.dtype), jax.ShapeDtypeStruct(tile_shape + (1,), jnp.float32)],
+        _block_buffers(lay, k, v, 2) + [pltpu.VMEM((lay.G, lay.tb, LANES), jnp.float32)] * 2
+        + [pltpu.VMEM((lay.G, lay.tb, lay.dvp), jnp.float32)],
+        q=q, scale=scale, block_size=block_size, interpret=interpret)
+    o = _from_query_tiles(o, lay, v.shape[3])
+    lse = _from_query_tiles(lse, lay, 1)[..., 0]
+    return o, (q, k, v, block_indices, block_counts, cu_seqlens, o, lse)
+
+
+def _segments(offsets, num_entries, seg_len):
+    """The lists (list i: entries offsets[i] : offsets[i + 1]) cut into segments of at most seg_len entries,
+    all int32: (seg_offsets [NL + 1]: list i owns segments seg_offsets[i] : seg_offsets[i + 1], in entry
+    order; seg_list, seg_lo, seg_hi [NSEG]: the list and the entries of each segment). NSEG = NL + ceil(num_entries / seg_len)
+    bounds sum_i ceil(len_i / seg_len) statically; the segments past the real ones are empty."""
+    NL = offsets.shape[0] - 1
+    counts = _cdiv(offsets[1:] - offsets[:-1], seg_len)
+    seg_offsets = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(counts).astype(jnp.int32)])
+    s = jnp.arange(NL + _cdiv(num_entries, seg_len), dtype=jnp.int32)
+    seg_list = jnp.searchsorted(seg_offsets[1:], s, side="right").astype(jnp.int32)
+    real = seg_list < NL
+    seg_list = jnp.where(real, seg_list, 0)
+    lo = jnp.where(real, offsets[seg_list] + (s - seg_offsets[seg_list]) * seg_len, 0)
+    hi = jnp.where(real, jnp.minimum(lo + seg_len, offsets[seg_list + 1]), 0)
+    return seg_offsets, seg_list, lo, hi
+
+
+def _block_lists(union, cu_seqlens, lay, block_size):
+    """The selections inverted: every (tile, union block) entry keyed by its list (b * H + h) * NR + block
+    row, stably sorted. Returns (offsets [NL + 1]: list i is the entries offsets[i] : offsets[i + 1];
+    tile [E]: each entry's query tile, increasing within a list; name [E]: its block's name)."""
+    tok = tokens(lay.T, block_size, cu_seqlens)
+    valid = union != _PAST
+    x = jnp.where(valid, union, 0)
+    row = tok.cmp_start[0][x] + tok.pos[0][x] // block_size  # the block's row among its (b, h)'s NR rows
+    bh = (jnp.arange(lay.B)[:, None] * lay.H + jnp.arange(lay.H)[None, :])[:, :, None, None]
+    num_lists = lay.B * lay.H * lay.num_rows
+    key = jnp.where(valid, bh * lay.num_rows + row, num_lists).reshape(-1)
+    tile = jnp.broadcast_to(jnp.arange(lay.nt, dtype=jnp.int32)[:, None], union.shape).reshape(-1)
+    key, tile, name = lax.sort((key, tile, x.reshape(-1)), num_keys=1, is_stable=True)
+    offsets = jnp.searchsorted(key, jnp.arange(num_lists + 1, dtype=jnp.int32), side="left").astype(jnp.int32)
+    return offsets, tile, name
+
+
+def _dkdv_partials(lay, segments, k_rows, v_rows, tiled, *, q, k, v, scale, block_size, interpret):
+    """The dk/dv kernel on the grid (NSEG,): float32 partials [NSEG, BSP, Dkp] and [NSEG, BSP, Dvp]."""
+    nseg = segments.shape[0]
+    compiler, dots = _params(q, interpret, ("parallel",))
+    any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    tile_buffer = lambda x: pltpu.VMEM((2,) + x.shape[3:], x.dtype)
+    return pl.pallas_call(
+        functools.partial(_dkdv_kernel, scale=float(scale), block_size=block_size, **dots),
+        grid=(nseg,),
+        in_specs=[pl.BlockSpec((None,) + segments.shape[1:], lambda s: (s, 0, 0), memory_space=pltpu.SMEM)]
+        + [any_spec] * (2 + len(tiled)),
+        out_specs=[pl.BlockSpec((None, lay.bsp, lay.dkp), lambda s: (s, 0, 0)),
+                   pl.BlockSpec((None, lay.bsp, lay.dvp), lambda s: (s, 0, 0))],
+        out_shape=[jax.ShapeDtypeStruct((nseg, lay.bsp, lay.dkp), jnp.float32),
+                   jax.ShapeDtypeStruct((nseg, lay.bsp, lay.dvp), jnp.float32)],
+        scratch_shapes=[pltpu.VMEM((1, lay.bsp, lay.dkp), k.dtype), pltpu.VMEM((1, lay.bsp, lay.dvp), v.dtype)]
+        + [tile_buffer(x) for x in tiled] + [pltpu.SemaphoreType.DMA((2 + len(tiled), 2))], **compiler,
+    )(segments, k_rows, v_rows, *tiled)
+
+
+def _reduced(lay, lists, dk_part, dv_part, *, interpret):
+    """The reduce kernel on the grid (NL,): each list's partials summed in segment order, [NL, BSP, Dp]."""
+    num_lists = lists.shape[0]
+    compiler, _ = _params(dk_part, interpret, ("parallel",))
+    any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    return pl.pallas_call(
+        _reduce_kernel, grid=(num_lists,),
+        in_specs=[pl.BlockSpec((None, 1, 2), lambda l: (l, 0, 0), memory_space=pltpu.SMEM), any_spec, any_spec],
+        out_specs=[pl.BlockSpec((None, lay.bsp, lay.dkp), lambda l: (l, 0, 0)),
+                   pl.BlockSpec((None, lay.bsp, lay.dvp), lambda l: (l, 0, 0))],
+        out_shape=[jax.ShapeDtypeStruct((num_lists, lay.bsp, lay.dkp), jnp.float32),
+                   jax.ShapeDtypeStruct((num_lists, lay.bsp, lay.dvp), jnp.float32)],
+        scratch_shapes=[pltpu.VMEM((2, lay.bsp, lay.dkp), jnp.float32), pltpu.VMEM((2, lay.bsp, lay.dvp), jnp.float32),
+                        pltpu.SemaphoreType.DMA((2, 2))], **compiler,
+    )(lists, dk_part, dv_part)
+
+
+def _per_key_row(sums, cu_seqlens, lay, block_size, d):
+    """[NL, BSP, Dp] sums per (list, row in the block) -> [B, T, H, d]: key row t of (b, h) is row
+    pos[t] % block_size of list (b * H + h) * NR + its block row."""
+    tok = tokens(lay.T, block_size, cu_seqlens)
+    row = tok.cmp_start[0] + tok.pos[0] // block_size  # [T]
+    lst = (jnp.arange(lay.B)[:, None, None] * lay.H + jnp.arange(lay.H)[None, None, :]) * lay.num_rows \
+        + row[None, :, None]  # [B, T, H]
+    return sums[lst, (tok.pos[0] % block_size)[None, :, None], :d]
+
+
+def backward(residuals, do, *, block_size, scale, interpret=False, config=None):
+    """Gradients (dq, dk, dv, None, None, None) in q's, k's and v's dtypes, from `forward`'s residuals and
+    do [B, T, HQ, Dv]; interpret and config as for `forward`."""
+    q, k, v, block_indices, block_counts, cu_seqlens, o, lse = residuals
+    cfg = _config(q, k, v, block_indices, block_size, cu_seqlens, config)
+    lay = _layout(q, k, v, block_indices, block_size, cu_seqlens, cfg)
+    names = _tile_names(_names(block_indices, block_counts, cu_seqlens, lay, block_size), lay)
+    union, count = _tile_blocks(names, lay)
+    delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)
+    do = do.astype(q.dtype)
+    tiled = [_query_tiles(q, lay, lay.dkp), _query_tiles(do, lay, lay.dvp), _row_tiles(lse, lay, -jnp.inf),
+             _row_tiles(delta, lay, 0.0), names]
+    k_rows, v_rows = _key_rows(k, lay, lay.dkp), _key_rows(v, lay, lay.dvp)
+    common = dict(q=q, scale=scale, block_size=block_size, interpret=interpret)
+
+    [dq] = _query_grid(
+        _dq_kernel, lay, _smem_rows(count, union), [tiled[0], names] + tiled[1:4], k_rows, v_rows,
+        [jax.ShapeDtypeStruct((lay.B, lay.H, lay.nt, lay.G, lay.tb, lay.dkp), q.dtype)],
+        _block_buffers(lay, k, v, 2) + [pltpu.VMEM((lay.G * lay.tb, lay.dkp), jnp.float32)], **common)
+
+    offsets, tile, name = _block_lists(union, cu_seqlens, lay, block_size)
+    seg_offsets, seg_list, lo, hi = _segments(offsets, tile.shape[0], cfg.segment)
+    entry = jnp.minimum(lo[:, None] + jnp.arange(cfg.segment), tile.shape[0] - 1)
+    lists_per_b = lay.H * lay.num_rows
+    segments = _smem_rows(seg_list // lists_per_b, seg_list % lists_per_b // lay.num_rows, name[lo], hi - lo,
+                          tile[entry])
+    dk_part, dv_part = _dkdv_partials(lay, segments, k_rows, v_rows, tiled, k=k, v=v, **common)
+    lists = _smem_rows(seg_offsets[:-1], seg_offsets[1:] - seg_offsets[:-1])
+    dk_sum, dv_sum = _reduced(lay, lists, dk_part, dv_part, interpret=interpret)
+    dq = _from_query_tiles(dq, lay, q.shape[3])
+    dk = _per_key_row(dk_sum, cu_seqlens, lay, block_size, k.shape[3]) * scale
+    dv = _per_key_row(dv_sum, cu_seqlens, lay, block_size, v.shape[3])
+    return dq, dk.astype(k.dtype), dv.astype(v.dtype), None, None, None
