@@ -14,8 +14,10 @@ a multiple of 128 lanes inside the op, T padded to a multiple of TB, R = the row
 may name, padded to a multiple of BC with zero rows), so the block (1, TB, G * Dp) at column h holds the G
 query heads of KV head h side by side (head g at lanes [g * Dp, (g + 1) * Dp): a static, aligned slice) and
 (1, BC, Dp) at column h is one chunk of that head's compressed rows, with no transpose. Per token, int32
-[T, 3]: its first row, its end of visible rows and the row of its current block (padded tokens: 0, 0, -1,
-no candidates). lse travels as [B, H, T, G] float32 (a (TB, G) block: its minor dim is the whole dim). The
+[3, T, 1]: its first row, its end of visible rows and the row of its current block (padded tokens: 0, 0,
+-1, no candidates), each read as a [TB, 1] column. lse travels as [B, H, T, G] float32 (a (TB, G) block:
+its minor dim is the whole dim); head g's column, like m's and l's, is picked by a masked lane reduction
+rather than an unaligned lane slice. The
 ids are written as [B, H, T, S] int32 (S = min(block_counts, cdiv(T, bs)) slots: no token has more
 candidates), returned as [B, T, H, block_counts] with -1 in the slots past S.
 
@@ -35,10 +37,10 @@ left and gets -1. Row ids are float32 in these passes (exact below 2^24 rows) so
 a float one.
 
 VMEM per step (`vmem_bytes`; the pipeline double-buffers each block): q (TB, G * Dp) and k_cmp (BC, Dp) in
-the input dtype, the token rows (TB, 3), lse (TB, G) and the ids (TB, S) (each padded to 128 lanes), plus
+the input dtype, the token rows (3, TB, 1), lse (TB, G) and the ids (TB, S) (each padded to 128 lanes), plus
 the float32 scratch: ranks [R / BC, TB, BC] and m, l (TB, G). `default_config` halves TB until that is
 within 12 MiB (Mosaic's default scoped VMEM limit is 16 MiB): at the standard shape (T = 8192, block_size
-64, G = 16, TB = 128) it is 1.6 MiB in bfloat16 at Dk = 128 and 5.2 MiB in float32 at Dk = 256. The ranks
+64, G = 16, TB = 128) it is 1.9 MiB in bfloat16 at Dk = 128 and 5.1 MiB in float32 at Dk = 256. The ranks
 grow with R (T / block_size): TB = 128 holds R up to about 16k rows in 8 MiB.
 """
 
@@ -92,7 +94,7 @@ def vmem_bytes(G, dk, itemsize, num_rows, slots, config):
     tb, bc = config
     dkp = _round_up(dk, LANES)
     lanes = lambda n: _round_up(n, LANES)
-    blocks = (tb * G * dkp + bc * dkp) * itemsize + tb * (lanes(3) + lanes(G) + lanes(slots)) * 4
+    blocks = (tb * G * dkp + bc * dkp) * itemsize + tb * (3 * LANES + lanes(G) + lanes(slots)) * 4
     return 2 * blocks + (_round_up(num_rows, bc) * tb + 2 * tb * lanes(G)) * 4
 
 
@@ -133,16 +135,23 @@ def _logits(q_ref, k, g, visible, *, scale, dkp, precision):
     return jnp.where(visible, _dot(q, k, precision, transpose_b=True) * scale, -jnp.inf)
 
 
+def _pick(x, g):
+    """Column g [TB, 1] of x [TB, G] float32, by a masked lane reduction (no unaligned lane slice)."""
+    return jnp.max(jnp.where(lax.broadcasted_iota(jnp.int32, x.shape, 1) == g, x, -jnp.inf), axis=1, keepdims=True)
+
+
 def _online_softmax(q_ref, k, visible, m_scr, l_scr, **kw):
     """The first pass: folds the chunk into each query row's running maximum m and sum l, (TB, G)."""
-    for g in range(m_scr.shape[1]):
+    m_all, l_all = m_scr[...], l_scr[...]
+    head = lax.broadcasted_iota(jnp.int32, m_all.shape, 1)
+    for g in range(m_all.shape[1]):
         s = _logits(q_ref, k, g, visible, **kw)
-        m_prev = m_scr[:, g:g + 1]
+        m_prev = _pick(m_all, g)
         m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
         m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows that saw nothing yet: no NaN
-        l_scr[:, g:g + 1] = l_scr[:, g:g + 1] * jnp.exp(m_prev - m_use) + jnp.sum(jnp.exp(s - m_use), axis=1,
-                                                                                  keepdims=True)
-        m_scr[:, g:g + 1] = m_new
+        l_new = _pick(l_all, g) * jnp.exp(m_prev - m_use) + jnp.sum(jnp.exp(s - m_use), axis=1, keepdims=True)
+        m_all, l_all = jnp.where(head == g, m_new, m_all), jnp.where(head == g, l_new, l_all)
+    m_scr[...], l_scr[...] = m_all, l_all
 
 
 def _chunk_scores(q_ref, k, visible, lse_ref, m_scr, l_scr, **kw):
@@ -150,15 +159,17 @@ def _chunk_scores(q_ref, k, visible, lse_ref, m_scr, l_scr, **kw):
     lse (as nsa.reference.compressed.probabilities), else exp(s - m) / l (as its softmax); 0 where a row is
     not visible or a query sees nothing."""
     G = m_scr.shape[1]
+    m_all, l_all = m_scr[...], l_scr[...]
+    lse_all = None if lse_ref is None else lse_ref[0, 0]
     total = None
     for g in range(G):
         s = _logits(q_ref, k, g, visible, **kw)
         if lse_ref is None:
-            m, l = m_scr[:, g:g + 1], l_scr[:, g:g + 1]
+            m, l = _pick(m_all, g), _pick(l_all, g)
             seen = l > 0
             p = jnp.exp(s - jnp.where(seen, m, 0.0)) / jnp.where(seen, l, 1.0)
         else:
-            lse = lse_ref[0, 0, :, g:g + 1]
+            lse = _pick(lse_all, g)
             seen = lse > -jnp.inf
             p = jnp.exp(s - jnp.where(seen, lse, 0.0))
         p = jnp.where(visible & seen, p, 0.0)
@@ -215,10 +226,9 @@ def _kernel(band_ref, rows_ref, q_ref, k_ref, *refs, scale, dkp, steps, has_lse,
     lo, hi = band_ref[i], band_ref[pl.num_programs(2) + i]
     chunk = lo + lax.rem(j, steps)
     tb, bc = rank_scr.shape[1], rank_scr.shape[2]
-    tok = rows_ref[...]  # [TB, 3]: first row, end of visible rows, current block's row
-    first, cur = tok[:, 0:1], tok[:, 2:3]
+    first, end, cur = rows_ref[0], rows_ref[1], rows_ref[2]  # [TB, 1] each
     row = chunk * bc + lax.broadcasted_iota(jnp.int32, (tb, bc), 1)
-    visible = (row >= first) & (row < tok[:, 1:2])
+    visible = (row >= first) & (row < end)
     kw = dict(scale=scale, dkp=dkp, precision=precision)
 
     if not has_lse:
@@ -245,14 +255,14 @@ def _kernel(band_ref, rows_ref, q_ref, k_ref, *refs, scale, dkp, steps, has_lse,
 
 
 def _token_rows(T, tp, NC, block_size, cu_seqlens):
-    """int32 [tp, 3] per token: its first row of k_cmp, the end of its visible rows (at most NC) and the row
-    of its current block; padded tokens 0, 0, -1 (no candidates)."""
+    """int32 [3, tp, 1]: per token its first row of k_cmp, the end of its visible rows (at most NC) and the
+    row of its current block; padded tokens 0, 0, -1 (no candidates)."""
     tok = tokens(T, block_size, cu_seqlens)
     first, pos = tok.cmp_start[0], tok.pos[0]
     end = jnp.minimum(first + (pos + 1) // block_size, NC)
-    rows = jnp.stack([first, end, first + pos // block_size], axis=1).astype(jnp.int32)
-    padding = jnp.broadcast_to(jnp.array([0, 0, -1], jnp.int32), (tp - T, 3))
-    return jnp.concatenate([rows, padding])
+    rows = jnp.stack([first, end, first + pos // block_size]).astype(jnp.int32)
+    padding = jnp.broadcast_to(jnp.array([[0], [0], [-1]], jnp.int32), (3, tp - T))
+    return jnp.concatenate([rows, padding], axis=1)[..., None]
 
 
 def forward(q, k_cmp, lse, cu_seqlens, *, block_counts, block_size, scale, interpret=False, config=None):
@@ -276,14 +286,14 @@ def forward(q, k_cmp, lse, cu_seqlens, *, block_counts, block_size, scale, inter
     rp = _round_up(_num_rows(T, NC, block_size, cu_seqlens), bc)
     nt, steps = tp // tb, rp // bc
     rows = _token_rows(T, tp, NC, block_size, cu_seqlens)
-    band = jnp.minimum(_bands(rows[:, 0], rows[:, 2], nt, bc), steps - 1)  # first, then last chunk per tile
+    band = jnp.minimum(_bands(rows[0, :, 0], rows[2, :, 0], nt, bc), steps - 1)  # first, then last chunk per tile
     passes = 1 if lse is not None else 2
 
     def chunk_map(b, h, i, j, band):  # the clamped chunk: a skipped step re-maps to the last one
         return b, jnp.minimum(band[i] + lax.rem(j, steps), jnp.maximum(band[nt + i], band[i])), h
 
     tile_map = lambda b, h, i, j, band: (b, h, i, 0)
-    in_specs = [pl.BlockSpec((tb, 3), lambda b, h, i, j, band: (i, 0)),
+    in_specs = [pl.BlockSpec((3, tb, 1), lambda b, h, i, j, band: (0, i, 0)),
                 pl.BlockSpec((1, tb, G * dkp), lambda b, h, i, j, band: (b, i, h)),
                 pl.BlockSpec((1, bc, dkp), chunk_map)]
     args = [band, rows, _view(q, tp, dkp), _view(k_cmp, rp, dkp)]
