@@ -144,14 +144,27 @@ def _block_copies(k_hbm, v_hbm, k_buf, v_buf, sems, b, h, x, slot):
 
 
 def _block_bias(names, x, t0, *, block_size, rows):
-    """[TB, BSP] float32: log(m) where token t0 + j (names [TB, S]: its slots) lists block x m > 0 times
-    and sees key row x + c (c < block_size, x + c <= t0 + j); -inf elsewhere."""
+    """How the TB tokens t0 + j of a tile (names [TB, S]: their slots) see block x: (bias [TB, BSP]
+    float32: log(m) where token t0 + j lists x m > 0 times and sees key row x + c (c < block_size and
+    x + c <= t0 + j), -inf elsewhere; last [1, 1]: the last token that lists x, -1 if none)."""
     listed = jnp.sum((names == x).astype(jnp.float32), axis=1, keepdims=True)  # [TB, 1]
     shape = (names.shape[0], rows)
     c = lax.broadcasted_iota(jnp.int32, shape, 1)
     token = t0 + lax.broadcasted_iota(jnp.int32, shape, 0)
     seen = (listed > 0) & (c < block_size) & (x + c <= token)
-    return jnp.where(seen, jnp.log(jnp.maximum(listed, 1.0)), -jnp.inf)
+    last = jnp.max(jnp.where(listed > 0, token[:, :1], -1), axis=(0, 1), keepdims=True)
+    return jnp.where(seen, jnp.log(jnp.maximum(listed, 1.0)), -jnp.inf), last
+
+
+def _block(k_buf, v_buf, slot, x, last, block_size):
+    """The keys [BSP, Dkp] and values [BSP, Dvp] of block x in buffer `slot`, with the rows no token of the
+    tile sees (past the block, or past `last`, the last token listing it) zeroed: they hold another
+    block's or sequence's rows, possibly never meant to be read, and 0 * NaN would leak into p v and
+    do v^T."""
+    c = lax.broadcasted_iota(jnp.int32, (k_buf.shape[1], 1), 0)
+    keep = (c < block_size) & (x + c <= last)
+    k, v = k_buf[slot], v_buf[slot]
+    return jnp.where(keep, k, jnp.zeros_like(k)), jnp.where(keep, v, jnp.zeros_like(v))
 
 
 def _logits(q, k, bias, scale, precision):
@@ -173,9 +186,10 @@ def _fwd_kernel(blocks_ref, q_ref, names_ref, k_hbm, v_hbm, o_ref, lse_ref, k_bu
     copies = lambda u, slot: _block_copies(k_hbm, v_hbm, k_buf, v_buf, sems, b, h, blocks_ref[0, 1 + u], slot)
 
     def attend(u, slot):
-        bias = _block_bias(names, blocks_ref[0, 1 + u], i * TB, block_size=block_size, rows=k_buf.shape[1])
-        v = v_buf[slot]
-        s = _logits(q, k_buf[slot], bias, scale, precision)  # [G, TB, BSP]
+        x = blocks_ref[0, 1 + u]
+        bias, last = _block_bias(names, x, i * TB, block_size=block_size, rows=k_buf.shape[1])
+        k, v = _block(k_buf, v_buf, slot, x, last, block_size)
+        s = _logits(q, k, bias, scale, precision)  # [G, TB, BSP]
         m_prev = m_scr[...][:, :, :1]
         m_new = jnp.maximum(m_prev, jnp.max(s, axis=2, keepdims=True))
         m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows that saw nothing yet: no NaN
@@ -218,10 +232,11 @@ def _dq_kernel(blocks_ref, q_ref, names_ref, do_ref, lse_ref, delta_ref, k_hbm, 
     copies = lambda u, slot: _block_copies(k_hbm, v_hbm, k_buf, v_buf, sems, b, h, blocks_ref[0, 1 + u], slot)
 
     def step(u, slot):
-        bias = _block_bias(names, blocks_ref[0, 1 + u], i * TB, block_size=block_size, rows=k_buf.shape[1])
-        k = k_buf[slot]
+        x = blocks_ref[0, 1 + u]
+        bias, last = _block_bias(names, x, i * TB, block_size=block_size, rows=k_buf.shape[1])
+        k, v = _block(k_buf, v_buf, slot, x, last, block_size)
         p = _probabilities(q, k, bias, lse, scale, precision)
-        ds = _dlogits(p, do, v_buf[slot], delta, precision)
+        ds = _dlogits(p, do, v, delta, precision)
         acc_scr[...] += _dot(ds.astype(k.dtype), k, precision)
 
     _pipelined(blocks_ref[0, 0], copies, step)
@@ -238,7 +253,7 @@ def _dkdv_kernel(seg_ref, k_hbm, v_hbm, q_hbm, do_hbm, lse_hbm, delta_hbm, names
     dv_ref[...] = jnp.zeros(dv_ref.shape, jnp.float32)
 
     @pl.when(n > 0)
-    def _block():
+    def _copy_block():
         for c in _block_copies(k_hbm, v_hbm, k_buf, v_buf, sems, b, h, x, 0):
             c.start()
             c.wait()
@@ -250,10 +265,11 @@ def _dkdv_kernel(seg_ref, k_hbm, v_hbm, q_hbm, do_hbm, lse_hbm, delta_hbm, names
                                                 (delta_hbm, delta_buf), (names_hbm, names_buf)])]
 
     def step(u, slot):
-        k, v = k_buf[0], v_buf[0]
         q = q_buf[slot].reshape(G * TB, q_buf.shape[3])
         do = do_buf[slot].reshape(G * TB, do_buf.shape[3])
-        bias = _block_bias(names_buf[slot], x, seg_ref[0, 4 + u] * TB, block_size=block_size, rows=k.shape[0])
+        bias, last = _block_bias(names_buf[slot], x, seg_ref[0, 4 + u] * TB, block_size=block_size,
+                                 rows=k_buf.shape[1])
+        k, v = _block(k_buf, v_buf, 0, x, last, block_size)
         p = _probabilities(q, k, bias, lse_buf[slot], scale, precision)
         ds = _dlogits(p, do, v, delta_buf[slot], precision)
         dv_ref[...] += _dot(p.reshape(G * TB, p.shape[2]).astype(do.dtype), do, precision, (0, 0))

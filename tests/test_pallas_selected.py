@@ -1,0 +1,199 @@
+"""The Pallas TPU kernels of selected attention (nsa/pallas/selected.py).
+
+On the CPU they run in Pallas's TPU interpret mode (race detection on) against the XLA reference
+(nsa.reference.selected) on float32 copies of the same rounded inputs: o, lse, dq, dk and dv, on G = 1, 3
+and 16, Dv != Dk, head dims that are not a multiple of 128 lanes, T not a multiple of the tile, block
+sizes 8 to 64 (bf16 at 8: the copied rows pass the block), random selections with -1, out-of-range and
+repeated entries and per-token counts, packed sequences with an empty one (cu_seqlens traced under jit),
+rows that see nothing, keys that must never be read (NaN), lists split into many dk/dv segments, and
+bitwise repeatable gradients. Forward and backward are also exported for TPU (jax.export,
+platforms=["tpu"]), which lowers them through Mosaic's Pallas lowering, at the standard shape and an odd
+one; and the VMEM of a grid step is bounded up to heads of 256 in float32.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import tpu as pltpu
+
+from nsa._varlen import tokens
+from nsa.pallas import selected
+from nsa.reference import selected as reference
+from tests.base import GRAD_TOLERANCE, TOLERANCE, Inputs, assert_close, gradient_scales
+
+INTERPRET = pltpu.InterpretParams(detect_races=True)
+CU = np.array([0, 37, 37, 150, 200], np.int32)  # lengths 37, 0, 113, 50 (T = 200)
+SHORT_CU = np.array([0, 13, 13, 40, 60], np.int32)  # lengths 13, 0, 27, 20 (T = 60)
+
+# (B, T, HQ, H, Dk, Dv, block_size), dtype, block_counts, cu_seqlens
+CASES = {
+    "G1-dv32-bs8-B2": ((2, 40, 2, 2, 16, 32, 8), "float32", "int", None),
+    "G3-T70": ((1, 70, 3, 1, 32, 16, 16), "float32", "array", None),  # TB = 48: the second tile is partial
+    "G16-bs32": ((1, 50, 16, 1, 16, 24, 32), "float32", "array", None),
+    "G3-bf16-bs8": ((1, 60, 6, 2, 64, 48, 8), "bfloat16", "array", None),  # 16 rows copied per block of 8
+    "G2-varlen": ((1, 200, 4, 2, 32, 32, 16), "float32", "array", CU),
+    "T<bs-bs64": ((1, 40, 2, 1, 16, 24, 64), "float32", "all", None),
+}
+
+
+def _counts(kind, B, T, H, S):
+    counts = {"all": np.full((B, T, H), S), "int": np.full((B, T, H), 3),
+              "array": np.random.default_rng(2).integers(0, S + 2, (B, T, H))}[kind]  # 0 to past S
+    return jnp.asarray(counts, jnp.int32)
+
+
+def _kernels(x, idx, counts, cu, *, config=None):
+    """(o, lse, (dq, dk, dv)) of the kernels in interpret mode, jitted (a cu_seqlens is traced)."""
+    bs, scale = x.block_size, x.shape[4] ** -0.5
+
+    @jax.jit
+    def run(q, k, v, do, idx, counts, cu):
+        o, res = selected.forward(q, k, v, idx, counts, cu, block_size=bs, scale=scale, interpret=INTERPRET,
+                                  config=config)
+        assert len(res) == 8 and res[-2] is o
+        grads = selected.backward(res, do, block_size=bs, scale=scale, interpret=INTERPRET, config=config)
+        assert grads[3:] == (None, None, None)
+        return o, res[-1], grads[:3]
+
+    return run(x.q, x.k, x.v, x.do, jnp.asarray(idx), counts, None if cu is None else jnp.asarray(cu))
+
+
+def _reference(x, idx, counts, cu, k=None, v=None):
+    """(o, lse, (dq, dk, dv)) of the XLA reference on float32 copies."""
+    f32 = lambda a: jnp.asarray(a, jnp.float32)
+    kw = dict(block_size=x.block_size, scale=x.shape[4] ** -0.5)
+    cu = None if cu is None else jnp.asarray(cu)
+    o, res = reference.forward(f32(x.q), f32(x.k if k is None else k), f32(x.v if v is None else v),
+                               jnp.asarray(idx), counts, cu, **kw)
+    return o, res[-1], reference.backward(res, f32(x.do), **kw)[:3]
+
+
+def _assert_matches(got, ref, x, dtype, what=""):
+    o, lse, grads = got
+    o_ref, lse_ref, grads_ref = ref
+    assert o.dtype == x.q.dtype and o.shape == o_ref.shape and lse.dtype == jnp.float32
+    assert_close(o, o_ref, TOLERANCE[dtype], f"{what} o")
+    lse, lse_ref = np.asarray(lse), np.asarray(lse_ref)
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(lse_ref))
+    seen = np.isfinite(lse_ref)
+    assert_close(lse[seen], lse_ref[seen], TOLERANCE[dtype], f"{what} lse")
+    sizes = gradient_scales(x.q, x.k, x.v, x.do, x.shape[4] ** -0.5)
+    for name, g, g_ref, arg, size in zip(("dq", "dk", "dv"), grads, grads_ref, (x.q, x.k, x.v), sizes):
+        assert g.dtype == arg.dtype and g.shape == arg.shape, name
+        assert_close(g, g_ref, GRAD_TOLERANCE[dtype], f"{what} {name}", size)
+
+
+@pytest.mark.parametrize("shape, dtype, counts, cu", CASES.values(), ids=CASES.keys())
+def test_matches_the_reference_in_interpret_mode(shape, dtype, counts, cu):
+    x = Inputs(shape, dtype)
+    B, T, _, H = shape[:4]
+    idx = x.block_indices(5)  # -1, -2, beyond t // bs, 2^30 and repeated entries
+    counts = _counts(counts, B, T, H, 5)
+    _assert_matches(_kernels(x, idx, counts, cu), _reference(x, idx, counts, cu), x, dtype)
+
+
+def test_lists_split_into_segments_and_bitwise_repeatable():
+    """A Config of tiles of 8 tokens and dk/dv segments of 2 tiles: block 0 of a sequence and each token's
+    own block (listed twice) are in every tile's union, so their lists are cut into several segments
+    that the reduce adds; packed sequences (traced), against the reference, and two runs bitwise equal."""
+    x = Inputs((1, 60, 3, 1, 16, 24, 16), "float32")
+    B, T, _, H = x.shape[:4]
+    pos = np.asarray(tokens(T, 16, jnp.asarray(SHORT_CU)).pos[0])
+    rand = np.random.default_rng(3).integers(-1, pos // 16 + 2)  # -1, a visible block or the next (invalid)
+    idx = np.stack([0 * pos, pos // 16, pos // 16, rand], -1)[None, :, None].astype(np.int32)
+    counts = jnp.full((B, T, H), 4, jnp.int32)
+    config = selected.Config(tokens=8, segment=2)
+    first, second = (_kernels(x, idx, counts, SHORT_CU, config=config) for _ in range(2))
+    for a, b in zip(jax.tree_util.tree_leaves(first), jax.tree_util.tree_leaves(second)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    _assert_matches(first, _reference(x, idx, counts, SHORT_CU), x, "float32", "segments")
+
+
+def test_invalid_entries_are_never_read():
+    """Keys and values from token 2 * bs on are NaN and no query may read them: listed as -1, as a future
+    block, at 2^30, in a slot past block_counts, or as the rows a bf16 copy of 16 rows takes past a block of
+    8. Every output and gradient equals the reference's on zeros there; their dk and dv are zero."""
+    B, T, HQ, H, D, bs = 1, 40, 3, 1, 16, 8
+    x = Inputs((B, T, HQ, H, D, D, bs), "bfloat16")
+    t = np.arange(T)
+    future = np.stack([t // bs, np.full(T, 2), np.full(T, -1), np.full(T, 2 ** 30)], -1)  # 2 > t // bs
+    late = np.stack([np.zeros(T), np.ones(T), np.full(T, 2), np.full(T, 3)], -1)  # slots 2, 3 past the count
+    idx = np.where((t < 2 * bs)[:, None], future, late).astype(np.int32)[None, :, None, :]
+    counts = jnp.asarray(np.where(t < 2 * bs, 4, 2).astype(np.int32)[None, :, None])
+    poison = (t >= 2 * bs)[None, :, None, None]
+    k_nan, v_nan = (jnp.where(poison, jnp.nan, a).astype(a.dtype) for a in (x.k, x.v))
+    k_zero, v_zero = (jnp.where(poison, 0, a).astype(a.dtype) for a in (x.k, x.v))
+    x.k = k_nan
+    x.v = v_nan
+    got = _kernels(x, idx, counts, None)
+    x.k, x.v = k_zero, v_zero
+    _assert_matches(got, _reference(x, idx, counts, None), x, "bfloat16", "poisoned")
+    _, _, (_, dk, dv) = got
+    assert np.all(np.asarray(dk)[:, 2 * bs:] == 0) and np.all(np.asarray(dv)[:, 2 * bs:] == 0)
+
+
+def test_rows_that_see_nothing():
+    """Every other token sees nothing: o = 0, lse = -inf and dq = 0 there exactly; a call where no token
+    sees anything gives zeros everywhere."""
+    x = Inputs((1, 32, 3, 1, 16, 32, 16), "float32")
+    B, T, _, H = x.shape[:4]
+    t = np.arange(T)[None, :, None, None]
+    idx = np.broadcast_to(np.where(t % 2 == 0, -1, t // 16), (B, T, H, 2)).astype(np.int32)
+    counts = jnp.full((B, T, H), 2, jnp.int32)
+    got = _kernels(x, idx, counts, None)
+    o, lse, (dq, _, _) = got
+    blind = np.arange(T) % 2 == 0
+    assert np.all(np.asarray(o)[:, blind] == 0) and np.all(np.asarray(dq)[:, blind] == 0)
+    assert np.all(np.isneginf(np.asarray(lse)[:, blind])) and np.all(np.isfinite(np.asarray(lse)[:, ~blind]))
+    _assert_matches(got, _reference(x, idx, counts, None), x, "float32", "partly blind")
+
+    o, lse, grads = _kernels(x, np.full((B, T, H, 2), -1, np.int32), counts, None)
+    assert np.all(np.asarray(o) == 0) and np.all(np.isneginf(np.asarray(lse)))
+    for g in grads:
+        assert np.all(np.asarray(g) == 0)
+
+
+@pytest.mark.parametrize("shape, S, dtype", [((1, 8192, 64, 4, 128, 128, 64), 16, jnp.bfloat16),  # standard
+                                             ((1, 1000, 6, 2, 64, 48, 16), 5, jnp.float32)],  # G = 3, Dv != Dk
+                         ids=["standard-bf16", "odd-f32"])
+def test_lowers_for_tpu(shape, S, dtype):
+    """jax.export for TPU lowers the kernels through Mosaic: four tpu_custom_calls (forward, dq, dk/dv
+    partials, their reduce)."""
+    B, T, HQ, H, Dk, Dv, bs = shape
+
+    def forward_backward(q, k, v, idx, counts, do):
+        o, res = selected.forward(q, k, v, idx, counts, None, block_size=bs, scale=0.1)
+        return o, selected.backward(res, do, block_size=bs, scale=0.1)[:3]
+
+    args = [jax.ShapeDtypeStruct(s, d) for s, d in [
+        ((B, T, HQ, Dk), dtype), ((B, T, H, Dk), dtype), ((B, T, H, Dv), dtype), ((B, T, H, S), jnp.int32),
+        ((B, T, H), jnp.int32), ((B, T, HQ, Dv), dtype)]]
+    module = jax.export.export(jax.jit(forward_backward), platforms=["tpu"])(*args).mlir_module()
+    assert module.count("tpu_custom_call") == 4
+
+
+@pytest.mark.parametrize("G, dk, dv, dtype, block_size", [
+    (16, 128, 128, jnp.bfloat16, 64),  # the standard shape
+    (16, 256, 256, jnp.float32, 128), (3, 256, 256, jnp.float32, 64), (1, 16, 256, jnp.float32, 64),
+    (64, 256, 256, jnp.bfloat16, 64)])
+def test_vmem_budget(G, dk, dv, dtype, block_size):
+    """The default tiles hold, per grid step of the largest kernel, within the 16 MiB of scoped VMEM that
+    Mosaic gives a kernel by default on v5e, v5p and v6e, up to heads of 256 in float32."""
+    T, H, S = 8192, 2, 16
+    q = jax.ShapeDtypeStruct((1, T, G * H, dk), dtype)
+    k, v = jax.ShapeDtypeStruct((1, T, H, dk), dtype), jax.ShapeDtypeStruct((1, T, H, dv), dtype)
+    idx = jax.ShapeDtypeStruct((1, T, H, S), jnp.int32)
+    config = selected.default_config(q, k, v, idx, block_size=block_size)
+    assert config.tokens * G >= 128
+    assert selected.vmem_bytes(G, dk, dv, jnp.dtype(dtype).itemsize, block_size, S, config) <= 16 * 2 ** 20
+
+
+def test_errors_name_the_argument():
+    q, k = jnp.zeros((1, 8, 3, 16)), jnp.zeros((1, 8, 2, 16))
+    with pytest.raises(ValueError, match="q:"):
+        selected.forward(q, k, k, jnp.zeros((1, 8, 2, 1), jnp.int32), jnp.ones((1, 8, 2), jnp.int32), None,
+                         block_size=4, scale=1.0)
+    with pytest.raises(ValueError, match="block_indices:"):
+        selected.forward(k, k, k, jnp.zeros((1, 8, 1, 1), jnp.int32), jnp.ones((1, 8, 2), jnp.int32), None,
+                         block_size=4, scale=1.0)
