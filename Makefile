@@ -6,12 +6,17 @@
 #   PYTHON    the interpreter the venv is made from   (default python3, >= 3.11)
 #   VENV      the venv's folder                       (default .venv)
 #   JAX_SPEC  a pip requirement pinning JAX           (default: the newest pip finds), e.g. 'jax==0.11.2'
+#   MARKERS   the tests to run, as pytest -m          (default: not gpu)
+#   WORKERS   pytest-xdist processes                  (default: auto, one per core, at most 4; 0: none)
 # e.g. make test PYTHON=python3.12 VENV=.venv-py3.12 JAX_SPEC='jax==0.11.2'
 
 PYTHON ?= python3
 VENV ?= .venv
 JAX_SPEC ?=
 PYTEST_ARGS ?=
+# the tests `make test` runs (pytest -m), and its worker processes (pytest-xdist; each core its own)
+MARKERS ?= not gpu
+WORKERS ?= auto
 TEST_EXTRAS := test demo
 
 PY := $(VENV)/bin/python
@@ -43,7 +48,7 @@ demo: $(VENV)/.nsa-extra-demo
 	$(PY) -m nsa.demo
 
 test: venv
-	$(PY) -m pytest -q -m "not gpu" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "$(MARKERS)" -n $(WORKERS) --maxprocesses=4 --dist worksteal $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(sort $(VENV) .venv) .venv-* build dist *.egg-info .pytest_cache demo_selection.png

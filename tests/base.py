@@ -1,13 +1,20 @@
 """The one test base that every implementation of nsa runs.
 
-Subclass `NSATestBase`, set `implementation` (None, "xla", "triton", "pallas") and the `dtypes` it
-supports, and every test below runs against it: forward results against the NumPy float64 oracle
-(tests/oracle.py) on the same rounded inputs, gradients against jax.grad of the dense float64
-formulation (tests/dense.py), varlen against each sequence alone, edge cases and transformations.
+Subclass `NSATestBase` and set its capability flags: `implementation` (None, "xla", "triton",
+"pallas"), the `dtypes` it takes (the first runs the tests that do not depend on the dtype) and
+`interpreted` (its kernels run in an interpreter on the CPU, every grid step on the host: the tests
+then run on a smaller set of cases, `INTERPRETED_CASES`, which still covers G = 1, 3 and 16, Dv != Dk,
+a batch of 2, T not a multiple of the block and T < block). Every test below then runs against it:
+forward results against the NumPy float64 oracle (tests/oracle.py) on the same rounded inputs,
+gradients against jax.grad of the dense float64 formulation (tests/dense.py), varlen against each
+sequence alone, edge cases and transformations. The (shape, dtype) cases of a test marked
+`@cases(kind)` are made for each subclass from its flags (tests/conftest.py), so a subclass runs only
+cases it supports and nothing is skipped.
 """
 
 import functools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -31,16 +38,32 @@ SHAPES = {
     "G4-bs32": (1, 70, 8, 2, 16, 16, 32),
     "T<bs": (1, 10, 2, 1, 8, 8, 16),
 }
-over_shapes = pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
-# Every shape in float32 and float64; the half-precision dtypes on two shapes (rounding is what they add).
-over_cases = pytest.mark.parametrize("shape, dtype", [
-    pytest.param(shape, dtype, id=f"{name}-{dtype}") for name, shape in SHAPES.items() for dtype in ALL_DTYPES
-    if dtype in ("float32", "float64") or name in ("G2", "G3-dv8")])
-# Gradients: three shapes in float32, one each in the other dtypes.
-over_grad_cases = pytest.mark.parametrize("shape, dtype", [
-    pytest.param(SHAPES[name], dtype, id=f"{name}-{dtype}") for name, dtype in [
-        ("G2", "float32"), ("G3-dv8", "float32"), ("T<bs", "float32"), ("G2", "float64"), ("G2", "bfloat16"),
-        ("G3-dv8", "float16")]])
+# kind -> (shape name, dtype) cases: "forward" results, "attention" (the whole pipeline), "shapes" (the
+# tests that take the implementation's first dtype), "gradients".
+CASES = {
+    # every shape in float32 and float64; the half-precision dtypes on two shapes (rounding is what they add)
+    "forward": [(name, dtype) for name in SHAPES for dtype in ALL_DTYPES
+                if dtype in ("float32", "float64") or name in ("G2", "G3-dv8")],
+    "shapes": [(name, None) for name in SHAPES],
+    "gradients": [("G2", "float32"), ("G3-dv8", "float32"), ("T<bs", "float32"), ("G2", "float64"),
+                  ("G2", "bfloat16"), ("G3-dv8", "float16")],
+}
+CASES["attention"] = CASES["forward"]
+# In an interpreter each kernel compiles for seconds: each shape once, in the dtype named or (where the
+# implementation does not take it) its first dtype. Still G = 1, 3, 16; Dv != Dk; B = 2; block 8 and 16;
+# T < block; every dtype.
+INTERPRETED_CASES = {
+    "forward": [("G3-dv8", "float32"), ("G16", "bfloat16"), ("G1-dv32-bs8", "float16"), ("T<bs", "float32")],
+    "attention": [("G3-dv8", "bfloat16"), ("G1-dv32-bs8", "float32")],
+    "shapes": [(name, None) for name in ("G3-dv8", "G1-dv32-bs8", "T<bs")],
+    "gradients": [("G3-dv8", "float32"), ("G1-dv32-bs8", "bfloat16"), ("G16", "float16")],
+}
+
+
+def cases(kind):
+    """Marks a test of the base to run over the cases of `kind` its subclass takes (`NSATestBase.case_params`)."""
+    return pytest.mark.cases(kind)
+
 
 # Packed sequences of lengths 23, 0, 47, 30 (T = 100): an empty one, partial blocks everywhere.
 CU_SEQLENS = np.array([0, 23, 23, 70, 100], np.int32)
@@ -131,20 +154,30 @@ class Inputs:
 class NSATestBase:
     implementation = None
     dtypes = ("float32", "bfloat16", "float16")
+    interpreted = False
+
+    @classmethod
+    def case_params(cls, kind):
+        """(argnames, pytest params) of a test marked @cases(kind): its (shape, dtype) cases in the dtypes
+        this implementation takes, or (for "shapes") its shapes."""
+        if kind == "shapes":
+            table = (INTERPRETED_CASES if cls.interpreted else CASES)[kind]
+            return "shape", [pytest.param(SHAPES[name], id=name) for name, _ in table]
+        if cls.interpreted:
+            table = dict.fromkeys((name, dtype if dtype in cls.dtypes else cls.dtypes[0])
+                                  for name, dtype in INTERPRETED_CASES[kind])
+        else:
+            table = [(name, dtype) for name, dtype in CASES[kind] if dtype in cls.dtypes]
+        return "shape, dtype", [pytest.param(SHAPES[name], dtype, id=f"{name}-{dtype}") for name, dtype in table]
 
     def op(self, name):
         """A public op of nsa with this implementation bound."""
         return functools.partial(getattr(nsa, name), implementation=self.implementation)
 
-    def need(self, dtype):
-        if dtype not in self.dtypes:
-            pytest.skip(f"implementation={self.implementation!r} does not take {dtype}")
-
     # ------------------------------------------------------------------- forward against the oracle
 
-    @over_cases
+    @cases("forward")
     def test_compressed_attention(self, shape, dtype):
-        self.need(dtype)
         with precision(dtype):
             x = Inputs(shape, dtype)
             k_cmp, k_cmp64, v_cmp, v_cmp64 = x.compressed()
@@ -158,7 +191,7 @@ class NSATestBase:
             seen = np.isfinite(lse_ref)
             assert_close(lse[seen], lse_ref[seen], TOLERANCE[dtype], "lse")
 
-    @over_shapes
+    @cases("shapes")
     @pytest.mark.parametrize("block_counts", [1, 2, 3, 5, 40])
     def test_select_blocks(self, shape, block_counts):
         dtype = self.dtypes[0]
@@ -170,7 +203,7 @@ class NSATestBase:
             assert idx.dtype == jnp.int32 and idx.shape == ref.shape
             assert_same_blocks(idx, ref)
 
-    @over_shapes
+    @cases("shapes")
     def test_select_blocks_reusing_compressed_lse(self, shape):
         """nsa.attention hands compressed attention's lse to the selection: the same blocks come out."""
         dtype = self.dtypes[0]
@@ -201,10 +234,9 @@ class NSATestBase:
             for h in range(H):
                 assert sorted(idx[0, t, h]) == sorted(expected), (t, h)
 
-    @over_cases
+    @cases("forward")
     @pytest.mark.parametrize("counts", ["all", "int", "array"])
     def test_selected_attention(self, shape, dtype, counts):
-        self.need(dtype)
         with precision(dtype):
             x = Inputs(shape, dtype)
             idx = x.block_indices(5)
@@ -216,10 +248,9 @@ class NSATestBase:
             assert o.dtype == x.q.dtype
             assert_close(o, ref, TOLERANCE[dtype], "o")
 
-    @over_cases
+    @cases("forward")
     @pytest.mark.parametrize("window_size", [1, 7, 1000])
     def test_sliding_window_attention(self, shape, dtype, window_size):
-        self.need(dtype)
         with precision(dtype):
             x = Inputs(shape, dtype)
             o = self.op("sliding_window_attention")(x.q, x.k, x.v, window_size=window_size)
@@ -227,10 +258,9 @@ class NSATestBase:
             assert o.dtype == x.q.dtype
             assert_close(o, ref, TOLERANCE[dtype], "o")
 
-    @over_cases
+    @cases("attention")
     @pytest.mark.parametrize("variant", ["all-gates", "no-cmp", "given-indices", "default-gates"])
     def test_attention(self, shape, dtype, variant):
-        self.need(dtype)
         with precision(dtype):
             x = Inputs(shape, dtype)
             (g_cmp, g_cmp64), (g_slc, g_slc64), (g_swa, g_swa64) = x.gates
@@ -417,10 +447,9 @@ class NSATestBase:
             assert grad.dtype == arg.dtype, f"gradient {i}: dtype {grad.dtype} != input dtype {arg.dtype}"
             assert_close(grad, np.asarray(grad64), GRAD_TOLERANCE[x.dtype], f"{name} gradient {i}", size)
 
-    @over_grad_cases
+    @cases("gradients")
     @pytest.mark.parametrize("name", ["compressed", "selected", "window", "attention"])
     def test_gradients(self, name, shape, dtype):
-        self.need(dtype)
         with precision(dtype):
             self._check_grads(name, Inputs(shape, dtype))
 

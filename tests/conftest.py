@@ -3,7 +3,9 @@ matmuls run in full precision so the XLA reference stays a reference.
 
 TRITON_INTERPRET is read when a kernel is decorated, so it is set here, before any test module
 imports nsa.triton. The `interpreted` fixture routes implementation="triton" to the interpreted
-kernels for one test (tests/triton_interpreter.py).
+kernels for one test (tests/triton_interpreter.py); `pallas_races` turns Pallas interpret mode's race
+detector on for one test and fails it on a race. `pytest_generate_tests` makes the cases of the shared
+test base for each of its subclasses (tests/base.py).
 """
 
 import os
@@ -25,3 +27,32 @@ def interpreted(monkeypatch):
     from tests import triton_interpreter
 
     triton_interpreter.install(monkeypatch)
+
+
+def pytest_generate_tests(metafunc):
+    """The cases of a test base test marked @cases(kind), made for its subclass (tests/base.py)."""
+    marker = metafunc.definition.get_closest_marker("cases")
+    if marker is not None:
+        metafunc.parametrize(*metafunc.cls.case_params(*marker.args))
+
+
+@pytest.fixture
+def pallas_races(monkeypatch):
+    """implementation="pallas" (TPU interpret mode off TPU) with interpret mode's race detector on, for one
+    test; the test fails if any kernel it ran raced, or if it ran none in interpret mode."""
+    from jax._src.pallas.mosaic.interpret import interpret_pallas_call  # the detector's state lives here
+
+    from nsa import pallas
+
+    detectors = []
+
+    class Recorded(interpret_pallas_call.RaceDetectionState):  # one per interpreted kernel call
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            detectors.append(self)
+
+    monkeypatch.setattr(interpret_pallas_call, "RaceDetectionState", Recorded)
+    monkeypatch.setitem(pallas.INTERPRET, "detect_races", True)
+    yield
+    assert detectors, "no Pallas kernel ran in interpret mode"
+    assert not any(d.races_found for d in detectors), "a Pallas kernel raced (interpret mode's race detector)"

@@ -17,13 +17,15 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental.pallas import tpu as pltpu
 
-from nsa.pallas import compressed, window
+from nsa.pallas import compressed, select, selected, window
 
 DTYPES = tuple(jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16))
 
 KERNELS = {
     "window": (window.forward, window.backward),
     "compressed": (compressed.forward, compressed.backward),
+    "selected": (selected.forward, selected.backward),
+    "select": (select.forward, None),
 }
 
 # The interpret-mode settings off TPU (the tests turn race detection on).

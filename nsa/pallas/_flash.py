@@ -221,7 +221,7 @@ def _params(q, interpret, semantics):
         precision=lax.Precision.HIGHEST if q.dtype == jnp.float32 else None)
 
 
-def _query_grid(kernel, q, k, v, lay, extra, outputs, scratch, *, scale, key_span, interpret, config):
+def _query_grid(kernel, q, k, v, lay, extra, outputs, scratch, *, scale, key_span, interpret, config, name):
     """pallas_call of the forward or the dq kernel on the query grid (B, HQ, tp / BQ, STEPS).
 
     The kernel takes the key bands (scalar prefetch), rows, q, k, v, then `extra`: (array, width) pairs,
@@ -252,18 +252,18 @@ def _query_grid(kernel, q, k, v, lay, extra, outputs, scratch, *, scale, key_spa
                       pl.BlockSpec((1, bk, lay.dkp), key_map), pl.BlockSpec((1, bk, lay.dvp), key_map)]
             + [spec(width) for _, width in extra],
             out_specs=[spec(width) for _, width in outputs], scratch_shapes=scratch),
-        out_shape=[shape for shape, _ in outputs], **compiler,
+        out_shape=[shape for shape, _ in outputs], name=name, **compiler,
     )(band, lay.rows, _view(q, lay.tp, lay.dkp), _view(k, lay.nkp, lay.dkp), _view(v, lay.nkp, lay.dvp),
       *[x for x, _ in extra])
 
 
-def attend(q, k, v, lo, hi, *, scale, key_span, interpret=False, config=None):
+def attend(q, k, v, lo, hi, *, scale, key_span, interpret=False, config=None, name="flash"):
     """o [B, T, HQ, Dv] (q's dtype) and lse [B, T, HQ] float32 of query t over key rows [lo[t], hi[t]].
 
     q [B, T, HQ, Dk], k [B, NK, H, Dk], v [B, NK, H, Dv]; lo, hi int32 [T], non-decreasing. key_span
     (static) bounds the key rows one tile of BQ queries can see: it sets the steps of the grid.
     interpret: a pltpu.InterpretParams to run in Pallas's TPU interpret mode (on any platform), or False.
-    config: the tiles (None: Config()).
+    config: the tiles (None: Config()). name: the branch, which names the kernel (`{name}_forward`).
     """
     config = config or Config()
     B, T, HQ, _ = q.shape
@@ -276,16 +276,16 @@ def attend(q, k, v, lo, hi, *, scale, key_span, interpret=False, config=None):
          (jax.ShapeDtypeStruct((B, HQ, lay.tp, 1), jnp.float32), 0)],
         [pltpu.VMEM((bq, LANES), jnp.float32), pltpu.VMEM((bq, LANES), jnp.float32),
          pltpu.VMEM((bq, lay.dvp), jnp.float32)],
-        scale=scale, key_span=key_span, interpret=interpret, config=config)
+        scale=scale, key_span=key_span, interpret=interpret, config=config, name=f"{name}_forward")
     return o.reshape(B, lay.tp, HQ, lay.dvp)[:, :T, :, :dv], jnp.transpose(lse[:, :, :T, 0], (0, 2, 1))
 
 
 def attend_backward(q, k, v, lo, hi, o, lse, do, dlse=None, *, scale, key_span, query_span, interpret=False,
-                    config=None):
+                    config=None, name="flash"):
     """(dq, dk, dv) of `attend`, in q's, k's and v's dtypes; dlse [B, T, HQ] is lse's cotangent or None.
 
     key_span as for `attend`; query_span (static) bounds how many queries see one key row: it sets the
-    steps of the dk/dv grid.
+    steps of the dk/dv grid. The kernels are named `{name}_dq` and `{name}_dkdv`.
     """
     config = config or Config()
     B, T, HQ, dk_dim = q.shape
@@ -303,7 +303,7 @@ def attend_backward(q, k, v, lo, hi, o, lse, do, dlse=None, *, scale, key_span, 
         _dq_kernel, q, k, v, lay, [(do_v, lay.dvp), (lse_h, 0), (delta_h, 0)],
         [(jax.ShapeDtypeStruct((B, lay.tp, HQ * lay.dkp), q.dtype), lay.dkp)],
         [pltpu.VMEM((bq, lay.dkp), jnp.float32)], scale=scale, key_span=key_span, interpret=interpret,
-        config=config)
+        config=config, name=f"{name}_dq")
 
     # the queries that see each key row: an interval, since lo and hi are non-decreasing
     first, last = query_ranges(lo, hi, lay.nkp)
@@ -333,7 +333,7 @@ def attend_backward(q, k, v, lo, hi, o, lse, do, dlse=None, *, scale, key_span, 
             out_specs=[pl.BlockSpec((1, bk, lay.dkp), key_map), pl.BlockSpec((1, bk, lay.dvp), key_map)],
             scratch_shapes=[pltpu.VMEM((bk, lay.dkp), jnp.float32), pltpu.VMEM((bk, lay.dvp), jnp.float32)]),
         out_shape=[jax.ShapeDtypeStruct((B, lay.nkp, H * lay.dkp), k.dtype),
-                   jax.ShapeDtypeStruct((B, lay.nkp, H * lay.dvp), v.dtype)], **compiler,
+                   jax.ShapeDtypeStruct((B, lay.nkp, H * lay.dvp), v.dtype)], name=f"{name}_dkdv", **compiler,
     )(band, lay.rows, _view(q, lay.tp, lay.dkp), _view(k, lay.nkp, lay.dkp), _view(v, lay.nkp, lay.dvp), do_v,
       lse_h, delta_h)
     return (dq.reshape(B, lay.tp, HQ, lay.dkp)[:, :T, :, :dk_dim],

@@ -16,7 +16,7 @@ def forward(q, k_cmp, v_cmp, cu_seqlens, *, block_size, scale, interpret=False, 
     """Returns (o [B, T, HQ, Dv], lse [B, T, HQ] float32) and the residuals."""
     lo, hi = compressed_key_range(q.shape[1], k_cmp.shape[1], block_size, cu_seqlens)
     o, lse = _flash.attend(q, k_cmp, v_cmp, lo, hi, scale=scale, key_span=k_cmp.shape[1], interpret=interpret,
-                           config=config)
+                           config=config, name="compressed")
     return (o, lse), (q, k_cmp, v_cmp, cu_seqlens, o, lse)
 
 
@@ -27,5 +27,5 @@ def backward(residuals, cotangents, *, block_size, scale, interpret=False, confi
     lo, hi = compressed_key_range(q.shape[1], k_cmp.shape[1], block_size, cu_seqlens)
     dq, dk, dv = _flash.attend_backward(q, k_cmp, v_cmp, lo, hi, o, lse, do, dlse, scale=scale,
                                         key_span=k_cmp.shape[1], query_span=q.shape[1], interpret=interpret,
-                                        config=config)
+                                        config=config, name="compressed")
     return dq, dk, dv, None

@@ -312,7 +312,7 @@ def forward(q, k_cmp, lse, cu_seqlens, *, block_counts, block_size, scale, inter
                             pltpu.VMEM((tb, G), jnp.float32)]),
         out_shape=jax.ShapeDtypeStruct((B, H, tp, slots), jnp.int32),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
-        interpret=interpret,
+        interpret=interpret, name="select",
     )(*args)
     idx = jnp.transpose(out[:, :, :T], (0, 2, 1, 3))
     return jnp.pad(idx, [(0, 0)] * 3 + [(0, block_counts - slots)], constant_values=-1)

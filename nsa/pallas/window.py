@@ -21,7 +21,8 @@ def forward(q, k, v, cu_seqlens, *, window_size, scale, interpret=False, config=
     """Returns o [B, T, HQ, Dv] and the residuals (inputs, o, lse [B, T, HQ])."""
     lo, hi = window_key_range(q.shape[1], window_size, cu_seqlens)
     key_span, _ = _spans(q.shape[1], window_size, config)
-    o, lse = _flash.attend(q, k, v, lo, hi, scale=scale, key_span=key_span, interpret=interpret, config=config)
+    o, lse = _flash.attend(q, k, v, lo, hi, scale=scale, key_span=key_span, interpret=interpret, config=config,
+                           name="window")
     return o, (q, k, v, cu_seqlens, o, lse)
 
 
@@ -31,5 +32,5 @@ def backward(residuals, do, *, window_size, scale, interpret=False, config=None)
     lo, hi = window_key_range(q.shape[1], window_size, cu_seqlens)
     key_span, query_span = _spans(q.shape[1], window_size, config)
     dq, dk, dv = _flash.attend_backward(q, k, v, lo, hi, o, lse, do, scale=scale, key_span=key_span,
-                                        query_span=query_span, interpret=interpret, config=config)
+                                        query_span=query_span, interpret=interpret, config=config, name="window")
     return dq, dk, dv, None

@@ -1,0 +1,72 @@
+"""The shared test base on the Pallas TPU kernels (implementation="pallas"), run on the CPU in Pallas's TPU
+interpret mode with its race detector on; and nsa.attention lowered for TPU.
+
+The export (`jax.export(..., platforms=["tpu"])` on this CPU machine) lowers every kernel through
+Pallas's Mosaic lowering, which catches the layout and tiling errors that interpret mode lets through,
+and shows that the choice between Mosaic and interpret mode is made at lowering (platform_dependent):
+the exported module calls the Mosaic kernel of every op, forward and backward.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import nsa
+from tests.base import NSATestBase
+
+
+@pytest.mark.interpreted
+class TestPallasInterpreted(NSATestBase):
+    implementation = "pallas"
+    dtypes = ("float32", "bfloat16", "float16")
+    interpreted = True
+
+    @pytest.fixture(autouse=True)
+    def _race_detector(self, pallas_races):
+        pass
+
+
+# The Mosaic kernels of each op, by the name they carry in the exported module.
+FORWARD_KERNELS = {"compressed_forward", "select", "selected_forward", "window_forward"}
+BACKWARD_KERNELS = {"compressed_dq", "compressed_dkdv", "selected_dq", "selected_dkdv", "window_dq", "window_dkdv"}
+
+
+def _mosaic_kernels(module):
+    """The kernel names of the Mosaic calls (tpu_custom_call) in an exported module's text."""
+    return re.findall(r'kernel_name = "(\w+)"', module)
+
+
+@pytest.mark.parametrize("shape, dtype", [
+    pytest.param((1, 8192, 64, 4, 128, 128), jnp.bfloat16, id="standard-bf16"),  # the standard shape
+    pytest.param((1, 1000, 6, 2, 64, 48), jnp.float32, id="odd-G3-dv48-f32"),
+])
+@pytest.mark.parametrize("implementation", ["pallas", None])
+def test_attention_lowers_for_tpu_to_mosaic_kernels(shape, dtype, implementation):
+    """nsa.attention (block 64, 16 blocks, window 512, all gates), jitted forward and forward+backward,
+    exported for TPU: every op runs its Mosaic kernel, with implementation="pallas" and with None."""
+    B, T, HQ, H, Dk, Dv = shape
+    specs = [jax.ShapeDtypeStruct(s, dtype) for s in [(B, T, HQ, Dk), (B, T, H, Dk), (B, T, H, Dv)]]
+    gates = [jax.ShapeDtypeStruct((B, T, HQ), dtype)] * 3
+
+    def forward(q, k, v, g_cmp, g_slc, g_swa):
+        return nsa.attention(q, k, v, g_cmp=g_cmp, g_slc=g_slc, g_swa=g_swa, block_size=64, block_counts=16,
+                             window_size=512, implementation=implementation)
+
+    def loss(*args):
+        return jnp.sum(forward(*args).astype(jnp.float32))
+
+    exported = jax.export.export(jax.jit(forward), platforms=["tpu"])(*specs, *gates)
+    assert set(_mosaic_kernels(exported.mlir_module())) == FORWARD_KERNELS
+    exported = jax.export.export(jax.jit(jax.grad(loss, argnums=range(6))), platforms=["tpu"])(*specs, *gates)
+    assert set(_mosaic_kernels(exported.mlir_module())) == FORWARD_KERNELS | BACKWARD_KERNELS
+
+
+def test_default_on_cpu_lowers_no_mosaic_kernel():
+    """implementation=None exported for the CPU runs the reference: no TPU kernel, no interpret mode."""
+    q = jax.ShapeDtypeStruct((1, 256, 4, 32), jnp.float32)
+    k = jax.ShapeDtypeStruct((1, 256, 2, 32), jnp.float32)
+    f = jax.jit(lambda q, k, v: nsa.attention(q, k, v, block_size=16, block_counts=4, window_size=32))
+    module = jax.export.export(f, platforms=["cpu"])(q, k, k).mlir_module()
+    assert "tpu_custom_call" not in module and not _mosaic_kernels(module)
