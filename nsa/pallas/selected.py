@@ -14,9 +14,9 @@ Layouts (all built in XLA around the kernels; D padded to Dp, a multiple of 128 
   delta [B, H, NT, G, TB, 1] float32. A (G, TB, Dp) block flattens to [G * TB, Dp] for free (TB is a
   multiple of the sublane tile), so one tile is R = G * TB MXU rows (row g * TB + j: head g, token j);
 - names [B, H, NT, TB, S] int32: the name of each slot of each token of the tile;
-- the tile's blocks [B, H, NT, 1, U + 1] int32: how many distinct blocks the tile's tokens list, then
-  those names in increasing order (the union; U = min(TB * S, the number of block rows) bounds it). It
-  is sorted in XLA, and each grid step gets only its own row in SMEM (a BlockSpec in SMEM): the whole
+- the tile's blocks [B, H, NT, 1, 1 + 2U] int32: how many distinct blocks the tile's tokens list, then
+  those names in increasing order (the union; U = min(TB * S, the number of block rows) bounds it), then
+  the last token of the tile that lists each (rows past it are never seen). It is sorted in XLA, and each grid step gets only its own row in SMEM (a BlockSpec in SMEM): the whole
   table (B * H * NT * (U + 1) ints) would not fit in SMEM's 1 MiB at long T;
 - k [B, H, T + BSP, Dkp], v [.., Dvp] stay in HBM (memory_space ANY): a kernel copies a block's BSP
   rows (block_size rounded up to the sublane tile) from row x into VMEM itself (`make_async_copy`); rows
@@ -144,21 +144,20 @@ def _block_copies(k_hbm, v_hbm, k_buf, v_buf, sems, b, h, x, slot):
 
 
 def _block_bias(names, x, t0, *, block_size, rows):
-    """How the TB tokens t0 + j of a tile (names [TB, S]: their slots) see block x: (bias [TB, BSP]
-    float32: log(m) where token t0 + j lists x m > 0 times and sees key row x + c (c < block_size and
-    x + c <= t0 + j), -inf elsewhere; last [1, 1]: the last token that lists x, -1 if none)."""
+    """[TB, BSP] float32: how the TB tokens t0 + j of a tile (names [TB, S]: their slots) see block x:
+    log(m) where token t0 + j lists x m > 0 times and sees key row x + c (c < block_size and
+    x + c <= t0 + j), -inf elsewhere."""
     listed = jnp.sum((names == x).astype(jnp.float32), axis=1, keepdims=True)  # [TB, 1]
     shape = (names.shape[0], rows)
     c = lax.broadcasted_iota(jnp.int32, shape, 1)
     token = t0 + lax.broadcasted_iota(jnp.int32, shape, 0)
     seen = (listed > 0) & (c < block_size) & (x + c <= token)
-    last = jnp.max(jnp.where(listed > 0, token[:, :1], -1), axis=(0, 1), keepdims=True)
-    return jnp.where(seen, jnp.log(jnp.maximum(listed, 1.0)), -jnp.inf), last
+    return jnp.where(seen, jnp.log(jnp.maximum(listed, 1.0)), -jnp.inf)
 
 
 def _block(k_buf, v_buf, slot, x, last, block_size):
     """The keys [BSP, Dkp] and values [BSP, Dvp] of block x in buffer `slot`, with the rows no token of the
-    tile sees (past the block, or past `last`, the last token listing it) zeroed: they hold another
+    tile sees (past the block, or past `last`, the last token of the tile listing it) zeroed: they hold another
     block's or sequence's rows, possibly never meant to be read, and 0 * NaN would leak into p v and
     do v^T."""
     c = lax.broadcasted_iota(jnp.int32, (k_buf.shape[1], 1), 0)
@@ -183,12 +182,13 @@ def _fwd_kernel(blocks_ref, q_ref, names_ref, k_hbm, v_hbm, o_ref, lse_ref, k_bu
     m_scr[...] = jnp.full(m_scr.shape, -jnp.inf, jnp.float32)
     l_scr[...] = jnp.zeros(l_scr.shape, jnp.float32)
     acc_scr[...] = jnp.zeros(acc_scr.shape, jnp.float32)
+    U = blocks_ref.shape[1] // 2
     copies = lambda u, slot: _block_copies(k_hbm, v_hbm, k_buf, v_buf, sems, b, h, blocks_ref[0, 1 + u], slot)
 
     def attend(u, slot):
         x = blocks_ref[0, 1 + u]
-        bias, last = _block_bias(names, x, i * TB, block_size=block_size, rows=k_buf.shape[1])
-        k, v = _block(k_buf, v_buf, slot, x, last, block_size)
+        bias = _block_bias(names, x, i * TB, block_size=block_size, rows=k_buf.shape[1])
+        k, v = _block(k_buf, v_buf, slot, x, blocks_ref[0, 1 + U + u], block_size)
         s = _logits(q, k, bias, scale, precision)  # [G, TB, BSP]
         m_prev = m_scr[...][:, :, :1]
         m_new = jnp.maximum(m_prev, jnp.max(s, axis=2, keepdims=True))
@@ -229,12 +229,13 @@ def _dq_kernel(blocks_ref, q_ref, names_ref, do_ref, lse_ref, delta_ref, k_hbm, 
     do = do_ref[...].reshape(G * TB, do_ref.shape[2])
     names, lse, delta = names_ref[...], lse_ref[...], delta_ref[...]
     acc_scr[...] = jnp.zeros(acc_scr.shape, jnp.float32)
+    U = blocks_ref.shape[1] // 2
     copies = lambda u, slot: _block_copies(k_hbm, v_hbm, k_buf, v_buf, sems, b, h, blocks_ref[0, 1 + u], slot)
 
     def step(u, slot):
         x = blocks_ref[0, 1 + u]
-        bias, last = _block_bias(names, x, i * TB, block_size=block_size, rows=k_buf.shape[1])
-        k, v = _block(k_buf, v_buf, slot, x, last, block_size)
+        bias = _block_bias(names, x, i * TB, block_size=block_size, rows=k_buf.shape[1])
+        k, v = _block(k_buf, v_buf, slot, x, blocks_ref[0, 1 + U + u], block_size)
         p = _probabilities(q, k, bias, lse, scale, precision)
         ds = _dlogits(p, do, v, delta, precision)
         acc_scr[...] += _dot(ds.astype(k.dtype), k, precision)
@@ -245,17 +246,20 @@ def _dq_kernel(blocks_ref, q_ref, names_ref, do_ref, lse_ref, delta_ref, k_hbm, 
 
 def _dkdv_kernel(seg_ref, k_hbm, v_hbm, q_hbm, do_hbm, lse_hbm, delta_hbm, names_hbm, dk_ref, dv_ref, k_buf,
                  v_buf, q_buf, do_buf, lse_buf, delta_buf, names_buf, sems, *, scale, block_size, precision):
-    """One segment, seg_ref [1, 4 + L] = (b, h, x, n, the n tiles of its entries): float32 partial dk and
-    dv [BSP, Dp] of block x (dk unscaled)."""
+    """One segment, seg_ref [1, 4 + 2L] = (b, h, x, n, the tiles of its L entries, the last token of each
+    that lists x; n of them used): float32 partial dk and dv [BSP, Dp] of block x (dk unscaled)."""
     b, h, x, n = seg_ref[0, 0], seg_ref[0, 1], seg_ref[0, 2], seg_ref[0, 3]
+    L = (seg_ref.shape[1] - 4) // 2
     _, G, TB, _ = q_buf.shape
     dk_ref[...] = jnp.zeros(dk_ref.shape, jnp.float32)
     dv_ref[...] = jnp.zeros(dv_ref.shape, jnp.float32)
 
     @pl.when(n > 0)
     def _copy_block():
-        for c in _block_copies(k_hbm, v_hbm, k_buf, v_buf, sems, b, h, x, 0):
+        copies = _block_copies(k_hbm, v_hbm, k_buf, v_buf, sems, b, h, x, 0)
+        for c in copies:
             c.start()
+        for c in copies:
             c.wait()
 
     def copies(u, slot):
@@ -267,9 +271,8 @@ def _dkdv_kernel(seg_ref, k_hbm, v_hbm, q_hbm, do_hbm, lse_hbm, delta_hbm, names
     def step(u, slot):
         q = q_buf[slot].reshape(G * TB, q_buf.shape[3])
         do = do_buf[slot].reshape(G * TB, do_buf.shape[3])
-        bias, last = _block_bias(names_buf[slot], x, seg_ref[0, 4 + u] * TB, block_size=block_size,
-                                 rows=k_buf.shape[1])
-        k, v = _block(k_buf, v_buf, 0, x, last, block_size)
+        bias = _block_bias(names_buf[slot], x, seg_ref[0, 4 + u] * TB, block_size=block_size, rows=k_buf.shape[1])
+        k, v = _block(k_buf, v_buf, 0, x, seg_ref[0, 4 + L + u], block_size)
         p = _probabilities(q, k, bias, lse_buf[slot], scale, precision)
         ds = _dlogits(p, do, v, delta_buf[slot], precision)
         dv_ref[...] += _dot(p.reshape(G * TB, p.shape[2]).astype(do.dtype), do, precision, (0, 0))
@@ -371,13 +374,16 @@ def _tile_names(names, lay):
 
 
 def _tile_blocks(tile_names, lay):
-    """[B, H, NT, U] int32: the distinct names each tile lists, increasing, then _PAST; and their number
-    [B, H, NT]."""
-    flat = tile_names.reshape(lay.B, lay.H, lay.nt, lay.tb * lay.S)
-    ordered = jnp.sort(jnp.where(flat == _NONE, _PAST, flat), axis=-1)
-    repeated = jnp.concatenate([jnp.zeros_like(ordered[..., :1], bool), ordered[..., 1:] == ordered[..., :-1]], -1)
-    union = jnp.sort(jnp.where(repeated, _PAST, ordered), axis=-1)[..., :min(lay.tb * lay.S, lay.num_rows)]
-    return union, jnp.sum(union != _PAST, axis=-1).astype(jnp.int32)
+    """The union of each tile: (union [B, H, NT, U] int32: the distinct names its tokens list, increasing,
+    then _PAST; last [B, H, NT, U]: the last token of the tile that lists each; count [B, H, NT]: how many)."""
+    shape = (lay.B, lay.H, lay.nt, lay.tb * lay.S)
+    flat = tile_names.reshape(shape)
+    token = lax.broadcasted_iota(jnp.int32, shape, 2) * lay.tb + lax.broadcasted_iota(jnp.int32, shape, 3) // lay.S
+    name, token = lax.sort((jnp.where(flat == _NONE, _PAST, flat), token), num_keys=2)
+    run_end = jnp.concatenate([name[..., 1:] != name[..., :-1], jnp.ones_like(name[..., :1], bool)], -1)
+    union, last = lax.sort((jnp.where(run_end, name, _PAST), token), num_keys=1)
+    U = min(lay.tb * lay.S, lay.num_rows)
+    return union[..., :U], last[..., :U], jnp.sum(union[..., :U] != _PAST, axis=-1).astype(jnp.int32)
 
 
 def _smem_rows(*columns):
@@ -466,10 +472,10 @@ def forward(q, k, v, block_indices, block_counts, cu_seqlens, *, block_size, sca
     cfg = _config(q, k, v, block_indices, block_size, cu_seqlens, config)
     lay = _layout(q, k, v, block_indices, block_size, cu_seqlens, cfg)
     names = _tile_names(_names(block_indices, block_counts, cu_seqlens, lay, block_size), lay)
-    union, count = _tile_blocks(names, lay)
+    union, last, count = _tile_blocks(names, lay)
     tile_shape = (lay.B, lay.H, lay.nt, lay.G, lay.tb)
     o, lse = _query_grid(
-        _fwd_kernel, lay, _smem_rows(count, union), [_query_tiles(q, lay, lay.dkp), names],
+        _fwd_kernel, lay, _smem_rows(count, union, last), [_query_tiles(q, lay, lay.dkp), names],
         _key_rows(k, lay, lay.dkp), _key_rows(v, lay, lay.dvp),
         [jax.ShapeDtypeStruct(tile_shape + (lay.dvp,), q.dtype), jax.ShapeDtypeStruct(tile_shape + (1,), jnp.float32)],
         _block_buffers(lay, k, v, 2) + [pltpu.VMEM((lay.G, lay.tb, LANES), jnp.float32)] * 2
@@ -497,10 +503,11 @@ def _segments(offsets, num_entries, seg_len):
     return seg_offsets, seg_list, lo, hi
 
 
-def _block_lists(union, cu_seqlens, lay, block_size):
+def _block_lists(union, last, cu_seqlens, lay, block_size):
     """The selections inverted: every (tile, union block) entry keyed by its list (b * H + h) * NR + block
     row, stably sorted. Returns (offsets [NL + 1]: list i is the entries offsets[i] : offsets[i + 1];
-    tile [E]: each entry's query tile, increasing within a list; name [E]: its block's name)."""
+    tile [E]: each entry's query tile, increasing within a list; name [E]: its block's name; last [E]: the
+    last token of the tile that lists it)."""
     tok = tokens(lay.T, block_size, cu_seqlens)
     valid = union != _PAST
     x = jnp.where(valid, union, 0)
@@ -509,9 +516,9 @@ def _block_lists(union, cu_seqlens, lay, block_size):
     num_lists = lay.B * lay.H * lay.num_rows
     key = jnp.where(valid, bh * lay.num_rows + row, num_lists).reshape(-1)
     tile = jnp.broadcast_to(jnp.arange(lay.nt, dtype=jnp.int32)[:, None], union.shape).reshape(-1)
-    key, tile, name = lax.sort((key, tile, x.reshape(-1)), num_keys=1, is_stable=True)
+    key, tile, name, last = lax.sort((key, tile, x.reshape(-1), last.reshape(-1)), num_keys=1, is_stable=True)
     offsets = jnp.searchsorted(key, jnp.arange(num_lists + 1, dtype=jnp.int32), side="left").astype(jnp.int32)
-    return offsets, tile, name
+    return offsets, tile, name, last
 
 
 def _dkdv_partials(lay, segments, k_rows, v_rows, tiled, *, q, k, v, scale, block_size, interpret):
@@ -568,7 +575,7 @@ def backward(residuals, do, *, block_size, scale, interpret=False, config=None):
     cfg = _config(q, k, v, block_indices, block_size, cu_seqlens, config)
     lay = _layout(q, k, v, block_indices, block_size, cu_seqlens, cfg)
     names = _tile_names(_names(block_indices, block_counts, cu_seqlens, lay, block_size), lay)
-    union, count = _tile_blocks(names, lay)
+    union, last, count = _tile_blocks(names, lay)
     delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)
     do = do.astype(q.dtype)
     tiled = [_query_tiles(q, lay, lay.dkp), _query_tiles(do, lay, lay.dvp), _row_tiles(lse, lay, -jnp.inf),
@@ -577,16 +584,16 @@ def backward(residuals, do, *, block_size, scale, interpret=False, config=None):
     common = dict(q=q, scale=scale, block_size=block_size, interpret=interpret)
 
     [dq] = _query_grid(
-        _dq_kernel, lay, _smem_rows(count, union), [tiled[0], names] + tiled[1:4], k_rows, v_rows,
+        _dq_kernel, lay, _smem_rows(count, union, last), [tiled[0], names] + tiled[1:4], k_rows, v_rows,
         [jax.ShapeDtypeStruct((lay.B, lay.H, lay.nt, lay.G, lay.tb, lay.dkp), q.dtype)],
         _block_buffers(lay, k, v, 2) + [pltpu.VMEM((lay.G * lay.tb, lay.dkp), jnp.float32)], **common)
 
-    offsets, tile, name = _block_lists(union, cu_seqlens, lay, block_size)
+    offsets, tile, name, last = _block_lists(union, last, cu_seqlens, lay, block_size)
     seg_offsets, seg_list, lo, hi = _segments(offsets, tile.shape[0], cfg.segment)
     entry = jnp.minimum(lo[:, None] + jnp.arange(cfg.segment), tile.shape[0] - 1)
     lists_per_b = lay.H * lay.num_rows
     segments = _smem_rows(seg_list // lists_per_b, seg_list % lists_per_b // lay.num_rows, name[lo], hi - lo,
-                          tile[entry])
+                          tile[entry], last[entry])
     dk_part, dv_part = _dkdv_partials(lay, segments, k_rows, v_rows, tiled, k=k, v=v, **common)
     lists = _smem_rows(seg_offsets[:-1], seg_offsets[1:] - seg_offsets[:-1])
     dk_sum, dv_sum = _reduced(lay, lists, dk_part, dv_part, interpret=interpret)
