@@ -16,8 +16,9 @@ Layouts (all built in XLA around the kernels; D padded to Dp, a multiple of 128 
 - names [B, H, NT, TB, S] int32: the name of each slot of each token of the tile;
 - the tile's blocks [B, H, NT, 1, 1 + 2U] int32: how many distinct blocks the tile's tokens list, then
   those names in increasing order (the union; U = min(TB * S, the number of block rows) bounds it), then
-  the last token of the tile that lists each (rows past it are never seen). It is sorted in XLA, and each grid step gets only its own row in SMEM (a BlockSpec in SMEM): the whole
-  table (B * H * NT * (U + 1) ints) would not fit in SMEM's 1 MiB at long T;
+  the last token of the tile that lists each (rows past it are never seen). It is sorted in XLA, and
+  each grid step gets only its own row in SMEM (a BlockSpec in SMEM): the whole table
+  (B * H * NT * (1 + 2U) ints) would not fit in SMEM's 1 MiB at long T;
 - k [B, H, T + BSP, Dkp], v [.., Dvp] stay in HBM (memory_space ANY): a kernel copies a block's BSP
   rows (block_size rounded up to the sublane tile) from row x into VMEM itself (`make_async_copy`); rows
   past the block, or past the query, are masked.
@@ -39,9 +40,13 @@ grid (lists,), adds a list's partials in segment order (DMA loop again); XLA gat
 No atomics and a fixed order everywhere: dk and dv are bitwise repeatable.
 
 VMEM per step (`vmem_bytes`, every BlockSpec block double-buffered, 1-wide and int32 blocks padded to
-128 lanes): the dq kernel holds q (G, TB, Dkp), do (G, TB, Dvp), lse, delta, names (TB, S), dq, two
-key and value buffers (BSP rows) and a float32 [R, Dkp] accumulator. At the standard shape (G = 16,
-TB = 16, bf16, Dp = 128, block_size 64) that is about 2 MiB; float32 heads of 256 stay under 16 MiB.
+128 lanes; Mosaic's own temporaries such as the [R, BSP] logits come on top): the dq kernel, the largest,
+holds q (G, TB, Dkp), do (G, TB, Dvp), lse, delta, names (TB, S), dq, two key and value buffers of BSP
+rows and a float32 [R, Dkp] accumulator; the dk/dv kernel the same tiles (its own DMA double buffers),
+one block, and float32 dk, dv [BSP, Dp]. At the standard shape (G = 16, TB = 16, bf16, Dp = 128,
+block_size 64) that is about 1.1 MiB; float32 heads of 256 take 1.6 MiB, G = 64 bf16 heads of 256
+6.1 MiB, under the 16 MiB of scoped VMEM. SMEM per step: one table row of 1 + 2U ints (forward, dq) or
+4 + 2L (dk/dv), double-buffered.
 """
 
 import functools
@@ -328,8 +333,7 @@ def _layout(q, k, v, block_indices, block_size, cu_seqlens, cfg):
 
 def _pad_to(x, axis, size):
     missing = size - x.shape[axis]
-    return x if missing == 0 else jnp.pad(x, [(0, missing if a == axis else 0) for a in range(x.ndim)],
-                                          constant_values=jnp.asarray(0, x.dtype))
+    return x if missing == 0 else jnp.pad(x, [(0, missing if a == axis else 0) for a in range(x.ndim)])
 
 
 def _query_tiles(x, lay, dp):
@@ -447,10 +451,10 @@ def _config(q, k, v, block_indices, block_size, cu_seqlens, config):
     return default_config(q, k, v, block_indices, block_size=block_size, cu_seqlens=cu_seqlens)
 
 
-# ------------------------------------------------------------------------------------------ entry points
+# ------------------------------------------------------------------------------------------ forward
 
 
-def _check(q, k, v, block_indices, block_size):
+def _check(q, k, block_indices, block_size):
     if q.shape[2] % k.shape[2]:
         raise ValueError(f"q: expected a multiple of k's {k.shape[2]} KV heads, got {q.shape[2]} heads")
     if block_indices.shape[:3] != (q.shape[0], q.shape[1], k.shape[2]):
@@ -468,7 +472,7 @@ def forward(q, k, v, block_indices, block_counts, cu_seqlens, *, block_size, sca
     [B, T, H] (or a scalar); cu_seqlens None or int32 [N + 1] (B = 1). interpret: False (Mosaic) or a
     pltpu.InterpretParams; config: a Config or None (`default_config`).
     """
-    _check(q, k, v, block_indices, block_size)
+    _check(q, k, block_indices, block_size)
     cfg = _config(q, k, v, block_indices, block_size, cu_seqlens, config)
     lay = _layout(q, k, v, block_indices, block_size, cu_seqlens, cfg)
     names = _tile_names(_names(block_indices, block_counts, cu_seqlens, lay, block_size), lay)
@@ -486,11 +490,15 @@ def forward(q, k, v, block_indices, block_counts, cu_seqlens, *, block_size, sca
     return o, (q, k, v, block_indices, block_counts, cu_seqlens, o, lse)
 
 
+# ------------------------------------------------------------------------------------------ backward
+
+
 def _segments(offsets, num_entries, seg_len):
     """The lists (list i: entries offsets[i] : offsets[i + 1]) cut into segments of at most seg_len entries,
     all int32: (seg_offsets [NL + 1]: list i owns segments seg_offsets[i] : seg_offsets[i + 1], in entry
-    order; seg_list, seg_lo, seg_hi [NSEG]: the list and the entries of each segment). NSEG = NL + ceil(num_entries / seg_len)
-    bounds sum_i ceil(len_i / seg_len) statically; the segments past the real ones are empty."""
+    order; seg_list, seg_lo, seg_hi [NSEG]: the list and the entries of each segment).
+    NSEG = NL + ceil(num_entries / seg_len) bounds sum_i ceil(len_i / seg_len) statically; the segments
+    past the real ones are empty."""
     NL = offsets.shape[0] - 1
     counts = _cdiv(offsets[1:] - offsets[:-1], seg_len)
     seg_offsets = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(counts).astype(jnp.int32)])
