@@ -1,13 +1,11 @@
-"""The Triton block-selection kernel (nsa/triton/select.py).
+"""The Triton block-selection kernel (nsa/triton/select.py): what the shared test base does not check.
 
 On the CPU (every test but the gpu-marked one) the kernel runs in Triton's interpreter
-(tests/triton_interpreter.py) and must return exactly the XLA reference's block ids, in the
-reference's rank order: G in {1, 3, 5, 16} (several tokens per program, their heads padded to a
-power of two), block_counts from 1 to more than the blocks, T not a multiple of block_size and
-T < block_size, ties (all-equal compressed keys), packed sequences with an empty one (eager and with a
-traced cu_seqlens, programs whose tokens span two sequences), compressed rows that no query sees (NaN,
-never used), compressed attention's lse given (the kernel then skips its own pass), float32 and
-float16. The interpreter takes float32 and float16 only; bfloat16 runs on the GPU.
+(tests/triton_interpreter.py; the base runs there too, tests/test_triton_interpreted.py) and must return
+exactly the XLA reference's block ids in the reference's rank order (the base compares sets with the
+float64 oracle): G = 3 with Dk = 24, block_counts beyond the blocks, float16; compressed rows that no
+query sees (NaN, never used) eager and with a traced cu_seqlens; compressed attention's lse given with
+programs whose tokens span two packed sequences. bfloat16 and wide heads run on the GPU.
 """
 
 import jax
@@ -50,11 +48,8 @@ def _assert_equal(q, k_cmp, block_counts, block_size, cu=None):
 
 # (B, T, HQ, H, Dk, block_size), dtype, block_counts
 CASES = {
-    "G1-T40-bs16": ((2, 40, 2, 2, 16, 16), "float32", (1, 3)),
     "G3-T50-dk24": ((1, 50, 3, 1, 24, 8), "float32", (2, 5)),
-    "G16-T36": ((1, 36, 16, 1, 16, 8), "float32", (3,)),
     "G2-more-than-blocks": ((1, 45, 4, 2, 16, 8), "float32", (9,)),
-    "T<bs": ((1, 10, 2, 1, 16, 16), "float32", (2,)),
     "G3-fp16": ((1, 50, 3, 1, 32, 8), "float16", (1, 5)),
 }
 
@@ -73,22 +68,6 @@ def test_matches_reference_exactly(interpreted, shape, dtype, counts):
                                                                               got[:, bs:].shape[:3]))
         if T < bs:  # one block only: the rest of each row is unused
             assert np.all(got[..., 1:] == -1)
-
-
-def test_ties_go_to_lower_ids(interpreted):
-    """All-equal compressed keys: every visible block scores the same, so the lowest ids win."""
-    B, T, HQ, H, Dk, bs = 1, 60, 4, 2, 16, 8
-    q, _ = _inputs(B, T, HQ, H, Dk, bs, "float32")
-    k_cmp = jnp.ones((B, num_compressed_blocks(T, bs), H, Dk), jnp.float32)
-    for block_counts in (4, 9):
-        got = _assert_equal(q, k_cmp, block_counts, bs)
-        for t in range(T):
-            cur = t // bs
-            forced = list(dict.fromkeys(c for c in (cur, cur - 1, 0) if c >= 0))
-            expected = (forced + [c for c in range(cur + 1) if c not in forced])[:block_counts]
-            expected += [-1] * (block_counts - len(expected))
-            for h in range(H):
-                assert list(got[0, t, h]) == expected, (t, h)
 
 
 def test_varlen_with_an_empty_sequence_eager_and_traced(interpreted):
