@@ -19,9 +19,12 @@ Layouts (all built in XLA around the kernels; D padded to Dp, a multiple of 128 
   the last token of the tile that lists each (rows past it are never seen). It is sorted in XLA, and
   each grid step gets only its own row in SMEM (a BlockSpec in SMEM): the whole table
   (B * H * NT * (1 + 2U) ints) would not fit in SMEM's 1 MiB at long T;
-- k [B, H, T + BSP, Dkp], v [.., Dvp] stay in HBM (memory_space ANY): a kernel copies a block's BSP
-  rows (block_size rounded up to the sublane tile) from row x into VMEM itself (`make_async_copy`); rows
-  past the block, or past the query, are masked.
+- k [B, H, T + BR, Dkp], v [.., Dvp] stay in HBM (memory_space ANY): a kernel copies a block's BR rows
+  (block_size rounded up to the sublane tile) from row x into the first rows of a VMEM buffer of BK rows
+  (block_size rounded up to 128) itself (`make_async_copy`); rows past the block, or past every query
+  of the tile, are zeroed (`_block`). BK makes every logits tile [R, BK] and every transpose in the
+  dk/dv kernel (R and BK multiples of 128) lane-aligned: Mosaic has rejected matmuls with fewer than 128
+  result lanes and padded transposes (jax issues 18388, 18370), and the MXU is 128 wide anyway.
 
 Forward (`_fwd_kernel`), grid (B, H, NT), all parallel. A step owns a tile: it loads q (G, TB, Dkp) and
 the names (TB, S) through BlockSpecs, then walks the tile's union in order with a double-buffered DMA
@@ -40,16 +43,17 @@ grid (lists,), adds a list's partials in segment order (DMA loop again); XLA gat
 No atomics and a fixed order everywhere: dk and dv are bitwise repeatable.
 
 VMEM per step (`vmem_bytes`, every BlockSpec block double-buffered, 1-wide and int32 blocks padded to
-128 lanes; Mosaic's own temporaries such as the [R, BSP] logits come on top): the dq kernel, the largest,
-holds q (G, TB, Dkp), do (G, TB, Dvp), lse, delta, names (TB, S), dq, two key and value buffers of BSP
+128 lanes; Mosaic's own temporaries such as the [R, BK] logits come on top): the dq kernel, the largest,
+holds q (G, TB, Dkp), do (G, TB, Dvp), lse, delta, names (TB, S), dq, two key and value buffers of BK
 rows and a float32 [R, Dkp] accumulator; the dk/dv kernel the same tiles (its own DMA double buffers),
-one block, and float32 dk, dv [BSP, Dp]. At the standard shape (G = 16, TB = 16, bf16, Dp = 128,
+one block, and float32 dk, dv [BR, Dp]. At the standard shape (G = 16, TB = 16, bf16, Dp = 128,
 block_size 64) that is about 1.1 MiB; float32 heads of 256 take 1.6 MiB, G = 64 bf16 heads of 256
 6.1 MiB, under the 16 MiB of scoped VMEM. SMEM per step: one table row of 1 + 2U ints (forward, dq) or
 4 + 2L (dk/dv), double-buffered.
 """
 
 import functools
+import math
 from typing import NamedTuple
 
 import jax
@@ -62,7 +66,7 @@ from jax.experimental.pallas import tpu as pltpu
 from nsa._varlen import num_compressed_blocks, tokens
 
 LANES = 128  # a vreg's lanes: head dims are padded to a multiple of it
-MXU_ROWS = 128  # the rows a tile aims for: one MXU pass (the G heads of TB tokens)
+MXU_ROWS = 128  # a tile's rows (the G heads of TB tokens) are a multiple of one MXU pass
 _NONE = -1  # the name of a skipped slot
 _PAST = np.iinfo(np.int32).max  # sorts after every name
 
@@ -91,23 +95,26 @@ def _sublanes(dtype):
 def default_config(q, k, v, block_indices, *, block_size, cu_seqlens=None):
     """The Config for q [B, T, HQ, Dk], k [B, T, H, Dk], v [B, T, H, Dv], block_indices [B, T, H, S].
 
-    - TB: the fewest tokens whose G heads fill MXU_ROWS = 128 rows, rounded up to the sublane tile of
-      q's dtype (8 rows in float32, 16 in 16-bit) so that the (G, TB, Dp) tile flattens for free: 128 at
-      G = 1, 48 at G = 3, 8 (float32) or 16 (bfloat16) at G = 16. More tokens would only widen the union
-      of blocks a tile walks (each token's rows see a fraction of it).
-    - L: a list holds at most NT entries (one per tile), so L = min(64, NT): short sequences never
-      split; long ones split the long lists (block 0's holds all NT tiles) into segments of 64 tiles,
-      each a grid step of about 64 tile matmuls, long enough to hide its block's DMA.
+    - TB: the fewest tokens whose G heads make R = G * TB rows a multiple of MXU_ROWS = 128, rounded up
+      to the sublane tile of q's dtype (8 rows in float32, 16 in 16-bit) so that the (G, TB, Dp) tile
+      flattens for free: 128 at G = 1 and 3, 8 (float32) or 16 (bfloat16) at G = 16. R is at least one
+      MXU pass, and a multiple of 128 keeps the dk/dv kernel's p^T and ds^T [BK, R] transposes aligned.
+      More tokens would only widen the union of blocks a tile walks.
+    - L: a list holds at most NT entries (one per tile), so L = min(256, NT): short sequences never
+      split; long ones split the long lists (block 0's holds all NT tiles) into segments of 256 tiles,
+      each a grid step long enough to hide its block's copy, while the float32 partials stay small
+      (NL + E / L of them, [BR, Dp] each: about 50 MiB for dk at the standard shape with random
+      selections, where a tile's union holds every block).
     """
     del v, block_indices, cu_seqlens
     T, HQ = q.shape[1], q.shape[2]
     G = HQ // k.shape[2]
-    tb = _round_up(_cdiv(MXU_ROWS, G), _sublanes(q.dtype))
-    return Config(tokens=tb, segment=max(1, min(64, _cdiv(T, tb))))
+    tb = _round_up(MXU_ROWS // math.gcd(G, MXU_ROWS), _sublanes(q.dtype))
+    return Config(tokens=tb, segment=max(1, min(256, _cdiv(T, tb))))
 
 
 def _dot(a, b, precision, contract=(1, 0)):
-    """a @ b over dims `contract` of (a, b) (1, 1: a @ b.T; 0, 0: a.T @ b), with float32 accumulation."""
+    """a @ b over dims `contract` of (a, b) ((1, 1): a @ b.T), with float32 accumulation."""
     return lax.dot_general(a, b, (((contract[0],), (contract[1],)), ((), ())), precision=precision,
                            preferred_element_type=jnp.float32)
 
@@ -140,16 +147,23 @@ def _pipelined(n, copies, body):
     lax.fori_loop(0, n, step, 0)
 
 
-def _block_copies(k_hbm, v_hbm, k_buf, v_buf, sems, b, h, x, slot):
-    """The copies of the BSP key and value rows from global row x of batch row b, KV head h, into buffer
-    `slot` of k_buf [2, BSP, Dkp] and v_buf [2, BSP, Dvp]."""
-    rows = k_buf.shape[1]
-    return [pltpu.make_async_copy(k_hbm.at[b, h, pl.ds(x, rows)], k_buf.at[slot], sems.at[0, slot]),
-            pltpu.make_async_copy(v_hbm.at[b, h, pl.ds(x, rows)], v_buf.at[slot], sems.at[1, slot])]
+def _copied_rows(block_size, dtype):
+    """BR: the rows copied per block, block_size rounded up to the sublane tile of `dtype` (an aligned
+    copy destination)."""
+    return _round_up(block_size, _sublanes(dtype))
+
+
+def _block_copies(k_hbm, v_hbm, k_buf, v_buf, sems, b, h, x, slot, block_size):
+    """The copies of the BR key and value rows from global row x of batch row b, KV head h, into the first
+    rows of buffer `slot` of k_buf [., BK, Dkp] and v_buf [., BK, Dvp]."""
+    rows = pl.ds(0, _copied_rows(block_size, k_buf.dtype))
+    src = pl.ds(x, rows.size)
+    return [pltpu.make_async_copy(k_hbm.at[b, h, src], k_buf.at[slot, rows], sems.at[0, slot]),
+            pltpu.make_async_copy(v_hbm.at[b, h, src], v_buf.at[slot, rows], sems.at[1, slot])]
 
 
 def _block_bias(names, x, t0, *, block_size, rows):
-    """[TB, BSP] float32: how the TB tokens t0 + j of a tile (names [TB, S]: their slots) see block x:
+    """[TB, BK] float32: how the TB tokens t0 + j of a tile (names [TB, S]: their slots) see block x:
     log(m) where token t0 + j lists x m > 0 times and sees key row x + c (c < block_size and
     x + c <= t0 + j), -inf elsewhere."""
     listed = jnp.sum((names == x).astype(jnp.float32), axis=1, keepdims=True)  # [TB, 1]
@@ -161,10 +175,10 @@ def _block_bias(names, x, t0, *, block_size, rows):
 
 
 def _block(k_buf, v_buf, slot, x, last, block_size):
-    """The keys [BSP, Dkp] and values [BSP, Dvp] of block x in buffer `slot`, with the rows no token of the
-    tile sees (past the block, or past `last`, the last token of the tile listing it) zeroed: they hold another
-    block's or sequence's rows, possibly never meant to be read, and 0 * NaN would leak into p v and
-    do v^T."""
+    """The keys [BK, Dkp] and values [BK, Dvp] of block x in buffer `slot`, with the rows no token of the
+    tile sees (past the block, or past `last`, the last token of the tile listing it) zeroed: they hold
+    another block's or sequence's rows (possibly never meant to be read) or stale VMEM past BR, and
+    0 * NaN would leak into p v and do v^T."""
     c = lax.broadcasted_iota(jnp.int32, (k_buf.shape[1], 1), 0)
     keep = (c < block_size) & (x + c <= last)
     k, v = k_buf[slot], v_buf[slot]
@@ -172,8 +186,8 @@ def _block(k_buf, v_buf, slot, x, last, block_size):
 
 
 def _logits(q, k, bias, scale, precision):
-    """The logits of the tile q [G * TB, Dkp] against one block k [BSP, Dkp] with its bias [TB, BSP], as
-    [G, TB, BSP] float32."""
+    """The logits of the tile q [G * TB, Dkp] against one block k [BK, Dkp] with its bias [TB, BK], as
+    [G, TB, BK] float32."""
     s = _dot(q, k, precision, (1, 1)) * scale
     return s.reshape(q.shape[0] // bias.shape[0], *bias.shape) + bias[None]
 
@@ -188,13 +202,14 @@ def _fwd_kernel(blocks_ref, q_ref, names_ref, k_hbm, v_hbm, o_ref, lse_ref, k_bu
     l_scr[...] = jnp.zeros(l_scr.shape, jnp.float32)
     acc_scr[...] = jnp.zeros(acc_scr.shape, jnp.float32)
     U = blocks_ref.shape[1] // 2
-    copies = lambda u, slot: _block_copies(k_hbm, v_hbm, k_buf, v_buf, sems, b, h, blocks_ref[0, 1 + u], slot)
+    copies = lambda u, slot: _block_copies(k_hbm, v_hbm, k_buf, v_buf, sems, b, h, blocks_ref[0, 1 + u], slot,
+                                           block_size)
 
     def attend(u, slot):
         x = blocks_ref[0, 1 + u]
         bias = _block_bias(names, x, i * TB, block_size=block_size, rows=k_buf.shape[1])
         k, v = _block(k_buf, v_buf, slot, x, blocks_ref[0, 1 + U + u], block_size)
-        s = _logits(q, k, bias, scale, precision)  # [G, TB, BSP]
+        s = _logits(q, k, bias, scale, precision)  # [G, TB, BK]
         m_prev = m_scr[...][:, :, :1]
         m_new = jnp.maximum(m_prev, jnp.max(s, axis=2, keepdims=True))
         m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows that saw nothing yet: no NaN
@@ -213,14 +228,14 @@ def _fwd_kernel(blocks_ref, q_ref, names_ref, k_hbm, v_hbm, o_ref, lse_ref, k_bu
 
 
 def _probabilities(q, k, bias, lse, scale, precision):
-    """p [G, TB, BSP] float32 of the tile q [G * TB, Dkp] against the block k, recomputed from lse
+    """p [G, TB, BK] float32 of the tile q [G * TB, Dkp] against the block k, recomputed from lse
     [G, TB, 1] (0 where a row sees nothing)."""
     s = _logits(q, k, bias, scale, precision)
     return jnp.where(s > -jnp.inf, jnp.exp(s - jnp.where(lse > -jnp.inf, lse, 0.0)), 0.0)
 
 
 def _dlogits(p, do, v, delta, precision):
-    """ds = p * (do v^T - delta), [G * TB, BSP] float32, for p [G, TB, BSP], do [G * TB, Dvp], v [BSP, Dvp],
+    """ds = p * (do v^T - delta), [G * TB, BK] float32, for p [G, TB, BK], do [G * TB, Dvp], v [BK, Dvp],
     delta [G, TB, 1]."""
     dp = _dot(do, v, precision, (1, 1)).reshape(p.shape)
     return (p * (dp - delta)).reshape(do.shape[0], p.shape[2])
@@ -235,7 +250,8 @@ def _dq_kernel(blocks_ref, q_ref, names_ref, do_ref, lse_ref, delta_ref, k_hbm, 
     names, lse, delta = names_ref[...], lse_ref[...], delta_ref[...]
     acc_scr[...] = jnp.zeros(acc_scr.shape, jnp.float32)
     U = blocks_ref.shape[1] // 2
-    copies = lambda u, slot: _block_copies(k_hbm, v_hbm, k_buf, v_buf, sems, b, h, blocks_ref[0, 1 + u], slot)
+    copies = lambda u, slot: _block_copies(k_hbm, v_hbm, k_buf, v_buf, sems, b, h, blocks_ref[0, 1 + u], slot,
+                                           block_size)
 
     def step(u, slot):
         x = blocks_ref[0, 1 + u]
@@ -252,7 +268,7 @@ def _dq_kernel(blocks_ref, q_ref, names_ref, do_ref, lse_ref, delta_ref, k_hbm, 
 def _dkdv_kernel(seg_ref, k_hbm, v_hbm, q_hbm, do_hbm, lse_hbm, delta_hbm, names_hbm, dk_ref, dv_ref, k_buf,
                  v_buf, q_buf, do_buf, lse_buf, delta_buf, names_buf, sems, *, scale, block_size, precision):
     """One segment, seg_ref [1, 4 + 2L] = (b, h, x, n, the tiles of its L entries, the last token of each
-    that lists x; n of them used): float32 partial dk and dv [BSP, Dp] of block x (dk unscaled)."""
+    that lists x; n of them used): float32 partial dk and dv [BR, Dp] of block x (dk unscaled)."""
     b, h, x, n = seg_ref[0, 0], seg_ref[0, 1], seg_ref[0, 2], seg_ref[0, 3]
     L = (seg_ref.shape[1] - 4) // 2
     _, G, TB, _ = q_buf.shape
@@ -261,7 +277,7 @@ def _dkdv_kernel(seg_ref, k_hbm, v_hbm, q_hbm, do_hbm, lse_hbm, delta_hbm, names
 
     @pl.when(n > 0)
     def _copy_block():
-        copies = _block_copies(k_hbm, v_hbm, k_buf, v_buf, sems, b, h, x, 0)
+        copies = _block_copies(k_hbm, v_hbm, k_buf, v_buf, sems, b, h, x, 0, block_size)
         for c in copies:
             c.start()
         for c in copies:
@@ -280,8 +296,9 @@ def _dkdv_kernel(seg_ref, k_hbm, v_hbm, q_hbm, do_hbm, lse_hbm, delta_hbm, names
         k, v = _block(k_buf, v_buf, 0, x, seg_ref[0, 4 + L + u], block_size)
         p = _probabilities(q, k, bias, lse_buf[slot], scale, precision)
         ds = _dlogits(p, do, v, delta_buf[slot], precision)
-        dv_ref[...] += _dot(p.reshape(G * TB, p.shape[2]).astype(do.dtype), do, precision, (0, 0))
-        dk_ref[...] += _dot(ds.astype(q.dtype), q, precision, (0, 0))
+        rows = dk_ref.shape[0]  # BR of the BK rows: those of the block
+        dv_ref[...] += _dot(p.reshape(G * TB, p.shape[2]).T.astype(do.dtype), do, precision)[:rows]
+        dk_ref[...] += _dot(ds.T.astype(q.dtype), q, precision)[:rows]
 
     _pipelined(n, copies, step)
 
@@ -317,7 +334,8 @@ class _Layout(NamedTuple):
     S: int
     tb: int  # TB
     nt: int  # NT = Tp / TB
-    bsp: int  # BSP: block_size rounded up to the sublane tile
+    br: int  # BR: the rows copied per block, block_size rounded up to the sublane tile
+    bk: int  # BK: the rows of a key buffer, block_size rounded up to 128
     dkp: int
     dvp: int
     num_rows: int  # block rows per (batch row, KV head): a static bound on the distinct blocks
@@ -327,7 +345,8 @@ def _layout(q, k, v, block_indices, block_size, cu_seqlens, cfg):
     B, T, HQ, Dk = q.shape
     H, S = k.shape[2], block_indices.shape[3]
     return _Layout(B, T, H, HQ // H, S, cfg.tokens, _cdiv(T, cfg.tokens),
-                   _round_up(block_size, _sublanes(k.dtype)), _round_up(Dk, LANES), _round_up(v.shape[3], LANES),
+                   _copied_rows(block_size, k.dtype), _round_up(block_size, LANES), _round_up(Dk, LANES),
+                   _round_up(v.shape[3], LANES),
                    num_compressed_blocks(T, block_size, cu_seqlens))
 
 
@@ -356,9 +375,9 @@ def _row_tiles(x, lay, fill):
 
 
 def _key_rows(x, lay, dp):
-    """[B, T, H, D] -> [B, H, T + BSP, dp], zero-padded: a copy of BSP rows from any block start x < T stays
+    """[B, T, H, D] -> [B, H, T + BR, dp], zero-padded: a copy of BR rows from any block start x < T stays
     in bounds."""
-    return jnp.transpose(_pad_to(_pad_to(x, 3, dp), 1, lay.T + lay.bsp), (0, 2, 1, 3))
+    return jnp.transpose(_pad_to(_pad_to(x, 3, dp), 1, lay.T + lay.br), (0, 2, 1, 3))
 
 
 def _names(block_indices, block_counts, cu_seqlens, lay, block_size):
@@ -403,7 +422,7 @@ def _params(q, interpret, semantics):
 
 def _block_buffers(lay, k, v, copies):
     """Double buffers of one block's keys and values, and the DMA semaphores of `copies` copy streams."""
-    return [pltpu.VMEM((2, lay.bsp, lay.dkp), k.dtype), pltpu.VMEM((2, lay.bsp, lay.dvp), v.dtype),
+    return [pltpu.VMEM((2, lay.bk, lay.dkp), k.dtype), pltpu.VMEM((2, lay.bk, lay.dvp), v.dtype),
             pltpu.SemaphoreType.DMA((copies, 2))]
 
 
@@ -432,16 +451,16 @@ def vmem_bytes(G, dk, dv, itemsize, block_size, num_slots, config):
     (1-wide and int32 blocks padded to 128 lanes), the DMA buffers and the float32 scratch."""
     tb, lanes = config.tokens, LANES
     R = G * tb
-    bsp = _round_up(block_size, 32 // itemsize)
+    br, bk = _round_up(block_size, 32 // itemsize), _round_up(block_size, lanes)
     dkp, dvp = _round_up(dk, lanes), _round_up(dv, lanes)
     slots = _round_up(num_slots, lanes)
     tile = (R * dkp + R * dvp) * itemsize + 2 * R * lanes * 4 + tb * slots * 4  # q, do, lse, delta, names
-    block = bsp * (dkp + dvp) * itemsize
+    block = bk * (dkp + dvp) * itemsize
     forward = 2 * (R * dkp * itemsize + tb * slots * 4 + R * dvp * itemsize + R * lanes * 4) + 2 * block \
         + (2 * R * lanes + R * dvp) * 4
     dq = 2 * (tile + R * dkp * itemsize) + 2 * block + R * dkp * 4
-    dkdv = 2 * tile + block + 2 * bsp * (dkp + dvp) * 4
-    reduce = 4 * bsp * (dkp + dvp) * 4
+    dkdv = 2 * tile + block + 2 * br * (dkp + dvp) * 4
+    reduce = 4 * br * (dkp + dvp) * 4
     return max(forward, dq, dkdv, reduce)
 
 
@@ -530,7 +549,7 @@ def _block_lists(union, last, cu_seqlens, lay, block_size):
 
 
 def _dkdv_partials(lay, segments, k_rows, v_rows, tiled, *, q, k, v, scale, block_size, interpret):
-    """The dk/dv kernel on the grid (NSEG,): float32 partials [NSEG, BSP, Dkp] and [NSEG, BSP, Dvp]."""
+    """The dk/dv kernel on the grid (NSEG,): float32 partials [NSEG, BR, Dkp] and [NSEG, BR, Dvp]."""
     nseg = segments.shape[0]
     compiler, dots = _params(q, interpret, ("parallel",))
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
@@ -540,34 +559,34 @@ def _dkdv_partials(lay, segments, k_rows, v_rows, tiled, *, q, k, v, scale, bloc
         grid=(nseg,),
         in_specs=[pl.BlockSpec((None,) + segments.shape[1:], lambda s: (s, 0, 0), memory_space=pltpu.SMEM)]
         + [any_spec] * (2 + len(tiled)),
-        out_specs=[pl.BlockSpec((None, lay.bsp, lay.dkp), lambda s: (s, 0, 0)),
-                   pl.BlockSpec((None, lay.bsp, lay.dvp), lambda s: (s, 0, 0))],
-        out_shape=[jax.ShapeDtypeStruct((nseg, lay.bsp, lay.dkp), jnp.float32),
-                   jax.ShapeDtypeStruct((nseg, lay.bsp, lay.dvp), jnp.float32)],
-        scratch_shapes=[pltpu.VMEM((1, lay.bsp, lay.dkp), k.dtype), pltpu.VMEM((1, lay.bsp, lay.dvp), v.dtype)]
+        out_specs=[pl.BlockSpec((None, lay.br, lay.dkp), lambda s: (s, 0, 0)),
+                   pl.BlockSpec((None, lay.br, lay.dvp), lambda s: (s, 0, 0))],
+        out_shape=[jax.ShapeDtypeStruct((nseg, lay.br, lay.dkp), jnp.float32),
+                   jax.ShapeDtypeStruct((nseg, lay.br, lay.dvp), jnp.float32)],
+        scratch_shapes=[pltpu.VMEM((1, lay.bk, lay.dkp), k.dtype), pltpu.VMEM((1, lay.bk, lay.dvp), v.dtype)]
         + [tile_buffer(x) for x in tiled] + [pltpu.SemaphoreType.DMA((2 + len(tiled), 2))], **compiler,
     )(segments, k_rows, v_rows, *tiled)
 
 
 def _reduced(lay, lists, dk_part, dv_part, *, interpret):
-    """The reduce kernel on the grid (NL,): each list's partials summed in segment order, [NL, BSP, Dp]."""
+    """The reduce kernel on the grid (NL,): each list's partials summed in segment order, [NL, BR, Dp]."""
     num_lists = lists.shape[0]
     compiler, _ = _params(dk_part, interpret, ("parallel",))
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     return pl.pallas_call(
         _reduce_kernel, grid=(num_lists,),
         in_specs=[pl.BlockSpec((None, 1, 2), lambda l: (l, 0, 0), memory_space=pltpu.SMEM), any_spec, any_spec],
-        out_specs=[pl.BlockSpec((None, lay.bsp, lay.dkp), lambda l: (l, 0, 0)),
-                   pl.BlockSpec((None, lay.bsp, lay.dvp), lambda l: (l, 0, 0))],
-        out_shape=[jax.ShapeDtypeStruct((num_lists, lay.bsp, lay.dkp), jnp.float32),
-                   jax.ShapeDtypeStruct((num_lists, lay.bsp, lay.dvp), jnp.float32)],
-        scratch_shapes=[pltpu.VMEM((2, lay.bsp, lay.dkp), jnp.float32), pltpu.VMEM((2, lay.bsp, lay.dvp), jnp.float32),
+        out_specs=[pl.BlockSpec((None, lay.br, lay.dkp), lambda l: (l, 0, 0)),
+                   pl.BlockSpec((None, lay.br, lay.dvp), lambda l: (l, 0, 0))],
+        out_shape=[jax.ShapeDtypeStruct((num_lists, lay.br, lay.dkp), jnp.float32),
+                   jax.ShapeDtypeStruct((num_lists, lay.br, lay.dvp), jnp.float32)],
+        scratch_shapes=[pltpu.VMEM((2, lay.br, lay.dkp), jnp.float32), pltpu.VMEM((2, lay.br, lay.dvp), jnp.float32),
                         pltpu.SemaphoreType.DMA((2, 2))], **compiler,
     )(lists, dk_part, dv_part)
 
 
 def _per_key_row(sums, cu_seqlens, lay, block_size, d):
-    """[NL, BSP, Dp] sums per (list, row in the block) -> [B, T, H, d]: key row t of (b, h) is row
+    """[NL, BR, Dp] sums per (list, row in the block) -> [B, T, H, d]: key row t of (b, h) is row
     pos[t] % block_size of list (b * H + h) * NR + its block row."""
     tok = tokens(lay.T, block_size, cu_seqlens)
     row = tok.cmp_start[0] + tok.pos[0] // block_size  # [T]
