@@ -54,32 +54,73 @@ def test_dense_baseline_is_causal_gqa_attention():
 
 
 def test_roofline_times_follow_the_model(tmp_path):
-    """Every kernel is in the table at both T and chips, and each time is the largest of FLOPs / peak,
-    bytes / bandwidth, DMAs * issue cost and grid steps * step cost, the binding one named."""
+    """Every kernel is in the table at both T and chips, each time is the largest of FLOPs / peak,
+    bytes / bandwidth, DMAs * issue cost and grid steps * step cost, the binding one named, and each
+    total is the sum of nsa.attention's kernels."""
     out = tmp_path / "roofline.json"
     tpu_roofline.main(["--json", str(out)])
-    rows = json.loads(out.read_text())["rows"]
+    result = json.loads(out.read_text())
+    rows = result["rows"]
     names = {r["name"].split(" (")[0] for r in rows}
     assert names == {f"{b} {p}" for b in ("window", "compressed") for p in ("fwd", "dq", "dkdv")} | {
-        "select"} | {f"selected {p}" for p in ("fwd", "dq", "dkdv")}
+        "select"} | {f"selected {p}" for p in ("fwd", "dq", "dkdv", "reduce")}
     assert {(r["T"], r["chip"]) for r in rows} == {(T, c) for T in (8192, 65536) for c in ("v5p", "v6e")}
     for r in rows:
         chip = tpu_roofline.CHIPS[r["chip"]]
         terms = dict(mxu=r["flops"] / chip.bf16_flops, hbm=r["hbm_bytes"] / chip.hbm_bandwidth,
                      dma=r["dmas"] * tpu_roofline.DMA_ISSUE_S, steps=r["grid_steps"] * tpu_roofline.GRID_STEP_S)
-        assert all(t > 0 for t in terms.values()), r
+        assert all(t > 0 for k, t in terms.items() if k != "mxu"), r
+        assert (terms["mxu"] > 0) == (not r["name"].startswith("selected reduce")), r  # the reduce: VPU adds only
         assert math.isclose(r["ms"], 1e3 * max(terms.values()), rel_tol=1e-12), r
         assert r["binds"] == max(terms, key=terms.get)
+    ms = {(r["T"], r["chip"], r["name"]): r["ms"] for r in rows}
+    assert len(result["totals"]) == 2 * 2 * 2
+    for t in result["totals"]:
+        U = t["union"]
+        fwd = ["window fwd", "compressed fwd", "select (lse given, 1 pass)", f"selected fwd ({U})"]
+        bwd = ["window dq", "window dkdv", "compressed dq", "compressed dkdv"] + [
+            f"selected {p} ({U})" for p in ("dq", "dkdv", "reduce")]
+        assert math.isclose(t["fwd_ms"], sum(ms[t["T"], t["chip"], n] for n in fwd), rel_tol=1e-12)
+        assert math.isclose(t["fwd_bwd_ms"], sum(ms[t["T"], t["chip"], n] for n in fwd + bwd), rel_tol=1e-12)
 
 
 def test_roofline_counts():
     """The counts against closed forms: the window forward executes, per head and query tile, the key tiles
-    its queries see; selected at U = S executes exactly the useful selection FLOPs; the grid walk DMAs
-    a block once per change of its index."""
+    its queries see; selected at U = S executes the useful selection FLOPs but for the first S - 1 blocks'
+    tokens (fewer candidates) times BK / block_size (a block's matmuls take its BK = 128-row buffer), at
+    the all-distinct end every visible block per tile; select walks, per tile, the chunks up to its
+    current block's; the grid walk DMAs a block once per change of its index."""
     T, s = 8192, STANDARD
     fwd = tpu_roofline.window_kernels(T)[0]
     tiles = sum(min(i, T // 128 - 1) - max(0, (128 * i - s.window + 1) // 128) + 1 for i in range(T // 128))
     assert fwd.flops == s.HQ * tiles * 4 * 128 * 128 * s.D
-    selected = tpu_roofline.selected_kernels(T, s.blocks)[0]
-    assert selected.flops == useful_flops("selection", T)
     assert tpu_roofline.dma_count(np.array([3, 3, 4, 4, 3])) == 3
+
+    # selected, TB tokens x G heads = R rows per tile, blocks of bs rows multiplied as BK = 128
+    G, bs, S, BK, NB = s.HQ // s.H, s.block_size, s.blocks, 128, T // s.block_size
+    TB, L = tpu_roofline.selected_config(T)
+    R, NT = G * TB, T // TB
+    same = tpu_roofline.selected_kernels(T, "same")
+    assert same[0].flops == BK / bs * (useful_flops("selection", T) - 2 * s.HQ * bs ** 2 * s.D * S * (S - 1))
+    distinct = tpu_roofline.selected_kernels(T, "distinct")
+    assert TB * S >= NB  # at T = 8192 a tile's tokens may list every block they see
+    assert distinct[0].flops == 2 * s.HQ * BK * s.D * bs * NB * (NB + 1)
+    for kernels in (same, distinct):
+        pairs = kernels[0].flops / (4 * R * BK * s.D)
+        assert kernels[1].flops == 1.5 * kernels[0].flops and kernels[2].flops == 2 * kernels[0].flops
+        assert kernels[0].grid_steps == kernels[1].grid_steps == s.H * NT
+        assert kernels[0].dmas == 5 * s.H * NT + 2 * pairs  # SMEM row, q, names, o, lse; K and V per block
+        assert kernels[1].dmas == 7 * s.H * NT + 2 * pairs
+        assert kernels[2].grid_steps == s.H * NB + -(-s.H * NT * min(TB * S, NB) // L)
+        assert kernels[3].grid_steps == s.H * NB and kernels[3].flops == 0
+
+    # select at T = 65536 (8 chunks of BC rows), lse given: tile i walks chunks 0 .. hi_i
+    T = 65536
+    TB, BC = tpu_roofline.select_config(T)
+    NT = T // TB
+    hi = [((i + 1) * TB - 1) // bs // BC for i in range(NT)]
+    one, two = tpu_roofline.select_kernel(T, lse=True), tpu_roofline.select_kernel(T, lse=False)
+    assert one.grid_steps == s.H * NT * (T // bs // BC) and two.grid_steps == 2 * one.grid_steps
+    assert one.flops == s.H * sum(h + 1 for h in hi) * 2 * G * TB * BC * s.D and two.flops == 2 * one.flops
+    k_dmas = sum(h + 1 for h in hi) - sum(1 for i in range(1, NT) if hi[i - 1] == 0)  # chunk 0 kept across tiles
+    assert one.dmas == s.H * (4 * NT + k_dmas)  # token rows, q, lse, ids per tile; the chunks
