@@ -47,8 +47,8 @@ VMEM per step (`vmem_bytes`, every BlockSpec block double-buffered, 1-wide and i
 holds q (G, TB, Dkp), do (G, TB, Dvp), lse, delta, names (TB, S), dq, two key and value buffers of BK
 rows and a float32 [R, Dkp] accumulator; the dk/dv kernel the same tiles (its own DMA double buffers),
 one block, and float32 dk, dv [BR, Dp]. At the standard shape (G = 16, TB = 16, bf16, Dp = 128,
-block_size 64) that is about 1.1 MiB; float32 heads of 256 take 1.6 MiB, G = 64 bf16 heads of 256
-6.1 MiB, under the 16 MiB of scoped VMEM. SMEM per step: one table row of 1 + 2U ints (forward, dq) or
+block_size 64) that is about 1.1 MiB; float32 heads of 256 take 1.6 MiB at G = 16 and 4 MiB at G = 3
+(TB = 128), bf16 heads of 256 at G = 64 6.3 MiB: all under the 16 MiB of scoped VMEM. SMEM per step: one table row of 1 + 2U ints (forward, dq) or
 4 + 2L (dk/dv), double-buffered.
 """
 
@@ -73,7 +73,8 @@ _PAST = np.iinfo(np.int32).max  # sorts after every name
 
 class Config(NamedTuple):
     """TB query tokens per tile (forward, dq, and the dk/dv entries) and L, the most entries (tiles) of
-    one dk/dv segment."""
+    one dk/dv segment. TB must be a multiple of the sublane tile (8, or 16 in 16-bit dtypes), and on a
+    TPU G * TB a multiple of 128 (`default_config`); interpret mode takes any multiple of 8."""
 
     tokens: int
     segment: int
