@@ -5,7 +5,8 @@ On the CPU they run in Pallas's TPU interpret mode (race detection on) against t
 and 16, Dv != Dk, head dims that are not a multiple of 128 lanes, T not a multiple of the tile, block
 sizes 8 to 64 (bf16 at 8: the copied rows pass the block), random selections with -1, out-of-range and
 repeated entries and per-token counts, packed sequences with an empty one (cu_seqlens traced under jit),
-rows that see nothing, keys that must never be read (NaN), lists split into many dk/dv segments, and
+rows that see nothing, keys that must never be read (NaN: invalid entries, the rows a copy takes past a
+block or past a sequence's end), lists split into many dk/dv segments, and
 bitwise repeatable gradients. Forward and backward are also exported for TPU (jax.export,
 platforms=["tpu"]), which lowers them through Mosaic's Pallas lowering, at the standard shape and an odd
 one; and the VMEM of a grid step is bounded up to heads of 256 in float32.
@@ -131,6 +132,24 @@ def test_invalid_entries_are_never_read():
     _assert_matches(got, _reference(x, idx, counts, None), x, "bfloat16", "poisoned")
     _, _, (_, dk, dv) = got
     assert np.all(np.asarray(dk)[:, 2 * bs:] == 0) and np.all(np.asarray(dv)[:, 2 * bs:] == 0)
+
+
+def test_the_next_sequence_is_never_read():
+    """Packed sequences [0, 13) and [13, 24): block 1 of the first holds rows 8 to 15, of which 13 to 15 are
+    the second sequence's, NaN here, and the second sequence's queries list only invalid blocks. The
+    copy of block 1 takes those rows; nothing of them may reach o, lse or the gradients."""
+    B, T, HQ, H, D, bs = 1, 24, 2, 1, 16, 8
+    x = Inputs((B, T, HQ, H, D, D, bs), "float32")
+    cu = np.array([0, 13, 24], np.int32)
+    t = np.arange(T)
+    own = np.stack([t // bs, np.zeros(T), np.full(T, -1)], -1)
+    idx = np.where((t < 13)[:, None], own, np.full((T, 3), 5)).astype(np.int32)[None, :, None, :]
+    counts = jnp.full((B, T, H), 3, jnp.int32)
+    poison = (t >= 13)[None, :, None, None]
+    x.k, x.v = (jnp.where(poison, jnp.nan, a) for a in (x.k, x.v))
+    got = _kernels(x, idx, counts, cu)
+    x.k, x.v = (jnp.where(poison, 0.0, a) for a in (x.k, x.v))
+    _assert_matches(got, _reference(x, idx, counts, cu), x, "float32", "next sequence")
 
 
 def test_rows_that_see_nothing():
