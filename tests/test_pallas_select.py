@@ -84,7 +84,7 @@ CASES = {
 
 
 @pytest.mark.parametrize("shape, dtype, counts, with_lse, config", CASES.values(), ids=CASES.keys())
-def test_matches_the_reference_in_interpret_mode(shape, dtype, counts, with_lse, config):
+def test_matches_the_reference_in_interpret_mode(shape, dtype, counts, with_lse, config, pallas_races):
     B, T, HQ, H, Dk, bs = shape
     q, k_cmp = _inputs(B, T, HQ, H, Dk, bs, dtype)
     lse = _compressed_lse(q, k_cmp, bs, None) if with_lse else None
@@ -94,7 +94,7 @@ def test_matches_the_reference_in_interpret_mode(shape, dtype, counts, with_lse,
         _assert_well_formed(got, np.arange(T), bs)
 
 
-def test_packed_sequences_with_an_empty_one():
+def test_packed_sequences_with_an_empty_one(pallas_races):
     """G = 16 (one token tile of 128: tiles span several sequences), packed lengths 37, 0, 113, 50; lse
     computed by the kernel and given; under jit cu_seqlens is traced (more rows than the sequences use) and
     the result is the same. The ids are in-sequence: each row starts with pos // bs."""
@@ -111,7 +111,7 @@ def test_packed_sequences_with_an_empty_one():
     np.testing.assert_array_equal(np.asarray(traced), got)
 
 
-def test_ties_go_to_lower_ids():
+def test_ties_go_to_lower_ids(pallas_races):
     """All-equal compressed keys: every visible block scores the same, so the lowest ids win, after the
     forced blocks (t // bs, t // bs - 1, 0); the slots past the candidates are -1."""
     B, T, HQ, H, Dk, bs = 1, 60, 4, 2, 16, 8
