@@ -6,8 +6,8 @@ and 16, Dv != Dk, head dims that are not a multiple of 128 lanes, T not a multip
 sizes 8 to 64 (bf16 at 8: the copied rows pass the block), random selections with -1, out-of-range and
 repeated entries and per-token counts, packed sequences with an empty one (cu_seqlens traced under jit),
 rows that see nothing, keys that must never be read (NaN: invalid entries, the rows a copy takes past a
-block or past a sequence's end), lists split into many dk/dv segments, and
-bitwise repeatable gradients. Forward and backward are also exported for TPU (jax.export,
+block or past a sequence's end), lists split into many dk/dv segments, and bitwise repeatable
+gradients; no data race between two simulated cores. Forward and backward are also exported for TPU (jax.export,
 platforms=["tpu"]), which lowers them through Mosaic's Pallas lowering, at the standard shape and an odd
 one; and the VMEM of a grid step is bounded up to heads of 256 in float32.
 """
@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax._src.pallas.mosaic.interpret import interpret_pallas_call  # the race detector's state
 from jax.experimental.pallas import tpu as pltpu
 
 from nsa._varlen import tokens
@@ -23,7 +24,25 @@ from nsa.pallas import selected
 from nsa.reference import selected as reference
 from tests.base import GRAD_TOLERANCE, TOLERANCE, Inputs, assert_close, gradient_scales
 
-INTERPRET = pltpu.InterpretParams(detect_races=True)
+# Two simulated TensorCores share the parallel grid dimensions, as on a megacore chip; the race detector
+# flags any two accesses to one buffer without a happens-before order (checked after every test);
+# uninitialized VMEM reads as NaN and out-of-bounds reads raise (the interpreter's defaults).
+INTERPRET = pltpu.InterpretParams(detect_races=True, num_cores_or_threads=2)
+
+
+@pytest.fixture(autouse=True)
+def no_races(monkeypatch):
+    """Fails a test in which the race detector flagged any kernel (it keeps one state per kernel call)."""
+    states = []
+    new_state = interpret_pallas_call.RaceDetectionState
+
+    def recorded(*args, **kwargs):
+        states.append(new_state(*args, **kwargs))
+        return states[-1]
+
+    monkeypatch.setattr(interpret_pallas_call, "RaceDetectionState", recorded)
+    yield
+    assert not any(state.races_found for state in states), "the race detector found a data race"
 CU = np.array([0, 37, 37, 150, 200], np.int32)  # lengths 37, 0, 113, 50 (T = 200)
 SHORT_CU = np.array([0, 13, 13, 40, 60], np.int32)  # lengths 13, 0, 27, 20 (T = 60)
 
