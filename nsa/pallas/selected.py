@@ -114,10 +114,10 @@ def default_config(q, k, v, block_indices, *, block_size, cu_seqlens=None):
     return Config(tokens=tb, segment=max(1, min(256, _cdiv(T, tb))))
 
 
-def _dot(a, b, precision, contract=(1, 0)):
-    """a @ b over dims `contract` of (a, b) ((1, 1): a @ b.T), with float32 accumulation."""
-    return lax.dot_general(a, b, (((contract[0],), (contract[1],)), ((), ())), precision=precision,
-                           preferred_element_type=jnp.float32)
+def _dot(a, b, precision, *, transpose_b=False):
+    """a @ b, or a @ b.T, with float32 accumulation."""
+    dims = (((1,), (1,)), ((), ())) if transpose_b else (((1,), (0,)), ((), ()))
+    return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
 
 
 # ------------------------------------------------------------------------------------------ kernels
@@ -189,7 +189,7 @@ def _block(k_buf, v_buf, slot, x, last, block_size):
 def _logits(q, k, bias, scale, precision):
     """The logits of the tile q [G * TB, Dkp] against one block k [BK, Dkp] with its bias [TB, BK], as
     [G, TB, BK] float32."""
-    s = _dot(q, k, precision, (1, 1)) * scale
+    s = _dot(q, k, precision, transpose_b=True) * scale
     return s.reshape(q.shape[0] // bias.shape[0], *bias.shape) + bias[None]
 
 
@@ -238,7 +238,7 @@ def _probabilities(q, k, bias, lse, scale, precision):
 def _dlogits(p, do, v, delta, precision):
     """ds = p * (do v^T - delta), [G * TB, BK] float32, for p [G, TB, BK], do [G * TB, Dvp], v [BK, Dvp],
     delta [G, TB, 1]."""
-    dp = _dot(do, v, precision, (1, 1)).reshape(p.shape)
+    dp = _dot(do, v, precision, transpose_b=True).reshape(p.shape)
     return (p * (dp - delta)).reshape(do.shape[0], p.shape[2])
 
 
