@@ -12,6 +12,8 @@ platforms=["tpu"]), which lowers them through Mosaic's Pallas lowering, at the s
 one; and the VMEM of a grid step is bounded up to heads of 256 in float32.
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -197,7 +199,7 @@ def test_rows_that_see_nothing():
                          ids=["standard-bf16", "odd-f32"])
 def test_lowers_for_tpu(shape, S, dtype):
     """jax.export for TPU lowers the kernels through Mosaic: four tpu_custom_calls (forward, dq, dk/dv
-    partials, their reduce)."""
+    partials, their reduce), by name."""
     B, T, HQ, H, Dk, Dv, bs = shape
 
     def forward_backward(q, k, v, idx, counts, do):
@@ -209,6 +211,8 @@ def test_lowers_for_tpu(shape, S, dtype):
         ((B, T, H), jnp.int32), ((B, T, HQ, Dv), dtype)]]
     module = jax.export.export(jax.jit(forward_backward), platforms=["tpu"])(*args).mlir_module()
     assert module.count("tpu_custom_call") == 4
+    assert sorted(re.findall(r'kernel_name = "(\w+)"', module)) == [
+        "selected_dkdv", "selected_dkdv_reduce", "selected_dq", "selected_forward"]
 
 
 @pytest.mark.parametrize("G, dk, dv, dtype, block_size", [

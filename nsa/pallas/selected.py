@@ -48,8 +48,11 @@ holds q (G, TB, Dkp), do (G, TB, Dvp), lse, delta, names (TB, S), dq, two key an
 rows and a float32 [R, Dkp] accumulator; the dk/dv kernel the same tiles (its own DMA double buffers),
 one block, and float32 dk, dv [BR, Dp]. At the standard shape (G = 16, TB = 16, bf16, Dp = 128,
 block_size 64) that is about 1.1 MiB; float32 heads of 256 take 1.6 MiB at G = 16 and 4 MiB at G = 3
-(TB = 128), bf16 heads of 256 at G = 64 6.3 MiB: all under the 16 MiB of scoped VMEM. SMEM per step: one table row of 1 + 2U ints (forward, dq) or
-4 + 2L (dk/dv), double-buffered.
+(TB = 128), bf16 heads of 256 at G = 64 6.3 MiB: all under the 16 MiB of scoped VMEM. SMEM per step:
+one table row of 1 + 2U ints (forward, dq) or 4 + 2L (dk/dv), double-buffered.
+
+The Mosaic kernels carry names: selected_forward, selected_dq, selected_dkdv (the partials) and
+selected_dkdv_reduce.
 """
 
 import functools
@@ -428,7 +431,7 @@ def _block_buffers(lay, k, v, copies):
 
 
 def _query_grid(kernel, lay, blocks, tiled, k_rows, v_rows, outputs, scratch, *, q, scale, block_size,
-                interpret):
+                interpret, name):
     """pallas_call of the forward or the dq kernel on the grid (B, H, NT): the tile's SMEM blocks row,
     then the tiled inputs [B, H, NT, ...] (one block each), then k and v in HBM."""
     def tile_spec(shape):
@@ -443,7 +446,7 @@ def _query_grid(kernel, lay, blocks, tiled, k_rows, v_rows, outputs, scratch, *,
                                memory_space=pltpu.SMEM)]
         + [tile_spec(x.shape) for x in tiled] + [any_spec, any_spec],
         out_specs=[tile_spec(o.shape) for o in outputs],
-        out_shape=outputs, scratch_shapes=scratch, **compiler,
+        out_shape=outputs, scratch_shapes=scratch, name=name, **compiler,
     )(blocks, *tiled, k_rows, v_rows)
 
 
@@ -504,7 +507,7 @@ def forward(q, k, v, block_indices, block_counts, cu_seqlens, *, block_size, sca
         [jax.ShapeDtypeStruct(tile_shape + (lay.dvp,), q.dtype), jax.ShapeDtypeStruct(tile_shape + (1,), jnp.float32)],
         _block_buffers(lay, k, v, 2) + [pltpu.VMEM((lay.G, lay.tb, LANES), jnp.float32)] * 2
         + [pltpu.VMEM((lay.G, lay.tb, lay.dvp), jnp.float32)],
-        q=q, scale=scale, block_size=block_size, interpret=interpret)
+        q=q, scale=scale, block_size=block_size, interpret=interpret, name="selected_forward")
     o = _from_query_tiles(o, lay, v.shape[3])
     lse = _from_query_tiles(lse, lay, 1)[..., 0]
     return o, (q, k, v, block_indices, block_counts, cu_seqlens, o, lse)
@@ -565,7 +568,8 @@ def _dkdv_partials(lay, segments, k_rows, v_rows, tiled, *, q, k, v, scale, bloc
         out_shape=[jax.ShapeDtypeStruct((nseg, lay.br, lay.dkp), jnp.float32),
                    jax.ShapeDtypeStruct((nseg, lay.br, lay.dvp), jnp.float32)],
         scratch_shapes=[pltpu.VMEM((1, lay.bk, lay.dkp), k.dtype), pltpu.VMEM((1, lay.bk, lay.dvp), v.dtype)]
-        + [tile_buffer(x) for x in tiled] + [pltpu.SemaphoreType.DMA((2 + len(tiled), 2))], **compiler,
+        + [tile_buffer(x) for x in tiled] + [pltpu.SemaphoreType.DMA((2 + len(tiled), 2))], name="selected_dkdv",
+        **compiler,
     )(segments, k_rows, v_rows, *tiled)
 
 
@@ -582,7 +586,7 @@ def _reduced(lay, lists, dk_part, dv_part, *, interpret):
         out_shape=[jax.ShapeDtypeStruct((num_lists, lay.br, lay.dkp), jnp.float32),
                    jax.ShapeDtypeStruct((num_lists, lay.br, lay.dvp), jnp.float32)],
         scratch_shapes=[pltpu.VMEM((2, lay.br, lay.dkp), jnp.float32), pltpu.VMEM((2, lay.br, lay.dvp), jnp.float32),
-                        pltpu.SemaphoreType.DMA((2, 2))], **compiler,
+                        pltpu.SemaphoreType.DMA((2, 2))], name="selected_dkdv_reduce", **compiler,
     )(lists, dk_part, dv_part)
 
 
@@ -614,7 +618,8 @@ def backward(residuals, do, *, block_size, scale, interpret=False, config=None):
     [dq] = _query_grid(
         _dq_kernel, lay, _smem_rows(count, union, last), [tiled[0], names] + tiled[1:4], k_rows, v_rows,
         [jax.ShapeDtypeStruct((lay.B, lay.H, lay.nt, lay.G, lay.tb, lay.dkp), q.dtype)],
-        _block_buffers(lay, k, v, 2) + [pltpu.VMEM((lay.G * lay.tb, lay.dkp), jnp.float32)], **common)
+        _block_buffers(lay, k, v, 2) + [pltpu.VMEM((lay.G * lay.tb, lay.dkp), jnp.float32)], name="selected_dq",
+        **common)
 
     offsets, tile, name, last = _block_lists(union, last, cu_seqlens, lay, block_size)
     seg_offsets, seg_list, lo, hi = _segments(offsets, tile.shape[0], cfg.segment)
