@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import pytest
 
 import nsa
-from tests.base import NSATestBase
+from tests.base import SHAPES, Inputs, NSATestBase
 
 
 @pytest.mark.interpreted
@@ -27,10 +27,27 @@ class TestPallasInterpreted(NSATestBase):
     def _race_detector(self, pallas_races):
         pass
 
+    def test_gradient_under_checkpoint(self):
+        """Interpret mode runs each kernel's memory operations as ordered host callbacks, effects that
+        jax.checkpoint cannot partially evaluate (a limit of Pallas's TPU interpret mode: NotImplementedError;
+        implementation="pallas" traces that branch on every platform). The Mosaic kernels have no effects:
+        with implementation=None the checkpointed gradient of nsa.attention lowers for TPU, to the same
+        kernels as without checkpoint."""
+        x = Inputs(SHAPES["G2"], "float32")
+        _, loss = self._loss(x)
+        with pytest.raises(NotImplementedError, match="Effects not supported in partial-eval"):
+            jax.grad(jax.checkpoint(loss), argnums=(0, 1, 2))(x.q, x.k, x.v)
+        self.implementation = None
+        _, loss = self._loss(x)
+        kernels = [_mosaic_kernels(jax.export.export(jax.jit(jax.grad(f, argnums=(0, 1, 2))), platforms=["tpu"])(
+            x.q, x.k, x.v).mlir_module()) for f in (loss, jax.checkpoint(loss))]
+        assert set(kernels[1]) == set(kernels[0]) == FORWARD_KERNELS | BACKWARD_KERNELS
+
 
 # The Mosaic kernels of each op, by the name they carry in the exported module.
 FORWARD_KERNELS = {"compressed_forward", "select", "selected_forward", "window_forward"}
-BACKWARD_KERNELS = {"compressed_dq", "compressed_dkdv", "selected_dq", "selected_dkdv", "window_dq", "window_dkdv"}
+BACKWARD_KERNELS = {"compressed_dq", "compressed_dkdv", "selected_dq", "selected_dkdv", "selected_dkdv_reduce", "window_dq",
+                    "window_dkdv"}
 
 
 def _mosaic_kernels(module):

@@ -54,6 +54,12 @@ class Config(NamedTuple):
     block_k: int = 128
 
 
+def out_struct(shape, dtype, like):
+    """The out_shape of a pallas_call output: jax.ShapeDtypeStruct(shape, dtype) varying over the mesh axes
+    the array `like` varies over inside shard_map (pallas_call asks for it when shard_map checks them)."""
+    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=jax.typeof(like).manual_axis_type)
+
+
 def _cdiv(a, b):
     return -(-a // b)
 
@@ -272,8 +278,8 @@ def attend(q, k, v, lo, hi, *, scale, key_span, interpret=False, config=None, na
     bq = config.block_q
     o, lse = _query_grid(
         _kernel, q, k, v, lay, [],
-        [(jax.ShapeDtypeStruct((B, lay.tp, HQ * lay.dvp), q.dtype), lay.dvp),
-         (jax.ShapeDtypeStruct((B, HQ, lay.tp, 1), jnp.float32), 0)],
+        [(out_struct((B, lay.tp, HQ * lay.dvp), q.dtype, q), lay.dvp),
+         (out_struct((B, HQ, lay.tp, 1), jnp.float32, q), 0)],
         [pltpu.VMEM((bq, LANES), jnp.float32), pltpu.VMEM((bq, LANES), jnp.float32),
          pltpu.VMEM((bq, lay.dvp), jnp.float32)],
         scale=scale, key_span=key_span, interpret=interpret, config=config, name=f"{name}_forward")
@@ -301,7 +307,7 @@ def attend_backward(q, k, v, lo, hi, o, lse, do, dlse=None, *, scale, key_span, 
     lse_h, delta_h, do_v = _by_head(lse, lay.tp), _by_head(delta, lay.tp), _view(do, lay.tp, lay.dvp)
     [dq] = _query_grid(
         _dq_kernel, q, k, v, lay, [(do_v, lay.dvp), (lse_h, 0), (delta_h, 0)],
-        [(jax.ShapeDtypeStruct((B, lay.tp, HQ * lay.dkp), q.dtype), lay.dkp)],
+        [(out_struct((B, lay.tp, HQ * lay.dkp), q.dtype, q), lay.dkp)],
         [pltpu.VMEM((bq, lay.dkp), jnp.float32)], scale=scale, key_span=key_span, interpret=interpret,
         config=config, name=f"{name}_dq")
 
@@ -332,8 +338,8 @@ def attend_backward(q, k, v, lo, hi, o, lse, do, dlse=None, *, scale, key_span, 
                       pl.BlockSpec((1, 1, bq, 1), head_map)],
             out_specs=[pl.BlockSpec((1, bk, lay.dkp), key_map), pl.BlockSpec((1, bk, lay.dvp), key_map)],
             scratch_shapes=[pltpu.VMEM((bk, lay.dkp), jnp.float32), pltpu.VMEM((bk, lay.dvp), jnp.float32)]),
-        out_shape=[jax.ShapeDtypeStruct((B, lay.nkp, H * lay.dkp), k.dtype),
-                   jax.ShapeDtypeStruct((B, lay.nkp, H * lay.dvp), v.dtype)], name=f"{name}_dkdv", **compiler,
+        out_shape=[out_struct((B, lay.nkp, H * lay.dkp), k.dtype, q),
+                   out_struct((B, lay.nkp, H * lay.dvp), v.dtype, q)], name=f"{name}_dkdv", **compiler,
     )(band, lay.rows, _view(q, lay.tp, lay.dkp), _view(k, lay.nkp, lay.dkp), _view(v, lay.nkp, lay.dvp), do_v,
       lse_h, delta_h)
     return (dq.reshape(B, lay.tp, HQ, lay.dkp)[:, :T, :, :dk_dim],

@@ -54,7 +54,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from nsa._varlen import cdiv, num_compressed_blocks, tokens
-from nsa.pallas._flash import LANES, _bands, _dot, _view
+from nsa.pallas._flash import LANES, _bands, _dot, _view, out_struct
 from nsa.reference.select import CURRENT, FIRST, PREVIOUS
 
 VMEM_BUDGET = 12 * 2 ** 20  # what default_config lets one step hold: Mosaic's default scoped limit is 16 MiB
@@ -310,7 +310,7 @@ def forward(q, k_cmp, lse, cu_seqlens, *, block_counts, block_size, scale, inter
             out_specs=pl.BlockSpec((1, 1, tb, slots), tile_map),
             scratch_shapes=[pltpu.VMEM((steps, tb, bc), jnp.float32), pltpu.VMEM((tb, G), jnp.float32),
                             pltpu.VMEM((tb, G), jnp.float32)]),
-        out_shape=jax.ShapeDtypeStruct((B, H, tp, slots), jnp.int32),
+        out_shape=out_struct((B, H, tp, slots), jnp.int32, q),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
         interpret=interpret, name="select",
     )(*args)

@@ -67,6 +67,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from nsa._varlen import num_compressed_blocks, tokens
+from nsa.pallas._flash import out_struct
 
 LANES = 128  # a vreg's lanes: head dims are padded to a multiple of it
 MXU_ROWS = 128  # a tile's rows (the G heads of TB tokens) are a multiple of one MXU pass
@@ -504,7 +505,7 @@ def forward(q, k, v, block_indices, block_counts, cu_seqlens, *, block_size, sca
     o, lse = _query_grid(
         _fwd_kernel, lay, _smem_rows(count, union, last), [_query_tiles(q, lay, lay.dkp), names],
         _key_rows(k, lay, lay.dkp), _key_rows(v, lay, lay.dvp),
-        [jax.ShapeDtypeStruct(tile_shape + (lay.dvp,), q.dtype), jax.ShapeDtypeStruct(tile_shape + (1,), jnp.float32)],
+        [out_struct(tile_shape + (lay.dvp,), q.dtype, q), out_struct(tile_shape + (1,), jnp.float32, q)],
         _block_buffers(lay, k, v, 2) + [pltpu.VMEM((lay.G, lay.tb, LANES), jnp.float32)] * 2
         + [pltpu.VMEM((lay.G, lay.tb, lay.dvp), jnp.float32)],
         q=q, scale=scale, block_size=block_size, interpret=interpret, name="selected_forward")
@@ -565,8 +566,8 @@ def _dkdv_partials(lay, segments, k_rows, v_rows, tiled, *, q, k, v, scale, bloc
         + [any_spec] * (2 + len(tiled)),
         out_specs=[pl.BlockSpec((None, lay.br, lay.dkp), lambda s: (s, 0, 0)),
                    pl.BlockSpec((None, lay.br, lay.dvp), lambda s: (s, 0, 0))],
-        out_shape=[jax.ShapeDtypeStruct((nseg, lay.br, lay.dkp), jnp.float32),
-                   jax.ShapeDtypeStruct((nseg, lay.br, lay.dvp), jnp.float32)],
+        out_shape=[out_struct((nseg, lay.br, lay.dkp), jnp.float32, q),
+                   out_struct((nseg, lay.br, lay.dvp), jnp.float32, q)],
         scratch_shapes=[pltpu.VMEM((1, lay.bk, lay.dkp), k.dtype), pltpu.VMEM((1, lay.bk, lay.dvp), v.dtype)]
         + [tile_buffer(x) for x in tiled] + [pltpu.SemaphoreType.DMA((2 + len(tiled), 2))], name="selected_dkdv",
         **compiler,
@@ -583,8 +584,8 @@ def _reduced(lay, lists, dk_part, dv_part, *, interpret):
         in_specs=[pl.BlockSpec((None, 1, 2), lambda l: (l, 0, 0), memory_space=pltpu.SMEM), any_spec, any_spec],
         out_specs=[pl.BlockSpec((None, lay.br, lay.dkp), lambda l: (l, 0, 0)),
                    pl.BlockSpec((None, lay.br, lay.dvp), lambda l: (l, 0, 0))],
-        out_shape=[jax.ShapeDtypeStruct((num_lists, lay.br, lay.dkp), jnp.float32),
-                   jax.ShapeDtypeStruct((num_lists, lay.br, lay.dvp), jnp.float32)],
+        out_shape=[out_struct((num_lists, lay.br, lay.dkp), jnp.float32, dk_part),
+                   out_struct((num_lists, lay.br, lay.dvp), jnp.float32, dk_part)],
         scratch_shapes=[pltpu.VMEM((2, lay.br, lay.dkp), jnp.float32), pltpu.VMEM((2, lay.br, lay.dvp), jnp.float32),
                         pltpu.SemaphoreType.DMA((2, 2))], name="selected_dkdv_reduce", **compiler,
     )(lists, dk_part, dv_part)
@@ -617,7 +618,7 @@ def backward(residuals, do, *, block_size, scale, interpret=False, config=None):
 
     [dq] = _query_grid(
         _dq_kernel, lay, _smem_rows(count, union, last), [tiled[0], names] + tiled[1:4], k_rows, v_rows,
-        [jax.ShapeDtypeStruct((lay.B, lay.H, lay.nt, lay.G, lay.tb, lay.dkp), q.dtype)],
+        [out_struct((lay.B, lay.H, lay.nt, lay.G, lay.tb, lay.dkp), q.dtype, q)],
         _block_buffers(lay, k, v, 2) + [pltpu.VMEM((lay.G * lay.tb, lay.dkp), jnp.float32)], name="selected_dq",
         **common)
 
