@@ -197,23 +197,32 @@ def _logits(q, k, bias, scale, precision):
     return s.reshape(q.shape[0] // bias.shape[0], *bias.shape) + bias[None]
 
 
-def _fwd_kernel(blocks_ref, q_ref, names_ref, k_hbm, v_hbm, o_ref, lse_ref, k_buf, v_buf, sems, m_scr, l_scr,
-                acc_scr, *, scale, block_size, precision):
+def _walk_union(blocks_ref, names, k_hbm, v_hbm, k_buf, v_buf, sems, body, *, block_size):
+    """body(k, v, bias) for each block of the step's token tile's union, in order: the union's names and last
+    tokens from the step's SMEM row blocks_ref [1, 1 + 2U], the tile's slot names [TB, S]; block u + 1's
+    copy flies while block u is computed (`_pipelined`)."""
     b, h, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    G, TB, _ = q_ref.shape
-    q = q_ref[...].reshape(G * TB, q_ref.shape[2])
-    names = names_ref[...]
-    m_scr[...] = jnp.full(m_scr.shape, -jnp.inf, jnp.float32)
-    l_scr[...] = jnp.zeros(l_scr.shape, jnp.float32)
-    acc_scr[...] = jnp.zeros(acc_scr.shape, jnp.float32)
     U = blocks_ref.shape[1] // 2
     copies = lambda u, slot: _block_copies(k_hbm, v_hbm, k_buf, v_buf, sems, b, h, blocks_ref[0, 1 + u], slot,
                                            block_size)
 
-    def attend(u, slot):
+    def step(u, slot):
         x = blocks_ref[0, 1 + u]
-        bias = _block_bias(names, x, i * TB, block_size=block_size, rows=k_buf.shape[1])
-        k, v = _block(k_buf, v_buf, slot, x, blocks_ref[0, 1 + U + u], block_size)
+        bias = _block_bias(names, x, i * names.shape[0], block_size=block_size, rows=k_buf.shape[1])
+        body(*_block(k_buf, v_buf, slot, x, blocks_ref[0, 1 + U + u], block_size), bias)
+
+    _pipelined(blocks_ref[0, 0], copies, step)
+
+
+def _fwd_kernel(blocks_ref, q_ref, names_ref, k_hbm, v_hbm, o_ref, lse_ref, k_buf, v_buf, sems, m_scr, l_scr,
+                acc_scr, *, scale, block_size, precision):
+    G, TB, _ = q_ref.shape
+    q = q_ref[...].reshape(G * TB, q_ref.shape[2])
+    m_scr[...] = jnp.full(m_scr.shape, -jnp.inf, jnp.float32)
+    l_scr[...] = jnp.zeros(l_scr.shape, jnp.float32)
+    acc_scr[...] = jnp.zeros(acc_scr.shape, jnp.float32)
+
+    def attend(k, v, bias):
         s = _logits(q, k, bias, scale, precision)  # [G, TB, BK]
         m_prev = m_scr[...][:, :, :1]
         m_new = jnp.maximum(m_prev, jnp.max(s, axis=2, keepdims=True))
@@ -225,7 +234,7 @@ def _fwd_kernel(blocks_ref, q_ref, names_ref, k_hbm, v_hbm, o_ref, lse_ref, k_bu
         pv = _dot(p.reshape(G * TB, p.shape[2]).astype(v.dtype), v, precision).reshape(acc_scr.shape)
         acc_scr[...] = acc_scr[...] * alpha + pv
 
-    _pipelined(blocks_ref[0, 0], copies, attend)
+    _walk_union(blocks_ref, names_ref[...], k_hbm, v_hbm, k_buf, v_buf, sems, attend, block_size=block_size)
     l = l_scr[...][:, :, :1]
     seen = l > 0
     o_ref[...] = (acc_scr[...] / jnp.where(seen, l, 1.0)).astype(o_ref.dtype)
@@ -248,25 +257,18 @@ def _dlogits(p, do, v, delta, precision):
 
 def _dq_kernel(blocks_ref, q_ref, names_ref, do_ref, lse_ref, delta_ref, k_hbm, v_hbm, dq_ref, k_buf, v_buf, sems,
                acc_scr, *, scale, block_size, precision):
-    b, h, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     G, TB, _ = q_ref.shape
     q = q_ref[...].reshape(G * TB, q_ref.shape[2])
     do = do_ref[...].reshape(G * TB, do_ref.shape[2])
-    names, lse, delta = names_ref[...], lse_ref[...], delta_ref[...]
+    lse, delta = lse_ref[...], delta_ref[...]
     acc_scr[...] = jnp.zeros(acc_scr.shape, jnp.float32)
-    U = blocks_ref.shape[1] // 2
-    copies = lambda u, slot: _block_copies(k_hbm, v_hbm, k_buf, v_buf, sems, b, h, blocks_ref[0, 1 + u], slot,
-                                           block_size)
 
-    def step(u, slot):
-        x = blocks_ref[0, 1 + u]
-        bias = _block_bias(names, x, i * TB, block_size=block_size, rows=k_buf.shape[1])
-        k, v = _block(k_buf, v_buf, slot, x, blocks_ref[0, 1 + U + u], block_size)
+    def step(k, v, bias):
         p = _probabilities(q, k, bias, lse, scale, precision)
         ds = _dlogits(p, do, v, delta, precision)
         acc_scr[...] += _dot(ds.astype(k.dtype), k, precision)
 
-    _pipelined(blocks_ref[0, 0], copies, step)
+    _walk_union(blocks_ref, names_ref[...], k_hbm, v_hbm, k_buf, v_buf, sems, step, block_size=block_size)
     dq_ref[...] = (acc_scr[...] * scale).reshape(dq_ref.shape).astype(dq_ref.dtype)
 
 
