@@ -6,15 +6,18 @@ falls back, and nsa.implementations() tells what runs where."""
 import sys
 import warnings
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from absl.testing import parameterized
 
 import nsa
 from nsa import _dispatch
 from nsa._varlen import made_valid
-from tests.base import Inputs, assert_close, gradient_scales
+from tests import oracle
+from tests.base import TOLERANCE, Inputs, assert_close, gradient_scales
 
 B, T, HQ, H, D, BS = 1, 100, 4, 2, 16, 16
 
@@ -268,3 +271,20 @@ def test_gradient_scales_are_never_zero_where_the_gradient_is():
     assert all(s > 0.1 for s in sizes)
     assert_close(dq, np.zeros(dq.shape), 1e-6, "dq", sizes[0])  # roundoff against a natural size
     assert_close(dv, np.asarray(x.do).reshape(B, 30, H, HQ // H, D).sum(3), 1e-6, "dv", sizes[2])
+
+
+class TestJitAndEager(chex.TestCase):
+    """nsa.attention gives the oracle's output called eagerly and jitted (chex.variants), on the reference and
+    on the Pallas kernels (interpret mode here)."""
+
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.parameters("xla", "pallas")
+    def test_attention(self, implementation):
+        x = Inputs((1, 40, 6, 2, 16, 8, 8), "float32")  # G = 3, Dv != Dk
+        g = [gi[0] for gi in x.gates]
+        kw = dict(block_counts=3, block_size=8, window_size=9)
+        f = self.variant(lambda q, k, v, *g: nsa.attention(q, k, v, g_cmp=g[0], g_slc=g[1], g_swa=g[2], **kw,
+                                                           implementation=implementation))
+        g64 = [gi[1] for gi in x.gates]
+        ref = oracle.attention(x.q64, x.k64, x.v64, g_cmp=g64[0], g_slc=g64[1], g_swa=g64[2], **kw)
+        assert_close(f(x.q, x.k, x.v, *g), ref, TOLERANCE["float32"], "o")

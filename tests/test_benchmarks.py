@@ -14,6 +14,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from benchmarks import tpu, tpu_roofline
 from benchmarks.common import STANDARD, jax_inputs, useful_flops
@@ -21,6 +22,7 @@ from benchmarks.common import STANDARD, jax_inputs, useful_flops
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.interpreted  # the Pallas kernels in interpret mode: minutes
 def test_tpu_smoke(tmp_path):
     """python benchmarks/tpu.py --smoke, as CI runs it: every row of every case, finite positive times."""
     subprocess.run([sys.executable, str(ROOT / "benchmarks" / "tpu.py"), "--out", str(tmp_path), "--smoke"],

@@ -46,8 +46,8 @@ class TestPallasInterpreted(NSATestBase):
 
 # The Mosaic kernels of each op, by the name they carry in the exported module.
 FORWARD_KERNELS = {"compressed_forward", "select", "selected_forward", "window_forward"}
-BACKWARD_KERNELS = {"compressed_dq", "compressed_dkdv", "selected_dq", "selected_dkdv", "selected_dkdv_reduce", "window_dq",
-                    "window_dkdv"}
+BACKWARD_KERNELS = {"compressed_dq", "compressed_dkdv", "selected_dq", "selected_dkdv", "selected_dkdv_reduce",
+                    "window_dq", "window_dkdv"}
 
 
 def _mosaic_kernels(module):

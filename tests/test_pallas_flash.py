@@ -5,8 +5,9 @@ G = 1, 3 and 16, Dv != Dk, head dims that are not a multiple of 128 lanes, T not
 packed sequences with an empty one, rows that see nothing, float32 and bfloat16: o, lse, and dq, dk, dv
 (with a cotangent on lse) against the reference's gradients. Forward and backward are also exported
 for TPU (jax.export, platforms=["tpu"]) at the standard shape and an odd one, which lowers them through
-Mosaic and so catches the layout and tiling errors that interpret mode lets through. The window and compressed ops run them (nsa/pallas/window.py,
-compressed.py), where the shared test base checks them too (tests/test_pallas.py).
+Mosaic and so catches the layout and tiling errors that interpret mode lets through. The window and
+compressed ops run them (nsa/pallas/window.py, compressed.py), where the shared test base checks them too
+(tests/test_pallas.py).
 """
 
 import functools
