@@ -170,6 +170,14 @@ class NSATestBase:
             table = [(name, dtype) for name, dtype in CASES[kind] if dtype in cls.dtypes]
         return "shape, dtype", [pytest.param(SHAPES[name], dtype, id=f"{name}-{dtype}") for name, dtype in table]
 
+    @pytest.fixture(autouse=True)
+    def _free_compiled_programs(self):
+        """An interpreted kernel compiles to a large program: after each test its executables are dropped
+        (jax.clear_caches), so that a worker process running many such tests stays small."""
+        yield
+        if self.interpreted:
+            jax.clear_caches()
+
     def op(self, name):
         """A public op of nsa with this implementation bound."""
         return functools.partial(getattr(nsa, name), implementation=self.implementation)
@@ -526,6 +534,7 @@ class NSATestBase:
             x = Inputs(SHAPES["G2"], dtype)
             f, loss = self._loss(x)
             eager = f(x.q, x.k, x.v)
+            chex.clear_trace_counter()  # the counter is keyed by the function's hash, which a new one may reuse
             forward = jax.jit(chex.assert_max_traces(f, n=1))
             assert_close(forward(x.q, x.k, x.v), eager, 1e-6, "o under jit")
             np.testing.assert_array_equal(np.asarray(forward(x.q, x.k, x.v)), np.asarray(forward(x.q, x.k, x.v)))
