@@ -117,16 +117,47 @@ def implementation(value):
 
 
 def qkv(q, k, v):
-    """Checks q [B, T, HQ, Dk], k [B, T, H, Dk], v [B, T, H, Dv]; returns (B, T, HQ, H)."""
+    """Checks q [B, T, HQ, Dk], k [B, TK, H, Dk], v [B, TK, H, Dv] with TK >= T (the queries are the last T
+    tokens of the key sequences); returns (B, T, HQ, H)."""
     array("q", q, 4)
     array("k", k, 4, like=q)
     array("v", v, 4, like=q)
     B, T, HQ, Dk = q.shape
-    H = k.shape[2]
-    shape("k", k, (B, T, H, Dk), "[B, T, H, Dk] (B, T, Dk from q)")
-    shape("v", v, (B, T, H, v.shape[3]), "[B, T, H, Dv] (B, T from q, H from k)")
+    TK, H = k.shape[1], k.shape[2]
+    if TK < T:
+        raise ValueError(f"k must have at least as many tokens as q (TK = k.shape[1] >= T = q.shape[1] = {T}: "
+                         f"the queries are the last T tokens), got shape {_shape(k)}")
+    shape("k", k, (B, TK, H, Dk), "[B, TK, H, Dk] (B, Dk from q)")
+    shape("v", v, (B, TK, H, v.shape[3]), "[B, TK, H, Dv] (B from q, TK, H from k)")
     group(HQ, H)
     return B, T, HQ, H
+
+
+def kv_lens(lens, B, T, TK, cu, bound="TK = k.shape[1]"):
+    """kv_lens as the ops take it: None, or int32 [B] with T <= kv_lens[b] <= TK (`bound` names TK).
+
+    kv_lens[b] is sequence b's length in a padded KV cache, and the T queries are its last T tokens. None
+    stays None, and so does a kv_lens that can only be T (TK = T): the queries are then the whole
+    sequences. A concrete kv_lens outside [T, TK] raises ValueError; a traced one is clipped to [T, TK].
+    """
+    if lens is None:
+        return None
+    if cu is not None:
+        raise ValueError("kv_lens (sequences at the end of a padded KV cache, B >= 1) and cu_seqlens (packed "
+                         "sequences, B = 1) cannot be given together; pass one of them")
+    if isinstance(lens, (list, tuple)):
+        lens = np.asarray(lens)
+    integer_array("kv_lens", lens, 1)
+    shape("kv_lens", lens, (B,), "[B]")
+    values = concrete(lens)
+    if values is None:
+        return None if TK == T else jnp.clip(lens.astype(jnp.int32), T, TK)
+    bad = (values < T) | (values > TK)
+    if np.any(bad):
+        i = int(np.argmax(bad))
+        raise ValueError(f"kv_lens must lie in [T, {bound}] = [{T}, {TK}] (the T queries are the last tokens "
+                         f"of each sequence), got kv_lens[{i}] = {values[i]}")
+    return None if TK == T else jnp.asarray(values, jnp.int32)
 
 
 def group(HQ, H):

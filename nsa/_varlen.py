@@ -24,9 +24,20 @@ def cdiv(a, b):
     return -(-a // b)
 
 
-def tokens(seq_len, block_size, cu_seqlens=None):
-    """The `Tokens` of a length-`seq_len` axis, packed by `cu_seqlens` [N + 1] if given."""
+def tokens(seq_len, block_size, cu_seqlens=None, kv_lens=None):
+    """The `Tokens` of a length-`seq_len` axis of queries.
+
+    - packed by `cu_seqlens` [N + 1]: each field [1, T], positions restart at each sequence start;
+    - at the end of longer sequences, `kv_lens` int [B] (a KV cache: the queries are the last T tokens of
+      sequence b's kv_lens[b]): each field [B, T], query i at position kv_lens[b] - T + i, start and
+      cmp_start 0 (keys and compressed rows are indexed by position);
+    - else: each field [1, T], query i at position i.
+    """
     t = jnp.arange(seq_len, dtype=jnp.int32)
+    if kv_lens is not None:
+        pos = kv_lens.astype(jnp.int32)[:, None] - seq_len + t[None]
+        zero = jnp.zeros_like(pos)
+        return Tokens(pos, zero, zero)
     if cu_seqlens is None:
         zero = jnp.zeros_like(t)
         return Tokens(t[None], zero[None], zero[None])
@@ -63,30 +74,40 @@ def num_compressed_blocks(seq_len, block_size, cu_seqlens=None):
     return min(seq_len, (seq_len + num_seqs * (block_size - 1)) // block_size)
 
 
-def window_key_range(seq_len, window_size, cu_seqlens=None):
-    """lo, hi int32 [T]: query t of a sliding window sees the key rows [lo[t], hi[t]] = [max(sequence start,
-    t - window_size + 1), t] (empty for window_size 0); both non-decreasing in t."""
-    tok = tokens(seq_len, 1, cu_seqlens)
-    t = jnp.arange(seq_len, dtype=jnp.int32)
-    W = min(int(window_size), seq_len)  # window_size may be huge: keep t - W + 1 in int32
-    return jnp.maximum(tok.start[0], t - W + 1), t
+def _per_query(x, kv_lens):
+    """A per-query range end as the kernels take it: [T] shared by the batch, or [B, T] with kv_lens."""
+    return x if kv_lens is not None else x[0]
 
 
-def compressed_key_range(seq_len, num_rows, block_size, cu_seqlens=None):
-    """lo, hi int32 [T]: query t sees the rows [lo[t], hi[t]] of k_cmp [B, num_rows, ...], those of its
-    sequence's complete blocks (empty before its first one; none past row num_rows - 1, which under jit a
-    cu_seqlens may ask for); both non-decreasing in t."""
-    tok = tokens(seq_len, block_size, cu_seqlens)
-    lo = tok.cmp_start[0]
-    return lo, jnp.minimum(lo + (tok.pos[0] + 1) // block_size - 1, num_rows - 1)
+def window_key_range(seq_len, window_size, cu_seqlens=None, kv_lens=None):
+    """lo, hi int32 [T] ([B, T] with kv_lens): query t of a sliding window sees the key rows [lo, hi] =
+    [max(sequence start, p - window_size + 1), p] of its sequence, p its global key row (start + position);
+    empty for window_size 0. Both non-decreasing in t."""
+    tok = tokens(seq_len, 1, cu_seqlens, kv_lens)
+    row = tok.start + tok.pos
+    W = min(int(window_size), 1 << 30)  # window_size may be huge: keep row - W + 1 in int32
+    return _per_query(jnp.maximum(tok.start, row - W + 1), kv_lens), _per_query(row, kv_lens)
+
+
+def compressed_key_range(seq_len, num_rows, block_size, cu_seqlens=None, kv_lens=None):
+    """lo, hi int32 [T] ([B, T] with kv_lens): query t sees the rows [lo, hi] of k_cmp [B, num_rows, ...],
+    those of its sequence's complete blocks (empty before its first one; none past row num_rows - 1, which
+    under jit a cu_seqlens may ask for); both non-decreasing in t."""
+    tok = tokens(seq_len, block_size, cu_seqlens, kv_lens)
+    lo = tok.cmp_start
+    hi = jnp.minimum(lo + (tok.pos + 1) // block_size - 1, num_rows - 1)
+    return _per_query(lo, kv_lens), _per_query(hi, kv_lens)
 
 
 def query_ranges(lo, hi, num_keys):
-    """first, last int32 [NK]: the queries that see key row r are [first[r], last[r]] (empty if first > last).
+    """first, last int32 [NK] ([B, NK] for lo, hi [B, T]): the queries that see key row r are
+    [first[r], last[r]] (empty if first > last).
 
     Valid because lo and hi are non-decreasing in t: {t: lo[t] <= r} is a prefix of the queries and
     {t: hi[t] >= r} a suffix.
     """
+    if lo.ndim == 2:
+        return jax.vmap(query_ranges, in_axes=(0, 0, None))(lo, hi, num_keys)
     r = jnp.arange(num_keys, dtype=jnp.int32)
     first = jnp.searchsorted(hi, r, side="left").astype(jnp.int32)
     last = (jnp.searchsorted(lo, r, side="right") - 1).astype(jnp.int32)

@@ -1,8 +1,10 @@
 """The public ops: argument checks, then one custom_vjp op each (nsa._dispatch).
 
-Shapes: q [B, T, HQ, Dk], k [B, T, H, Dk], v [B, T, H, Dv], gates [B, T, HQ], outputs [B, T, HQ, Dv];
+Shapes: q [B, T, HQ, Dk], k [B, TK, H, Dk], v [B, TK, H, Dv], gates [B, T, HQ], outputs [B, T, HQ, Dv];
 G = HQ / H query heads share each KV head (query head j uses KV head j // G). With cu_seqlens [N + 1]
-(B = 1) the N sequences are packed along T and nothing crosses a sequence boundary.
+(B = 1) the N sequences are packed along T and nothing crosses a sequence boundary. With TK > T (a KV
+cache) the queries are the last T tokens of each sequence: query i of sequence b sits at position
+kv_lens[b] - T + i (kv_lens int [B], each sequence's length in the padded cache, default TK).
 """
 
 import jax
@@ -49,8 +51,18 @@ def check_cu_seqlens(cu_seqlens, seq_len):
     _checks.cu_seqlens(cu_seqlens, 1, seq_len)
 
 
-def _compressed_kv(q, k_cmp, v_cmp, block_size, cu_seqlens):
-    """Checks k_cmp [B, NC, H, Dk] and v_cmp [B, NC, H, Dv] against q and the rows queries can see."""
+def _key_lens(kv_lens, q, k, cu_seqlens):
+    """kv_lens checked against q [B, T, ...] and k [B, TK, ...] (`_checks.kv_lens`); None with TK > T
+    means every sequence fills the cache (kv_lens = TK)."""
+    B, T, TK = q.shape[0], q.shape[1], k.shape[1]
+    if kv_lens is None and TK > T:
+        kv_lens = np.full((B,), TK, np.int32)
+    return _checks.kv_lens(kv_lens, B, T, TK, cu_seqlens)
+
+
+def _compressed_kv(q, k_cmp, v_cmp, block_size, cu_seqlens, kv_lens=None):
+    """Checks k_cmp [B, NC, H, Dk] and v_cmp [B, NC, H, Dv] against q and the rows queries can see, and
+    kv_lens (`_checks.kv_lens`) against the tokens k_cmp covers, NC * block_size; returns kv_lens."""
     _checks.array("k_cmp", k_cmp, 4, like=q)
     B, T, HQ, Dk = q.shape
     NC, H = k_cmp.shape[1], k_cmp.shape[2]
@@ -59,10 +71,14 @@ def _compressed_kv(q, k_cmp, v_cmp, block_size, cu_seqlens):
     if v_cmp is not None:
         _checks.array("v_cmp", v_cmp, 4, like=q)
         _checks.shape("v_cmp", v_cmp, (B, NC, H, v_cmp.shape[3]), "[B, NC, H, Dv] (B from q, NC, H from k_cmp)")
+    if kv_lens is not None:
+        return _checks.kv_lens(kv_lens, B, T, NC * block_size, cu_seqlens,
+                               bound="NC * block_size, the tokens k_cmp covers")
     needed = visible_compressed_rows(T, block_size, cu_seqlens)
     if needed is not None and NC < needed:
         raise ValueError(f"k_cmp must have at least {needed} compressed rows (NC, axis 1) for T = {T}, "
                          f"block_size = {block_size}, got {NC}")
+    return None
 
 
 def compress(x, *, block_size, cu_seqlens=None):
@@ -82,11 +98,14 @@ def compress(x, *, block_size, cu_seqlens=None):
     return _dispatch.apply("compress", None, static, (x, cu_seqlens))
 
 
-def compressed_attention(q, k_cmp, v_cmp, *, block_size, scale=None, cu_seqlens=None, implementation=None):
+def compressed_attention(q, k_cmp, v_cmp, *, block_size, scale=None, cu_seqlens=None, kv_lens=None,
+                         implementation=None):
     """Attention of each query to the compressed blocks wholly in its past.
 
     The query at in-sequence position t sees compressed block c iff (c + 1) * block_size - 1 <= t.
-    k_cmp [B, NC, H, Dk] and v_cmp [B, NC, H, Dv] are laid out as `compress` returns them.
+    k_cmp [B, NC, H, Dk] and v_cmp [B, NC, H, Dv] are laid out as `compress` returns them. The queries
+    are the whole sequences (position t = query index), or with kv_lens int [B] the last T tokens of
+    sequences of kv_lens[b] tokens, which k_cmp must cover (kv_lens <= NC * block_size).
 
     Returns:
       o [B, T, HQ, Dv] in q's dtype and lse [B, T, HQ] float32 (natural log); a query that sees no
@@ -95,23 +114,26 @@ def compressed_attention(q, k_cmp, v_cmp, *, block_size, scale=None, cu_seqlens=
     _checks.array("q", q, 4)
     block_size = _checks.positive_int("block_size", block_size)
     cu_seqlens = _checks.cu_seqlens(cu_seqlens, q.shape[0], q.shape[1])
-    _compressed_kv(q, k_cmp, v_cmp, block_size, cu_seqlens)
+    kv_lens = _compressed_kv(q, k_cmp, v_cmp, block_size, cu_seqlens, kv_lens)
     q, scale = _scaled(q, scale)
     impl = _checks.implementation(implementation)
     if _no_queries(q):
         return (jnp.zeros(q.shape[:3] + v_cmp.shape[3:], q.dtype),
                 jnp.zeros(q.shape[:3], jnp.promote_types(q.dtype, jnp.float32)))
     static = _statics(block_size=block_size, scale=scale)
-    return _dispatch.apply("compressed", impl, static, (q, k_cmp, v_cmp, cu_seqlens))
+    return _dispatch.apply("compressed", impl, static, (q, k_cmp, v_cmp, cu_seqlens, kv_lens))
 
 
-def select_blocks(q, k_cmp, *, block_counts, block_size, scale=None, cu_seqlens=None, implementation=None):
+def select_blocks(q, k_cmp, *, block_counts, block_size, scale=None, cu_seqlens=None, kv_lens=None,
+                  implementation=None):
     """The `block_counts` blocks each KV head attends, from the compressed attention scores.
 
     Per query head, p(c) is the softmax of the scaled q . k_cmp over the visible compressed blocks; a
     block's score is the mean of p(c) over the G query heads of its group. Blocks 0, t // block_size - 1
     and t // block_size (where >= 0) are always selected, ranked t // bs first, then t // bs - 1, then 0;
     blocks after t // block_size never. The highest scores fill the rest; ties go to the lower block id.
+    Positions: as `compressed_attention`'s (kv_lens int [B] places the queries at the end of sequences of
+    kv_lens[b] tokens, which k_cmp must cover).
 
     Returns:
       int32 [B, T, H, block_counts] in-sequence block ids, -1 in unused slots. The order inside a row
@@ -121,30 +143,32 @@ def select_blocks(q, k_cmp, *, block_counts, block_size, scale=None, cu_seqlens=
     block_size = _checks.positive_int("block_size", block_size)
     block_counts = _checks.positive_int("block_counts", block_counts)
     cu_seqlens = _checks.cu_seqlens(cu_seqlens, q.shape[0], q.shape[1])
-    _compressed_kv(q, k_cmp, None, block_size, cu_seqlens)
+    kv_lens = _compressed_kv(q, k_cmp, None, block_size, cu_seqlens, kv_lens)
     q, scale = _scaled(q, scale)
-    return _select(q, k_cmp, None, block_counts, block_size, scale, cu_seqlens, implementation)
+    return _select(q, k_cmp, None, block_counts, block_size, scale, cu_seqlens, kv_lens, implementation)
 
 
-def _select(q, k_cmp, lse, block_counts, block_size, scale, cu_seqlens, implementation):
+def _select(q, k_cmp, lse, block_counts, block_size, scale, cu_seqlens, kv_lens, implementation):
     """select_blocks after its checks (scale None or a float); lse [B, T, HQ] is compressed attention's,
     when known (or None)."""
     impl = _checks.implementation(implementation)
     if _no_queries(q):
         return jnp.zeros(q.shape[:2] + (k_cmp.shape[2], block_counts), jnp.int32)
     static = _statics(block_counts=block_counts, block_size=block_size, scale=_checks.scale(scale, q.shape[-1]))
-    arrays = tuple(None if x is None else jax.lax.stop_gradient(x) for x in (q, k_cmp, lse)) + (cu_seqlens,)
+    arrays = tuple(None if x is None else jax.lax.stop_gradient(x) for x in (q, k_cmp, lse)) + (cu_seqlens, kv_lens)
     return _dispatch.run("select", impl, static, arrays)
 
 
 def selected_attention(q, k, v, block_indices, *, block_counts=None, block_size=64, scale=None,
-                       cu_seqlens=None, implementation=None):
+                       cu_seqlens=None, kv_lens=None, implementation=None):
     """Attention of each query to the raw tokens of its KV head's selected blocks.
 
     Query t of KV head h attends to the tokens at positions <= t of the blocks listed in
     block_indices[b, t, h, :count] (int [B, T, H, S], in-sequence block ids), count = block_counts:
     None (all S slots), an int, or an int array [B, T, H]. Entries < 0 or > t // block_size are
     ignored and never read; a block listed twice is attended twice; a query that sees nothing gets 0.
+    k, v [B, TK, H, D] with TK > T hold longer sequences (a KV cache) whose last T tokens the queries are:
+    sequence b has kv_lens[b] tokens (int [B], default TK) and its keys past them are never read.
 
     Returns o [B, T, HQ, Dv] in q's dtype; gradients for q, k and v.
     """
@@ -152,6 +176,7 @@ def selected_attention(q, k, v, block_indices, *, block_counts=None, block_size=
     _checks.block_indices(block_indices, B, T, H)
     block_size = _checks.positive_int("block_size", block_size)
     cu_seqlens = _checks.cu_seqlens(cu_seqlens, B, T)
+    kv_lens = _key_lens(kv_lens, q, k, cu_seqlens)
     if block_counts is None:
         block_counts = block_indices.shape[-1]
     block_counts = _checks.block_counts(block_counts, B, T, H)
@@ -161,23 +186,26 @@ def selected_attention(q, k, v, block_indices, *, block_counts=None, block_size=
     if _no_queries(q):
         return jnp.zeros(q.shape[:3] + v.shape[3:], q.dtype)
     static = _statics(block_size=block_size, scale=scale)
-    return _dispatch.apply("selected", impl, static, (q, k, v, block_indices, counts, cu_seqlens))
+    return _dispatch.apply("selected", impl, static, (q, k, v, block_indices, counts, cu_seqlens, kv_lens))
 
 
-def sliding_window_attention(q, k, v, *, window_size, scale=None, cu_seqlens=None, implementation=None):
+def sliding_window_attention(q, k, v, *, window_size, scale=None, cu_seqlens=None, kv_lens=None,
+                             implementation=None):
     """Attention of query t to the keys j of its sequence with t - window_size < j <= t.
 
+    k, v [B, TK, H, D] with TK > T: as `selected_attention` (kv_lens, keys past them never read).
     Returns o [B, T, HQ, Dv] in q's dtype (0 where window_size = 0); gradients for q, k and v.
     """
     B, T, HQ, H = _checks.qkv(q, k, v)
     window_size = _checks.non_negative_int("window_size", window_size)
     cu_seqlens = _checks.cu_seqlens(cu_seqlens, B, T)
+    kv_lens = _key_lens(kv_lens, q, k, cu_seqlens)
     q, scale = _scaled(q, scale)
     impl = _checks.implementation(implementation)
     if _no_queries(q):
         return jnp.zeros(q.shape[:3] + v.shape[3:], q.dtype)
     static = _statics(window_size=window_size, scale=scale)
-    return _dispatch.apply("window", impl, static, (q, k, v, cu_seqlens))
+    return _dispatch.apply("window", impl, static, (q, k, v, cu_seqlens, kv_lens))
 
 
 def _slots(block_counts):
@@ -192,8 +220,32 @@ def _slots(block_counts):
     return max(1, int(counts.max(initial=0)))
 
 
+def _given_compressed(k_cmp, v_cmp, q, k, v, block_size, needs_values):
+    """Checks a precomputed k_cmp [B, NC, H, Dk] / v_cmp [B, NC, H, Dv] (a KV cache's) against k and v
+    [B, TK, ...]: NC >= ceil(TK / block_size), so that they cover every key; v_cmp is needed with k_cmp
+    when the compressed branch is on, and never without k_cmp."""
+    if k_cmp is None:
+        if v_cmp is not None:
+            raise ValueError("v_cmp was given without k_cmp; pass both (or neither: attention compresses k and v)")
+        return
+    B, TK, H, Dk = k.shape
+    need = -(-TK // block_size)
+    _checks.array("k_cmp", k_cmp, 4, like=q)
+    if k_cmp.shape[1] < need:
+        raise ValueError(f"k_cmp must have at least ceil(TK / block_size) = {need} rows (NC, axis 1) to cover "
+                         f"k's TK = {TK} tokens, got shape {tuple(k_cmp.shape)}")
+    _checks.shape("k_cmp", k_cmp, (B, k_cmp.shape[1], H, Dk), "[B, NC, H, Dk] (B, H, Dk from k)")
+    if v_cmp is None:
+        if needs_values:
+            raise ValueError("the compressed branch (g_cmp given) needs v_cmp with k_cmp; got k_cmp only")
+        return
+    _checks.array("v_cmp", v_cmp, 4, like=q)
+    _checks.shape("v_cmp", v_cmp, k_cmp.shape[:3] + v.shape[3:], "[B, NC, H, Dv] (B, NC, H from k_cmp, Dv from v)")
+
+
 def attention(q, k, v, *, g_cmp=None, g_slc=None, g_swa=None, block_indices=None, block_counts=16,
-              block_size=64, window_size=0, scale=None, cu_seqlens=None, implementation=None):
+              block_size=64, window_size=0, scale=None, cu_seqlens=None, kv_lens=None, k_cmp=None, v_cmp=None,
+              implementation=None):
     """Native Sparse Attention: o = g_cmp * o_cmp + g_slc * o_slc + g_swa * o_swa.
 
     - compressed branch (o_cmp, `compressed_attention` on `compress(k)`, `compress(v)`): on iff g_cmp
@@ -205,6 +257,12 @@ def attention(q, k, v, *, g_cmp=None, g_slc=None, g_swa=None, block_indices=None
 
     A missing gate of an active branch means weight 1. Gates are [B, T, HQ]; the output is
     [B, T, HQ, Dv] in q's dtype, with gradients for q, k, v and every gate.
+
+    Serving (a KV cache, `nsa.cache`): k, v [B, TK, H, D] may hold longer sequences than q; the T queries
+    are the last T tokens of sequence b, which has kv_lens[b] tokens (int [B], default TK; its keys past
+    them are never read). k_cmp [B, NC, H, Dk] and v_cmp [B, NC, H, Dv], the cache's compressed keys and
+    values (NC >= ceil(TK / block_size)), replace `compress(k)`, `compress(v)`; gradients then flow to
+    them instead of through the compression to k and v.
     """
     B, T, HQ, H = _checks.qkv(q, k, v)
     for name, g in (("g_cmp", g_cmp), ("g_slc", g_slc), ("g_swa", g_swa)):
@@ -212,23 +270,26 @@ def attention(q, k, v, *, g_cmp=None, g_slc=None, g_swa=None, block_indices=None
     block_size = _checks.positive_int("block_size", block_size)
     window_size = _checks.non_negative_int("window_size", window_size)
     cu_seqlens = _checks.cu_seqlens(cu_seqlens, B, T)
+    kv_lens = _key_lens(kv_lens, q, k, cu_seqlens)
+    _given_compressed(k_cmp, v_cmp, q, k, v, block_size, needs_values=g_cmp is not None)
     if block_counts is None and block_indices is None:
         raise ValueError("block_counts=None (use every slot of block_indices) needs block_indices")
     if block_counts is not None:
         block_counts = _checks.block_counts(block_counts, B, T, H)
     q, scale = _scaled(q, scale)  # a traced scale is folded into q once, for every branch
-    common = dict(scale=scale, cu_seqlens=cu_seqlens, implementation=implementation)
+    common = dict(scale=scale, cu_seqlens=cu_seqlens, kv_lens=kv_lens, implementation=implementation)
 
     branches = []
     lse_cmp = None
-    if g_cmp is not None or block_indices is None:
+    if k_cmp is None and (g_cmp is not None or block_indices is None):
         k_cmp = compress(k, block_size=block_size, cu_seqlens=cu_seqlens)
     if g_cmp is not None:
-        v_cmp = compress(v, block_size=block_size, cu_seqlens=cu_seqlens)
+        if v_cmp is None:
+            v_cmp = compress(v, block_size=block_size, cu_seqlens=cu_seqlens)
         o_cmp, lse_cmp = compressed_attention(q, k_cmp, v_cmp, block_size=block_size, **common)
         branches.append((g_cmp, o_cmp))
     if block_indices is None:  # the selection reuses the compressed branch's lse when it has one
-        block_indices = _select(q, k_cmp, lse_cmp, _slots(block_counts), block_size, scale, cu_seqlens,
+        block_indices = _select(q, k_cmp, lse_cmp, _slots(block_counts), block_size, scale, cu_seqlens, kv_lens,
                                 implementation)
     o_slc = selected_attention(q, k, v, block_indices, block_counts=block_counts, block_size=block_size, **common)
     branches.append((g_slc, o_slc))

@@ -219,7 +219,7 @@ class NSATestBase:
             x = Inputs(shape, dtype)
             k_cmp, k_cmp64, v_cmp, _ = x.compressed()
             _, lse = self.op("compressed_attention")(x.q, k_cmp, v_cmp, block_size=x.block_size)
-            idx = nsa.api._select(x.q, k_cmp, lse, 3, x.block_size, None, None, self.implementation)
+            idx = nsa.api._select(x.q, k_cmp, lse, 3, x.block_size, None, None, None, self.implementation)
             ref = oracle.select_blocks(x.q64, k_cmp64, block_counts=3, block_size=x.block_size)
             assert_same_blocks(idx, ref)
 

@@ -12,20 +12,22 @@ from nsa._varlen import compressed_key_range
 from nsa.pallas import _flash
 
 
-def forward(q, k_cmp, v_cmp, cu_seqlens, *, block_size, scale, interpret=False, config=None):
+def forward(q, k_cmp, v_cmp, cu_seqlens, kv_lens=None, *, block_size, scale, interpret=False, config=None):
     """Returns (o [B, T, HQ, Dv], lse [B, T, HQ] float32) and the residuals."""
+    if kv_lens is not None:  # TEMPORARY (issue 10): being added to the kernels
+        raise NotImplementedError("kv_lens is not supported by this kernel yet")
     lo, hi = compressed_key_range(q.shape[1], k_cmp.shape[1], block_size, cu_seqlens)
     o, lse = _flash.attend(q, k_cmp, v_cmp, lo, hi, scale=scale, key_span=k_cmp.shape[1], interpret=interpret,
                            config=config, name="compressed")
-    return (o, lse), (q, k_cmp, v_cmp, cu_seqlens, o, lse)
+    return (o, lse), (q, k_cmp, v_cmp, cu_seqlens, kv_lens, o, lse)
 
 
 def backward(residuals, cotangents, *, block_size, scale, interpret=False, config=None):
     """Gradients (dq, dk_cmp, dv_cmp, None), including the path through lse."""
-    q, k_cmp, v_cmp, cu_seqlens, o, lse = residuals
+    q, k_cmp, v_cmp, cu_seqlens, kv_lens, o, lse = residuals
     do, dlse = cotangents
     lo, hi = compressed_key_range(q.shape[1], k_cmp.shape[1], block_size, cu_seqlens)
     dq, dk, dv = _flash.attend_backward(q, k_cmp, v_cmp, lo, hi, o, lse, do, dlse, scale=scale,
                                         key_span=k_cmp.shape[1], query_span=q.shape[1], interpret=interpret,
                                         config=config, name="compressed")
-    return dq, dk, dv, None
+    return dq, dk, dv, None, None

@@ -265,7 +265,7 @@ def _token_rows(T, tp, NC, block_size, cu_seqlens):
     return jnp.concatenate([rows, padding], axis=1)[..., None]
 
 
-def forward(q, k_cmp, lse, cu_seqlens, *, block_counts, block_size, scale, interpret=False, config=None):
+def forward(q, k_cmp, lse, cu_seqlens, kv_lens=None, *, block_counts, block_size, scale, interpret=False, config=None):
     """Returns block_indices int32 [B, T, H, block_counts] (in-sequence block ids), as the reference.
 
     q [B, T, HQ, Dk], k_cmp [B, NC, H, Dk]; lse [B, T, HQ] float32 is compressed attention's log-sum-exp of
@@ -273,6 +273,8 @@ def forward(q, k_cmp, lse, cu_seqlens, *, block_counts, block_size, scale, inter
     (packed sequences, B = 1). interpret: a pltpu.InterpretParams to run in Pallas's TPU interpret mode (on
     any platform), or False. config: a Config (None: `default_config`).
     """
+    if kv_lens is not None:  # TEMPORARY (issue 10): being added to the kernels
+        raise NotImplementedError("kv_lens is not supported by this kernel yet")
     B, T, HQ, Dk = q.shape
     NC, H = k_cmp.shape[1], k_cmp.shape[2]
     G = HQ // H

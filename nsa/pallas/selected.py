@@ -490,7 +490,7 @@ def _check(q, k, block_indices, block_size):
         raise ValueError(f"block_size: expected a positive int, got {block_size}")
 
 
-def forward(q, k, v, block_indices, block_counts, cu_seqlens, *, block_size, scale, interpret=False, config=None):
+def forward(q, k, v, block_indices, block_counts, cu_seqlens, kv_lens=None, *, block_size, scale, interpret=False, config=None):
     """o [B, T, HQ, Dv] (q's dtype) and the residuals (q, k, v, block_indices, block_counts, cu_seqlens, o,
     lse [B, T, HQ] float32).
 
@@ -498,6 +498,8 @@ def forward(q, k, v, block_indices, block_counts, cu_seqlens, *, block_size, sca
     [B, T, H] (or a scalar); cu_seqlens None or int32 [N + 1] (B = 1). interpret: False (Mosaic) or a
     pltpu.InterpretParams; config: a Config or None (`default_config`).
     """
+    if kv_lens is not None:  # TEMPORARY (issue 10): being added to the kernels
+        raise NotImplementedError("kv_lens is not supported by this kernel yet")
     _check(q, k, block_indices, block_size)
     cfg = _config(q, k, v, block_indices, block_size, cu_seqlens, config)
     lay = _layout(q, k, v, block_indices, block_size, cu_seqlens, cfg)
@@ -513,7 +515,7 @@ def forward(q, k, v, block_indices, block_counts, cu_seqlens, *, block_size, sca
         q=q, scale=scale, block_size=block_size, interpret=interpret, name="selected_forward")
     o = _from_query_tiles(o, lay, v.shape[3])
     lse = _from_query_tiles(lse, lay, 1)[..., 0]
-    return o, (q, k, v, block_indices, block_counts, cu_seqlens, o, lse)
+    return o, (q, k, v, block_indices, block_counts, cu_seqlens, kv_lens, o, lse)
 
 
 # ------------------------------------------------------------------------------------------ backward
@@ -606,7 +608,7 @@ def _per_key_row(sums, cu_seqlens, lay, block_size, d):
 def backward(residuals, do, *, block_size, scale, interpret=False, config=None):
     """Gradients (dq, dk, dv, None, None, None) in q's, k's and v's dtypes, from `forward`'s residuals and
     do [B, T, HQ, Dv]; interpret and config as for `forward`."""
-    q, k, v, block_indices, block_counts, cu_seqlens, o, lse = residuals
+    q, k, v, block_indices, block_counts, cu_seqlens, kv_lens, o, lse = residuals
     cfg = _config(q, k, v, block_indices, block_size, cu_seqlens, config)
     lay = _layout(q, k, v, block_indices, block_size, cu_seqlens, cfg)
     names = _tile_names(_names(block_indices, block_counts, cu_seqlens, lay, block_size), lay)
@@ -636,4 +638,4 @@ def backward(residuals, do, *, block_size, scale, interpret=False, config=None):
     dq = _from_query_tiles(dq, lay, q.shape[3])
     dk = _per_key_row(dk_sum, cu_seqlens, lay, block_size, k.shape[3]) * scale
     dv = _per_key_row(dv_sum, cu_seqlens, lay, block_size, v.shape[3])
-    return dq, dk.astype(k.dtype), dv.astype(v.dtype), None, None, None
+    return dq, dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, None

@@ -17,20 +17,22 @@ def _spans(T, window_size, config):
     return (config or _flash.Config()).block_q + W - 1, W
 
 
-def forward(q, k, v, cu_seqlens, *, window_size, scale, interpret=False, config=None):
+def forward(q, k, v, cu_seqlens, kv_lens=None, *, window_size, scale, interpret=False, config=None):
     """Returns o [B, T, HQ, Dv] and the residuals (inputs, o, lse [B, T, HQ])."""
+    if kv_lens is not None:  # TEMPORARY (issue 10): being added to the kernels
+        raise NotImplementedError("kv_lens is not supported by this kernel yet")
     lo, hi = window_key_range(q.shape[1], window_size, cu_seqlens)
     key_span, _ = _spans(q.shape[1], window_size, config)
     o, lse = _flash.attend(q, k, v, lo, hi, scale=scale, key_span=key_span, interpret=interpret, config=config,
                            name="window")
-    return o, (q, k, v, cu_seqlens, o, lse)
+    return o, (q, k, v, cu_seqlens, kv_lens, o, lse)
 
 
 def backward(residuals, do, *, window_size, scale, interpret=False, config=None):
     """Gradients (dq, dk, dv, None)."""
-    q, k, v, cu_seqlens, o, lse = residuals
+    q, k, v, cu_seqlens, kv_lens, o, lse = residuals
     lo, hi = window_key_range(q.shape[1], window_size, cu_seqlens)
     key_span, query_span = _spans(q.shape[1], window_size, config)
     dq, dk, dv = _flash.attend_backward(q, k, v, lo, hi, o, lse, do, scale=scale, key_span=key_span,
                                         query_span=query_span, interpret=interpret, config=config, name="window")
-    return dq, dk, dv, None
+    return dq, dk, dv, None, None

@@ -19,13 +19,21 @@ def visible_blocks(num_rows, pos, cmp_start, *, block_size):
     return (row >= first) & (row < first + (pos[:, :, None, None, None] + 1) // block_size)
 
 
+def used_rows_only(x, visible):
+    """x [B, NC, H, D] with the rows no query of the chunk sees (visible [B, Tc, H, G, NC]) set to 0, so
+    that whatever they hold (a KV cache's unwritten rows) never reaches a result, not even as 0 * NaN."""
+    used = jnp.any(visible, axis=(1, 2, 3))
+    return jnp.where(used[:, :, None, None], x, 0)
+
+
 def logits(q, k_cmp, scale):
     """q [B, Tc, H, G, Dk] (accumulation dtype) against every compressed key -> [B, Tc, H, G, NC]."""
     return scale * jnp.einsum("bthgd,bchd->bthgc", q, k_cmp.astype(q.dtype))
 
 
 def softmax_over_blocks(q, k_cmp, pos, cmp_start, lse=None, *, block_size, scale):
-    """p [B, Tc, H, G, NC] and lse [B, Tc, H, G] of a chunk of queries q [B, Tc, HQ, Dk] over k_cmp.
+    """p [B, Tc, H, G, NC], lse [B, Tc, H, G] and the visibility mask of a chunk of queries q [B, Tc, HQ, Dk]
+    over k_cmp.
 
     With a given lse [B, Tc, HQ] (this op's own, from an earlier call) p = exp(s - lse) is not
     normalized again.
@@ -34,9 +42,9 @@ def softmax_over_blocks(q, k_cmp, pos, cmp_start, lse=None, *, block_size, scale
     s = logits(c.group_heads(q.astype(c.acc_dtype(q.dtype)), H), k_cmp, scale)
     visible = visible_blocks(k_cmp.shape[1], pos, cmp_start, block_size=block_size)
     if lse is None:
-        return c.softmax(s, visible)
+        return (*c.softmax(s, visible), visible)
     lse = c.group_heads(lse.astype(s.dtype), H)
-    return c.probabilities(s, visible, lse), lse
+    return c.probabilities(s, visible, lse), lse, visible
 
 
 def _chunk(T, HQ, NC):
@@ -44,43 +52,45 @@ def _chunk(T, HQ, NC):
     return c.chunk_size(T, 16 * HQ * NC)
 
 
-def forward(q, k_cmp, v_cmp, cu_seqlens, *, block_size, scale):
-    """Returns (o [B, T, HQ, Dv], lse [B, T, HQ] fp32) and the residuals."""
+def forward(q, k_cmp, v_cmp, cu_seqlens, kv_lens=None, *, block_size, scale):
+    """Returns (o [B, T, HQ, Dv], lse [B, T, HQ] fp32) and the residuals; kv_lens int [B] or None places
+    the queries at the end of longer sequences (`nsa._varlen.tokens`)."""
     B, T, HQ, _ = q.shape
     NC = k_cmp.shape[1]
     acc = c.acc_dtype(q.dtype)
-    tok = tokens(T, block_size, cu_seqlens)
+    tok = tokens(T, block_size, cu_seqlens, kv_lens)
 
     def body(_, xs):
         q_c, pos, cmp_start = xs
-        p, lse = softmax_over_blocks(q_c, k_cmp, pos, cmp_start, block_size=block_size, scale=scale)
-        o = jnp.einsum("bthgc,bchd->bthgd", p, v_cmp.astype(acc))
+        p, lse, visible = softmax_over_blocks(q_c, k_cmp, pos, cmp_start, block_size=block_size, scale=scale)
+        o = jnp.einsum("bthgc,bchd->bthgd", p, used_rows_only(v_cmp.astype(acc), visible))
         return None, (c.ungroup_heads(o).astype(q.dtype), c.ungroup_heads(lse))
 
     _, (o, lse) = c.scan_queries(body, None, (q, tok.pos, tok.cmp_start), chunk=_chunk(T, HQ, NC))
-    return (o, lse), (q, k_cmp, v_cmp, cu_seqlens, o, lse)
+    return (o, lse), (q, k_cmp, v_cmp, cu_seqlens, kv_lens, o, lse)
 
 
 def backward(residuals, cotangents, *, block_size, scale):
-    """Gradients (dq, dk_cmp, dv_cmp, None), including the path through lse."""
-    q, k_cmp, v_cmp, cu_seqlens, o, lse = residuals
+    """Gradients (dq, dk_cmp, dv_cmp, None, None), including the path through lse."""
+    q, k_cmp, v_cmp, cu_seqlens, kv_lens, o, lse = residuals
     do, dlse = cotangents
     B, T, HQ, _ = q.shape
     NC, H = k_cmp.shape[1], k_cmp.shape[2]
     acc = c.acc_dtype(q.dtype)
-    tok = tokens(T, block_size, cu_seqlens)
-    v_acc = v_cmp.astype(acc)
+    tok = tokens(T, block_size, cu_seqlens, kv_lens)
 
     def body(carry, xs):
         dk, dv = carry
         q_c, pos, cmp_start, do_c, lse_c, delta_c, dlse_c = xs
         q_c = c.group_heads(q_c.astype(acc), H)
         do_c = c.group_heads(do_c.astype(acc), H)
-        s = logits(q_c, k_cmp, scale)
-        p = c.probabilities(s, visible_blocks(NC, pos, cmp_start, block_size=block_size), c.group_heads(lse_c, H))
-        dp = jnp.einsum("bthgd,bchd->bthgc", do_c, v_acc)
+        visible = visible_blocks(NC, pos, cmp_start, block_size=block_size)
+        k_c, v_c = (used_rows_only(x.astype(acc), visible) for x in (k_cmp, v_cmp))
+        s = logits(q_c, k_c, scale)
+        p = c.probabilities(s, visible, c.group_heads(lse_c, H))
+        dp = jnp.einsum("bthgd,bchd->bthgc", do_c, v_c)
         ds = c.dlogits(p, dp, c.group_heads(delta_c, H), c.group_heads(dlse_c, H))
-        dq = scale * jnp.einsum("bthgc,bchd->bthgd", ds, k_cmp.astype(acc))
+        dq = scale * jnp.einsum("bthgc,bchd->bthgd", ds, k_c)
         dk = dk + scale * jnp.einsum("bthgc,bthgd->bchd", ds, q_c)
         dv = dv + jnp.einsum("bthgc,bthgd->bchd", p, do_c)
         return (dk, dv), c.ungroup_heads(dq).astype(q.dtype)
@@ -88,4 +98,4 @@ def backward(residuals, cotangents, *, block_size, scale):
     zeros = (jnp.zeros_like(k_cmp, acc), jnp.zeros_like(v_cmp, acc))
     xs = (q, tok.pos, tok.cmp_start, do, lse, c.delta(o, do), dlse.astype(acc))
     (dk, dv), dq = c.scan_queries(body, zeros, xs, chunk=_chunk(T, HQ, NC))
-    return dq, dk.astype(k_cmp.dtype), dv.astype(v_cmp.dtype), None
+    return dq, dk.astype(k_cmp.dtype), dv.astype(v_cmp.dtype), None, None

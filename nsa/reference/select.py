@@ -37,20 +37,22 @@ def top_blocks(ranks, num_slots):
     return jnp.where(best == -jnp.inf, -1, ids).astype(jnp.int32)
 
 
-def forward(q, k_cmp, lse, cu_seqlens, *, block_counts, block_size, scale):
+def forward(q, k_cmp, lse, cu_seqlens, kv_lens=None, *, block_counts, block_size, scale):
     """Returns block_indices int32 [B, T, H, block_counts] (in-sequence block ids).
 
     lse [B, T, HQ] is compressed attention's log-sum-exp of the same q and k_cmp when the caller has
-    it (nsa.attention does), or None to compute it here.
+    it (nsa.attention does), or None to compute it here. kv_lens int [B] or None places the queries at the
+    end of longer sequences (`nsa._varlen.tokens`), which k_cmp covers (kv_lens <= NC * block_size).
     """
     B, T, HQ, _ = q.shape
     NC = k_cmp.shape[1]
-    NB = cdiv(T, block_size)  # the most in-sequence blocks a query can have (k_cmp may hold fewer rows)
-    tok = tokens(T, block_size, cu_seqlens)
+    # the most in-sequence blocks a query can have (without kv_lens k_cmp may hold fewer rows)
+    NB = cdiv(T, block_size) if kv_lens is None else max(cdiv(T, block_size), NC)
+    tok = tokens(T, block_size, cu_seqlens, kv_lens)
 
     def body(_, xs):
         q_c, pos, cmp_start, lse_c = xs
-        p, _ = softmax_over_blocks(q_c, k_cmp, pos, cmp_start, lse_c, block_size=block_size, scale=scale)
+        p, _, _ = softmax_over_blocks(q_c, k_cmp, pos, cmp_start, lse_c, block_size=block_size, scale=scale)
         by_row = jnp.mean(p, axis=3)  # [B, Tc, H, NC]: score of each row of k_cmp
         # in-sequence block c is row cmp_start + c; rows past the last of k_cmp score 0 (a zero column)
         by_row = jnp.pad(by_row, [(0, 0)] * 3 + [(0, 1)])

@@ -56,12 +56,13 @@ def _chunk(T, HQ, S, block_size, D):
     return c.chunk_size(T, 8 * S * block_size * (2 * D + HQ))
 
 
-def forward(q, k, v, block_indices, block_counts, cu_seqlens, *, block_size, scale):
-    """Returns o [B, T, HQ, Dv] and the residuals (inputs, o, lse [B, T, HQ])."""
+def forward(q, k, v, block_indices, block_counts, cu_seqlens, kv_lens=None, *, block_size, scale):
+    """Returns o [B, T, HQ, Dv] and the residuals (inputs, o, lse [B, T, HQ]); kv_lens int [B] or None
+    places the queries at the end of longer sequences of keys k, v [B, TK, H, D] (`nsa._varlen.tokens`)."""
     B, T, HQ, Dk = q.shape
     H, S = k.shape[2], block_indices.shape[-1]
     acc = c.acc_dtype(q.dtype)
-    tok = tokens(T, block_size, cu_seqlens)
+    tok = tokens(T, block_size, cu_seqlens, kv_lens)
 
     def body(_, xs):
         q_c, idx_c, counts_c, pos, start = xs
@@ -72,16 +73,16 @@ def forward(q, k, v, block_indices, block_counts, cu_seqlens, *, block_size, sca
 
     chunk = _chunk(T, HQ, S, block_size, max(Dk, v.shape[-1]))
     _, (o, lse) = c.scan_queries(body, None, (q, block_indices, block_counts, tok.pos, tok.start), chunk=chunk)
-    return o, (q, k, v, block_indices, block_counts, cu_seqlens, o, lse)
+    return o, (q, k, v, block_indices, block_counts, cu_seqlens, kv_lens, o, lse)
 
 
 def backward(residuals, do, *, block_size, scale):
-    """Gradients (dq, dk, dv, None, None, None) from the recomputed probabilities."""
-    q, k, v, block_indices, block_counts, cu_seqlens, o, lse = residuals
+    """Gradients (dq, dk, dv, None, None, None, None) from the recomputed probabilities."""
+    q, k, v, block_indices, block_counts, cu_seqlens, kv_lens, o, lse = residuals
     B, T, HQ, Dk = q.shape
     H, S = k.shape[2], block_indices.shape[-1]
     acc = c.acc_dtype(q.dtype)
-    tok = tokens(T, block_size, cu_seqlens)
+    tok = tokens(T, block_size, cu_seqlens, kv_lens)
 
     def body(carry, xs):
         dk, dv = carry
@@ -102,4 +103,4 @@ def backward(residuals, do, *, block_size, scale):
     xs = (q, block_indices, block_counts, tok.pos, tok.start, do, lse, c.delta(o, do))
     chunk = _chunk(T, HQ, S, block_size, max(Dk, v.shape[-1]))
     (dk, dv), dq = c.scan_queries(body, zeros, xs, chunk=chunk)
-    return dq, dk.astype(k.dtype), dv.astype(v.dtype), None, None, None
+    return dq, dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, None

@@ -221,11 +221,13 @@ def _sizes(q, k_cmp, block_counts, block_size):
                 SP=max(2, triton.next_power_of_2(slots)))
 
 
-def forward(q, k_cmp, lse, cu_seqlens, *, block_counts, block_size, scale, config=None):
+def forward(q, k_cmp, lse, cu_seqlens, kv_lens=None, *, block_counts, block_size, scale, config=None):
     """Returns block_indices int32 [B, T, H, block_counts] (in-sequence block ids), as the reference.
 
     lse [B, T, HQ] (compressed attention's of the same q and k_cmp) saves the kernel its first pass;
     None computes it. config: a Config (None: `default_config`)."""
+    if kv_lens is not None:  # TEMPORARY (issue 10): being added to the kernels
+        raise NotImplementedError("kv_lens is not supported by this kernel yet")
     B, T, HQ, Dk = q.shape
     NC, H = k_cmp.shape[1], k_cmp.shape[2]
     cfg = default_config(q, k_cmp, block_counts=block_counts, block_size=block_size) if config is None else config

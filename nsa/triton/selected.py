@@ -510,9 +510,11 @@ def _config(q, k, v, block_indices, block_size, cu_seqlens, config):
         if config is None else config
 
 
-def forward(q, k, v, block_indices, block_counts, cu_seqlens, *, block_size, scale, config=None):
+def forward(q, k, v, block_indices, block_counts, cu_seqlens, kv_lens=None, *, block_size, scale, config=None):
     """Returns o [B, T, HQ, Dv] and the reference's residuals (inputs, o, lse [B, T, HQ] float32);
     config: a Config (None: `default_config`)."""
+    if kv_lens is not None:  # TEMPORARY (issue 10): being added to the kernels
+        raise NotImplementedError("kv_lens is not supported by this kernel yet")
     T = q.shape[1]
     cfg = _config(q, k, v, block_indices, block_size, cu_seqlens, config)
     tok = tokens(T, block_size, cu_seqlens)
@@ -523,7 +525,7 @@ def forward(q, k, v, block_indices, block_counts, cu_seqlens, *, block_size, sca
         outputs=dict(o=_launch.shape_dtype(q.shape[:3] + v.shape[3:], q.dtype),
                      lse=_launch.shape_dtype(q.shape[:3], jnp.float32)),
         **_per_token(q, k, block_indices, cfg), **_meta(q, k, v, block_size, scale, cfg))
-    return o, (q, k, v, block_indices, block_counts, cu_seqlens, o, lse)
+    return o, (q, k, v, block_indices, block_counts, cu_seqlens, kv_lens, o, lse)
 
 
 def _block_rows(T, block_size, cu_seqlens):
@@ -592,7 +594,7 @@ def _segments(offsets, num_entries, seg_len):
 def backward(residuals, do, *, block_size, scale, config=None):
     """Gradients (dq, dk, dv, None, None, None) in the input dtypes, as the reference's backward; config:
     a Config (None: `default_config`)."""
-    q, k, v, block_indices, block_counts, cu_seqlens, o, lse = residuals
+    q, k, v, block_indices, block_counts, cu_seqlens, kv_lens, o, lse = residuals
     B, T, HQ, _ = q.shape
     H = k.shape[2]
     cfg = _config(q, k, v, block_indices, block_size, cu_seqlens, config)
@@ -625,4 +627,4 @@ def backward(residuals, do, *, block_size, scale, config=None):
         inputs=dict(dk_part=dk_part, dv_part=dv_part, **rows, seg_offsets=seg_offsets),
         outputs=dict(dk_out=_launch.shape_dtype(k.shape, k.dtype), dv_out=_launch.shape_dtype(v.shape, v.dtype)),
         num_stages=1, NR=NR, **meta)
-    return dq, dk, dv, None, None, None
+    return dq, dk, dv, None, None, None, None

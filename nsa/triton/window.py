@@ -8,17 +8,19 @@ from nsa._varlen import window_key_range
 from nsa.triton import _flash
 
 
-def forward(q, k, v, cu_seqlens, *, window_size, scale, config=None):
+def forward(q, k, v, cu_seqlens, kv_lens=None, *, window_size, scale, config=None):
     """Returns o [B, T, HQ, Dv] and the residuals (inputs, o, lse [B, T, HQ])."""
+    if kv_lens is not None:  # TEMPORARY (issue 10): being added to the kernels
+        raise NotImplementedError("kv_lens is not supported by this kernel yet")
     lo, hi = window_key_range(q.shape[1], window_size, cu_seqlens)
     o, lse = _flash.attend(q, k, v, lo, hi, scale=scale, config=config)
-    return o, (q, k, v, cu_seqlens, o, lse)
+    return o, (q, k, v, cu_seqlens, kv_lens, o, lse)
 
 
 def backward(residuals, do, *, window_size, scale, config=None):
     """Gradients (dq, dk, dv, None)."""
-    q, k, v, cu_seqlens, o, lse = residuals
+    q, k, v, cu_seqlens, kv_lens, o, lse = residuals
     lo, hi = window_key_range(q.shape[1], window_size, cu_seqlens)
     dq, dk, dv = _flash.attend_backward(q, k, v, lo, hi, o, lse, do, scale=scale,
                                         query_span=min(int(window_size), q.shape[1]), config=config)
-    return dq, dk, dv, None
+    return dq, dk, dv, None, None
