@@ -587,3 +587,108 @@ class NSATestBase:
             dq_ref = jax.grad(lambda q: jnp.sum(f(q, x.k, x.v).astype(jnp.float32) ** 2))(x.q)
             assert_close(dq, dq_ref, 1e-5, "dq inside shard_map")
 
+
+    # ------------------------------------------------- a KV cache: queries at the end of longer sequences
+
+    def _cached_call(self, name, x, tq, lens, impl):
+        """(cached, full): op `name` of implementation `impl` on queries [B, tq] that are the last tq tokens of
+        sequences of lens[b] tokens in a padded cache whose keys past them are NaN (they must never be read),
+        and a function of b giving the same op on sequence b alone (its first lens[b] tokens, no cache) by
+        the reference, cut to its last tq queries."""
+        bs, window, slots = x.block_size, 9, 3
+        op = lambda n: functools.partial(getattr(nsa, n), implementation=impl)
+        g = [gi[0] for gi in x.gates]
+        idx = jnp.asarray(x.block_indices(slots))
+        pad = np.arange(x.k.shape[1])[None, :, None, None] >= np.asarray(lens)[:, None, None, None]
+        k, v = (jnp.where(pad, jnp.nan, y).astype(y.dtype) for y in (x.k, x.v))
+        k_cmp, v_cmp = nsa.compress(k, block_size=bs), nsa.compress(v, block_size=bs)  # NaN past each sequence
+        last = lambda y: jnp.stack([y[b, n - tq:n] for b, n in enumerate(lens)])  # [B, tq, ...]
+        ref = functools.partial(getattr(nsa, name.split("-")[0]), implementation="xla")
+        kw = dict(block_size=bs)
+        gates = dict(g_cmp=g[0], g_slc=g[1], g_swa=g[2], block_counts=slots, window_size=window, **kw)
+        cached = {
+            "compressed_attention": lambda: op(name)(last(x.q), k_cmp, v_cmp, kv_lens=lens, **kw),
+            "select_blocks": lambda: op(name)(last(x.q), k_cmp, block_counts=slots, kv_lens=lens, **kw),
+            "selected_attention": lambda: op(name)(last(x.q), k, v, last(idx), kv_lens=lens, **kw),
+            "sliding_window_attention": lambda: op(name)(last(x.q), k, v, window_size=window, kv_lens=lens),
+            "attention": lambda: op(name)(last(x.q), k, v, **{n: last(y) for n, y in gates.items() if n[0] == "g"},
+                                          **{n: y for n, y in gates.items() if n[0] != "g"},
+                                          k_cmp=k_cmp, v_cmp=v_cmp, kv_lens=lens),
+            "attention-given-blocks": lambda: op("attention")(
+                last(x.q), k, v, g_slc=last(g[1]), block_indices=last(idx), block_counts=slots, kv_lens=lens, **kw),
+        }[name]
+
+        def full(b):
+            n = lens[b]
+            one = lambda y: y[b:b + 1, :n]
+            k_b, v_b = one(x.k), one(x.v)
+            cmp = lambda y: nsa.compress(y, block_size=bs)
+            out = {
+                "compressed_attention": lambda: ref(one(x.q), cmp(k_b), cmp(v_b), **kw),
+                "select_blocks": lambda: ref(one(x.q), cmp(k_b), block_counts=slots, **kw),
+                "selected_attention": lambda: ref(one(x.q), k_b, v_b, one(idx), **kw),
+                "sliding_window_attention": lambda: ref(one(x.q), k_b, v_b, window_size=window),
+                "attention": lambda: ref(one(x.q), k_b, v_b, **{n: one(y) if n[0] == "g" else y
+                                                                  for n, y in gates.items()}),
+                "attention-given-blocks": lambda: ref(one(x.q), k_b, v_b, g_slc=one(g[1]), block_indices=one(idx),
+                                                      block_counts=slots, **kw),
+            }[name]()
+            return jax.tree_util.tree_map(lambda y: y[0, n - tq:], out)
+
+        return cached, full
+
+    CACHED_OPS = ["compressed_attention", "select_blocks", "selected_attention", "sliding_window_attention",
+                  "attention", "attention-given-blocks"]
+
+    @pytest.mark.parametrize("tq", [1, 21], ids=["decode", "chunked-prefill"])
+    @pytest.mark.parametrize("name", CACHED_OPS)
+    def test_cached_queries_equal_full_sequence(self, name, tq):
+        """op(q[:, -TQ:], cache, kv_lens) == op(q, k, v)[:, -TQ:] for every op: decode (TQ = 1) and chunked
+        prefill (TQ = 21, across block boundaries), a ragged batch (lengths 77 and 50 in a cache of 80: every
+        key past a sequence's length is NaN, so reading one shows), the selection given or made inside,
+        the compressed keys from the cache."""
+        dtype = "float32" if "float32" in self.dtypes else self.dtypes[0]
+        x = Inputs((2, 80, 6, 2, 16, 8, 8), dtype, seed=3)
+        lens = [77, 50]
+        cached, full = self._cached_call(name, x, tq, lens, self.implementation)
+        got = cached()
+        for b in range(2):
+            want = full(b)
+            if name == "select_blocks":
+                np.testing.assert_array_equal(np.asarray(got[b]), np.asarray(want))
+                continue
+            for y, y_ref, what in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), ("o", "lse")):
+                y_ref = np.asarray(y_ref, np.float64)
+                seen = np.isfinite(y_ref)  # lse: -inf where a query sees no compressed block
+                np.testing.assert_array_equal(np.isfinite(np.asarray(y[b], np.float64)), seen)
+                assert_close(np.asarray(y[b], np.float64)[seen], y_ref[seen], TOLERANCE[dtype], f"{what}[{b}]")
+
+    def test_cached_gradients_equal_full_sequence(self):
+        """Gradients through a KV cache (chunked prefill): those of q and of each sequence's keys equal the
+        full sequence's; the keys past a sequence's length (NaN) get zero gradients."""
+        dtype = "float32" if "float32" in self.dtypes else self.dtypes[0]
+        x = Inputs((2, 80, 6, 2, 16, 8, 8), dtype, seed=4)
+        lens, tq, bs = [77, 50], 21, 8
+        g = [gi[0] for gi in x.gates]
+        pad = np.arange(80)[None, :, None, None] >= np.asarray(lens)[:, None, None, None]
+        nan_past = lambda y: jnp.where(pad, jnp.nan, y).astype(y.dtype)
+        last = lambda y: jnp.stack([y[b, n - tq:n] for b, n in enumerate(lens)])
+        do = last(x.do)
+        kw = dict(block_counts=3, block_size=bs, window_size=9)
+
+        def loss(q, k, v):
+            o = self.op("attention")(q, k, v, g_cmp=last(g[0]), g_slc=last(g[1]), g_swa=last(g[2]), kv_lens=lens, **kw)
+            return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
+
+        grads = jax.grad(loss, argnums=(0, 1, 2))(last(x.q), nan_past(x.k), nan_past(x.v))
+        for b_sel, n in enumerate(lens):
+            one = lambda y: y[b_sel:b_sel + 1, :n]
+            full_loss = lambda q, k, v: jnp.sum(nsa.attention(
+                q, k, v, g_cmp=one(g[0]), g_slc=one(g[1]), g_swa=one(g[2]), implementation="xla",
+                **kw)[:, n - tq:].astype(jnp.float32) * do[b_sel:b_sel + 1].astype(jnp.float32))
+            dq, dk, dv = jax.grad(full_loss, argnums=(0, 1, 2))(one(x.q), one(x.k), one(x.v))
+            scales = gradient_scales(x.q64, x.k64, x.v64, x.do64, x.q.shape[-1] ** -0.5)
+            assert_close(grads[0][b_sel], dq[0, n - tq:], GRAD_TOLERANCE[dtype], f"dq[{b_sel}]", scales[0])
+            for got, ref, what, s in ((grads[1], dk, "dk", scales[1]), (grads[2], dv, "dv", scales[2])):
+                assert_close(got[b_sel, :n], ref[0], GRAD_TOLERANCE[dtype], f"{what}[{b_sel}]", s)
+                np.testing.assert_array_equal(np.asarray(got[b_sel, n:], np.float64), 0.0)
