@@ -5,6 +5,9 @@ Plain functions, arrays positional and everything else keyword-only:
     o = nsa.attention(q, k, v, g_cmp=g_cmp, g_slc=g_slc, g_swa=g_swa, block_counts=16,
                       block_size=64, window_size=512)
 
+Serving from a KV cache (`nsa.cache`): `prefill_cache`, `append_to_cache`, then `attention` with the cache's
+arrays and `kv_lens=cache.lens`.
+
 Each op has a readable XLA reference (nsa.reference) and, where they exist, Triton (GPU) and Pallas
 (TPU) kernels with the same contract; `implementation=None` picks the best for the platform.
 """
@@ -12,15 +15,20 @@ Each op has a readable XLA reference (nsa.reference) and, where they exist, Trit
 from nsa._dispatch import implementations
 from nsa.api import (attention, check_cu_seqlens, compress, compressed_attention, select_blocks,
                      selected_attention, sliding_window_attention)
+from nsa.cache import KVCache, append_to_cache, empty_cache, prefill_cache
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "KVCache",
+    "append_to_cache",
     "attention",
     "check_cu_seqlens",
     "compress",
     "compressed_attention",
+    "empty_cache",
     "implementations",
+    "prefill_cache",
     "select_blocks",
     "selected_attention",
     "sliding_window_attention",

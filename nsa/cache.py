@@ -1,0 +1,165 @@
+"""A KV cache for serving NSA: a NamedTuple of arrays, and pure functions that fill it.
+
+The cache holds, for B sequences of up to N tokens (its capacity):
+
+- k [B, N, H, Dk], v [B, N, H, Dv]: the keys and values, token t of sequence b at row t;
+- k_cmp [B, ceil(N / block_size), H, Dk], v_cmp [B, ceil(N / block_size), H, Dv]: the compressed keys and
+  values (`nsa.compress`'s block means), row c written once block c is complete, so a decode step never
+  compresses the cache again;
+- lens int32 [B]: how many tokens each sequence holds (sequences may differ: a ragged batch).
+
+Rows past a sequence's length (and compressed rows of blocks not yet complete) hold whatever was there;
+`nsa.attention` never reads them. A decode or chunked-prefill step appends the new tokens' keys and values
+with `append_to_cache`, then attends with the cache:
+
+    cache = nsa.append_to_cache(cache, k_new, v_new, block_size=64)        # k_new [B, TN, H, Dk]
+    o = nsa.attention(q_new, cache.k, cache.v, k_cmp=cache.k_cmp, v_cmp=cache.v_cmp, kv_lens=cache.lens, ...)
+
+Both are pure: under `jax.jit(step, donate_argnums=...)` with the cache donated, XLA writes the new rows in
+place (scatters into the donated buffers), and the step compiles once for every length, since the lengths
+are data.
+"""
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from nsa import _checks
+from nsa._varlen import cdiv, concrete
+from nsa.api import compress
+
+
+class KVCache(NamedTuple):
+    """The arrays of a KV cache (a pytree); see the module docstring."""
+
+    k: jax.Array  # [B, N, H, Dk]
+    v: jax.Array  # [B, N, H, Dv]
+    k_cmp: jax.Array  # [B, ceil(N / block_size), H, Dk]
+    v_cmp: jax.Array  # [B, ceil(N / block_size), H, Dv]
+    lens: jax.Array  # int32 [B]
+
+
+def empty_cache(batch_size, capacity, num_kv_heads, head_dim, *, block_size, head_dim_v=None,
+                dtype=jnp.bfloat16):
+    """A cache of `batch_size` empty sequences of up to `capacity` tokens (zeros, lens 0)."""
+    B = _checks.non_negative_int("batch_size", batch_size)
+    N = _checks.non_negative_int("capacity", capacity)
+    H = _checks.positive_int("num_kv_heads", num_kv_heads)
+    Dk = _checks.positive_int("head_dim", head_dim)
+    Dv = Dk if head_dim_v is None else _checks.positive_int("head_dim_v", head_dim_v)
+    NC = cdiv(N, _checks.positive_int("block_size", block_size))
+    zeros = lambda rows, d: jnp.zeros((B, rows, H, d), dtype)
+    return KVCache(zeros(N, Dk), zeros(N, Dv), zeros(NC, Dk), zeros(NC, Dv), jnp.zeros((B,), jnp.int32))
+
+
+def check_cache(cache, block_size):
+    """Checks that `cache` is a KVCache whose arrays agree with each other and with `block_size`."""
+    if not isinstance(cache, KVCache):
+        raise TypeError(f"cache must be an nsa.KVCache, got {type(cache).__name__}")
+    _checks.array("cache.k", cache.k, 4)
+    B, N, H, Dk = cache.k.shape
+    _checks.array("cache.v", cache.v, 4, dtypes=None)
+    if cache.v.dtype != cache.k.dtype:
+        raise TypeError(f"cache.v.dtype must equal cache.k.dtype ({cache.k.dtype.name}), got {cache.v.dtype.name}")
+    Dv = cache.v.shape[3]
+    _checks.shape("cache.v", cache.v, (B, N, H, Dv), "[B, N, H, Dv] (B, N, H from cache.k)")
+    NC = cdiv(N, block_size)
+    for name, x, d in (("cache.k_cmp", cache.k_cmp, Dk), ("cache.v_cmp", cache.v_cmp, Dv)):
+        _checks.array(name, x, 4, dtypes=None)
+        if x.dtype != cache.k.dtype:
+            raise TypeError(f"{name}.dtype must equal cache.k.dtype ({cache.k.dtype.name}), got {x.dtype.name}")
+        _checks.shape(name, x, (B, NC, H, d), f"[B, ceil(N / block_size), H, D] (block_size = {block_size})")
+    _checks.integer_array("cache.lens", cache.lens, 1)
+    _checks.shape("cache.lens", cache.lens, (B,), "[B]")
+
+
+def _new_tokens(cache, k, v):
+    """Checks the new tokens k [B, TN, H, Dk], v [B, TN, H, Dv] against the cache."""
+    B, N, H, Dk = cache.k.shape
+    for name, x, y in (("k", k, cache.k), ("v", v, cache.v)):
+        _checks.array(name, x, 4, dtypes=None)
+        if x.dtype != y.dtype:
+            raise TypeError(f"{name}.dtype must equal the cache's ({y.dtype.name}), got {x.dtype.name}")
+        _checks.shape(name, x, (B, k.shape[1], H, y.shape[3]), f"[B, TN, H, D] (B, H, D from cache.{name})")
+
+
+def _write(cache, k, v, start, lens, block_size):
+    """The cache with k, v [B, TN, ...] written at the rows start[b] + i of each sequence (rows past the
+    capacity dropped), lens set to `lens` (clipped to the capacity) and the compressed row of every block
+    that `lens` completes among those the written rows touch."""
+    B, N = cache.k.shape[:2]
+    TN = k.shape[1]
+    NC = cache.k_cmp.shape[1]
+    b = jnp.arange(B)[:, None]
+    rows = start[:, None] + jnp.arange(TN)
+    k_all = cache.k.at[b, rows].set(k, mode="drop")  # out-of-bounds rows (past N) are dropped
+    v_all = cache.v.at[b, rows].set(v, mode="drop")
+    lens = jnp.minimum(lens, N)
+    # blocks start // bs ... (start + TN - 1) // bs: at most R of them
+    R = (block_size - 1 + TN) // block_size
+    blocks = start[:, None] // block_size + jnp.arange(R)  # [B, R]
+    complete = (blocks + 1) * block_size <= lens[:, None]
+    tokens = jnp.minimum(blocks[:, :, None] * block_size + jnp.arange(block_size), max(N - 1, 0)).reshape(B, -1)
+    target = jnp.where(complete, blocks, NC)  # NC: dropped
+
+    def compressed(x_all, x_cmp):
+        means = compress(x_all[b, tokens], block_size=block_size)  # [B, R, H, D], the block means
+        return x_cmp.at[b, target].set(means, mode="drop")
+
+    return KVCache(k_all, v_all, compressed(k_all, cache.k_cmp), compressed(v_all, cache.v_cmp), lens)
+
+
+def append_to_cache(cache, k, v, *, block_size):
+    """The cache with TN new tokens appended to every sequence: k [B, TN, H, Dk], v [B, TN, H, Dv] go to the
+    rows lens[b] ... lens[b] + TN - 1, lens grows by TN, and each block this completes gets its compressed
+    row (`nsa.compress`'s mean of its tokens). A pure function: jit it with the cache donated and the writes
+    happen in place.
+
+    Appending past the capacity N raises ValueError when cache.lens is concrete; under jit (lens traced) the
+    tokens that do not fit are dropped, lens stops at N, and nothing is written out of bounds.
+    """
+    block_size = _checks.positive_int("block_size", block_size)
+    check_cache(cache, block_size)
+    _new_tokens(cache, k, v)
+    N, TN = cache.k.shape[1], k.shape[1]
+    lens = concrete(cache.lens)
+    if lens is not None and lens.size and int(np.max(lens)) + TN > N:
+        b = int(np.argmax(lens))
+        raise ValueError(f"appending {TN} tokens past the cache's capacity N = {N}: cache.lens[{b}] = {lens[b]}")
+    start = cache.lens.astype(jnp.int32)
+    return _write(cache, k, v, start, start + TN, block_size)
+
+
+def prefill_cache(k, v, *, block_size, capacity, lens=None):
+    """A cache of capacity N = `capacity` filled from prompts k [B, TP, H, Dk], v [B, TP, H, Dv]: sequence b
+    holds the first lens[b] tokens (int [B], default TP: right-padded prompts of several lengths), with the
+    compressed rows of its complete blocks."""
+    _checks.array("k", k, 4)
+    B, TP, H, Dk = k.shape
+    block_size = _checks.positive_int("block_size", block_size)
+    N = _checks.non_negative_int("capacity", capacity)
+    if TP > N:
+        raise ValueError(f"the prompts (k.shape[1] = {TP} tokens) must fit the cache's capacity, got capacity = {N}")
+    cache = empty_cache(B, N, H, Dk, block_size=block_size, head_dim_v=v.shape[-1], dtype=k.dtype)
+    _new_tokens(cache, k, v)
+    return _write(cache, k, v, jnp.zeros((B,), jnp.int32), _prompt_lens(lens, B, TP), block_size)
+
+
+def _prompt_lens(lens, B, TP):
+    """lens as int32 [B] (None: TP): a concrete one must lie in [0, TP], a traced one is clipped there."""
+    if lens is None:
+        return jnp.full((B,), TP, jnp.int32)
+    if isinstance(lens, (list, tuple)):
+        lens = np.asarray(lens)
+    _checks.integer_array("lens", lens, 1)
+    _checks.shape("lens", lens, (B,), "[B]")
+    values = concrete(lens)
+    if values is None:
+        return jnp.clip(lens.astype(jnp.int32), 0, TP)
+    bad = (values < 0) | (values > TP)
+    if np.any(bad):
+        i = int(np.argmax(bad))
+        raise ValueError(f"lens must lie in [0, TP = k.shape[1]] = [0, {TP}], got lens[{i}] = {values[i]}")
+    return jnp.asarray(values, jnp.int32)
