@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Everything nsa runs on the GPU, in one call: the gpu-marked tests, then the benchmark.
-#   scripts/gpu.sh [tests|bench|ops|trace|sanitize|all] [extra benchmark args...]
+#   scripts/gpu.sh [tests|bench|decode|ops|trace|sanitize|all] [extra benchmark args...]
+# (decode: benchmarks/decode.py, one decode step over a KV cache, with its own args;
 # (ops: benchmarks/ops.py, the time of each op of the pipeline, with its own args, e.g. --sweep;
 #  trace: benchmarks/trace.py, the device time of each op kernel by kernel;
 #  sanitize: scripts/gpu_hostile.py, every kernel on hostile inputs, under compute-sanitizer's memcheck)
@@ -45,6 +46,10 @@ if [[ $what == tests || $what == all ]]; then
 fi
 if [[ $what == bench || $what == all ]]; then
     python3 benchmarks/gpu.py --out "$out" "$@" 2>&1 | tee "$out/bench.log" | grep -v '^{'
+    [[ ${PIPESTATUS[0]} == 0 ]] || status=1
+fi
+if [[ $what == decode ]]; then
+    python3 benchmarks/decode.py --out "$out" "$@" 2>&1 | tee "$out/decode.log" | grep -v '^{'
     [[ ${PIPESTATUS[0]} == 0 ]] || status=1
 fi
 if [[ $what == trace ]]; then

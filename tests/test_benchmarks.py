@@ -126,3 +126,23 @@ def test_roofline_counts():
     assert one.flops == s.H * sum(h + 1 for h in hi) * 2 * G * TB * BC * s.D and two.flops == 2 * one.flops
     k_dmas = sum(h + 1 for h in hi) - sum(1 for i in range(1, NT) if hi[i - 1] == 0)  # chunk 0 kept across tiles
     assert one.dmas == s.H * (4 * NT + k_dmas)  # token rows, q, lse, ids per tile; the chunks
+
+
+def test_decode_benchmark_runs_on_a_cpu(tmp_path):
+    """benchmarks/decode.py at a tiny cache on the CPU (nsa's reference and XLA's dense decode, a ragged batch):
+    every row timed, and the bytes it reports follow its model (dense reads every token; NSA the visible
+    compressed rows, S blocks and the window, capped by the length)."""
+    from benchmarks import decode
+
+    rows = decode.main(["--out", str(tmp_path), "--batches", "2", "--contexts", "1024", "--long", "--impls", "xla",
+                        "--dense", "xla", "--no-fla", "--ragged", "--iters", "1"])
+    assert [r["impl"] for r in rows] == ["nsa-xla", "dense-xla"]
+    for row in rows:
+        assert "error" not in row, row
+        assert math.isfinite(row["step_us"]) and row["step_us"] > 0
+    lens = np.random.default_rng(0).integers(512, 1025, 2)
+    per_token = 2 * STANDARD.D * 2 * STANDARD.H
+    assert rows[1]["bytes_read"] == per_token * lens.sum()
+    nsa_tokens = lens // 64 + np.minimum(16 * 64, lens) + np.minimum(512, lens)
+    assert rows[0]["bytes_read"] == per_token * nsa_tokens.sum()
+    assert json.loads((tmp_path / "decode.json").read_text())["rows"] == rows

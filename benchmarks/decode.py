@@ -1,0 +1,187 @@
+"""The decode benchmark: one NSA decode step over a KV cache, against dense decode and fla's NSA.
+
+    python benchmarks/decode.py --out benchmarks/results [--batches 1 16 64] [--contexts 8192 65536 ...]
+
+Standard heads: HQ = 64, H = 4, D = 128, bf16, block_size 64, 16 selected blocks, window 512. Each row is one
+(B, TK) cache (every sequence TK tokens long unless --ragged, which draws each length uniformly from
+[TK / 2, TK]) and one implementation of the attention of one new token per sequence:
+
+  nsa-<impl>    nsa.attention(q [B, 1, HQ, D], cache.k, cache.v, k_cmp=..., v_cmp=..., kv_lens=...) with all
+                three gates: compressed attention over the cache's compressed keys, the top-16 selection,
+                selected attention and the window;
+  dense-cudnn   jax.nn.dot_product_attention over the whole cache with per-sequence lengths
+  dense-xla     (key_value_seq_lengths), cuDNN's and XLA's;
+  fla           fla's parallel_nsa with TQ = 1 (no window without flash-attn, no per-sequence lengths, and it
+                compresses the whole cache at every call: that is its decode path).
+
+Times are on the device: a jitted lax.fori_loop of STEPS steps, each step's query made to depend on the
+previous step's output (so nothing is hoisted or overlapped, as in generation), divided by STEPS; fla's
+through triton's CUDA-graph timer. Beside each time: the bytes the step must read (useful: each sequence's
+visible compressed rows, its selected blocks and its window for NSA; its whole length for dense) and the
+memory-bandwidth bound, those bytes at COPY_BANDWIDTH.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+if not __package__:  # run as a script: the repo root holds the benchmarks package
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import nsa
+from benchmarks.common import STANDARD, measure, meta, module_versions, time_jax, write_json
+
+B_, HQ, H, D, BS, S, WINDOW = STANDARD
+# A device-to-device copy on the H200 moved 4.3 TB/s (bytes read + written; the device library's KINDS.md);
+# the datasheet says 4.8. The bound below uses the measured figure.
+COPY_BANDWIDTH = 4.3e12
+STEPS = 50  # decode steps per timed loop
+TRITON_CACHE_DIR = os.environ.get("TRITON_CACHE_DIR") or os.path.expanduser("~/.triton/cache")
+
+
+def cache_arrays(B, TK, ragged, seed=0):
+    """q [B, 1, HQ, D], the gates [B, 1, HQ], a cache's k, v [B, TK, H, D], k_cmp, v_cmp and lens int32 [B]."""
+    keys = jax.random.split(jax.random.key(seed), 6)
+    q = jax.random.normal(keys[0], (B, 1, HQ, D), jnp.bfloat16)
+    k = jax.random.normal(keys[1], (B, TK, H, D), jnp.bfloat16)
+    v = jax.random.normal(keys[2], (B, TK, H, D), jnp.bfloat16)
+    gates = [jax.nn.sigmoid(jax.random.normal(key, (B, 1, HQ))).astype(jnp.bfloat16) for key in keys[3:6]]
+    lens = np.random.default_rng(seed).integers(TK // 2, TK + 1, B) if ragged else np.full(B, TK)
+    k_cmp, v_cmp = (jax.jit(lambda x: nsa.compress(x, block_size=BS))(x) for x in (k, v))
+    return q, gates, k, v, k_cmp, v_cmp, jnp.asarray(lens, jnp.int32)
+
+
+def useful_bytes(lens, sparse):
+    """Bytes a step must read: per (sequence, KV head) the keys and values of its visible compressed rows, S
+    selected blocks and the window (sparse), or of all its tokens (dense)."""
+    row = 2 * D * 2  # a key and a value, bf16
+    lens = np.asarray(lens, np.int64)
+    if not sparse:
+        return int(H * row * lens.sum())
+    per = lens // BS + np.minimum(S * BS, lens) + np.minimum(WINDOW, lens)
+    return int(H * row * per.sum())
+
+
+def chained(step):
+    """A jitted fn running `step(q) -> o` STEPS times, each q shifted by 0 * the previous o (a data dependency,
+    so the steps run one after another and none is hoisted out of the loop)."""
+    def loop(q, *args):
+        def body(_, q_i):
+            o = step(q_i, *args)
+            return q + (o[..., :D] * 0).astype(q.dtype)
+
+        return jax.lax.fori_loop(0, STEPS, body, q)
+
+    return jax.jit(loop)
+
+
+def nsa_step(implementation):
+    def step(q, g_cmp, g_slc, g_swa, k, v, k_cmp, v_cmp, lens):
+        return nsa.attention(q, k, v, g_cmp=g_cmp, g_slc=g_slc, g_swa=g_swa, k_cmp=k_cmp, v_cmp=v_cmp,
+                             kv_lens=lens, block_counts=S, block_size=BS, window_size=WINDOW,
+                             implementation=implementation)
+
+    return step
+
+
+def dense_step(implementation):
+    def step(q, k, v, lens):
+        return jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=lens, implementation=implementation)
+
+    return step
+
+
+def time_fla(B, TK, iters):
+    """Seconds per fla parallel_nsa call with q [B, 1, HQ, D] over k, v [B, TK, H, D] (CUDA-graph timer)."""
+    os.environ["TRITON_CACHE_DIR"] = TRITON_CACHE_DIR
+    os.makedirs(TRITON_CACHE_DIR, exist_ok=True)
+    import torch
+    import triton
+    from fla.ops.nsa import parallel_nsa
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    make = lambda *shape: torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=gen)
+    q, k, v = make(B, 1, HQ, D), make(B, TK, H, D), make(B, TK, H, D)
+    g_cmp, g_slc = torch.sigmoid(make(B, 1, HQ)), torch.sigmoid(make(B, 1, HQ))
+    with torch.no_grad():
+        fn = lambda: parallel_nsa(q, k, v, g_cmp=g_cmp, g_slc=g_slc, block_counts=S, block_size=BS)
+        fn()
+        return triton.testing.do_bench_cudagraph(fn, rep=max(100, 5 * iters), return_mode="median") / 1e3
+
+
+def rows_for(args, B, TK):
+    q, gates, k, v, k_cmp, v_cmp, lens = cache_arrays(B, TK, args.ragged)
+    base = dict(B=B, TK=TK, ragged=args.ragged)
+
+    def timed(impl, sparse, seconds):
+        def timings(row):
+            row["step_us"] = 1e6 * seconds()
+            row["bytes_read"] = useful_bytes(lens, sparse)
+            row["bound_us"] = 1e6 * row["bytes_read"] / COPY_BANDWIDTH
+            row["of_bound"] = row["step_us"] / row["bound_us"]
+        return measure(dict(base, impl=impl), timings)
+
+    for impl in args.impls:
+        if impl == "xla" and B * TK > args.xla_max_tokens:
+            continue
+        fn = chained(nsa_step(impl))
+        yield timed(f"nsa-{impl}", True,
+                    lambda: time_jax(fn, (q, *gates, k, v, k_cmp, v_cmp, lens), args.iters) / STEPS)
+    for impl in args.dense:
+        fn = chained(dense_step(impl))
+        yield timed(f"dense-{impl}", False, lambda: time_jax(fn, (q, k, v, lens), args.iters) / STEPS)
+    if not args.no_fla and not args.ragged:  # fla has no per-sequence lengths
+        row = timed("fla (no window)", True, lambda: time_fla(B, TK, args.iters))
+        yield row
+
+
+def table(rows):
+    lines = ["| B | TK | implementation | step µs | bytes read (MB) | bandwidth bound µs | × bound | speedup vs dense |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['B']} | {r['TK']} | {r['impl']} | failed: {r['error'][:80]} | | | | |")
+            continue
+        dense = [d["step_us"] for d in rows if d["B"] == r["B"] and d["TK"] == r["TK"]
+                 and d["impl"].startswith("dense") and "error" not in d]
+        speedup = f"{min(dense) / r['step_us']:.1f}x" if dense else "-"
+        lines.append(f"| {r['B']} | {r['TK']} | {r['impl']} | {r['step_us']:.1f} | {r['bytes_read'] / 1e6:.1f} | "
+                     f"{r['bound_us']:.1f} | {r['of_bound']:.1f} | {speedup} |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768, 65536, 131072])
+    parser.add_argument("--long", type=int, nargs="*", default=[524288], help="contexts run at B = 1 only")
+    parser.add_argument("--impls", nargs="*", default=["triton", "xla"], help="nsa implementations to time")
+    parser.add_argument("--dense", nargs="*", default=["cudnn", "xla"], help="dense implementations to time")
+    parser.add_argument("--no-fla", action="store_true")
+    parser.add_argument("--ragged", action="store_true", help="sequence lengths drawn from [TK / 2, TK]")
+    parser.add_argument("--xla-max-tokens", type=int, default=1 << 17, help="B * TK above which nsa-xla is skipped")
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--name", default="decode", help="the results' file name (without .json)")
+    args = parser.parse_args(argv)
+    configs = [(B, TK) for B in args.batches for TK in args.contexts] + [(1, TK) for TK in args.long]
+    rows = []
+    for B, TK in configs:
+        for row in rows_for(args, B, TK):
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    info = meta(STANDARD, steps_per_loop=STEPS, copy_bandwidth=COPY_BANDWIDTH,
+                **module_versions(("triton", "torch", "fla", "jax_triton")))
+    write_json(f"{args.out}/{args.name}.json", info, rows)
+    print(json.dumps(info))
+    print(table(rows))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
