@@ -2,7 +2,7 @@
 # Everything nsa runs on the GPU, in one call: the gpu-marked tests, then the benchmark.
 #   scripts/gpu.sh [tests|bench|decode|ops|trace|sanitize|all] [extra benchmark args...]
 # (decode: benchmarks/decode.py, one decode step over a KV cache, with its own args;
-# (ops: benchmarks/ops.py, the time of each op of the pipeline, with its own args, e.g. --sweep;
+#  ops: benchmarks/ops.py, the time of each op of the pipeline, with its own args, e.g. --sweep;
 #  trace: benchmarks/trace.py, the device time of each op kernel by kernel;
 #  sanitize: scripts/gpu_hostile.py, every kernel on hostile inputs, under compute-sanitizer's memcheck)
 # tests: PYTEST_ARGS (e.g. "-k 'selected and G1'") selects among the gpu tests; JOBS (default 4) pytest
