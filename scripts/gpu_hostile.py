@@ -9,7 +9,9 @@ a read past an array is a memcheck error, not a read of its neighbour. The cases
 past t // block_size, 2^30 and -2^31, repeated, with counts from 0 to past S; odd groups (G = 3, 5),
 Dv != Dk, T not a multiple of the block, packed sequences with empty ones (concrete and traced
 cu_seqlens), a traced cu_seqlens that asks for more compressed rows than k_cmp holds, k_cmp of no
-rows, window sizes 0, 1 and past T, and empty inputs (B = 0, T = 0). Each output and gradient must
+rows, window sizes 0, 1 and past T, empty inputs (B = 0, T = 0), and a KV cache: decode (T = 1) and
+chunked prefill over a ragged batch (lengths T, mid-block and the whole cache, traced), every key past a
+sequence's length NaN, the compressed keys from the cache, hostile block indices. Each output and gradient must
 match the reference (relative RMS error against the quantity's natural size); exits 1 on a mismatch.
 """
 
@@ -125,6 +127,38 @@ def case_short_k_cmp():
             failures.append(f"k_cmp of no rows ({impl})")
 
 
+def case_cache(dtype, TQ, B, TK, HQ, H, Dk, Dv, bs):
+    """Queries at the end of a padded cache (kv_lens traced), NaN past each sequence: attention with the
+    selection made inside (and its gradients), and selected attention on hostile indices."""
+    q, k, v, do = inputs(B, TK, HQ, H, Dk, Dv, dtype)
+    lens = np.array([TQ, TK - bs // 2 - 3, TK][:B])
+    pad = np.arange(TK)[None, :, None, None] >= lens[:, None, None, None]
+    k, v = (jnp.where(pad, jnp.nan, x).astype(dtype) for x in (k, v))
+    k_cmp, v_cmp = nsa.compress(k, block_size=bs), nsa.compress(v, block_size=bs)
+    last = lambda x: jnp.stack([x[b, n - TQ:n] for b, n in enumerate(lens)])
+    q, do = last(q), last(do)
+    g = jax.nn.sigmoid(q[..., :3].astype(jnp.float32)).astype(dtype)
+    idx = last(hostile_indices(B, TK, H, 5, bs))
+    lens = jnp.asarray(lens, jnp.int32)
+
+    def run(impl):
+        def f(q, k, v, k_cmp, v_cmp, g, lens):
+            return nsa.attention(q, k, v, g_cmp=g[..., 0], g_slc=g[..., 1], g_swa=g[..., 2], block_counts=4,
+                                 block_size=bs, window_size=2 * bs + 1, k_cmp=k_cmp, v_cmp=v_cmp, kv_lens=lens,
+                                 implementation=impl)
+
+        def s(q, k, v, lens):
+            return nsa.selected_attention(q, k, v, idx, block_size=bs, kv_lens=lens, implementation=impl)
+
+        return jax.jit(lambda *a: (grads(lambda q, k, v, kc, vc, g: f(q, k, v, kc, vc, g, a[-1]), a[:6], do),
+                                   grads(lambda q, k, v: s(q, k, v, a[-1]), a[:3], do)))(
+            q, k, v, k_cmp, v_cmp, g, lens)
+
+    tag = "bf16" if dtype == jnp.bfloat16 else "f32"
+    check(f"cache {tag} TQ={TQ} B={B} TK={TK} G={HQ // H} Dk={Dk} Dv={Dv} bs={bs}", run("triton"), run("xla"),
+          _rms(v[jnp.isfinite(v)]) * _rms(do))
+
+
 def case_empty():
     for B, T in ((0, 64), (1, 0)):
         q, k, v, do = inputs(B, T, 4, 2, 32, 16, jnp.float32)
@@ -148,6 +182,10 @@ def main():
             case_selected(dtype, 1, 300, 32, 2, 64, 64, 16, None)  # G = 16, the one-token slot loop
             case_attention(dtype, 2, 300, 4, 4, 32, 32, 16, 1, None)  # G = 1, window 1
             case_attention(dtype, 1, 300, 6, 2, 32, 32, 64, 5000, None)  # window past T
+        for TQ in (1, 37):
+            case_cache(dtype, TQ, 3, 300, 6, 2, 64, 32, 32)  # G = 3, Dv != Dk, ragged lengths
+        if not quick:
+            case_cache(dtype, 1, 2, 1000, 64, 4, 128, 128, 64)  # the standard heads, a decode step
     case_short_k_cmp()
     case_empty()
     print(f"{len(failures)} mismatches" + (f": {failures}" if failures else ""), flush=True)
