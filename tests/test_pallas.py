@@ -4,7 +4,8 @@ interpret mode with its race detector on; and nsa.attention lowered for TPU.
 The export (`jax.export(..., platforms=["tpu"])` on this CPU machine) lowers every kernel through
 Pallas's Mosaic lowering, which catches the layout and tiling errors that interpret mode lets through,
 and shows that the choice between Mosaic and interpret mode is made at lowering (platform_dependent):
-the exported module calls the Mosaic kernel of every op, forward and backward.
+the exported module calls the Mosaic kernel of every op, forward and backward; so does a serving step on
+a KV cache (decode and chunked prefill, kv_lens traced).
 """
 
 import re
@@ -14,6 +15,7 @@ import jax.numpy as jnp
 import pytest
 
 import nsa
+from nsa.pallas import select as pallas_select
 from tests.base import SHAPES, Inputs, NSATestBase
 
 
@@ -78,6 +80,47 @@ def test_attention_lowers_for_tpu_to_mosaic_kernels(shape, dtype, implementation
     assert set(_mosaic_kernels(exported.mlir_module())) == FORWARD_KERNELS
     exported = jax.export.export(jax.jit(jax.grad(loss, argnums=range(6))), platforms=["tpu"])(*specs, *gates)
     assert set(_mosaic_kernels(exported.mlir_module())) == FORWARD_KERNELS | BACKWARD_KERNELS
+
+
+# Serving steps at the standard heads (HQ = 64, H = 4, D = 128, bf16; block 64, 16 blocks, window 512):
+# (B, TQ queries per sequence, TK rows of cache).
+SERVING = {"decode": (16, 1, 65536), "chunked-prefill": (2, 512, 8192)}
+
+
+def _serving_args(B, TQ, TK):
+    """A serving step's arguments as ShapeDtypeStructs: q, k, v (the cache), kv_lens (int32 [B], traced),
+    the cache's k_cmp and v_cmp, and the gates g_cmp, g_slc, g_swa."""
+    HQ, H, D = 64, 4, 128
+    bf16 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+    return [bf16(B, TQ, HQ, D), bf16(B, TK, H, D), bf16(B, TK, H, D), jax.ShapeDtypeStruct((B,), jnp.int32),
+            bf16(B, TK // 64, H, D), bf16(B, TK // 64, H, D)] + [bf16(B, TQ, HQ)] * 3
+
+
+@pytest.mark.parametrize("B, TQ, TK", SERVING.values(), ids=SERVING.keys())
+@pytest.mark.parametrize("implementation", ["pallas", None])
+def test_serving_step_lowers_for_tpu_to_mosaic_kernels(B, TQ, TK, implementation):
+    """nsa.attention on a KV cache (kv_lens traced, the cache's k_cmp and v_cmp given, all gates), jitted
+    forward of a decode step and of a chunked-prefill one, exported for TPU: every op runs its Mosaic
+    kernel, with implementation="pallas" and with None."""
+    def step(q, k, v, kv_lens, k_cmp, v_cmp, g_cmp, g_slc, g_swa):
+        return nsa.attention(q, k, v, g_cmp=g_cmp, g_slc=g_slc, g_swa=g_swa, kv_lens=kv_lens, k_cmp=k_cmp,
+                             v_cmp=v_cmp, block_size=64, block_counts=16, window_size=512,
+                             implementation=implementation)
+
+    exported = jax.export.export(jax.jit(step), platforms=["tpu"])(*_serving_args(B, TQ, TK))
+    assert set(_mosaic_kernels(exported.mlir_module())) == FORWARD_KERNELS
+
+
+@pytest.mark.parametrize("B, TQ, TK", SERVING.values(), ids=SERVING.keys())
+def test_serving_step_vmem_budget(B, TQ, TK):
+    """Of the kernels' VMEM per grid step only select's depends on the shape (its ranks of every row of
+    k_cmp: a cache's NC = TK / 64); at a serving step's, with default_config, it is within its budget. The
+    flash and selected kernels' `vmem_bytes` depend on neither T nor TK (tests/test_pallas_flash.py,
+    tests/test_pallas_selected.py)."""
+    q, _, _, kv_lens, k_cmp = _serving_args(B, TQ, TK)[:5]
+    config = pallas_select.default_config(q, k_cmp, None, kv_lens, block_counts=16, block_size=64)
+    used = pallas_select.vmem_bytes(16, 128, 2, k_cmp.shape[1], 16, config)
+    assert used <= pallas_select.VMEM_BUDGET <= 16 * 2 ** 20
 
 
 def test_default_on_cpu_lowers_no_mosaic_kernel():

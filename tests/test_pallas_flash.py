@@ -2,12 +2,13 @@
 
 On the CPU it runs in Pallas's TPU interpret mode (race detection on) against the XLA reference:
 G = 1, 3 and 16, Dv != Dk, head dims that are not a multiple of 128 lanes, T not a multiple of the tile,
-packed sequences with an empty one, rows that see nothing, float32 and bfloat16: o, lse, and dq, dk, dv
-(with a cotangent on lse) against the reference's gradients. Forward and backward are also exported
-for TPU (jax.export, platforms=["tpu"]) at the standard shape and an odd one, which lowers them through
-Mosaic and so catches the layout and tiling errors that interpret mode lets through. The window and
-compressed ops run them (nsa/pallas/window.py, compressed.py), where the shared test base checks them too
-(tests/test_pallas.py).
+packed sequences with an empty one, rows that see nothing, queries at the end of a KV cache's ragged
+sequences (ranges per batch row over several tiles, NaN keys past each length), float32 and bfloat16: o,
+lse, and dq, dk, dv (with a cotangent on lse) against the reference's gradients. Forward and backward are
+also exported for TPU (jax.export, platforms=["tpu"]) at the standard shape and an odd one, which lowers
+them through Mosaic and so catches the layout and tiling errors that interpret mode lets through. The
+window and compressed ops run them (nsa/pallas/window.py, compressed.py), where the shared test base
+checks them too (tests/test_pallas.py).
 """
 
 import functools
@@ -43,28 +44,34 @@ CASES = {
 }
 
 
-def _branches(q, k, v, T, window_size, block_size, cu):
+def _branches(q, k, v, T, window_size, block_size, cu, kv_lens):
     """(name, keys, values, lo, hi, key_span, query_span, the public op on f32 inputs with the xla
     implementation) of the window and the compressed branch."""
     k_cmp, v_cmp = (nsa.compress(x, block_size=block_size, cu_seqlens=cu) for x in (k, v))
-    window = lambda q, k, v: nsa.sliding_window_attention(q, k, v, window_size=window_size, cu_seqlens=cu,
-                                                          implementation="xla")
-    compressed = lambda q, k, v: nsa.compressed_attention(q, k, v, block_size=block_size, cu_seqlens=cu,
-                                                          implementation="xla")
+    kw = dict(cu_seqlens=cu, kv_lens=kv_lens, implementation="xla")
+    window = lambda q, k, v: nsa.sliding_window_attention(q, k, v, window_size=window_size, **kw)
+    compressed = lambda q, k, v: nsa.compressed_attention(q, k, v, block_size=block_size, **kw)
     NC = k_cmp.shape[1]
-    return [("window", k, v, *window_key_range(T, window_size, cu), 128 + window_size - 1, window_size, window),
-            ("compressed", k_cmp, v_cmp, *compressed_key_range(T, NC, block_size, cu), NC, T, compressed)]
+    return [("window", k, v, *window_key_range(T, window_size, cu, kv_lens), 128 + window_size - 1, window_size,
+             window),
+            ("compressed", k_cmp, v_cmp, *compressed_key_range(T, NC, block_size, cu, kv_lens), NC, T, compressed)]
 
 
-@pytest.mark.parametrize("shape, window_size, block_size, cu, dtype", CASES.values(), ids=CASES.keys())
-def test_matches_the_reference_in_interpret_mode(shape, window_size, block_size, cu, dtype, pallas_races):
-    B, T, HQ, H, Dk, Dv = shape
-    q, k, v, do = _inputs(B, T, HQ, H, Dk, Dv, dtype)
-    cu_j = None if cu is None else jnp.asarray(cu)
+def _finite(x):
+    """x with its NaN (a cache's rows past its sequences) as 0."""
+    return jnp.where(jnp.isnan(x), 0, x)
+
+
+def _assert_matches_reference(q, k, v, do, window_size, block_size, cu, kv_lens=None):
+    """Both branches' o, lse and gradients (dq, dk, dv; with a cotangent on lse) of the kernels in interpret
+    mode equal the reference's; returns the kernels' gradients by branch name."""
+    dtype = q.dtype.name
+    T, Dk = q.shape[1], q.shape[3]
     f32 = lambda x: x.astype(jnp.float32)
     scale = Dk ** -0.5
+    kernel_grads = {}
     for name, keys, values, lo, hi, key_span, query_span, reference in _branches(q, k, v, T, window_size,
-                                                                                  block_size, cu_j):
+                                                                                  block_size, cu, kv_lens):
         run = functools.partial(_flash.attend, scale=scale, key_span=key_span, interpret=INTERPRET)
         o, lse = jax.jit(lambda q, k, v: run(q, k, v, lo, hi))(q, keys, values)
         out_ref, vjp = jax.vjp(reference, f32(q), f32(keys), f32(values))
@@ -84,9 +91,33 @@ def test_matches_the_reference_in_interpret_mode(shape, window_size, block_size,
             q, k, v, lo, hi, o, lse, do, dlse if name == "compressed" else None))(q, keys, values, o, lse, do, dlse)
         grads_ref = vjp((f32(do), dlse) if name == "compressed" else f32(do))
         for g_name, g, g_ref, x, size in zip(("dq", "dk", "dv"), grads, grads_ref, (q, keys, values),
-                                             gradient_scales(q, keys, values, do, scale)):
+                                             gradient_scales(q, _finite(keys), _finite(values), do, scale)):
             assert g.dtype == x.dtype and g.shape == x.shape, g_name
             assert_close(g, g_ref, GRAD_TOLERANCE[dtype], f"{name} {g_name}", size)
+        kernel_grads[name] = grads
+    return kernel_grads
+
+
+@pytest.mark.parametrize("shape, window_size, block_size, cu, dtype", CASES.values(), ids=CASES.keys())
+def test_matches_the_reference_in_interpret_mode(shape, window_size, block_size, cu, dtype, pallas_races):
+    B, T, HQ, H, Dk, Dv = shape
+    q, k, v, do = _inputs(B, T, HQ, H, Dk, Dv, dtype)
+    _assert_matches_reference(q, k, v, do, window_size, block_size, None if cu is None else jnp.asarray(cu))
+
+
+def test_a_kv_cache(pallas_races):
+    """The last 150 queries of sequences of 300 and 171 tokens in a 300-row cache (kv_lens): ranges per batch
+    row over 2 query tiles and 3 key tiles (the window's; 150 compressed rows at block 2: 2 key tiles), the
+    keys past each length NaN (also in the last, incomplete compressed block of 171): o, lse and the
+    gradients equal the reference's with the same kv_lens, and those keys' dk and dv are zero."""
+    lens = np.array([300, 171], np.int32)
+    q, _, _, do = _inputs(2, 150, 4, 2, 32, 16, "float32")
+    _, k, v, _ = _inputs(2, 300, 4, 2, 32, 16, "float32")
+    past = (np.arange(300)[None, :] >= lens[:, None])[..., None, None]
+    k, v = (jnp.where(past, jnp.nan, x) for x in (k, v))
+    grads = _assert_matches_reference(q, k, v, do, 100, 2, None, jnp.asarray(lens))
+    for g in grads["window"][1:]:
+        assert np.all(np.asarray(g)[np.broadcast_to(past, g.shape)] == 0)
 
 
 @pytest.mark.parametrize("shape, dtype", [((1, 8192, 64, 4, 128, 128), jnp.bfloat16),  # the standard shape

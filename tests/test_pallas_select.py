@@ -5,10 +5,11 @@ reference's block ids, in the reference's rank order: G = 1, 3 and 16, head dims
 128 lanes, T not a multiple of the token tile, block_counts 1, 3 and more than the blocks, compressed
 attention's lse given and computed by the kernel, several token tiles and several chunks of compressed
 rows (the online lse across chunks), packed sequences with an empty one (eager and with a traced
-cu_seqlens), ties (all-equal compressed keys), float32, bfloat16 and float16. It is also exported for TPU
-(jax.export, platforms=["tpu"]) at the standard shape and an odd one, which lowers it through Mosaic and
-so catches the layout and tiling errors that interpret mode lets through; and its VMEM per step is
-checked against the default scoped limit. No op dispatches to it yet.
+cu_seqlens), queries at the end of a KV cache's ragged sequences (per batch row, over several tiles and
+chunks, NaN rows past each sequence's complete blocks), ties (all-equal compressed keys), float32, bfloat16
+and float16. It is also exported for TPU (jax.export, platforms=["tpu"]) at the standard shape and an odd
+one, which lowers it through Mosaic and so catches the layout and tiling errors that interpret mode lets
+through; and its VMEM per step is checked against the default scoped limit.
 """
 
 import jax
@@ -34,19 +35,19 @@ def _inputs(B, T, HQ, H, Dk, block_size, dtype, cu=None, seed=0):
             jnp.asarray(rng.standard_normal((B, NC, H, Dk)), dtype))
 
 
-def _compressed_lse(q, k_cmp, block_size, cu):
+def _compressed_lse(q, k_cmp, block_size, cu, kv_lens=None):
     """Compressed attention's lse [B, T, HQ] of the float32 copies (the reference's)."""
     f32 = k_cmp.astype(jnp.float32)
     return nsa.compressed_attention(q.astype(jnp.float32), f32, f32, block_size=block_size, cu_seqlens=cu,
-                                    implementation="xla")[1]
+                                    kv_lens=kv_lens, implementation="xla")[1]
 
 
-def _assert_equal(q, k_cmp, lse, block_counts, block_size, cu=None, config=None):
+def _assert_equal(q, k_cmp, lse, block_counts, block_size, cu=None, config=None, kv_lens=None):
     """The kernel's ids equal the reference's on the float32 copies of the same rounded inputs (with the same
     lse), rank order too; returns them as NumPy."""
     kw = dict(block_counts=block_counts, block_size=block_size, scale=q.shape[-1] ** -0.5)
-    got = pallas_select.forward(q, k_cmp, lse, cu, interpret=INTERPRET, config=config, **kw)
-    ref = reference.forward(q.astype(jnp.float32), k_cmp.astype(jnp.float32), lse, cu, **kw)
+    got = pallas_select.forward(q, k_cmp, lse, cu, kv_lens, interpret=INTERPRET, config=config, **kw)
+    ref = reference.forward(q.astype(jnp.float32), k_cmp.astype(jnp.float32), lse, cu, kv_lens, **kw)
     assert got.dtype == jnp.int32 and got.shape == ref.shape
     np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
     return np.asarray(got)
@@ -109,6 +110,21 @@ def test_packed_sequences_with_an_empty_one(pallas_races):
     traced = jax.jit(lambda q, k, cu: pallas_select.forward(q, k, None, cu, block_counts=4, block_size=bs,
                                                             scale=Dk ** -0.5, interpret=INTERPRET))(q, k_cmp, cu)
     np.testing.assert_array_equal(np.asarray(traced), got)
+
+
+def test_a_kv_cache(pallas_races):
+    """The last 40 queries of sequences of 300 and 171 tokens (kv_lens) over 150 compressed rows (block 2):
+    token rows and chunk bands per batch row, 3 token tiles of 16 and 2 chunks of 128 rows (the second
+    sequence's tokens see only the first), block_counts past cdiv(T, bs) = 20 (a cached token has up to NC
+    candidates), and NaN rows past each sequence's complete blocks (never read); lse computed by the
+    kernel and given, as the reference's."""
+    lens = jnp.asarray([300, 171], jnp.int32)
+    q, k_cmp = _inputs(2, 300, 4, 2, 32, 2, "float32")
+    q = q[:, :40]
+    k_cmp = jnp.where(jnp.arange(150)[None, :, None, None] >= lens[:, None, None, None] // 2, jnp.nan, k_cmp)
+    config = pallas_select.Config(16, 128)
+    for lse, block_counts in ((None, 3), (_compressed_lse(q, k_cmp, 2, None, lens), 24)):
+        _assert_equal(q, k_cmp, lse, block_counts, 2, config=config, kv_lens=lens)
 
 
 def test_ties_go_to_lower_ids(pallas_races):

@@ -6,10 +6,11 @@ and 16, Dv != Dk, head dims that are not a multiple of 128 lanes, T not a multip
 sizes 8 to 64 (bf16 at 8: the copied rows pass the block), random selections with -1, out-of-range and
 repeated entries and per-token counts, packed sequences with an empty one (cu_seqlens traced under jit),
 rows that see nothing, keys that must never be read (NaN: invalid entries, the rows a copy takes past a
-block or past a sequence's end), lists split into many dk/dv segments, and bitwise repeatable
-gradients; no data race between two simulated cores. Forward and backward are also exported for TPU (jax.export,
-platforms=["tpu"]), which lowers them through Mosaic's Pallas lowering, at the standard shape and an odd
-one; and the VMEM of a grid step is bounded up to heads of 256 in float32.
+block or past a sequence's end), lists split into many dk/dv segments, queries at the end of a KV cache's
+ragged sequences over several tiles and segments, and bitwise repeatable gradients; no data race between
+two simulated cores. Forward and backward are also exported for TPU (jax.export, platforms=["tpu"]), which
+lowers them through Mosaic's Pallas lowering, at the standard shape and an odd one; and the VMEM of a grid
+step is bounded up to heads of 256 in float32.
 """
 
 import re
@@ -65,29 +66,31 @@ def _counts(kind, B, T, H, S):
     return jnp.asarray(counts, jnp.int32)
 
 
-def _kernels(x, idx, counts, cu, *, config=None):
-    """(o, lse, (dq, dk, dv)) of the kernels in interpret mode, jitted (a cu_seqlens is traced)."""
+def _kernels(x, idx, counts, cu, *, config=None, kv_lens=None):
+    """(o, lse, (dq, dk, dv)) of the kernels in interpret mode, jitted (a cu_seqlens or kv_lens is traced)."""
     bs, scale = x.block_size, x.shape[4] ** -0.5
 
     @jax.jit
-    def run(q, k, v, do, idx, counts, cu):
-        o, res = selected.forward(q, k, v, idx, counts, cu, block_size=bs, scale=scale, interpret=INTERPRET,
-                                  config=config)
-        assert len(res) == 8 and res[-2] is o
+    def run(q, k, v, do, idx, counts, cu, kv_lens):
+        o, res = selected.forward(q, k, v, idx, counts, cu, kv_lens, block_size=bs, scale=scale,
+                                  interpret=INTERPRET, config=config)
+        assert len(res) == 9 and res[-2] is o
         grads = selected.backward(res, do, block_size=bs, scale=scale, interpret=INTERPRET, config=config)
-        assert grads[3:] == (None, None, None)
+        assert grads[3:] == (None,) * 4
         return o, res[-1], grads[:3]
 
-    return run(x.q, x.k, x.v, x.do, jnp.asarray(idx), counts, None if cu is None else jnp.asarray(cu))
+    return run(x.q, x.k, x.v, x.do, jnp.asarray(idx), counts, None if cu is None else jnp.asarray(cu),
+               None if kv_lens is None else jnp.asarray(kv_lens))
 
 
-def _reference(x, idx, counts, cu, k=None, v=None):
+def _reference(x, idx, counts, cu, k=None, v=None, kv_lens=None):
     """(o, lse, (dq, dk, dv)) of the XLA reference on float32 copies."""
     f32 = lambda a: jnp.asarray(a, jnp.float32)
     kw = dict(block_size=x.block_size, scale=x.shape[4] ** -0.5)
     cu = None if cu is None else jnp.asarray(cu)
+    kv_lens = None if kv_lens is None else jnp.asarray(kv_lens)
     o, res = reference.forward(f32(x.q), f32(x.k if k is None else k), f32(x.v if v is None else v),
-                               jnp.asarray(idx), counts, cu, **kw)
+                               jnp.asarray(idx), counts, cu, kv_lens, **kw)
     return o, res[-1], reference.backward(res, f32(x.do), **kw)[:3]
 
 
@@ -171,6 +174,29 @@ def test_the_next_sequence_is_never_read():
     got = _kernels(x, idx, counts, cu)
     x.k, x.v = (jnp.where(poison, 0.0, a) for a in (x.k, x.v))
     _assert_matches(got, _reference(x, idx, counts, cu), x, "float32", "next sequence")
+
+
+def test_a_kv_cache():
+    """The last 24 queries of sequences of 60 and 37 tokens in a 64-row cache (kv_lens, traced): key rows
+    per batch row over 3 tiles of 8 tokens, dk/dv lists cut into segments of 2 tiles, random selections
+    (some reaching past a sequence's end: skipped) and keys past each length NaN (block 4 of the second
+    sequence holds 3 of them: the copy takes them, nothing may read them). Against the reference with the
+    same kv_lens on zeros there; their dk and dv are zero."""
+    T, lens = 24, np.array([60, 37], np.int32)
+    x = Inputs((2, 64, 3, 1, 16, 24, 8), "float32")
+    last = lambda a: np.stack([np.asarray(a)[b, n - T:n] for b, n in enumerate(lens)])
+    x.q, x.do = (jnp.asarray(last(a)) for a in (x.q, x.do))
+    idx = last(x.block_indices(4))
+    counts = jnp.asarray(np.random.default_rng(2).integers(1, 5, (2, T, 1)), jnp.int32)
+    past = (np.arange(64)[None, :] >= lens[:, None])[..., None, None]
+    keys = x.k, x.v
+    x.k, x.v = (jnp.where(past, jnp.nan, a) for a in keys)
+    got = _kernels(x, idx, counts, None, config=selected.Config(tokens=8, segment=2), kv_lens=lens)
+    x.k, x.v = (jnp.where(past, 0.0, a) for a in keys)
+    _assert_matches(got, _reference(x, idx, counts, None, kv_lens=lens), x, "float32", "cache")
+    _, _, (_, dk, dv) = got
+    assert np.all(np.asarray(dk)[np.broadcast_to(past, dk.shape)] == 0)
+    assert np.all(np.asarray(dv)[np.broadcast_to(past, dv.shape)] == 0)
 
 
 def test_rows_that_see_nothing():

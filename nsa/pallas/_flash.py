@@ -2,35 +2,41 @@
 
 The sliding-window and compressed branches differ only in which keys a query sees, and in both the
 visible key rows of query t form one interval [lo[t], hi[t]] (empty when lo > hi), non-decreasing in t
-(nsa/triton/_flash.py has the same decomposition): the window's keys are k [B, T, H, Dk] with lo =
-max(sequence start, t - window_size + 1), hi = t; the compressed branch's are k_cmp [B, NC, H, Dk] with
-lo = the sequence's first row, hi = lo + (pos + 1) // block_size - 1.
+(nsa/triton/_flash.py has the same decomposition): the window's keys are k [B, NK, H, Dk] with lo =
+max(sequence start, p - window_size + 1), hi = p (p: the query's key row); the compressed branch's are
+k_cmp [B, NC, H, Dk] with lo = the sequence's first row, hi = lo + (pos + 1) // block_size - 1. lo and hi
+are [T], shared by the batch, or [B, T], per batch row: with a KV cache (kv_lens) query t of batch row b
+sits at key row p = kv_lens[b] - T + t, and k holds NK >= T rows, those past the sequence holding anything
+(NaN included). A key tile's rows past the last one any query of its batch row sees (`ends`) are zeroed
+when loaded, in every kernel: a probability of 0 times a NaN key or value would still reach a result.
 
 `attend` is the forward, `attend_backward` the backward (dq, dk, dv; the lse cotangent folds into delta).
 
-Layouts. The kernel reads q, k and v as [B, T, H * Dp] views (Dp = the head dim padded to a multiple of
-128 lanes inside the op: no copy when it already is one, as at Dk = Dv = 128), so a block (1, BQ, Dp) at
-column h is head h, with no transpose; T is padded to a multiple of the tiles (padded queries see
-nothing, padded keys are never visible). lo and hi travel as one int32 [T, 2] array; lse and delta as
-[B, HQ, T, 1] float32 (a (BQ, 1) block is tile-legal: its minor dim is the whole dim), returned as
-[B, T, HQ].
+Layouts. The kernel reads q as a [B, T, HQ * Dp] view and k, v as [B, NK, H * Dp] ones (Dp = the head dim
+padded to a multiple of 128 lanes inside the op: no copy when it already is one, as at Dk = Dv = 128), so a
+block (1, BQ, Dp) at column h is head h, with no transpose; T and NK are padded to a multiple of the tiles
+(padded queries see nothing, padded keys are never visible). lo and hi travel as one int32 [1 or B, T, 2]
+array, read as (BQ, 2) blocks; lse and delta as [B, HQ, T, 1] float32 (a (BQ, 1) block is tile-legal: its
+minor dim is the whole dim), returned as [B, T, HQ].
 
 Grid: (B, HQ, T / BQ, STEPS). One program owns the BQ queries of one query tile of one head hq, against
-KV head hq // G: it walks STEPS key tiles of BK rows from the first one any of its queries sees (both
-ends per query tile are scalar-prefetched into SMEM); a step past the tile's last key tile re-maps to it
-(so no new DMA is issued) and is skipped. Online softmax in float32 (natural exp on TPU).
+KV head hq // G: it walks STEPS key tiles of BK rows from the first one any of its queries sees. Scalar
+prefetch into SMEM: both ends of each query tile's band of key tiles (`_bands`: one flat int32 array, per
+batch row with per-row ranges) and `ends` (int32 [1 or B]); a step past the tile's last key tile re-maps
+to it (so no new DMA is issued) and is skipped. Online softmax in float32 (natural exp on TPU).
 
 Backward. `_dq_kernel` runs on the forward's grid and tiles, recomputing p from lse. `_dkdv_kernel` runs on
 (B, H, NK / BK, G, QSTEPS): one program owns a key tile of one KV head and walks, for each of its G query
 heads, the query tiles that see it (the query interval of each key row follows from lo and hi, which
-are non-decreasing: `query_bands`), accumulating dk and dv in float32 VMEM scratch in a fixed order
-(deterministic, no atomics), stored at its last step.
+are non-decreasing: `query_ranges`; per batch row with per-row ranges), accumulating dk and dv in float32
+VMEM scratch in a fixed order (deterministic, no atomics), stored at its last step.
 
 VMEM per step (`vmem_bytes`, the largest of the three kernels; the pipeline double-buffers each block):
 the dk/dv kernel's q, k [., Dkp], v, do [., Dvp] in the input dtype, lo/hi [BQ, 2] int32 and lse, delta
 [BQ, 1] float32 (each padded to 128 lanes in VMEM), plus the float32 scratch dk [BK, Dkp], dv [BK, Dvp]
 and its outputs. At BQ = BK = 128, Dkp = Dvp = 128 in bf16 that is under 1 MiB, far inside the scoped
-VMEM limit of every TPU (16 MiB or more).
+VMEM limit of every TPU (16 MiB or more); it depends on neither T nor NK (these only set the grid and the
+SMEM bands: 2 ints per tile, per batch row with per-row ranges).
 """
 
 import functools
@@ -76,10 +82,36 @@ def _dot(a, b, precision, *, transpose_b=False):
     return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
 
 
-def _kernel(band_ref, range_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_scr, l_scr, acc_scr, *, scale, block_k,
-            steps, precision):
-    i, j = pl.program_id(2), pl.program_id(3)
-    num_q_tiles = pl.num_programs(2)
+def _batch_row(b, per_row):
+    """The row of the bands, ends and ranges that batch row b reads: b with per-row ranges, else the shared 0."""
+    return b if per_row else 0
+
+
+def _band(band, row, tile, num_tiles):
+    """(first, last): the ends of the band of tile `tile` (of num_tiles) in row `row` of the flat bands
+    (`_bands`)."""
+    base = row * 2 * num_tiles
+    return band[base + tile], band[base + num_tiles + tile]
+
+
+def _clamped(first, last, step):
+    """The tile of step `step` of the band [first, last]: a step past its last tile re-maps to it (no DMA)."""
+    return jnp.minimum(first + step, jnp.maximum(last, first))
+
+
+def _seen_keys(k, v, key_tile, block_k, end):
+    """k [BK, Dkp], v [BK, Dvp] of key tile `key_tile` with the rows past `end` (the last key row any query of
+    the batch row sees) zeroed: they may hold anything (a KV cache's rows past a sequence, its incomplete
+    compressed blocks), and a probability of 0 times NaN would still reach p v and do v^T."""
+    key = key_tile * block_k + lax.broadcasted_iota(jnp.int32, (k.shape[0], 1), 0)
+    keep = key <= end
+    return jnp.where(keep, k, jnp.zeros_like(k)), jnp.where(keep, v, jnp.zeros_like(v))
+
+
+def _kernel(band_ref, end_ref, range_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_scr, l_scr, acc_scr, *, scale,
+            block_k, steps, per_row, precision):
+    row, i, j = _batch_row(pl.program_id(0), per_row), pl.program_id(2), pl.program_id(3)
+    first, last = _band(band_ref, row, i, pl.num_programs(2))
 
     @pl.when(j == 0)
     def _init():
@@ -87,13 +119,13 @@ def _kernel(band_ref, range_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_scr, l_s
         l_scr[...] = jnp.zeros(l_scr.shape, jnp.float32)
         acc_scr[...] = jnp.zeros(acc_scr.shape, jnp.float32)
 
-    key_tile = band_ref[i] + j
+    key_tile = first + j
 
-    @pl.when(key_tile <= band_ref[num_q_tiles + i])
+    @pl.when(key_tile <= last)
     def _step():
-        q, k, v = q_ref[0], k_ref[0], v_ref[0]  # [BQ, Dkp], [BK, Dkp], [BK, Dvp]
-        s = _dot(q, k, precision, transpose_b=True) * scale  # [BQ, BK]
-        rows = range_ref[...]  # [BQ, 2]: lo, hi
+        k, v = _seen_keys(k_ref[0], v_ref[0], key_tile, block_k, end_ref[row])  # [BK, Dkp], [BK, Dvp]
+        s = _dot(q_ref[0], k, precision, transpose_b=True) * scale  # [BQ, BK]
+        rows = range_ref[0]  # [BQ, 2]: lo, hi
         key = key_tile * block_k + lax.broadcasted_iota(jnp.int32, s.shape, 1)
         s = jnp.where((key >= rows[:, :1]) & (key <= rows[:, 1:]), s, -jnp.inf)
         m_prev = m_scr[...][:, :1]
@@ -127,21 +159,22 @@ def _grad_logits(q, k, v, do, rows, key_tile, lse, delta, *, scale, block_k, pre
     return p, p * (_dot(do, v, precision, transpose_b=True) - delta)
 
 
-def _dq_kernel(band_ref, range_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, acc_scr, *, scale,
-               block_k, steps, precision):
-    i, j = pl.program_id(2), pl.program_id(3)
+def _dq_kernel(band_ref, end_ref, range_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, acc_scr, *,
+               scale, block_k, steps, per_row, precision):
+    row, i, j = _batch_row(pl.program_id(0), per_row), pl.program_id(2), pl.program_id(3)
+    first, last = _band(band_ref, row, i, pl.num_programs(2))
 
     @pl.when(j == 0)
     def _init():
         acc_scr[...] = jnp.zeros(acc_scr.shape, jnp.float32)
 
-    key_tile = band_ref[i] + j
+    key_tile = first + j
 
-    @pl.when(key_tile <= band_ref[pl.num_programs(2) + i])
+    @pl.when(key_tile <= last)
     def _step():
-        k = k_ref[0]
-        _, ds = _grad_logits(q_ref[0], k, v_ref[0], do_ref[0], range_ref[...], key_tile, lse_ref[0, 0],
-                             delta_ref[0, 0], scale=scale, block_k=block_k, precision=precision)
+        k, v = _seen_keys(k_ref[0], v_ref[0], key_tile, block_k, end_ref[row])
+        _, ds = _grad_logits(q_ref[0], k, v, do_ref[0], range_ref[0], key_tile, lse_ref[0, 0], delta_ref[0, 0],
+                             scale=scale, block_k=block_k, precision=precision)
         acc_scr[...] += _dot(ds.astype(k.dtype), k, precision)
 
     @pl.when(j == steps - 1)
@@ -149,22 +182,22 @@ def _dq_kernel(band_ref, range_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_
         dq_ref[0] = (acc_scr[...] * scale).astype(dq_ref.dtype)
 
 
-def _dkdv_kernel(band_ref, range_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, dk_scr,
-                 dv_scr, *, scale, block_k, steps, precision):
-    n, g, s = pl.program_id(2), pl.program_id(3), pl.program_id(4)
+def _dkdv_kernel(band_ref, end_ref, range_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
+                 dk_scr, dv_scr, *, scale, block_k, steps, per_row, precision):
+    row, n, g, s = _batch_row(pl.program_id(0), per_row), pl.program_id(2), pl.program_id(3), pl.program_id(4)
+    first, last = _band(band_ref, row, n, pl.num_programs(2))
 
     @pl.when((g == 0) & (s == 0))
     def _init():
         dk_scr[...] = jnp.zeros(dk_scr.shape, jnp.float32)
         dv_scr[...] = jnp.zeros(dv_scr.shape, jnp.float32)
 
-    q_tile = band_ref[n] + s
-
-    @pl.when(q_tile <= band_ref[pl.num_programs(2) + n])
+    @pl.when(first + s <= last)
     def _step():
         q, do = q_ref[0], do_ref[0]
-        p, ds = _grad_logits(q, k_ref[0], v_ref[0], do, range_ref[...], n, lse_ref[0, 0], delta_ref[0, 0],
-                             scale=scale, block_k=block_k, precision=precision)  # [BQ, BK]
+        k, v = _seen_keys(k_ref[0], v_ref[0], n, block_k, end_ref[row])
+        p, ds = _grad_logits(q, k, v, do, range_ref[0], n, lse_ref[0, 0], delta_ref[0, 0], scale=scale,
+                             block_k=block_k, precision=precision)  # [BQ, BK]
         dv_scr[...] += _dot(p.T.astype(do.dtype), do, precision)
         dk_scr[...] += _dot(ds.T.astype(q.dtype), q, precision)
 
@@ -175,18 +208,21 @@ def _dkdv_kernel(band_ref, range_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delt
 
 
 def _bands(first, last, num_tiles, tile):
-    """int32 [2 * num_tiles]: per tile of `tile` rows, the first tile of the other side any of its rows
-    sees (first [R], by row), then the last (last [R]); 0 and -1 for a tile whose rows see nothing."""
-    seen = (first <= last).reshape(num_tiles, -1)
-    lo = jnp.min(jnp.where(seen, first.reshape(seen.shape), jnp.iinfo(jnp.int32).max), axis=1)
-    hi = jnp.max(jnp.where(seen, last.reshape(seen.shape), -1), axis=1)
-    any_seen = jnp.any(seen, axis=1)
-    return jnp.concatenate([jnp.where(any_seen, lo // tile, 0), jnp.where(any_seen, hi // tile, -1)]).astype(jnp.int32)
+    """int32 [R * 2 * num_tiles], flat (SMEM pads a 2-D array's minor dim to 128 words): for each row r of
+    first, last [R, N] (per row of one side, the first and last row of the other side it sees), the first
+    tile of the other side that any row of each of its num_tiles tiles of `tile` rows sees, then the last
+    (`_band` reads them); 0 and -1 for a tile whose rows see nothing."""
+    seen = (first <= last).reshape(first.shape[0], num_tiles, -1)
+    lo = jnp.min(jnp.where(seen, first.reshape(seen.shape), jnp.iinfo(jnp.int32).max), axis=2)
+    hi = jnp.max(jnp.where(seen, last.reshape(seen.shape), -1), axis=2)
+    any_seen = jnp.any(seen, axis=2)
+    bands = jnp.concatenate([jnp.where(any_seen, lo // tile, 0), jnp.where(any_seen, hi // tile, -1)], axis=1)
+    return bands.astype(jnp.int32).reshape(-1)
 
 
 def vmem_bytes(dk, dv, itemsize, config=Config()):
     """The VMEM one grid step of the dk/dv kernel (the largest) holds: every block double-buffered (int32
-    and (BQ, 1) float32 blocks padded to 128 lanes), plus the float32 scratch."""
+    and (BQ, 1) float32 blocks padded to 128 lanes), plus the float32 scratch. T and NK do not enter it."""
     bq, bk = config.block_q, config.block_k
     dkp, dvp = _cdiv(dk, LANES) * LANES, _cdiv(dv, LANES) * LANES
     blocks = (bq * dkp + bk * dkp + bk * dvp + bq * dvp + bk * dkp + bk * dvp) * itemsize + 3 * bq * LANES * 4
@@ -194,22 +230,28 @@ def vmem_bytes(dk, dv, itemsize, config=Config()):
 
 
 class _Layout(NamedTuple):
-    """The padded sizes and views the kernels take (see the module docstring)."""
+    """The padded sizes, views and ranges the kernels take (see the module docstring)."""
 
     tp: int  # T padded to a multiple of BQ
     nkp: int  # NK padded to a multiple of BK
     dkp: int
     dvp: int
-    rows: jax.Array  # int32 [tp, 2]: lo, hi (padded queries: 1, 0)
+    per_row: bool  # lo, hi per batch row (a KV cache), else shared by the batch
+    lo: jax.Array  # int32 [R, T], R = B with per-row ranges, else 1
+    hi: jax.Array  # int32 [R, T]
+    rows: jax.Array  # int32 [R, tp, 2]: lo, hi (padded queries: 1, 0)
+    ends: jax.Array  # int32 [R]: the last key row any query of the batch row sees (later rows are zeroed)
 
 
 def _layout(q, k, v, lo, hi, config):
     T, NK = q.shape[1], k.shape[1]
     tp, nkp = _cdiv(T, config.block_q) * config.block_q, max(1, _cdiv(NK, config.block_k)) * config.block_k
+    per_row = lo.ndim == 2
+    lo, hi = (x.astype(jnp.int32).reshape(-1, T) for x in (lo, hi))
     padding = jnp.arange(tp) >= T
-    rows = jnp.stack([jnp.where(padding, 1, _padded(lo.astype(jnp.int32), 0, tp)),
-                      jnp.where(padding, 0, _padded(hi.astype(jnp.int32), 0, tp))], axis=1)
-    return _Layout(tp, nkp, _cdiv(q.shape[3], LANES) * LANES, _cdiv(v.shape[3], LANES) * LANES, rows)
+    rows = jnp.stack([jnp.where(padding, 1, _padded(lo, 1, tp)), jnp.where(padding, 0, _padded(hi, 1, tp))], axis=2)
+    return _Layout(tp, nkp, _cdiv(q.shape[3], LANES) * LANES, _cdiv(v.shape[3], LANES) * LANES, per_row, lo, hi,
+                   rows, jnp.max(hi, axis=1))
 
 
 def _view(x, rows, dim):
@@ -230,8 +272,8 @@ def _params(q, interpret, semantics):
 def _query_grid(kernel, q, k, v, lay, extra, outputs, scratch, *, scale, key_span, interpret, config, name):
     """pallas_call of the forward or the dq kernel on the query grid (B, HQ, tp / BQ, STEPS).
 
-    The kernel takes the key bands (scalar prefetch), rows, q, k, v, then `extra`: (array, width) pairs,
-    read per query tile of a head: [B, tp, HQ * width] views for width > 0, [B, HQ, tp, 1] ones for
+    The kernel takes the key bands and ends (scalar prefetch), rows, q, k, v, then `extra`: (array, width)
+    pairs, read per query tile of a head: [B, tp, HQ * width] views for width > 0, [B, HQ, tp, 1] ones for
     width 0; `outputs` are (ShapeDtypeStruct, width) pairs of the same kinds.
     """
     B, _, HQ, _ = q.shape
@@ -239,37 +281,38 @@ def _query_grid(kernel, q, k, v, lay, extra, outputs, scratch, *, scale, key_spa
     bq, bk = config
     nq = lay.tp // bq
     steps = min(_cdiv(key_span, bk) + 1, lay.nkp // bk)
-    band = _bands(lay.rows[:, 0], lay.rows[:, 1], nq, bk)
+    band = _bands(lay.rows[..., 0], lay.rows[..., 1], nq, bk)
 
-    def key_map(b, h, i, j, band):  # the clamped key tile: a skipped step re-maps to the last one
-        return b, jnp.minimum(band[i] + j, jnp.maximum(band[nq + i], band[i])), lax.div(h, G)
+    def key_map(b, h, i, j, band, ends):
+        return b, _clamped(*_band(band, _batch_row(b, lay.per_row), i, nq), j), lax.div(h, G)
 
     def spec(width):
         if width:
-            return pl.BlockSpec((1, bq, width), lambda b, h, i, j, band: (b, i, h))
-        return pl.BlockSpec((1, 1, bq, 1), lambda b, h, i, j, band: (b, h, i, 0))
+            return pl.BlockSpec((1, bq, width), lambda b, h, i, j, *_: (b, i, h))
+        return pl.BlockSpec((1, 1, bq, 1), lambda b, h, i, j, *_: (b, h, i, 0))
 
     compiler, dots = _params(q, interpret, ("parallel", "parallel", "parallel", "arbitrary"))
     return pl.pallas_call(
-        functools.partial(kernel, scale=float(scale), block_k=bk, steps=steps, **dots),
+        functools.partial(kernel, scale=float(scale), block_k=bk, steps=steps, per_row=lay.per_row, **dots),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=1, grid=(B, HQ, nq, steps),
-            in_specs=[pl.BlockSpec((bq, 2), lambda b, h, i, j, band: (i, 0)), spec(lay.dkp),
-                      pl.BlockSpec((1, bk, lay.dkp), key_map), pl.BlockSpec((1, bk, lay.dvp), key_map)]
+            num_scalar_prefetch=2, grid=(B, HQ, nq, steps),
+            in_specs=[pl.BlockSpec((1, bq, 2), lambda b, h, i, j, *_: (_batch_row(b, lay.per_row), i, 0)),
+                      spec(lay.dkp), pl.BlockSpec((1, bk, lay.dkp), key_map), pl.BlockSpec((1, bk, lay.dvp), key_map)]
             + [spec(width) for _, width in extra],
             out_specs=[spec(width) for _, width in outputs], scratch_shapes=scratch),
         out_shape=[shape for shape, _ in outputs], name=name, **compiler,
-    )(band, lay.rows, _view(q, lay.tp, lay.dkp), _view(k, lay.nkp, lay.dkp), _view(v, lay.nkp, lay.dvp),
+    )(band, lay.ends, lay.rows, _view(q, lay.tp, lay.dkp), _view(k, lay.nkp, lay.dkp), _view(v, lay.nkp, lay.dvp),
       *[x for x, _ in extra])
 
 
 def attend(q, k, v, lo, hi, *, scale, key_span, interpret=False, config=None, name="flash"):
     """o [B, T, HQ, Dv] (q's dtype) and lse [B, T, HQ] float32 of query t over key rows [lo[t], hi[t]].
 
-    q [B, T, HQ, Dk], k [B, NK, H, Dk], v [B, NK, H, Dv]; lo, hi int32 [T], non-decreasing. key_span
-    (static) bounds the key rows one tile of BQ queries can see: it sets the steps of the grid.
-    interpret: a pltpu.InterpretParams to run in Pallas's TPU interpret mode (on any platform), or False.
-    config: the tiles (None: Config()). name: the branch, which names the kernel (`{name}_forward`).
+    q [B, T, HQ, Dk], k [B, NK, H, Dk], v [B, NK, H, Dv]; lo, hi int32 [T] (shared by the batch) or [B, T]
+    (per batch row), non-decreasing in t. key_span (static) bounds the key rows one tile of BQ queries can
+    see: it sets the steps of the grid. interpret: a pltpu.InterpretParams to run in Pallas's TPU interpret
+    mode (on any platform), or False. config: the tiles (None: Config()). name: the branch, which names the
+    kernel (`{name}_forward`).
     """
     config = config or Config()
     B, T, HQ, _ = q.shape
@@ -312,27 +355,24 @@ def attend_backward(q, k, v, lo, hi, o, lse, do, dlse=None, *, scale, key_span, 
         config=config, name=f"{name}_dq")
 
     # the queries that see each key row: an interval, since lo and hi are non-decreasing
-    first, last = query_ranges(lo, hi, lay.nkp)
+    first, last = query_ranges(lay.lo, lay.hi, lay.nkp)
     nk = lay.nkp // bk
     band = _bands(first, last, nk, bq)
     steps = min(_cdiv(query_span + bk - 1, bq) + 1, lay.tp // bq)
 
-    def query_map(b, h, n, g, s, band):  # the clamped query tile, of head h * G + g
-        return b, jnp.minimum(band[n] + s, jnp.maximum(band[nk + n], band[n])), h * G + g
+    def query_tile(b, n, s, band):  # the clamped query tile of step s
+        return _clamped(*_band(band, _batch_row(b, lay.per_row), n, nk), s)
 
-    def head_map(b, h, n, g, s, band):
-        return b, h * G + g, jnp.minimum(band[n] + s, jnp.maximum(band[nk + n], band[n])), 0
-
-    def rows_map(b, h, n, g, s, band):
-        return jnp.minimum(band[n] + s, jnp.maximum(band[nk + n], band[n])), 0
-
-    key_map = lambda b, h, n, g, s, band: (b, n, h)
+    query_map = lambda b, h, n, g, s, band, ends: (b, query_tile(b, n, s, band), h * G + g)
+    head_map = lambda b, h, n, g, s, band, ends: (b, h * G + g, query_tile(b, n, s, band), 0)
+    rows_map = lambda b, h, n, g, s, band, ends: (_batch_row(b, lay.per_row), query_tile(b, n, s, band), 0)
+    key_map = lambda b, h, n, *_: (b, n, h)
     compiler, dots = _params(q, interpret, ("parallel", "parallel", "parallel", "arbitrary", "arbitrary"))
     dk, dv = pl.pallas_call(
-        functools.partial(_dkdv_kernel, scale=float(scale), block_k=bk, steps=steps, **dots),
+        functools.partial(_dkdv_kernel, scale=float(scale), block_k=bk, steps=steps, per_row=lay.per_row, **dots),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=1, grid=(B, H, nk, G, steps),
-            in_specs=[pl.BlockSpec((bq, 2), rows_map), pl.BlockSpec((1, bq, lay.dkp), query_map),
+            num_scalar_prefetch=2, grid=(B, H, nk, G, steps),
+            in_specs=[pl.BlockSpec((1, bq, 2), rows_map), pl.BlockSpec((1, bq, lay.dkp), query_map),
                       pl.BlockSpec((1, bk, lay.dkp), key_map), pl.BlockSpec((1, bk, lay.dvp), key_map),
                       pl.BlockSpec((1, bq, lay.dvp), query_map), pl.BlockSpec((1, 1, bq, 1), head_map),
                       pl.BlockSpec((1, 1, bq, 1), head_map)],
@@ -340,8 +380,8 @@ def attend_backward(q, k, v, lo, hi, o, lse, do, dlse=None, *, scale, key_span, 
             scratch_shapes=[pltpu.VMEM((bk, lay.dkp), jnp.float32), pltpu.VMEM((bk, lay.dvp), jnp.float32)]),
         out_shape=[out_struct((B, lay.nkp, H * lay.dkp), k.dtype, q),
                    out_struct((B, lay.nkp, H * lay.dvp), v.dtype, q)], name=f"{name}_dkdv", **compiler,
-    )(band, lay.rows, _view(q, lay.tp, lay.dkp), _view(k, lay.nkp, lay.dkp), _view(v, lay.nkp, lay.dvp), do_v,
-      lse_h, delta_h)
+    )(band, lay.ends, lay.rows, _view(q, lay.tp, lay.dkp), _view(k, lay.nkp, lay.dkp), _view(v, lay.nkp, lay.dvp),
+      do_v, lse_h, delta_h)
     return (dq.reshape(B, lay.tp, HQ, lay.dkp)[:, :T, :, :dk_dim],
             dk.reshape(B, lay.nkp, H, lay.dkp)[:, :NK, :, :dk_dim],
             dv.reshape(B, lay.nkp, H, lay.dvp)[:, :NK, :, :dv_dim])

@@ -1,34 +1,38 @@
 """Block selection (`select_blocks`) as one Pallas TPU (Mosaic) kernel: compressed-attention scores fused
 with top-k.
 
-The contract is nsa.reference.select's. Query t of KV head h, at in-sequence position p, sees the
-compressed rows first <= r < first + (p + 1) // block_size of k_cmp (first = its sequence's cmp_start,
-none past row NC - 1); each of its G = HQ / H query heads takes the softmax p_g(r) of scale * q_g . k_cmp[r]
-over them, and block c (row first + c) scores mean_g p_g(first + c) (0 for a row it does not see). Blocks
-0, p // bs - 1 and p // bs are forced (ranks FIRST, PREVIOUS, CURRENT of nsa.reference.select, above any
-score), blocks after p // bs are never candidates; the block_counts best are kept in rank order, ties
-going to the lower block id, unused slots -1. nsa/triton/select.py is the GPU version of the same op.
+The contract is nsa.reference.select's. Query t of KV head h, at in-sequence position p (t, or with a KV cache
+kv_lens[b] - T + t: the queries are the last T tokens of batch row b's sequence), sees the compressed rows
+first <= r < first + (p + 1) // block_size of k_cmp (first = its sequence's cmp_start, 0 with a cache; none
+past row NC - 1); each of its G = HQ / H query heads takes the softmax p_g(r) of scale * q_g . k_cmp[r] over
+them, and block c (row first + c) scores mean_g p_g(first + c) (0 for a row it does not see). Blocks 0,
+p // bs - 1 and p // bs are forced (ranks FIRST, PREVIOUS, CURRENT of nsa.reference.select, above any score),
+blocks after p // bs are never candidates; the block_counts best are kept in rank order, ties going to the
+lower block id, unused slots -1. nsa/triton/select.py is the GPU version of the same op.
 
-Layouts. The kernel reads q as a [B, T, HQ * Dp] view and k_cmp as a [B, R, H * Dp] view (Dp = Dk padded to
-a multiple of 128 lanes inside the op, T padded to a multiple of TB, R = the rows any token's current block
-may name, padded to a multiple of BC with zero rows), so the block (1, TB, G * Dp) at column h holds the G
-query heads of KV head h side by side (head g at lanes [g * Dp, (g + 1) * Dp): a static, aligned slice) and
+Layouts. The kernel reads q as a [B, T, HQ * Dp] view and k_cmp as a [B, R, H * Dp] view (Dp = Dk padded to a
+multiple of 128 lanes inside the op, T padded to a multiple of TB, R = the rows any token's current block may
+name, padded to a multiple of BC with zero rows), so the block (1, TB, G * Dp) at column h holds the G query
+heads of KV head h side by side (head g at lanes [g * Dp, (g + 1) * Dp): a static, aligned slice) and
 (1, BC, Dp) at column h is one chunk of that head's compressed rows, with no transpose. Per token, int32
-[3, T, 1]: its first row, its end of visible rows and the row of its current block (padded tokens: 0, 0,
--1, no candidates), each read as a [TB, 1] column. lse travels as [B, H, T, G] float32 (a (TB, G) block:
-its minor dim is the whole dim); head g's column, like m's and l's, is picked by a masked lane reduction
-rather than an unaligned lane slice. The
-ids are written as [B, H, T, S] int32 (S = min(block_counts, cdiv(T, bs)) slots: no token has more
-candidates), returned as [B, T, H, block_counts] with -1 in the slots past S.
+[1 or B, 3, T, 1] (per batch row with kv_lens): its first row, its end of visible rows and the row of its
+current block (padded tokens: 0, 0, -1, no candidates), each read as a [TB, 1] column. A cache's rows past a
+token's visible ones (incomplete blocks, rows never written: anything, NaN included) only ever enter logits
+that the visibility mask replaces by -inf before any arithmetic, so they reach no result. lse travels as
+[B, H, T, G] float32 (a (TB, G) block: its minor dim is the whole dim); head g's column, like m's and l's, is
+picked by a masked lane reduction rather than an unaligned lane slice. The ids are written as [B, H, T, S]
+int32 (S = min(block_counts, NB) slots, NB = cdiv(T, bs), or with kv_lens max(cdiv(T, bs), NC), as the
+reference's: no token has more candidates), returned as [B, T, H, block_counts] with -1 in the slots past S.
 
 Grid: (B, H, T / TB, PASSES * STEPS). One program owns the TB tokens of one token tile and one KV head, with
 their G query heads, and walks the chunks of BC compressed rows its tokens may name, from the first to the
-last (both scalar-prefetched into SMEM per token tile; a step past the last re-maps to it, so no new DMA
-is issued, and is skipped). Without lse (PASSES = 2) the first walk computes each query row's softmax
-maximum and sum online, in the (TB, G) float32 scratch m and l; the last walk (the only one when lse is
-given) recomputes the logits of each head, turns them into probabilities, averages them over the G heads
-and stores the chunk's ranks (forced ranks, scores, -inf for non-candidates) in the float32 scratch
-[R / BC, TB, BC]: the [T, R] scores never reach HBM. Everything is float32 whatever the input dtype.
+last (both scalar-prefetched into SMEM per token tile, and per batch row with kv_lens, as one flat int32
+array: nsa/pallas/_flash.py's `_bands`; a step past the last re-maps to it, so no new DMA is issued, and is
+skipped). Without lse (PASSES = 2) the first walk computes each query row's softmax maximum and sum online, in
+the (TB, G) float32 scratch m and l; the last walk (the only one when lse is given) recomputes the logits of
+each head, turns them into probabilities, averages them over the G heads and stores the chunk's ranks (forced
+ranks, scores, -inf for non-candidates) in the float32 scratch [R / BC, TB, BC]: the [T, R] scores never reach
+HBM. Everything is float32 whatever the input dtype.
 
 Top-k (the last step; Mosaic has no sort): S rounds over the tile's chunks of that scratch, each one pass
 that removes the previous round's pick (-inf) and takes each token's maximum rank, then one that takes the
@@ -41,7 +45,7 @@ the input dtype, the token rows (3, TB, 1), lse (TB, G) and the ids (TB, S) (eac
 the float32 scratch: ranks [R / BC, TB, BC] and m, l (TB, G). `default_config` halves TB until that is
 within 12 MiB (Mosaic's default scoped VMEM limit is 16 MiB): at the standard shape (T = 8192, block_size
 64, G = 16, TB = 128) it is 1.9 MiB in bfloat16 at Dk = 128 and 5.1 MiB in float32 at Dk = 256. The ranks
-grow with R (T / block_size): TB = 128 holds R up to about 16k rows in 8 MiB.
+grow with R (T / block_size, or a cache's NC): TB = 128 holds R up to about 16k rows in 8 MiB.
 """
 
 import functools
@@ -54,7 +58,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from nsa._varlen import cdiv, num_compressed_blocks, tokens
-from nsa.pallas._flash import LANES, _bands, _dot, _view, out_struct
+from nsa.pallas._flash import LANES, _band, _bands, _batch_row, _clamped, _dot, _view, out_struct
 from nsa.reference.select import CURRENT, FIRST, PREVIOUS
 
 VMEM_BUDGET = 12 * 2 ** 20  # what default_config lets one step hold: Mosaic's default scoped limit is 16 MiB
@@ -78,13 +82,16 @@ def _sublanes(dtype):
     return 8 * 4 // jnp.dtype(dtype).itemsize
 
 
-def _slots(T, block_counts, block_size):
-    """S: the slots the kernel fills (no token has more than cdiv(T, block_size) candidates)."""
-    return min(block_counts, cdiv(T, block_size))
+def _slots(T, NC, block_counts, block_size, kv_lens):
+    """S: the slots the kernel fills, as many as a token may have candidates: cdiv(T, block_size), or with
+    kv_lens (the queries end longer sequences, which k_cmp covers) max(cdiv(T, block_size), NC)."""
+    blocks = cdiv(T, block_size) if kv_lens is None else max(cdiv(T, block_size), NC)
+    return min(block_counts, blocks)
 
 
 def _num_rows(T, NC, block_size, cu_seqlens):
-    """R: the rows of k_cmp a token may see or name as its current block (rows past NC score 0)."""
+    """R: the rows of k_cmp a token may see or name as its current block (rows past NC score 0; a cache's
+    k_cmp covers its sequences: kv_lens <= NC * block_size)."""
     return max(NC, num_compressed_blocks(T, block_size, cu_seqlens), 1)
 
 
@@ -98,8 +105,8 @@ def vmem_bytes(G, dk, itemsize, num_rows, slots, config):
     return 2 * blocks + (_round_up(num_rows, bc) * tb + 2 * tb * lanes(G)) * 4
 
 
-def default_config(q, k_cmp, cu_seqlens=None, *, block_counts, block_size):
-    """The Config for q [B, T, HQ, Dk] against k_cmp [B, NC, H, Dk].
+def default_config(q, k_cmp, cu_seqlens=None, kv_lens=None, *, block_counts, block_size):
+    """The Config for q [B, T, HQ, Dk] against k_cmp [B, NC, H, Dk] (kv_lens: None or int32 [B]).
 
     BC = 128: one chunk's ranks (TB, 128) are lane-dense and its logits one MXU pass of N = 128. TB =
     MAX_TOKENS (no more than T, rounded up to the dtype's sublanes), halved while a step would hold more than
@@ -108,7 +115,7 @@ def default_config(q, k_cmp, cu_seqlens=None, *, block_counts, block_size):
     T, HQ, Dk = q.shape[1], q.shape[2], q.shape[3]
     G = HQ // k_cmp.shape[2]
     rows = _num_rows(T, k_cmp.shape[1], block_size, cu_seqlens)
-    slots = _slots(T, block_counts, block_size)
+    slots = _slots(T, k_cmp.shape[1], block_counts, block_size, kv_lens)
     sub = _sublanes(q.dtype)
     tb = min(MAX_TOKENS, _round_up(T, sub))
     while tb > sub and vmem_bytes(G, Dk, q.dtype.itemsize, rows, slots, Config(tb, LANES)) > VMEM_BUDGET:
@@ -217,13 +224,13 @@ def _top_k(rank_scr, lo, hi, first, slots):
     return lax.fori_loop(0, slots, one_round, init)[0]
 
 
-def _kernel(band_ref, rows_ref, q_ref, k_ref, *refs, scale, dkp, steps, has_lse, precision):
+def _kernel(band_ref, rows_ref, q_ref, k_ref, *refs, scale, dkp, steps, has_lse, per_row, precision):
     """One step: chunk band[i] + j % STEPS of pass j // STEPS (see the module docstring)."""
     lse_ref = refs[0] if has_lse else None
     out_ref, rank_scr, m_scr, l_scr = refs[1:] if has_lse else refs
     i, j = pl.program_id(2), pl.program_id(3)
     last_pass = 0 if has_lse else 1
-    lo, hi = band_ref[i], band_ref[pl.num_programs(2) + i]
+    lo, hi = _band(band_ref, _batch_row(pl.program_id(0), per_row), i, pl.num_programs(2))
     chunk = lo + lax.rem(j, steps)
     tb, bc = rank_scr.shape[1], rank_scr.shape[2]
     first, end, cur = rows_ref[0], rows_ref[1], rows_ref[2]  # [TB, 1] each
@@ -254,15 +261,16 @@ def _kernel(band_ref, rows_ref, q_ref, k_ref, *refs, scale, dkp, steps, has_lse,
 # ------------------------------------------------------------------------------------------ wrapper
 
 
-def _token_rows(T, tp, NC, block_size, cu_seqlens):
-    """int32 [3, tp, 1]: per token its first row of k_cmp, the end of its visible rows (at most NC) and the
-    row of its current block; padded tokens 0, 0, -1 (no candidates)."""
-    tok = tokens(T, block_size, cu_seqlens)
-    first, pos = tok.cmp_start[0], tok.pos[0]
+def _token_rows(T, tp, NC, block_size, cu_seqlens, kv_lens):
+    """int32 [R, 3, tp, 1] (R = B with kv_lens, else 1: shared by the batch): per token its first row of
+    k_cmp, the end of its visible rows (at most NC) and the row of its current block; padded tokens 0, 0, -1
+    (no candidates)."""
+    tok = tokens(T, block_size, cu_seqlens, kv_lens)
+    first, pos = tok.cmp_start, tok.pos  # [R, T]
     end = jnp.minimum(first + (pos + 1) // block_size, NC)
-    rows = jnp.stack([first, end, first + pos // block_size]).astype(jnp.int32)
-    padding = jnp.broadcast_to(jnp.array([[0], [0], [-1]], jnp.int32), (3, tp - T))
-    return jnp.concatenate([rows, padding], axis=1)[..., None]
+    rows = jnp.stack([first, end, first + pos // block_size], axis=1).astype(jnp.int32)  # [R, 3, T]
+    padding = jnp.broadcast_to(jnp.array([[0], [0], [-1]], jnp.int32), (rows.shape[0], 3, tp - T))
+    return jnp.concatenate([rows, padding], axis=2)[..., None]
 
 
 def forward(q, k_cmp, lse, cu_seqlens, kv_lens=None, *, block_counts, block_size, scale, interpret=False, config=None):
@@ -270,32 +278,33 @@ def forward(q, k_cmp, lse, cu_seqlens, kv_lens=None, *, block_counts, block_size
 
     q [B, T, HQ, Dk], k_cmp [B, NC, H, Dk]; lse [B, T, HQ] float32 is compressed attention's log-sum-exp of
     the same q and k_cmp (it saves the kernel its first pass), or None; cu_seqlens None or int32 [N + 1]
-    (packed sequences, B = 1). interpret: a pltpu.InterpretParams to run in Pallas's TPU interpret mode (on
-    any platform), or False. config: a Config (None: `default_config`).
+    (packed sequences, B = 1); kv_lens None or int32 [B] (the queries are the last T tokens of sequences of
+    kv_lens[b] tokens, which k_cmp covers). interpret: a pltpu.InterpretParams to run in Pallas's TPU
+    interpret mode (on any platform), or False. config: a Config (None: `default_config`).
     """
-    if kv_lens is not None:  # TEMPORARY (issue 10): being added to the kernels
-        raise NotImplementedError("kv_lens is not supported by this kernel yet")
     B, T, HQ, Dk = q.shape
     NC, H = k_cmp.shape[1], k_cmp.shape[2]
     G = HQ // H
-    slots = _slots(T, block_counts, block_size)
+    slots = _slots(T, NC, block_counts, block_size, kv_lens)
     if B * T * slots == 0:
         return jnp.full((B, T, H, block_counts), -1, jnp.int32)
-    config = config or default_config(q, k_cmp, cu_seqlens, block_counts=block_counts, block_size=block_size)
+    config = config or default_config(q, k_cmp, cu_seqlens, kv_lens, block_counts=block_counts,
+                                      block_size=block_size)
     _check_config(config, q.dtype)
     tb, bc = config
     tp, dkp = _round_up(T, tb), _round_up(Dk, LANES)
     rp = _round_up(_num_rows(T, NC, block_size, cu_seqlens), bc)
     nt, steps = tp // tb, rp // bc
-    rows = _token_rows(T, tp, NC, block_size, cu_seqlens)
-    band = jnp.minimum(_bands(rows[0, :, 0], rows[2, :, 0], nt, bc), steps - 1)  # first, then last chunk per tile
+    rows = _token_rows(T, tp, NC, block_size, cu_seqlens, kv_lens)
+    band = jnp.minimum(_bands(rows[:, 0, :, 0], rows[:, 2, :, 0], nt, bc), steps - 1)  # first, last chunk per tile
     passes = 1 if lse is not None else 2
+    per_row = kv_lens is not None
 
     def chunk_map(b, h, i, j, band):  # the clamped chunk: a skipped step re-maps to the last one
-        return b, jnp.minimum(band[i] + lax.rem(j, steps), jnp.maximum(band[nt + i], band[i])), h
+        return b, _clamped(*_band(band, _batch_row(b, per_row), i, nt), lax.rem(j, steps)), h
 
     tile_map = lambda b, h, i, j, band: (b, h, i, 0)
-    in_specs = [pl.BlockSpec((3, tb, 1), lambda b, h, i, j, band: (0, i, 0)),
+    in_specs = [pl.BlockSpec((None, 3, tb, 1), lambda b, h, i, j, band: (_batch_row(b, per_row), 0, i, 0)),
                 pl.BlockSpec((1, tb, G * dkp), lambda b, h, i, j, band: (b, i, h)),
                 pl.BlockSpec((1, bc, dkp), chunk_map)]
     args = [band, rows, _view(q, tp, dkp), _view(k_cmp, rp, dkp)]
@@ -304,6 +313,7 @@ def forward(q, k_cmp, lse, cu_seqlens, kv_lens=None, *, block_counts, block_size
         lse_by_head = jnp.transpose(lse.astype(jnp.float32).reshape(B, T, H, G), (0, 2, 1, 3))
         args.append(jnp.pad(lse_by_head, [(0, 0), (0, 0), (0, tp - T), (0, 0)]))
     kernel = functools.partial(_kernel, scale=float(scale), dkp=dkp, steps=steps, has_lse=lse is not None,
+                               per_row=per_row,
                                precision=lax.Precision.HIGHEST if q.dtype != jnp.bfloat16 else None)
     out = pl.pallas_call(
         kernel,

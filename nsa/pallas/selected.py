@@ -1,25 +1,30 @@
 """Selected attention (the fine-grained branch) as Pallas TPU (Mosaic) kernels: forward, dq and a
 deterministic dk/dv.
 
-The contract is nsa.reference.selected's: query t of KV head h, with its G = HQ / H query heads, attends
-to the tokens at in-sequence positions <= t of the blocks listed in block_indices[b, t, h, :count]
-(count = block_counts[b, t, h]). Entries < 0 or > t // block_size are skipped and never read; a block
-listed twice is attended twice; a query that sees nothing gets o = 0, lse = -inf and zero gradients.
+The contract is nsa.reference.selected's: query t of KV head h, at in-sequence position p, with its G =
+HQ / H query heads, attends to the tokens at in-sequence positions <= p of the blocks listed in
+block_indices[b, t, h, :count] (count = block_counts[b, t, h]). Entries < 0 or > p // block_size are
+skipped and never read; a block listed twice is attended twice; a query that sees nothing gets o = 0,
+lse = -inf and zero gradients. p = t, or with a KV cache (kv_lens int32 [B]) p = kv_lens[b] - T + t: the
+T queries are the last tokens of sequence b, whose keys are the rows of k, v [B, TK, H, D] (TK >= T; the
+rows past kv_lens[b] hold anything, NaN included, and never reach a result).
 
-Naming. A block is named by its first token's global row x = sequence start + block * block_size, so the
-same in-sequence id in two packed sequences names two blocks; each skipped slot is named -1.
+Naming. A block is named by its first token's global row x = sequence start + block * block_size (its row
+in k), so the same in-sequence id in two packed sequences names two blocks; each skipped slot is named -1.
+Each query token has a key row too, that of its own token: t + sequence offset (kv_lens[b] - T with a
+cache, else 0); token j of tile i is row t0 + j, t0 = i * TB + that offset.
 
 Layouts (all built in XLA around the kernels; D padded to Dp, a multiple of 128 lanes, T to Tp = NT * TB):
 - query side, per tile of TB consecutive tokens: q [B, H, NT, G, TB, Dkp], do, o [.., Dvp], dq, and lse,
   delta [B, H, NT, G, TB, 1] float32. A (G, TB, Dp) block flattens to [G * TB, Dp] for free (TB is a
   multiple of the sublane tile), so one tile is R = G * TB MXU rows (row g * TB + j: head g, token j);
 - names [B, H, NT, TB, S] int32: the name of each slot of each token of the tile;
-- the tile's blocks [B, H, NT, 1, 1 + 2U] int32: how many distinct blocks the tile's tokens list, then
-  those names in increasing order (the union; U = min(TB * S, the number of block rows) bounds it), then
-  the last token of the tile that lists each (rows past it are never seen). It is sorted in XLA, and
-  each grid step gets only its own row in SMEM (a BlockSpec in SMEM): the whole table
-  (B * H * NT * (1 + 2U) ints) would not fit in SMEM's 1 MiB at long T;
-- k [B, H, T + BR, Dkp], v [.., Dvp] stay in HBM (memory_space ANY): a kernel copies a block's BR rows
+- the tile's blocks [B, H, NT, 1, 2 + 2U] int32: how many distinct blocks the tile's tokens list, t0, then
+  those names in increasing order (the union; U = min(TB * S, NR) bounds it, NR = the block rows of one
+  (b, h): cdiv(TK, block_size), or packed), then the key row of the last token of the tile that lists each
+  (rows past it are never seen). It is sorted in XLA, and each grid step gets only its own row in SMEM (a
+  BlockSpec in SMEM): the whole table (B * H * NT * (2 + 2U) ints) would not fit in SMEM's 1 MiB at long T;
+- k [B, H, TK + BR, Dkp], v [.., Dvp] stay in HBM (memory_space ANY): a kernel copies a block's BR rows
   (block_size rounded up to the sublane tile) from row x into the first rows of a VMEM buffer of BK rows
   (block_size rounded up to 128) itself (`make_async_copy`); rows past the block, or past every query
   of the tile, are zeroed (`_block`). BK makes every logits tile [R, BK] and every transpose in the
@@ -29,8 +34,8 @@ Layouts (all built in XLA around the kernels; D padded to Dp, a multiple of 128 
 Forward (`_fwd_kernel`), grid (B, H, NT), all parallel. A step owns a tile: it loads q (G, TB, Dkp) and
 the names (TB, S) through BlockSpecs, then walks the tile's union in order with a double-buffered DMA
 loop (`_pipelined`: block u + 1's keys and values are in flight while block u is computed). Row (g, j)
-sees key row x + c of block x iff token j lists x (m > 0 times), c < block_size and x + c <= its global
-row; log(m) is added to its logits, so a block listed twice weighs twice. Online softmax in float32.
+sees key row x + c of block x iff token j lists x (m > 0 times), c < block_size and x + c <= its key row
+t0 + j; log(m) is added to its logits, so a block listed twice weighs twice. Online softmax in float32.
 
 Backward. delta = sum(o * do) in XLA. `_dq_kernel` runs on the forward's grid and loop, recomputing p from
 lse. dk/dv inverts the selection (fla's decomposition): each (tile, union block) pair is an entry keyed
@@ -49,7 +54,9 @@ rows and a float32 [R, Dkp] accumulator; the dk/dv kernel the same tiles (its ow
 one block, and float32 dk, dv [BR, Dp]. At the standard shape (G = 16, TB = 16, bf16, Dp = 128,
 block_size 64) that is about 1.1 MiB; float32 heads of 256 take 1.6 MiB at G = 16 and 4 MiB at G = 3
 (TB = 128), bf16 heads of 256 at G = 64 6.3 MiB: all under the 16 MiB of scoped VMEM. SMEM per step:
-one table row of 1 + 2U ints (forward, dq) or 4 + 2L (dk/dv), double-buffered.
+one table row of 2 + 2U ints (forward, dq) or 5 + 2L (dk/dv), double-buffered. None of it depends on T or
+TK, which set only the grids, the lists (B * H * NR of them) and the XLA work (k and v are copied, transposed,
+once per call: with a long cache, TK rows of it).
 
 The Mosaic kernels carry names: selected_forward, selected_dq, selected_dkdv (the partials) and
 selected_dkdv_reduce.
@@ -98,7 +105,7 @@ def _sublanes(dtype):
 
 
 def default_config(q, k, v, block_indices, *, block_size, cu_seqlens=None):
-    """The Config for q [B, T, HQ, Dk], k [B, T, H, Dk], v [B, T, H, Dv], block_indices [B, T, H, S].
+    """The Config for q [B, T, HQ, Dk], k [B, TK, H, Dk], v [B, TK, H, Dv], block_indices [B, T, H, S].
 
     - TB: the fewest tokens whose G heads make R = G * TB rows a multiple of MXU_ROWS = 128, rounded up
       to the sublane tile of q's dtype (8 rows in float32, 16 in 16-bit) so that the (G, TB, Dp) tile
@@ -168,8 +175,8 @@ def _block_copies(k_hbm, v_hbm, k_buf, v_buf, sems, b, h, x, slot, block_size):
 
 
 def _block_bias(names, x, t0, *, block_size, rows):
-    """[TB, BK] float32: how the TB tokens t0 + j of a tile (names [TB, S]: their slots) see block x:
-    log(m) where token t0 + j lists x m > 0 times and sees key row x + c (c < block_size and
+    """[TB, BK] float32: how the TB tokens of a tile, at key rows t0 + j (names [TB, S]: their slots), see
+    block x: log(m) where token j lists x m > 0 times and sees key row x + c (c < block_size and
     x + c <= t0 + j), -inf elsewhere."""
     listed = jnp.sum((names == x).astype(jnp.float32), axis=1, keepdims=True)  # [TB, 1]
     shape = (names.shape[0], rows)
@@ -181,9 +188,9 @@ def _block_bias(names, x, t0, *, block_size, rows):
 
 def _block(k_buf, v_buf, slot, x, last, block_size):
     """The keys [BK, Dkp] and values [BK, Dvp] of block x in buffer `slot`, with the rows no token of the
-    tile sees (past the block, or past `last`, the last token of the tile listing it) zeroed: they hold
-    another block's or sequence's rows (possibly never meant to be read) or stale VMEM past BR, and
-    0 * NaN would leak into p v and do v^T."""
+    tile sees (past the block, or past `last`, the key row of the last token of the tile listing it)
+    zeroed: they hold another block's or sequence's rows, a cache's rows past the sequence (possibly never
+    meant to be read) or stale VMEM past BR, and 0 * NaN would leak into p v and do v^T."""
     c = lax.broadcasted_iota(jnp.int32, (k_buf.shape[1], 1), 0)
     keep = (c < block_size) & (x + c <= last)
     k, v = k_buf[slot], v_buf[slot]
@@ -198,18 +205,18 @@ def _logits(q, k, bias, scale, precision):
 
 
 def _walk_union(blocks_ref, names, k_hbm, v_hbm, k_buf, v_buf, sems, body, *, block_size):
-    """body(k, v, bias) for each block of the step's token tile's union, in order: the union's names and last
-    tokens from the step's SMEM row blocks_ref [1, 1 + 2U], the tile's slot names [TB, S]; block u + 1's
-    copy flies while block u is computed (`_pipelined`)."""
-    b, h, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    U = blocks_ref.shape[1] // 2
-    copies = lambda u, slot: _block_copies(k_hbm, v_hbm, k_buf, v_buf, sems, b, h, blocks_ref[0, 1 + u], slot,
+    """body(k, v, bias) for each block of the step's token tile's union, in order: t0, the union's names and
+    last key rows from the step's SMEM row blocks_ref [1, 2 + 2U], the tile's slot names [TB, S]; block
+    u + 1's copy flies while block u is computed (`_pipelined`)."""
+    b, h = pl.program_id(0), pl.program_id(1)
+    U = (blocks_ref.shape[1] - 2) // 2
+    copies = lambda u, slot: _block_copies(k_hbm, v_hbm, k_buf, v_buf, sems, b, h, blocks_ref[0, 2 + u], slot,
                                            block_size)
 
     def step(u, slot):
-        x = blocks_ref[0, 1 + u]
-        bias = _block_bias(names, x, i * names.shape[0], block_size=block_size, rows=k_buf.shape[1])
-        body(*_block(k_buf, v_buf, slot, x, blocks_ref[0, 1 + U + u], block_size), bias)
+        x = blocks_ref[0, 2 + u]
+        bias = _block_bias(names, x, blocks_ref[0, 1], block_size=block_size, rows=k_buf.shape[1])
+        body(*_block(k_buf, v_buf, slot, x, blocks_ref[0, 2 + U + u], block_size), bias)
 
     _pipelined(blocks_ref[0, 0], copies, step)
 
@@ -274,10 +281,11 @@ def _dq_kernel(blocks_ref, q_ref, names_ref, do_ref, lse_ref, delta_ref, k_hbm, 
 
 def _dkdv_kernel(seg_ref, k_hbm, v_hbm, q_hbm, do_hbm, lse_hbm, delta_hbm, names_hbm, dk_ref, dv_ref, k_buf,
                  v_buf, q_buf, do_buf, lse_buf, delta_buf, names_buf, sems, *, scale, block_size, precision):
-    """One segment, seg_ref [1, 4 + 2L] = (b, h, x, n, the tiles of its L entries, the last token of each
-    that lists x; n of them used): float32 partial dk and dv [BR, Dp] of block x (dk unscaled)."""
-    b, h, x, n = seg_ref[0, 0], seg_ref[0, 1], seg_ref[0, 2], seg_ref[0, 3]
-    L = (seg_ref.shape[1] - 4) // 2
+    """One segment, seg_ref [1, 5 + 2L] = (b, h, x, n, the offset of batch row b's key rows, the tiles of its
+    L entries, the key row of the last token of each that lists x; n of them used): float32 partial dk and
+    dv [BR, Dp] of block x (dk unscaled)."""
+    b, h, x, n, offset = seg_ref[0, 0], seg_ref[0, 1], seg_ref[0, 2], seg_ref[0, 3], seg_ref[0, 4]
+    L = (seg_ref.shape[1] - 5) // 2
     _, G, TB, _ = q_buf.shape
     dk_ref[...] = jnp.zeros(dk_ref.shape, jnp.float32)
     dv_ref[...] = jnp.zeros(dv_ref.shape, jnp.float32)
@@ -291,7 +299,7 @@ def _dkdv_kernel(seg_ref, k_hbm, v_hbm, q_hbm, do_hbm, lse_hbm, delta_hbm, names
             c.wait()
 
     def copies(u, slot):
-        tile = seg_ref[0, 4 + u]
+        tile = seg_ref[0, 5 + u]
         return [pltpu.make_async_copy(src.at[b, h, tile], buf.at[slot], sems.at[2 + j, slot])
                 for j, (src, buf) in enumerate([(q_hbm, q_buf), (do_hbm, do_buf), (lse_hbm, lse_buf),
                                                 (delta_hbm, delta_buf), (names_hbm, names_buf)])]
@@ -299,8 +307,9 @@ def _dkdv_kernel(seg_ref, k_hbm, v_hbm, q_hbm, do_hbm, lse_hbm, delta_hbm, names
     def step(u, slot):
         q = q_buf[slot].reshape(G * TB, q_buf.shape[3])
         do = do_buf[slot].reshape(G * TB, do_buf.shape[3])
-        bias = _block_bias(names_buf[slot], x, seg_ref[0, 4 + u] * TB, block_size=block_size, rows=k_buf.shape[1])
-        k, v = _block(k_buf, v_buf, 0, x, seg_ref[0, 4 + L + u], block_size)
+        t0 = seg_ref[0, 5 + u] * TB + offset
+        bias = _block_bias(names_buf[slot], x, t0, block_size=block_size, rows=k_buf.shape[1])
+        k, v = _block(k_buf, v_buf, 0, x, seg_ref[0, 5 + L + u], block_size)
         p = _probabilities(q, k, bias, lse_buf[slot], scale, precision)
         ds = _dlogits(p, do, v, delta_buf[slot], precision)
         rows = dk_ref.shape[0]  # BR of the BK rows: those of the block
@@ -336,6 +345,7 @@ class _Layout(NamedTuple):
 
     B: int
     T: int
+    TK: int  # key rows: T, or a cache's
     H: int
     G: int
     S: int
@@ -345,16 +355,16 @@ class _Layout(NamedTuple):
     bk: int  # BK: the rows of a key buffer, block_size rounded up to 128
     dkp: int
     dvp: int
-    num_rows: int  # block rows per (batch row, KV head): a static bound on the distinct blocks
+    num_rows: int  # NR, block rows per (batch row, KV head) of the TK keys: a static bound on the distinct blocks
 
 
 def _layout(q, k, v, block_indices, block_size, cu_seqlens, cfg):
     B, T, HQ, Dk = q.shape
-    H, S = k.shape[2], block_indices.shape[3]
-    return _Layout(B, T, H, HQ // H, S, cfg.tokens, _cdiv(T, cfg.tokens),
+    TK, H, S = k.shape[1], k.shape[2], block_indices.shape[3]
+    return _Layout(B, T, TK, H, HQ // H, S, cfg.tokens, _cdiv(T, cfg.tokens),
                    _copied_rows(block_size, k.dtype), _round_up(block_size, LANES), _round_up(Dk, LANES),
                    _round_up(v.shape[3], LANES),
-                   num_compressed_blocks(T, block_size, cu_seqlens))
+                   num_compressed_blocks(TK, block_size, cu_seqlens))
 
 
 def _pad_to(x, axis, size):
@@ -382,14 +392,20 @@ def _row_tiles(x, lay, fill):
 
 
 def _key_rows(x, lay, dp):
-    """[B, T, H, D] -> [B, H, T + BR, dp], zero-padded: a copy of BR rows from any block start x < T stays
-    in bounds."""
-    return jnp.transpose(_pad_to(_pad_to(x, 3, dp), 1, lay.T + lay.br), (0, 2, 1, 3))
+    """[B, TK, H, D] -> [B, H, TK + BR, dp], zero-padded: a copy of BR rows from any block start x < TK
+    stays in bounds."""
+    return jnp.transpose(_pad_to(_pad_to(x, 3, dp), 1, lay.TK + lay.br), (0, 2, 1, 3))
 
 
-def _names(block_indices, block_counts, cu_seqlens, lay, block_size):
+def _row_offsets(kv_lens, lay):
+    """int32 [1 or B]: the key row of each batch row's query 0 (query t is key row t + offset): kv_lens[b] - T
+    with a cache, else 0."""
+    return jnp.zeros((1,), jnp.int32) if kv_lens is None else kv_lens.astype(jnp.int32) - lay.T
+
+
+def _names(block_indices, block_counts, cu_seqlens, kv_lens, lay, block_size):
     """int32 [B, T, H, S]: each slot's block named by its first token's global row, _NONE where skipped."""
-    tok = tokens(lay.T, block_size, cu_seqlens)
+    tok = tokens(lay.T, block_size, cu_seqlens, kv_lens)
     pos, start = tok.pos[:, :, None, None], tok.start[:, :, None, None]
     blk = block_indices.astype(jnp.int32)
     counts = jnp.broadcast_to(jnp.asarray(block_counts, jnp.int32), block_indices.shape[:3])
@@ -403,12 +419,14 @@ def _tile_names(names, lay):
     return jnp.transpose(names.reshape(lay.B, lay.nt, lay.tb, lay.H, lay.S), (0, 3, 1, 2, 4))
 
 
-def _tile_blocks(tile_names, lay):
+def _tile_blocks(tile_names, offsets, lay):
     """The union of each tile: (union [B, H, NT, U] int32: the distinct names its tokens list, increasing,
-    then _PAST; last [B, H, NT, U]: the last token of the tile that lists each; count [B, H, NT]: how many)."""
+    then _PAST; last [B, H, NT, U]: the key row of the last token of the tile that lists each; count
+    [B, H, NT]: how many), from the names [B, H, NT, TB, S] and the `_row_offsets`."""
     shape = (lay.B, lay.H, lay.nt, lay.tb * lay.S)
     flat = tile_names.reshape(shape)
-    token = lax.broadcasted_iota(jnp.int32, shape, 2) * lay.tb + lax.broadcasted_iota(jnp.int32, shape, 3) // lay.S
+    t = lax.broadcasted_iota(jnp.int32, shape, 2) * lay.tb + lax.broadcasted_iota(jnp.int32, shape, 3) // lay.S
+    token = offsets[:, None, None, None] + t
     name, token = lax.sort((jnp.where(flat == _NONE, _PAST, flat), token), num_keys=2)
     run_end = jnp.concatenate([name[..., 1:] != name[..., :-1], jnp.ones_like(name[..., :1], bool)], -1)
     union, last = lax.sort((jnp.where(run_end, name, _PAST), token), num_keys=1)
@@ -416,10 +434,25 @@ def _tile_blocks(tile_names, lay):
     return union[..., :U], last[..., :U], jnp.sum(union[..., :U] != _PAST, axis=-1).astype(jnp.int32)
 
 
+def _tile_starts(offsets, lay):
+    """int32 [B, H, NT]: t0, the key row of each tile's first token."""
+    t0 = offsets[:, None, None] + jnp.arange(lay.nt, dtype=jnp.int32) * lay.tb
+    return jnp.broadcast_to(t0, (lay.B, lay.H, lay.nt))
+
+
 def _smem_rows(*columns):
     """Per-step SMEM tables: [..., 1, W] int32 from leading columns [...] and trailing tables [..., n]."""
     cols = [c[..., None] if c.ndim == columns[0].ndim else c for c in columns]
     return jnp.concatenate([c.astype(jnp.int32) for c in cols], axis=-1)[..., None, :]
+
+
+def _tiles(block_indices, block_counts, cu_seqlens, kv_lens, lay, block_size):
+    """What the forward and the backward both build: (names [B, H, NT, TB, S]; the tiles' SMEM rows
+    [B, H, NT, 1, 2 + 2U]: count, t0, union, last; union and last [B, H, NT, U]; the `_row_offsets`)."""
+    row_offsets = _row_offsets(kv_lens, lay)
+    names = _tile_names(_names(block_indices, block_counts, cu_seqlens, kv_lens, lay, block_size), lay)
+    union, last, count = _tile_blocks(names, row_offsets, lay)
+    return names, _smem_rows(count, _tile_starts(row_offsets, lay), union, last), union, last, row_offsets
 
 
 def _params(q, interpret, semantics):
@@ -490,24 +523,23 @@ def _check(q, k, block_indices, block_size):
         raise ValueError(f"block_size: expected a positive int, got {block_size}")
 
 
-def forward(q, k, v, block_indices, block_counts, cu_seqlens, kv_lens=None, *, block_size, scale, interpret=False, config=None):
-    """o [B, T, HQ, Dv] (q's dtype) and the residuals (q, k, v, block_indices, block_counts, cu_seqlens, o,
-    lse [B, T, HQ] float32).
+def forward(q, k, v, block_indices, block_counts, cu_seqlens, kv_lens=None, *, block_size, scale, interpret=False,
+            config=None):
+    """o [B, T, HQ, Dv] (q's dtype) and the residuals (q, k, v, block_indices, block_counts, cu_seqlens,
+    kv_lens, o, lse [B, T, HQ] float32).
 
-    q [B, T, HQ, Dk], k [B, T, H, Dk], v [B, T, H, Dv]; block_indices int [B, T, H, S]; block_counts int
-    [B, T, H] (or a scalar); cu_seqlens None or int32 [N + 1] (B = 1). interpret: False (Mosaic) or a
-    pltpu.InterpretParams; config: a Config or None (`default_config`).
+    q [B, T, HQ, Dk], k [B, TK, H, Dk], v [B, TK, H, Dv]; block_indices int [B, T, H, S]; block_counts int
+    [B, T, H] (or a scalar); cu_seqlens None or int32 [N + 1] (B = 1); kv_lens None (TK = T) or int32 [B]
+    (a KV cache: the queries are the last T tokens of sequences of kv_lens[b] tokens). interpret: False
+    (Mosaic) or a pltpu.InterpretParams; config: a Config or None (`default_config`).
     """
-    if kv_lens is not None:  # TEMPORARY (issue 10): being added to the kernels
-        raise NotImplementedError("kv_lens is not supported by this kernel yet")
     _check(q, k, block_indices, block_size)
     cfg = _config(q, k, v, block_indices, block_size, cu_seqlens, config)
     lay = _layout(q, k, v, block_indices, block_size, cu_seqlens, cfg)
-    names = _tile_names(_names(block_indices, block_counts, cu_seqlens, lay, block_size), lay)
-    union, last, count = _tile_blocks(names, lay)
+    names, blocks, _, _, _ = _tiles(block_indices, block_counts, cu_seqlens, kv_lens, lay, block_size)
     tile_shape = (lay.B, lay.H, lay.nt, lay.G, lay.tb)
     o, lse = _query_grid(
-        _fwd_kernel, lay, _smem_rows(count, union, last), [_query_tiles(q, lay, lay.dkp), names],
+        _fwd_kernel, lay, blocks, [_query_tiles(q, lay, lay.dkp), names],
         _key_rows(k, lay, lay.dkp), _key_rows(v, lay, lay.dvp),
         [out_struct(tile_shape + (lay.dvp,), q.dtype, q), out_struct(tile_shape + (1,), jnp.float32, q)],
         _block_buffers(lay, k, v, 2) + [pltpu.VMEM((lay.G, lay.tb, LANES), jnp.float32)] * 2
@@ -543,11 +575,11 @@ def _block_lists(union, last, cu_seqlens, lay, block_size):
     """The selections inverted: every (tile, union block) entry keyed by its list (b * H + h) * NR + block
     row, stably sorted. Returns (offsets [NL + 1]: list i is the entries offsets[i] : offsets[i + 1];
     tile [E]: each entry's query tile, increasing within a list; name [E]: its block's name; last [E]: the
-    last token of the tile that lists it)."""
-    tok = tokens(lay.T, block_size, cu_seqlens)
+    key row of the last token of the tile that lists it)."""
+    keys = tokens(lay.TK, block_size, cu_seqlens)  # of the key rows: x itself is a block's first row
     valid = union != _PAST
     x = jnp.where(valid, union, 0)
-    row = tok.cmp_start[0][x] + tok.pos[0][x] // block_size  # the block's row among its (b, h)'s NR rows
+    row = keys.cmp_start[0][x] + keys.pos[0][x] // block_size  # the block's row among its (b, h)'s NR rows
     bh = (jnp.arange(lay.B)[:, None] * lay.H + jnp.arange(lay.H)[None, :])[:, :, None, None]
     num_lists = lay.B * lay.H * lay.num_rows
     key = jnp.where(valid, bh * lay.num_rows + row, num_lists).reshape(-1)
@@ -596,23 +628,23 @@ def _reduced(lay, lists, dk_part, dv_part, *, interpret):
 
 
 def _per_key_row(sums, cu_seqlens, lay, block_size, d):
-    """[NL, BR, Dp] sums per (list, row in the block) -> [B, T, H, d]: key row t of (b, h) is row
-    pos[t] % block_size of list (b * H + h) * NR + its block row."""
-    tok = tokens(lay.T, block_size, cu_seqlens)
-    row = tok.cmp_start[0] + tok.pos[0] // block_size  # [T]
+    """[NL, BR, Dp] sums per (list, row in the block) -> [B, TK, H, d]: key row r of (b, h) is row
+    pos[r] % block_size of list (b * H + h) * NR + its block row."""
+    keys = tokens(lay.TK, block_size, cu_seqlens)
+    row = keys.cmp_start[0] + keys.pos[0] // block_size  # [TK]
     lst = (jnp.arange(lay.B)[:, None, None] * lay.H + jnp.arange(lay.H)[None, None, :]) * lay.num_rows \
-        + row[None, :, None]  # [B, T, H]
-    return sums[lst, (tok.pos[0] % block_size)[None, :, None], :d]
+        + row[None, :, None]  # [B, TK, H]
+    return sums[lst, (keys.pos[0] % block_size)[None, :, None], :d]
 
 
 def backward(residuals, do, *, block_size, scale, interpret=False, config=None):
-    """Gradients (dq, dk, dv, None, None, None) in q's, k's and v's dtypes, from `forward`'s residuals and
-    do [B, T, HQ, Dv]; interpret and config as for `forward`."""
+    """Gradients (dq, dk, dv, None, None, None, None) in q's, k's and v's dtypes, from `forward`'s residuals
+    and do [B, T, HQ, Dv]; interpret and config as for `forward`."""
     q, k, v, block_indices, block_counts, cu_seqlens, kv_lens, o, lse = residuals
     cfg = _config(q, k, v, block_indices, block_size, cu_seqlens, config)
     lay = _layout(q, k, v, block_indices, block_size, cu_seqlens, cfg)
-    names = _tile_names(_names(block_indices, block_counts, cu_seqlens, lay, block_size), lay)
-    union, last, count = _tile_blocks(names, lay)
+    names, blocks, union, last, row_offsets = _tiles(block_indices, block_counts, cu_seqlens, kv_lens, lay,
+                                                     block_size)
     delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)
     do = do.astype(q.dtype)
     tiled = [_query_tiles(q, lay, lay.dkp), _query_tiles(do, lay, lay.dvp), _row_tiles(lse, lay, -jnp.inf),
@@ -621,7 +653,7 @@ def backward(residuals, do, *, block_size, scale, interpret=False, config=None):
     common = dict(q=q, scale=scale, block_size=block_size, interpret=interpret)
 
     [dq] = _query_grid(
-        _dq_kernel, lay, _smem_rows(count, union, last), [tiled[0], names] + tiled[1:4], k_rows, v_rows,
+        _dq_kernel, lay, blocks, [tiled[0], names] + tiled[1:4], k_rows, v_rows,
         [out_struct((lay.B, lay.H, lay.nt, lay.G, lay.tb, lay.dkp), q.dtype, q)],
         _block_buffers(lay, k, v, 2) + [pltpu.VMEM((lay.G * lay.tb, lay.dkp), jnp.float32)], name="selected_dq",
         **common)
@@ -630,8 +662,9 @@ def backward(residuals, do, *, block_size, scale, interpret=False, config=None):
     seg_offsets, seg_list, lo, hi = _segments(offsets, tile.shape[0], cfg.segment)
     entry = jnp.minimum(lo[:, None] + jnp.arange(cfg.segment), tile.shape[0] - 1)
     lists_per_b = lay.H * lay.num_rows
-    segments = _smem_rows(seg_list // lists_per_b, seg_list % lists_per_b // lay.num_rows, name[lo], hi - lo,
-                          tile[entry], last[entry])
+    seg_b = seg_list // lists_per_b
+    segments = _smem_rows(seg_b, seg_list % lists_per_b // lay.num_rows, name[lo], hi - lo,
+                          jnp.broadcast_to(row_offsets, (lay.B,))[seg_b], tile[entry], last[entry])
     dk_part, dv_part = _dkdv_partials(lay, segments, k_rows, v_rows, tiled, k=k, v=v, **common)
     lists = _smem_rows(seg_offsets[:-1], seg_offsets[1:] - seg_offsets[:-1])
     dk_sum, dv_sum = _reduced(lay, lists, dk_part, dv_part, interpret=interpret)
