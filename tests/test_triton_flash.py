@@ -1,7 +1,8 @@
 """The Triton flash kernels of the sliding-window and compressed branches (nsa/triton/_flash.py): what
 the shared test base does not reach, in Triton's interpreter on the CPU (the base itself runs there in
 tests/test_triton_interpreted.py, and on the GPU in tests/test_triton_gpu.py): compressed keys with rows
-no query sees, and dk / dv summed over several splits of the queries, as on the GPU at long T.
+no query sees, dk / dv summed over several splits of the queries, as on the GPU at long T, and queries at
+the end of a KV cache across several query and key tiles.
 """
 
 import jax
@@ -96,3 +97,37 @@ class TestTritonFlashInterpreted:
         expected = vjp(do if dlse is None else (do, dlse))
         for name, g, g_ref, size in zip(["dq", "dk", "dv"], grads, expected, gradient_scales(q, k, v, do, 0.25)):
             assert_close(g, g_ref, GRAD_TOLERANCE["float32"], name, size)
+
+    @pytest.mark.parametrize("op", ["compressed", "window"])
+    def test_cached_queries_over_tiles_and_splits(self, op):
+        """Queries at the end of a KV cache in 16 x 16 tiles: the last 45 tokens (three query tiles, the last
+        partial) of sequences of 100 and 61 tokens in a cache of 100 (keys past each length NaN: never read),
+        whose key ranges span several key tiles, with dk / dv summed over 3 splits of the queries; against the
+        reference on zeros past each length, and zero gradients there."""
+        from nsa.triton import _flash, compressed, window
+
+        bs, TQ, TK, lens = 4, 45, 100, np.array([100, 61], np.int32)
+        module, static, public, NK, used = {
+            "compressed": (compressed, dict(block_size=bs), nsa.compressed_attention, TK // bs, lens // bs),
+            "window": (window, dict(window_size=30), nsa.sliding_window_attention, TK, lens)}[op]
+        (q, k, v, do), _ = _inputs(2, TQ, 3, 1, 16, 16, NK, "float32")
+        past = np.arange(NK)[None, :, None, None] >= used[:, None, None, None]
+        kv_lens = jnp.asarray(lens)
+        fwd = _flash.default_config(q, k, v)._replace(block_m=16, block_n=16)
+        bwd = _flash.default_config(q, k, v, backward=True, query_span=TQ)._replace(block_m=16, block_n=16, splits=3)
+        out, res = module.forward(q, *(jnp.where(past, jnp.nan, x) for x in (k, v)), None, kv_lens, scale=0.25,
+                                  config=fwd, **static)
+        cotangent = (do, jnp.where(jnp.isfinite(out[1]), 1.0, 0.0)) if op == "compressed" else do
+        grads = module.backward(res, cotangent, scale=0.25, config=bwd, **static)[:3]
+        zero_k, zero_v = (jnp.where(past, 0.0, x) for x in (k, v))
+        out_ref, vjp = jax.vjp(lambda q, k, v: public(q, k, v, scale=0.25, kv_lens=kv_lens, implementation="xla",
+                                                      **static), q, zero_k, zero_v)
+        for name, y, y_ref in zip(["o", "lse"], jax.tree_util.tree_leaves(out), jax.tree_util.tree_leaves(out_ref)):
+            seen = np.isfinite(np.asarray(y_ref))
+            np.testing.assert_array_equal(np.isfinite(np.asarray(y)), seen)
+            assert_close(np.asarray(y)[seen], np.asarray(y_ref)[seen], TOLERANCE["float32"], name)
+        sizes = gradient_scales(q, zero_k, zero_v, do, 0.25)
+        for name, g, g_ref, size in zip(["dq", "dk", "dv"], grads, vjp(cotangent), sizes):
+            assert_close(g, g_ref, GRAD_TOLERANCE["float32"], name, size)
+        for g in grads[1:]:
+            assert not np.any(np.asarray(g)[np.broadcast_to(past, g.shape)])

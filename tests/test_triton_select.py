@@ -5,7 +5,8 @@ On the CPU (every test but the gpu-marked one) the kernel runs in Triton's inter
 exactly the XLA reference's block ids in the reference's rank order (the base compares sets with the
 float64 oracle): G = 3 with Dk = 24, block_counts beyond the blocks, float16; compressed rows that no
 query sees (NaN, never used) eager and with a traced cu_seqlens; compressed attention's lse given with
-programs whose tokens span two packed sequences. bfloat16 and wide heads run on the GPU.
+programs whose tokens span two packed sequences; queries at the end of a KV cache walking several chunks
+of compressed rows. bfloat16 and wide heads run on the GPU.
 """
 
 import jax
@@ -101,8 +102,29 @@ def test_given_lse_packed_tiles_across_sequences(interpreted):
     assert tb > 1 and any(c % tb for c in CU[1:-1]), "no program spans two sequences"  # tokens c - 1 and c
     lse = nsa.compressed_attention(q, k_cmp, k_cmp, block_size=bs, cu_seqlens=cu, implementation="xla")[1]
     assert np.any(np.isneginf(np.asarray(lse)))
-    got = select_with_lse(q, k_cmp, lse, 5, bs, None, cu, "triton")
+    got = select_with_lse(q, k_cmp, lse, 5, bs, None, cu, None, "triton")
     np.testing.assert_array_equal(np.asarray(got), np.asarray(_select("xla", q, k_cmp, 5, bs, cu)))
+
+
+@pytest.mark.parametrize("HQ, tq", [(16, 1), (3, 13)], ids=["G16-decode", "G3-chunk"])
+def test_cached_queries_over_several_chunks(interpreted, HQ, tq):
+    """The last tq tokens of sequences of 100 and 61 tokens in a KV cache, whose k_cmp (25 rows of 4 tokens:
+    NB = 25 candidate blocks) is NaN past each sequence's complete blocks (never read), walked in chunks of 16
+    rows (a Config), one token per program (G = 16) or 8 (G = 3, the last tile partial), with and without
+    compressed attention's lse: exactly the reference's ids (on zeros past each sequence)."""
+    B, TK, H, Dk, bs = 2, 100, 1, 16, 4
+    lens = np.array([100, 61], np.int32)
+    q, _ = _inputs(B, tq, HQ, H, Dk, bs, "float32")
+    _, k_cmp = _inputs(B, TK, HQ, H, Dk, bs, "float32")
+    past = np.arange(TK // bs)[None, :, None, None] >= (lens // bs)[:, None, None, None]
+    k_zero, kv_lens = jnp.where(past, 0.0, k_cmp), jnp.asarray(lens)
+    config = triton_select.default_config(q, k_cmp, block_counts=5, block_size=bs, kv_lens=kv_lens)._replace(chunk=16)
+    lse = nsa.compressed_attention(q, k_zero, k_zero, block_size=bs, kv_lens=kv_lens, implementation="xla")[1]
+    ref = nsa.select_blocks(q, k_zero, block_counts=5, block_size=bs, kv_lens=kv_lens, implementation="xla")
+    for given in (None, lse):
+        got = triton_select.forward(q, jnp.where(past, jnp.nan, k_cmp), given, None, kv_lens, block_counts=5,
+                                    block_size=bs, scale=Dk ** -0.5, config=config)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
 
 
 # ---------------------------------------------------------------------------------------- GPU

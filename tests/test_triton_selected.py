@@ -5,7 +5,8 @@ On the CPU (every test but the gpu-marked one) the kernels run in Triton's inter
 (tests/triton_interpreter.py; the base runs there too, tests/test_triton_interpreted.py) against the XLA
 reference on float32 copies of the same rounded inputs: lse (which the public op does not return), a
 block in two chunks (D = 256), traced cu_seqlens, keys that must never be read, rows that see nothing,
-tiles of several tokens sharing blocks, query lists split into many segments, and bitwise determinism.
+tiles of several tokens sharing blocks, query lists split into many segments, bitwise determinism, and
+one-token programs (G = 16) on queries at the end of a KV cache.
 bfloat16 and wide heads run on the GPU (here, and the whole base in tests/test_triton_gpu.py).
 """
 
@@ -41,10 +42,10 @@ def _f32(*arrays):
     return tuple(jnp.asarray(a, jnp.float32) for a in arrays)
 
 
-def _run(impl, q, k, v, do, idx, counts, bs, cu, jit=False):
+def _run(impl, q, k, v, do, idx, counts, bs, cu, jit=False, kv_lens=None):
     """o and (dq, dk, dv) of the public op with `impl`."""
     f = lambda q, k, v, cu: nsa.selected_attention(q, k, v, idx, block_counts=counts, block_size=bs,
-                                                   cu_seqlens=cu, implementation=impl)
+                                                   cu_seqlens=cu, kv_lens=kv_lens, implementation=impl)
 
     def run(q, k, v, do, cu):
         o, vjp = jax.vjp(lambda q, k, v: f(q, k, v, cu), q, k, v)
@@ -188,6 +189,30 @@ def test_tokens_of_a_tile_share_blocks(interpreted, shape, cu):
     assert np.any(lse == -np.inf) and np.any(np.isfinite(lse))
     seen = np.isfinite(lse_ref)
     assert_close(lse[seen], lse_ref[seen], TOLERANCE["float32"], "lse")
+
+
+@pytest.mark.parametrize("tq", [1, 13], ids=["decode", "chunk"])
+def test_cached_queries_one_token_per_program(interpreted, tq):
+    """G = 16 runs one token per program (the slot loop, forward and dq) on the last tq tokens of sequences of
+    45 and 30 tokens in a cache of 48 (keys past each length NaN: never read), with -1, future, far and
+    repeated entries and counts from 0 to S: o, dq, dk and dv against the reference on zeros past each
+    length, and zero dk / dv there."""
+    x = Inputs((2, 48, 16, 1, 16, 16, 8), "float32")
+    lens = np.array([45, 30], np.int32)
+    last = lambda y: np.stack([np.asarray(y)[b, n - tq:n] for b, n in enumerate(lens)])  # [B, tq, ...]
+    past = np.arange(48)[None, :, None, None] >= lens[:, None, None, None]
+    idx = last(x.block_indices(4))
+    counts = last(_counts("array", 2, 48, 1))
+    q, do, kv_lens = last(x.q), last(x.do), jnp.asarray(lens)
+    o, grads = _run("triton", q, jnp.where(past, jnp.nan, x.k), jnp.where(past, jnp.nan, x.v), do, idx, counts,
+                    x.block_size, None, kv_lens=kv_lens)
+    zero_k, zero_v = jnp.where(past, 0.0, x.k), jnp.where(past, 0.0, x.v)
+    o_ref, grads_ref = _run("xla", q, zero_k, zero_v, do, idx, counts, x.block_size, None, kv_lens=kv_lens)
+    sizes = [0.0] + gradient_scales(q, zero_k, zero_v, do, x.shape[4] ** -0.5)
+    for name, a, b, size in zip(("o", "dq", "dk", "dv"), (o, *grads), (o_ref, *grads_ref), sizes):
+        assert_close(a, b, 1e-5, name, size)
+    for g in grads[1:]:
+        assert not np.any(np.asarray(g)[np.broadcast_to(past, g.shape)])
 
 
 # ---------------------------------------------------------------------------------------- GPU

@@ -3,18 +3,26 @@
 The two branches differ only in which keys a query sees, and in both the visible keys of query t
 form one interval [lo[t], hi[t]] of key rows (empty when lo > hi):
 
-- sliding window: lo = max(sequence start, t - window_size + 1), hi = t, keys = k [B, T, H, Dk];
+- sliding window: lo = max(sequence start, r - window_size + 1), hi = r, keys = k [B, TK, H, Dk], with
+  r = start + pos(t) the query's own key row;
 - compressed: lo = cmp_start(t), hi = cmp_start(t) + (pos(t) + 1) // block_size - 1, keys = k_cmp.
 
-The op modules (window.py, compressed.py) compute lo and hi (int32 [T], shared by the batch) from
-`nsa._varlen.tokens`, so batched and packed sequences take one code path. Both ends are
-non-decreasing in t, hence the queries that see key row r also form an interval [first[r], last[r]]
-(two searchsorted, in XLA), which bounds the loop of the dk/dv kernel.
+The op modules (window.py, compressed.py) compute lo and hi from `nsa._varlen.tokens`, so batched,
+packed and cached sequences take one code path: int32 [T] shared by the batch, or [B, T] per batch row
+with kv_lens (a KV cache: query t of batch row b at position kv_lens[b] - T + t, the NK key rows possibly
+more than the T queries); the kernels take them as [B, T]. Both ends are non-decreasing in t, hence the
+queries that see key row r also form an interval [first[r], last[r]] (two searchsorted, in XLA), which
+bounds the loop of the dk/dv kernel. With kv_lens (CACHE) the forward and dq kernels load no key row past
+the last one their query tile sees, the dk/dv kernel no row that no query sees: a cache's rows past a
+sequence's length may hold anything, NaN too, and a loaded NaN times p = 0 would still be NaN. Without it
+every row of k is a real key, and the loads are bounded by NK alone, uniformly over a tile when BLOCK_N
+divides NK (the compiler then keeps one predicate per tile, not one per row).
 
 Layouts (contiguous): q [B, T, HQ, Dk], k [B, NK, H, Dk], v [B, NK, H, Dv], o / do [B, T, HQ, Dv],
-lse / delta [B, T, HQ] float32. Query head hq uses KV head hq // G, G = HQ // H. Head dims are padded
-to powers of two (>= 16) with masked loads; the logits are kept in base 2 (exp2) inside the kernels,
-lse is stored in natural log. All accumulation is float32; no atomics, so results are deterministic.
+lse / delta [B, T, HQ] float32, lo / hi [B, T] and first / last [B, NK] int32. Query head hq uses KV head
+hq // G, G = HQ // H. Head dims are padded to powers of two (>= 16) with masked loads; the logits are kept
+in base 2 (exp2) inside the kernels, lse is stored in natural log. All accumulation is float32; no
+atomics, so results are deterministic.
 """
 
 import functools
@@ -54,8 +62,8 @@ def _query_tile(LO, HI, T: tl.constexpr, NK: tl.constexpr, HQ: tl.constexpr, H: 
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """The queries of a (query tile program_id(0), b * HQ + hq = program_id(1)) program: (b as int64, the
     KV head h, the int64 rows (b * T + t) * HQ + hq of its BLOCK_M queries, which of them exist, their
-    lo / hi (padded queries see nothing), and the key rows [k_begin, k_end) any of them sees, k_begin
-    aligned to BLOCK_N)."""
+    lo / hi from LO / HI [B, T] (padded queries see nothing), and the key rows [k_begin, k_end) any of them
+    sees, k_begin aligned to BLOCK_N, k_end <= NK)."""
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // HQ).to(tl.int64)
@@ -63,8 +71,8 @@ def _query_tile(LO, HI, T: tl.constexpr, NK: tl.constexpr, HQ: tl.constexpr, H: 
     h = hq // (HQ // H)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_valid = offs_m < T
-    lo = tl.load(LO + offs_m, mask=m_valid, other=1)
-    hi = tl.load(HI + offs_m, mask=m_valid, other=0)
+    lo = tl.load(LO + b * T + offs_m, mask=m_valid, other=1)
+    hi = tl.load(HI + b * T + offs_m, mask=m_valid, other=0)
     seen = lo <= hi
     k_begin = tl.min(tl.where(seen, lo, NK), 0)
     k_end = tl.max(tl.where(seen, hi, -1), 0) + 1
@@ -74,13 +82,14 @@ def _query_tile(LO, HI, T: tl.constexpr, NK: tl.constexpr, HQ: tl.constexpr, H: 
 
 
 @triton.jit
-def _key_tile(K, V, q, lo, hi, n0, b, h, offs_dk, offs_dv, qk_scale, NK: tl.constexpr, H: tl.constexpr,
-              DK: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+def _key_tile(K, V, q, lo, hi, n0, k_end, b, h, offs_dk, offs_dv, qk_scale, NK: tl.constexpr, H: tl.constexpr,
+              DK: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, CACHE: tl.constexpr):
     """The key rows [n0, n0 + BLOCK_N) of KV head h against the query tile q (forward and dq): k
-    [BLOCK_N, BLOCK_DK] and v [BLOCK_N, BLOCK_DV] of K [B, NK, H, DK] / V [B, NK, H, DV], the base-2
-    logits [BLOCK_M, BLOCK_N], and which of them each query sees (key row in [lo, hi])."""
+    [BLOCK_N, BLOCK_DK] and v [BLOCK_N, BLOCK_DV] of K [B, NK, H, DK] / V [B, NK, H, DV] (rows past NK, and
+    with CACHE those from k_end on, past the tile's last visible one, read as 0), the base-2 logits
+    [BLOCK_M, BLOCK_N], and which of them each query sees (key row in [lo, hi])."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
-    n_valid = offs_n < NK
+    n_valid = offs_n < (k_end if CACHE else NK)
     kv_rows = (b * NK + offs_n) * H + h
     k = _tile(K, kv_rows, n_valid, offs_dk, DK)
     v = _tile(V, kv_rows, n_valid, offs_dv, DV)
@@ -102,14 +111,15 @@ def _softmax_stats(LSE, DELTA, q_rows, m_valid):
 def _fwd_kernel(Q, K, V, LO, HI, O, LSE,
                 T: tl.constexpr, NK: tl.constexpr, HQ: tl.constexpr, H: tl.constexpr,
                 DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SCALE: tl.constexpr, IEEE: tl.constexpr):
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SCALE: tl.constexpr, IEEE: tl.constexpr,
+                CACHE: tl.constexpr):
     """Forward: o [B, T, HQ, Dv] and lse [B, T, HQ] (natural log, -inf where nothing is seen).
 
     Grid (cdiv(T, BLOCK_M), B * HQ). One program owns the BLOCK_M queries [m0, m0 + BLOCK_M) of one
-    query head: it loads their q tile [BLOCK_M, BLOCK_DK] and lo / hi once, then walks the key tiles
+    query head: it loads their q tile [BLOCK_M, BLOCK_DK] and lo / hi [B, T] once, then walks the key tiles
     of BLOCK_N rows from the tile's smallest lo to its largest hi (only tiles that can be visible),
-    loading k [BLOCK_N, BLOCK_DK] and v [BLOCK_N, BLOCK_DV] of KV head hq // G, with an online
-    softmax in float32.
+    loading k [BLOCK_N, BLOCK_DK] and v [BLOCK_N, BLOCK_DV] of KV head hq // G (with CACHE up to that
+    largest hi), with an online softmax in float32.
     """
     b, h, q_rows, m_valid, lo, hi, k_begin, k_end = _query_tile(LO, HI, T=T, NK=NK, HQ=HQ, H=H, BLOCK_M=BLOCK_M,
                                                                 BLOCK_N=BLOCK_N)
@@ -122,8 +132,8 @@ def _fwd_kernel(Q, K, V, LO, HI, O, LSE,
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     qk_scale = SCALE * LOG2E  # base-2 logits
     for n0 in range(k_begin, k_end, BLOCK_N):
-        k, v, s, visible = _key_tile(K, V, q, lo, hi, n0, b, h, offs_dk, offs_dv, qk_scale, NK=NK, H=H, DK=DK,
-                                     DV=DV, BLOCK_N=BLOCK_N, IEEE=IEEE)
+        k, v, s, visible = _key_tile(K, V, q, lo, hi, n0, k_end, b, h, offs_dk, offs_dv, qk_scale, NK=NK, H=H,
+                                     DK=DK, DV=DV, BLOCK_N=BLOCK_N, IEEE=IEEE, CACHE=CACHE)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet: no NaN
@@ -145,11 +155,12 @@ def _fwd_kernel(Q, K, V, LO, HI, O, LSE,
 def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, LO, HI, DQ,
                    T: tl.constexpr, NK: tl.constexpr, HQ: tl.constexpr, H: tl.constexpr,
                    DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SCALE: tl.constexpr, IEEE: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SCALE: tl.constexpr, IEEE: tl.constexpr,
+                   CACHE: tl.constexpr):
     """Backward for q: dq [B, T, HQ, Dk] = scale * sum_j p * (dp - delta) k_j.
 
     Grid (cdiv(T, BLOCK_M), B * HQ), the forward's tiling: one program loads q [BLOCK_M, BLOCK_DK],
-    do [BLOCK_M, BLOCK_DV], lse, delta (= sum(o * do) - dlse, from XLA) and lo / hi of its queries,
+    do [BLOCK_M, BLOCK_DV], lse, delta (= sum(o * do) - dlse, from XLA) and lo / hi [B, T] of its queries,
     walks the same key tiles as the forward (k [BLOCK_N, BLOCK_DK], v [BLOCK_N, BLOCK_DV]),
     recomputes p from lse, and stores dq once.
     """
@@ -164,8 +175,8 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, LO, HI, DQ,
     dq = tl.zeros([BLOCK_M, BLOCK_DK], tl.float32)
     qk_scale = SCALE * LOG2E
     for n0 in range(k_begin, k_end, BLOCK_N):
-        k, v, s, visible = _key_tile(K, V, q, lo, hi, n0, b, h, offs_dk, offs_dv, qk_scale, NK=NK, H=H, DK=DK,
-                                     DV=DV, BLOCK_N=BLOCK_N, IEEE=IEEE)
+        k, v, s, visible = _key_tile(K, V, q, lo, hi, n0, k_end, b, h, offs_dk, offs_dv, qk_scale, NK=NK, H=H,
+                                     DK=DK, DV=DV, BLOCK_N=BLOCK_N, IEEE=IEEE, CACHE=CACHE)
         visible = visible & row_seen[:, None]
         p = tl.where(visible, tl.exp2(s - lse2[:, None]), 0.0)
         dp = _mm(do, tl.trans(v), IEEE)
@@ -181,18 +192,19 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, LO, HI, FIRST, LAST, DK_OUT, DV_OU
                      T: tl.constexpr, NK: tl.constexpr, HQ: tl.constexpr, H: tl.constexpr,
                      DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SCALE: tl.constexpr, IEEE: tl.constexpr,
-                     SPLIT_M: tl.constexpr):
+                     CACHE: tl.constexpr, SPLIT_M: tl.constexpr):
     """Backward for k and v: dk [NSPLIT, B, NK, H, Dk], dv [NSPLIT, B, NK, H, Dv], summed over the G
     query heads and over the queries of one split of SPLIT_M queries (the caller sums the splits).
 
     Grid (cdiv(NK, BLOCK_N), NSPLIT, B * H). One program owns the key rows [n0, n0 + BLOCK_N) of one
-    KV head h and the queries [s * SPLIT_M, (s + 1) * SPLIT_M): it loads k [BLOCK_N, BLOCK_DK],
-    v [BLOCK_N, BLOCK_DV] and the query range [first, last] of each row once, then for each query head
-    hq = h * G + g walks only the query tiles of BLOCK_M queries of its split between the smallest
-    first and the largest last (the queries that can see the tile; rows of several packed sequences may
-    share a tile), loading q, do, lse, delta and lo / hi of each. dk and dv accumulate in float32 in
-    registers and are stored once (every row, also rows nobody sees). Splitting the queries keeps the
-    GPU busy when few key tiles each see many queries (compressed attention: NK = T / block_size).
+    KV head h and the queries [s * SPLIT_M, (s + 1) * SPLIT_M): it loads the query range [first, last]
+    of each row (FIRST / LAST [B, NK]), and k [BLOCK_N, BLOCK_DK] and v [BLOCK_N, BLOCK_DV] (with CACHE
+    only the rows some query sees, the others read as 0) once, then for each query head hq = h * G + g walks only the
+    query tiles of BLOCK_M queries of its split between the smallest first and the largest last (the
+    queries that can see the tile; rows of several packed sequences may share a tile), loading q, do,
+    lse, delta and lo / hi of each. dk and dv accumulate in float32 in registers and are stored once
+    (every row, zero for rows nobody sees). Splitting the queries keeps the GPU busy when few key tiles
+    each see many queries (compressed attention: NK = T / block_size).
     """
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
@@ -203,8 +215,8 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, LO, HI, FIRST, LAST, DK_OUT, DV_OU
 
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_valid = offs_n < NK
-    first = tl.load(FIRST + offs_n, mask=n_valid, other=T)
-    last = tl.load(LAST + offs_n, mask=n_valid, other=-1)
+    first = tl.load(FIRST + b * NK + offs_n, mask=n_valid, other=T)
+    last = tl.load(LAST + b * NK + offs_n, mask=n_valid, other=-1)
     used = first <= last
     q_begin = tl.min(tl.where(used, first, T), 0)
     q_end = tl.max(tl.where(used, last, -1), 0) + 1
@@ -214,8 +226,9 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, LO, HI, FIRST, LAST, DK_OUT, DV_OU
     offs_dk = tl.arange(0, BLOCK_DK)
     offs_dv = tl.arange(0, BLOCK_DV)
     kv_rows = (b * NK + offs_n) * H + h
-    k = _tile(K, kv_rows, n_valid, offs_dk, DK)
-    v = _tile(V, kv_rows, n_valid, offs_dv, DV)
+    loaded = used if CACHE else n_valid
+    k = _tile(K, kv_rows, loaded, offs_dk, DK)
+    v = _tile(V, kv_rows, loaded, offs_dv, DV)
 
     dk = tl.zeros([BLOCK_N, BLOCK_DK], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
@@ -225,8 +238,8 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, LO, HI, FIRST, LAST, DK_OUT, DV_OU
         for m0 in range(q_begin, q_end, BLOCK_M):
             offs_m = m0 + tl.arange(0, BLOCK_M)
             m_valid = offs_m < T
-            lo = tl.load(LO + offs_m, mask=m_valid, other=1)
-            hi = tl.load(HI + offs_m, mask=m_valid, other=0)
+            lo = tl.load(LO + b * T + offs_m, mask=m_valid, other=1)
+            hi = tl.load(HI + b * T + offs_m, mask=m_valid, other=0)
             q_rows = (b * T + offs_m) * HQ + hq
             q = _tile(Q, q_rows, m_valid, offs_dk, DK)
             do = _tile(DO, q_rows, m_valid, offs_dv, DV)
@@ -305,32 +318,39 @@ def _query_splits(T, num_key_tiles, batch_heads, query_span, block_m):
     return max(1, min(wanted, -(-query_span // 256), -(-T // block_m)))
 
 
-def _meta(q, k, v, cfg, scale):
+def _meta(q, k, v, lo, cfg, scale):
+    """The constexprs of every flash kernel; CACHE: lo per batch row (kv_lens), k and v a KV cache."""
     _, T, HQ, dk = q.shape
     NK, H, dv = k.shape[1], k.shape[2], v.shape[3]
     return dict(T=T, NK=NK, HQ=HQ, H=H, DK=dk, DV=dv, BLOCK_DK=pow2(dk), BLOCK_DV=pow2(dv), BLOCK_M=cfg.block_m,
-                BLOCK_N=cfg.block_n, SCALE=float(scale), IEEE=bool(q.dtype == jnp.float32),
+                BLOCK_N=cfg.block_n, SCALE=float(scale), IEEE=bool(q.dtype == jnp.float32), CACHE=lo.ndim == 2,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def _check(q, k, v, lo):
     B, T, HQ, _ = q.shape
     H = k.shape[2]
-    assert HQ % H == 0 and k.shape[:3] == v.shape[:3] and k.shape[0] == B and lo.shape == (T,)
+    assert HQ % H == 0 and k.shape[:3] == v.shape[:3] and k.shape[0] == B and lo.shape in ((T,), (B, T))
+
+
+def _per_batch(x, B):
+    """An int32 range end [N] shared by the batch, or [B, N], as the kernels take it: [B, N]."""
+    return jnp.broadcast_to(x, (B, x.shape[-1]))
 
 
 def attend(q, k, v, lo, hi, *, scale, config=None):
-    """o [B, T, HQ, Dv] (q's dtype) and lse [B, T, HQ] float32 of query t over key rows [lo[t], hi[t]];
-    config: a forward Config (None: `default_config`)."""
+    """o [B, T, HQ, Dv] (q's dtype) and lse [B, T, HQ] float32 of query t over key rows [lo[t], hi[t]] (lo, hi
+    int32 [T] shared by the batch, or [B, T] per batch row of a KV cache k, v, whose rows past a sequence are
+    never read); config: a forward Config (None: `default_config`)."""
     _check(q, k, v, lo)
     B, T, HQ, _ = q.shape
     cfg = default_config(q, k, v) if config is None else config
     return _launch.launch(
         _fwd_kernel, grid=(triton.cdiv(T, cfg.block_m), B * HQ),
-        inputs=dict(Q=q, K=k, V=v, LO=lo, HI=hi),
+        inputs=dict(Q=q, K=k, V=v, LO=_per_batch(lo, B), HI=_per_batch(hi, B)),
         outputs=dict(O=_launch.shape_dtype((B, T, HQ, v.shape[3]), q.dtype),
                      LSE=_launch.shape_dtype((B, T, HQ), jnp.float32)),
-        **_meta(q, k, v, cfg, scale))
+        **_meta(q, k, v, lo, cfg, scale))
 
 
 def attend_backward(q, k, v, lo, hi, o, lse, do, dlse=None, *, scale, query_span, config=None):
@@ -348,11 +368,11 @@ def attend_backward(q, k, v, lo, hi, o, lse, do, dlse=None, *, scale, query_span
     if dlse is not None:
         delta = delta - jnp.where(jnp.isfinite(lse), dlse.astype(jnp.float32), 0.0)
     do = do.astype(q.dtype)
-    meta = _meta(q, k, v, cfg, scale)
-    softmax = dict(Q=q, K=k, V=v, DO=do, LSE=lse, DELTA=delta, LO=lo, HI=hi)
+    meta = _meta(q, k, v, lo, cfg, scale)
+    softmax = dict(Q=q, K=k, V=v, DO=do, LSE=lse, DELTA=delta, LO=_per_batch(lo, B), HI=_per_batch(hi, B))
     [dq] = _launch.launch(_bwd_dq_kernel, grid=(triton.cdiv(T, cfg.block_m), B * HQ), inputs=softmax,
                           outputs=dict(DQ=_launch.shape_dtype(q.shape, q.dtype)), **meta)
-    first, last = _varlen.query_ranges(lo, hi, NK)
+    first, last = (_per_batch(x, B) for x in _varlen.query_ranges(lo, hi, NK))
     split_m = triton.cdiv(triton.cdiv(T, cfg.splits), cfg.block_m) * cfg.block_m
     splits = triton.cdiv(T, split_m)
     part = lambda x: _launch.shape_dtype((splits,) + x.shape, x.dtype if splits == 1 else jnp.float32)

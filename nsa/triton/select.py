@@ -19,13 +19,16 @@ so the key order is the rank order, ties going to the lower id. A chunk's best S
 descending) against the running top (ascending) take their elementwise maximum, the SP best of
 both as a bitonic sequence, which tl.bitonic_merge sorts again; chunks that cannot enter any token's
 top are skipped. Everything is float32 whatever the input dtype; a row's result depends only on its
-own loads, so it is deterministic. Batched and packed sequences take one path: the kernel reads pos
-and cmp_start (nsa._varlen.tokens) per token, and the tokens of one tile may belong to several
-packed sequences (each token has its own visible rows, candidates and top).
+own loads, so it is deterministic. Batched, packed and cached sequences take one path: the kernel reads
+pos and cmp_start (nsa._varlen.tokens) per token of each batch row, and the tokens of one tile may belong
+to several packed sequences (each token has its own visible rows, candidates and top). With kv_lens (a
+KV cache) the T queries are the last tokens of sequences of kv_lens[b] tokens that k_cmp covers: query t
+of batch row b is at position kv_lens[b] - T + t, and may have up to NB = max(ceil(T / bs), NC) blocks;
+the rows of k_cmp past the visible ones (a cache's partial or unwritten blocks) are never loaded.
 
-Layouts (contiguous): q [B, T, HQ, Dk], k_cmp [B, NC, H, Dk], lse [B, T, HQ] float32,
-out [B, T, H, S] int32; query head hq uses KV head hq // G. Token offsets are computed in int64
-(b * T + t can be multiplied past 2^31).
+Layouts (contiguous): q [B, T, HQ, Dk], k_cmp [B, NC, H, Dk], lse [B, T, HQ] float32, pos and cmp_start
+[B, T] int32, out [B, T, H, S] int32; query head hq uses KV head hq // G. Token offsets are computed in
+int64 (b * T + t can be multiplied past 2^31).
 """
 
 from typing import NamedTuple
@@ -93,11 +96,12 @@ def _select_kernel(q, k_cmp, lse, pos, cmp_start, out,
 
     Grid: (cdiv(T, TB), B * H). Tile: M = TB * GR query rows, row i = token t0 + i // GR, head
     h * G + i % GR (heads >= G and tokens >= T masked), against BC compressed rows at a time.
-    Loads q [B, T, HQ, DK] once (M x DKP), pos and cmp_start [T] (int32, shared by the batch) per token
-    and per row, lse [B, T, HQ] (M rows, when HAS_LSE), then the key chunks k_cmp [B, NC, H, DK]
-    (DKP x BC). The chunks walk the rows of k_cmp from the tile's lowest cmp_start, and load the rows
-    below the tile's last visible one (vis_end, at most NC): rows past it are never read; the partial last block of
-    a packed sequence may be loaded when the tile holds the next sequence's tokens, but no query uses it.
+    Loads q [B, T, HQ, DK] once (M x DKP), pos and cmp_start [B, T] (int32) of batch row b per token and
+    per row, lse [B, T, HQ] (M rows, when HAS_LSE), then the key chunks k_cmp [B, NC, H, DK] (DKP x BC).
+    The chunks walk the rows of k_cmp from the tile's lowest cmp_start, and load the rows below the
+    tile's last visible one (vis_end, at most NC): rows past it are never read (a cache's partial or
+    unwritten blocks); the partial last block of a packed sequence may be loaded when the tile holds the
+    next sequence's tokens, but no query uses it.
     Without HAS_LSE a first pass up to vis_end computes the lse of each query row; the second pass up
     to the last candidate block (the current block may be one past the visible rows) sums the
     probabilities over each token's heads ([M, BC] -> [TB, GR, BC]) and merges the chunk into the
@@ -110,6 +114,9 @@ def _select_kernel(q, k_cmp, lse, pos, cmp_start, out,
     b = (bh // H).to(tl.int64)
     h = bh % H
     M: tl.constexpr = TB * GR
+
+    pos += b * T  # this batch row's tokens
+    cmp_start += b * T
 
     # each token of the tile [TB]: its sequence's first compressed row, visible rows and current block
     tok = t0 + tl.arange(0, TB)
@@ -192,8 +199,9 @@ class Config(NamedTuple):
     num_stages: int
 
 
-def default_config(q, k_cmp, *, block_counts, block_size):
-    """The Config for q [B, T, HQ, Dk] against k_cmp [B, NC, H, Dk].
+def default_config(q, k_cmp, *, block_counts, block_size, kv_lens=None):
+    """The Config for q [B, T, HQ, Dk] against k_cmp [B, NC, H, Dk] (kv_lens: whether the queries end
+    sequences of a KV cache, only its presence counts).
 
     TB tokens per tile so that their heads, G padded to GR = a power of two, fill TB * GR = 64 rows, 32
     in float32 (one token when G is larger; fewer for a short T, never under tl.dot's 16 rows). BC = 64
@@ -204,19 +212,26 @@ def default_config(q, k_cmp, *, block_counts, block_size):
     took select at T = 65536 (1024 blocks) from 11.66 to 11.36 ms but at T = 8192 (128 blocks, about one
     chunk) from 0.49 to 0.70 ms (more shared memory, fewer resident programs, nothing to overlap).
     """
-    T, sizes = q.shape[1], _sizes(q, k_cmp, block_counts, block_size)
+    T, sizes = q.shape[1], _sizes(q, k_cmp, block_counts, block_size, kv_lens)
     itemsize = jnp.dtype(q.dtype).itemsize
-    gr, dkp, sp, num_blocks = sizes["GR"], sizes["DKP"], sizes["SP"], cdiv(T, block_size)
+    gr, dkp, sp, num_blocks = sizes["GR"], sizes["DKP"], sizes["SP"], _num_blocks(q, k_cmp, block_size, kv_lens)
     tb = max(16 // gr, min(max(1, (_ROWS_FP32 if itemsize == 4 else _ROWS) // gr), triton.next_power_of_2(T)))
     bc = max(sp, min(64, max(16, triton.next_power_of_2(num_blocks))))
     largest = max(tb * gr * dkp * itemsize, dkp * bc * itemsize, tb * gr * bc * 4, tb * bc * 8)
     return Config(tb, bc, 8 if largest > 16384 else 4, 2 if num_blocks >= 4 * bc else 1)
 
 
-def _sizes(q, k_cmp, block_counts, block_size):
+def _num_blocks(q, k_cmp, block_size, kv_lens):
+    """NB, the most in-sequence blocks a query can have: those of the T queries, or with kv_lens those of the
+    longest sequence k_cmp covers (as nsa.reference.select)."""
+    blocks = cdiv(q.shape[1], block_size)
+    return blocks if kv_lens is None else max(blocks, k_cmp.shape[1])
+
+
+def _sizes(q, k_cmp, block_counts, block_size, kv_lens):
     """What the shapes fix: GR (the group G padded to a power of two), DKP (Dk padded, >= 16), S (the
-    slots the kernel fills: at most the blocks of the longest sequence) and SP (S padded, >= 2)."""
-    slots = min(block_counts, cdiv(q.shape[1], block_size))
+    slots the kernel fills: at most NB, the blocks of the longest sequence) and SP (S padded, >= 2)."""
+    slots = min(block_counts, _num_blocks(q, k_cmp, block_size, kv_lens))
     return dict(GR=triton.next_power_of_2(q.shape[2] // k_cmp.shape[2]), DKP=pow2(q.shape[3]), S=slots,
                 SP=max(2, triton.next_power_of_2(slots)))
 
@@ -225,18 +240,19 @@ def forward(q, k_cmp, lse, cu_seqlens, kv_lens=None, *, block_counts, block_size
     """Returns block_indices int32 [B, T, H, block_counts] (in-sequence block ids), as the reference.
 
     lse [B, T, HQ] (compressed attention's of the same q and k_cmp) saves the kernel its first pass;
-    None computes it. config: a Config (None: `default_config`)."""
-    if kv_lens is not None:  # TEMPORARY (issue 10): being added to the kernels
-        raise NotImplementedError("kv_lens is not supported by this kernel yet")
+    None computes it. kv_lens int [B] or None places the queries at the end of longer sequences
+    (`nsa._varlen.tokens`), which k_cmp covers. config: a Config (None: `default_config`)."""
     B, T, HQ, Dk = q.shape
     NC, H = k_cmp.shape[1], k_cmp.shape[2]
-    cfg = default_config(q, k_cmp, block_counts=block_counts, block_size=block_size) if config is None else config
-    sizes = _sizes(q, k_cmp, block_counts, block_size)
-    tok = tokens(T, block_size, cu_seqlens)
+    cfg = config if config is not None else default_config(q, k_cmp, block_counts=block_counts,
+                                                           block_size=block_size, kv_lens=kv_lens)
+    sizes = _sizes(q, k_cmp, block_counts, block_size, kv_lens)
+    tok = tokens(T, block_size, cu_seqlens, kv_lens)
+    per_batch = lambda x: jnp.broadcast_to(x, (B, T))
     lse_arg = jnp.zeros((1,), jnp.float32) if lse is None else lse.astype(jnp.float32)  # unread when None
     [idx] = _launch.launch(
         _select_kernel, grid=(cdiv(T, cfg.tokens), B * H),
-        inputs=dict(q=q, k_cmp=k_cmp, lse=lse_arg, pos=tok.pos[0], cmp_start=tok.cmp_start[0]),
+        inputs=dict(q=q, k_cmp=k_cmp, lse=lse_arg, pos=per_batch(tok.pos), cmp_start=per_batch(tok.cmp_start)),
         outputs=dict(out=_launch.shape_dtype((B, T, H, sizes["S"]), jnp.int32)),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, T=T, NC=NC, H=H, G=HQ // H, DK=Dk, BS=block_size,
         SCALE=float(scale), IEEE=bool(q.dtype == jnp.float32), HAS_LSE=lse is not None, TB=cfg.tokens,

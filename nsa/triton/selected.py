@@ -14,10 +14,10 @@ The decomposition follows fla's NSA kernels (batching the tokens of small groups
   16 rows or more: groups of 16 or more run one token per program (TB = 1), smaller groups batch
   TB = 16 / GR tokens instead of padding a group to 16 rows. TB = 1 loops over the token's S slots (a
   block listed twice is loaded and attended twice). TB > 1 loads each distinct block its tokens list once
-  for the whole tile: the TB * S slots are named by the token where their block starts (sequence start +
+  for the whole tile: the TB * S slots are named by the key row where their block starts (sequence start +
   block * block_size, so equal in-sequence ids of two packed sequences are two blocks), sorted, and
   ranked by an associative scan, and block i of the loop is the value of rank i + 1. Row r sees key u of
-  the block iff its token lists the block and u <= that token; a token that lists the block k times adds
+  the block iff its token lists the block and u <= that token's position; a token that lists the block k times adds
   log2(k) to its rows' logits. Both loops are for loops with no carried block state, which Triton
   software-pipelines (the next block's keys load while this one is computed);
 - backward: delta = sum(o * do) in XLA, then `_dq_kernel` on the forward's grid and tiles, recomputing the
@@ -33,8 +33,15 @@ The decomposition follows fla's NSA kernels (batching the tokens of small groups
   lists, E = B * T * H * S entries), each [block_size, Dk] and [block_size, Dv] in float32: 512 MiB at
   B = 1, T = 65536, H = 4, S = 16, block_size 64, Dk = Dv = 128 (L = 1024, 8192 segments).
 
-Every array is indexed as [B, T, heads, D] row-major; token offsets (b * T + t) are computed in
-int64 before they are multiplied by heads * D, which can pass 2^31.
+With kv_lens (a KV cache) the T queries are the last tokens of sequences of kv_lens[b] tokens in k, v
+[B, TK, H, D] (TK >= T): query t of batch row b sits at position kv_lens[b] - T + t (`nsa._varlen.tokens`:
+pos and start are then per batch row), which indexes k's rows directly, and the dk/dv lists run over the
+NR = ceil(TK / block_size) block rows of each (batch, KV head). No kernel loads a key past the position
+of its batch row's last query, so a cache's rows at or past kv_lens[b] (anything, NaN too) never reach a
+result, and get zero gradients. Without kv_lens TK = T.
+
+Every array is indexed as [B, T, heads, D] (keys [B, TK, H, D]) row-major; token offsets (b * T + t) are
+computed in int64 before they are multiplied by heads * D, which can pass 2^31.
 """
 
 from typing import NamedTuple
@@ -90,72 +97,73 @@ def _valid_blocks(block_idx, block_counts, list_row, last, S: tl.constexpr, SP: 
 @triton.jit
 def _token_blocks(block_idx, block_counts, pos, start, b, h, T: tl.constexpr, H: tl.constexpr, BS: tl.constexpr,
                   S: tl.constexpr, SP: tl.constexpr):
-    """The one token t = program_id(0) of a TB = 1 tile: (its in-sequence position, its sequence start, its
-    slots as _valid_blocks)."""
+    """The one token t = program_id(0) of a TB = 1 tile: (its in-sequence position and sequence start, from
+    pos and start [B, T], its slots as _valid_blocks)."""
     t = tl.program_id(0)
-    p_t = tl.load(pos + t)
-    return p_t, tl.load(start + t), _valid_blocks(block_idx, block_counts, (b * T + t) * H + h, p_t // BS, S=S,
+    p_t = tl.load(pos + b * T + t)
+    return p_t, tl.load(start + b * T + t), _valid_blocks(block_idx, block_counts, (b * T + t) * H + h, p_t // BS, S=S,
                                                   SP=SP)
 
 
 @triton.jit
-def _tile_blocks(block_idx, block_counts, pos, start, b, h, T: tl.constexpr, H: tl.constexpr, BS: tl.constexpr,
-                 S: tl.constexpr, SP: tl.constexpr, TB: tl.constexpr):
+def _tile_blocks(block_idx, block_counts, pos, start, b, h, T: tl.constexpr, TK: tl.constexpr, H: tl.constexpr,
+                 BS: tl.constexpr, S: tl.constexpr, SP: tl.constexpr, TB: tl.constexpr):
     """The distinct blocks the TB tokens of the tile list, in increasing order, so that each is loaded once.
 
-    A block is named by the token where it starts, sequence start + block * BS (T for a skipped slot), so
-    that the same block id in two packed sequences names two blocks. Returns (tile, num): tile = (p, seq
-    [TB]: the tokens' in-sequence positions and sequence starts, tokens past T clamped to T - 1; firsts
+    A block is named by its first key row, sequence start + block * BS (TK for a skipped slot), so that
+    the same block id in two packed sequences names two blocks. Returns (tile, num): tile = (p, seq [TB]:
+    the tokens' in-sequence positions and sequence starts from pos and start [B, T], tokens past T clamped
+    to T - 1; firsts
     [TB, SP]: their slots so named; in_order [TB * SP]: firsts sorted; rank [TB * SP]: 1 + the number of
     distinct values below each), num: the number of distinct blocks. Block i < num starts at token
     min(in_order where rank == i + 1): _tile_block computes it from i alone, so the loop over the blocks
     has a trip count and no carried state, and Triton software-pipelines it."""
     t = tl.minimum(tl.program_id(0) * TB + tl.arange(0, TB), T - 1)
-    p = tl.load(pos + t)
-    seq = tl.load(start + t)
+    p = tl.load(pos + b * T + t)
+    seq = tl.load(start + b * T + t)
     blk = _valid_blocks(block_idx, block_counts, ((b * T + t) * H + h)[:, None], (p // BS)[:, None], S=S, SP=SP)
-    firsts = tl.where(blk >= 0, seq[:, None] + blk * BS, T)
+    firsts = tl.where(blk >= 0, seq[:, None] + blk * BS, TK)
     in_order = tl.sort(tl.reshape(firsts, [TB * SP]))
     _, _, rank = tl.associative_scan((in_order, in_order, tl.full([TB * SP], 1, tl.int32)), 0, _runs)
-    return (p, seq, firsts, in_order, rank), tl.max(tl.where(in_order < T, rank, 0))
+    return (p, seq, firsts, in_order, rank), tl.max(tl.where(in_order < TK, rank, 0))
 
 
 @triton.jit
-def _tile_block(i, tile, T: tl.constexpr, BS: tl.constexpr, TB: tl.constexpr, GR: tl.constexpr):
+def _tile_block(i, tile, TK: tl.constexpr, BS: tl.constexpr, TB: tl.constexpr, GR: tl.constexpr):
     """Block i of the tile of _tile_blocks, as _attend takes it: (its block id; its sequence start s_blk; the last
-    position a row sees in it; p0 = t0 - s_blk, the tile's first token t0 as a position in the block's
-    sequence, so that row r's token is at position p0 + r // GR; row_bias [R, 1]: log2 of how many times
-    the row's token lists the block, -inf where it does not, so that a block listed twice weighs twice and
-    a row whose token does not list it sees none of it). The tokens that list a block are all of its
-    sequence.
+    position a row sees in it; p0 = r0 - s_blk, the key row r0 of the tile's first token (the smallest: key
+    rows, start + pos, grow with the token) as a position in the block's sequence, so that row r's token is
+    at position p0 + r // GR; row_bias [R, 1]: log2 of how many times the row's token lists the block, -inf
+    where it does not, so that a block listed twice weighs twice and a row whose token does not list it sees
+    none of it). The tokens that list a block are all of its sequence.
     """
     p, seq, firsts, in_order, rank = tile
-    first = tl.min(tl.where(rank == i + 1, in_order, T))
+    first = tl.min(tl.where(rank == i + 1, in_order, TK))
     listed = tl.sum((firsts == first).to(tl.float32), 1)  # [TB]
     seq_start = tl.max(tl.where(listed > 0, seq, 0))
-    t0 = tl.program_id(0) * TB
-    return ((first - seq_start) // BS, seq_start, tl.max(tl.where(listed > 0, p, -1)), t0 - seq_start,
+    return ((first - seq_start) // BS, seq_start, tl.max(tl.where(listed > 0, p, -1)), tl.min(seq + p) - seq_start,
             _per_row(tl.where(listed > 0, tl.log2(tl.maximum(listed, 1.0)), float("-inf")), TB=TB, GR=GR)[:, None])
 
 
 @triton.jit
-def _block_keys(blk, chunk, p_last, s_blk, b, T: tl.constexpr, BS: tl.constexpr, BSP: tl.constexpr):
-    """Keys chunk * BSP + j, j < BSP, of in-sequence block blk of the sequence starting at token s_blk of
+def _block_keys(blk, chunk, p_last, s_blk, b, TK: tl.constexpr, BS: tl.constexpr, BSP: tl.constexpr):
+    """Keys chunk * BSP + j, j < BSP, of in-sequence block blk of the sequence starting at key row s_blk of
     batch row b, up to position p_last: (their positions in the sequence, which are loaded (none if blk <
-    0), their int64 global token rows, in bounds also where not loaded)."""
+    0; none past p_last, so none past a cache's length), their int64 global rows of k [B, TK, H, DK], in
+    bounds also where not loaded)."""
     j = chunk * BSP + tl.arange(0, BSP)
     key_pos = blk * BS + j
     seen = (blk >= 0) & (j < BS) & (key_pos <= p_last)
-    return key_pos, seen, b * T + s_blk + tl.where(seen, key_pos, 0)
+    return key_pos, seen, b * TK + s_blk + tl.where(seen, key_pos, 0)
 
 
 @triton.jit
 def _attend(q_tile, k, v, m, l_sum, acc, block, b, h,
-            T: tl.constexpr, H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BS: tl.constexpr,
+            TK: tl.constexpr, H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BS: tl.constexpr,
             SCALE: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr, BSP: tl.constexpr, NSUB: tl.constexpr,
             TB: tl.constexpr, GR: tl.constexpr):
     """The forward tile q_tile [R, DKP] against one block, block = (blk, s_blk, p_last, p0, row_bias) as
-    _tile_block gives it: the keys of block blk of the sequence starting at token s_blk, up to position
+    _tile_block gives it: the keys of block blk of the sequence starting at key row s_blk, up to position
     p_last (_block_keys), are loaded once; row r (of token TB-tile-index r // GR) sees the key at position
     u iff u <= p0 + r // GR, with row_bias (a scalar or [R, 1]) added to its base-2 logits. Returns the
     online softmax state (running max m, sum l_sum [R], acc [R, DVP], float32) updated."""
@@ -163,7 +171,7 @@ def _attend(q_tile, k, v, m, l_sum, acc, block, b, h,
     dk = tl.arange(0, DKP)
     dv = tl.arange(0, DVP)
     for chunk in tl.static_range(NSUB):  # the block in chunks of BSP keys
-        key_pos, seen, key_row = _block_keys(blk, chunk, p_last, s_blk, b, T=T, BS=BS, BSP=BSP)
+        key_pos, seen, key_row = _block_keys(blk, chunk, p_last, s_blk, b, TK=TK, BS=BS, BSP=BSP)
         k_t = tl.load(k + (key_row * H + h)[None, :] * DK + dk[:, None],
                       mask=seen[None, :] & (dk < DK)[:, None], other=0.0)  # [DKP, BSP]
         v_tile = tl.load(v + (key_row * H + h)[:, None] * DV + dv[None, :],
@@ -183,7 +191,7 @@ def _attend(q_tile, k, v, m, l_sum, acc, block, b, h,
 
 @triton.jit
 def _fwd_kernel(q, k, v, block_idx, block_counts, pos, start, o, lse,
-                T: tl.constexpr, H: tl.constexpr, G: tl.constexpr, S: tl.constexpr, DK: tl.constexpr,
+                T: tl.constexpr, TK: tl.constexpr, H: tl.constexpr, G: tl.constexpr, S: tl.constexpr, DK: tl.constexpr,
                 DV: tl.constexpr, BS: tl.constexpr, SCALE: tl.constexpr, GR: tl.constexpr, TB: tl.constexpr,
                 DKP: tl.constexpr, DVP: tl.constexpr, BSP: tl.constexpr, NSUB: tl.constexpr, SP: tl.constexpr):
     """Forward of selected attention for TB consecutive query tokens of one KV head.
@@ -191,12 +199,12 @@ def _fwd_kernel(q, k, v, block_idx, block_counts, pos, start, o, lse,
     Grid: (ceil(T / TB), B * H). Tile: R = TB * GR rows (_tile_rows: the G heads of each token padded to
     GR = next_pow2(G)) against one key block of BS tokens at a time, in NSUB chunks of BSP keys.
     TB = 1 (G >= 16) walks the token's S slots in order, a block listed twice loaded twice. TB > 1 walks
-    the distinct blocks its tokens list (_tile_blocks), in increasing order of first token, each loaded
+    the distinct blocks its tokens list (_tile_blocks), in increasing order of first key row, each loaded
     once for the tile; a token that lists a block k times adds log2(k) to its rows' logits.
     Loads q [B, T, HQ, DK] (R x DKP), the slots of block_idx [B, T, H, S] with block_counts [B, T, H],
-    pos and start [T] (each token's in-sequence position and sequence start) of the tile's tokens, then
-    per block k [B, T, H, DK] (DKP x BSP) and v [B, T, H, DV] (BSP x DVP) up to the last token of the tile
-    that lists it. Stores o [B, T, HQ, DV] in o's dtype and lse [B, T, HQ] (float32, natural log, -inf
+    pos and start [B, T] (each token's in-sequence position and sequence start) of the tile's tokens, then
+    per block k [B, TK, H, DK] (DKP x BSP) and v [B, TK, H, DV] (BSP x DVP) up to the last position of the
+    tile's tokens that list it. Stores o [B, T, HQ, DV] in o's dtype and lse [B, T, HQ] (float32, natural log, -inf
     where nothing is seen).
     """
     bh = tl.program_id(1)
@@ -214,14 +222,16 @@ def _fwd_kernel(q, k, v, block_idx, block_counts, pos, start, o, lse,
         p_t, s_t, blocks = _token_blocks(block_idx, block_counts, pos, start, b, h, T=T, H=H, BS=BS, S=S, SP=SP)
         for slot in range(S):  # no branch on the slot: masked loads, so the pipeliner overlaps the blocks
             blk = tl.max(tl.where(tl.arange(0, SP) == slot, blocks, -1), 0)  # -1: skipped, nothing is loaded
-            m, l_sum, acc = _attend(q_tile, k, v, m, l_sum, acc, (blk, s_t, p_t, p_t, 0.0), b, h, T=T, H=H, DK=DK,
-                                    DV=DV, BS=BS, SCALE=SCALE, DKP=DKP, DVP=DVP, BSP=BSP, NSUB=NSUB, TB=TB, GR=GR)
+            m, l_sum, acc = _attend(q_tile, k, v, m, l_sum, acc, (blk, s_t, p_t, p_t, 0.0), b, h, TK=TK, H=H,
+                                    DK=DK, DV=DV, BS=BS, SCALE=SCALE, DKP=DKP, DVP=DVP, BSP=BSP, NSUB=NSUB, TB=TB,
+                                    GR=GR)
     else:
-        tile, num = _tile_blocks(block_idx, block_counts, pos, start, b, h, T=T, H=H, BS=BS, S=S, SP=SP, TB=TB)
+        tile, num = _tile_blocks(block_idx, block_counts, pos, start, b, h, T=T, TK=TK, H=H, BS=BS, S=S, SP=SP,
+                                 TB=TB)
         for i in range(num):
-            m, l_sum, acc = _attend(q_tile, k, v, m, l_sum, acc, _tile_block(i, tile, T=T, BS=BS, TB=TB, GR=GR), b, h,
-                                    T=T, H=H, DK=DK, DV=DV, BS=BS, SCALE=SCALE, DKP=DKP, DVP=DVP, BSP=BSP,
-                                    NSUB=NSUB, TB=TB, GR=GR)
+            block = _tile_block(i, tile, TK=TK, BS=BS, TB=TB, GR=GR)
+            m, l_sum, acc = _attend(q_tile, k, v, m, l_sum, acc, block, b, h, TK=TK, H=H, DK=DK, DV=DV, BS=BS,
+                                    SCALE=SCALE, DKP=DKP, DVP=DVP, BSP=BSP, NSUB=NSUB, TB=TB, GR=GR)
 
     any_seen = l_sum > 0
     out = acc / tl.where(any_seen, l_sum, 1.0)[:, None]
@@ -247,7 +257,7 @@ def _query_rows(q, do, lse, delta, q_rows, ok, DK: tl.constexpr, DV: tl.constexp
 
 @triton.jit
 def _dq_step(rows, k, v, acc, block, b, h,
-             T: tl.constexpr, H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BS: tl.constexpr,
+             TK: tl.constexpr, H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BS: tl.constexpr,
              SCALE: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr, BSP: tl.constexpr, NSUB: tl.constexpr,
              TB: tl.constexpr, GR: tl.constexpr):
     """The dq tile, rows = (q_tile, do_tile, lse2, delta) as _query_rows gives them, against one key block
@@ -258,7 +268,7 @@ def _dq_step(rows, k, v, acc, block, b, h,
     dk = tl.arange(0, DKP)
     dv = tl.arange(0, DVP)
     for chunk in tl.static_range(NSUB):  # the block in chunks of BSP keys
-        key_pos, seen, key_row = _block_keys(blk, chunk, p_last, s_blk, b, T=T, BS=BS, BSP=BSP)
+        key_pos, seen, key_row = _block_keys(blk, chunk, p_last, s_blk, b, TK=TK, BS=BS, BSP=BSP)
         k_tile = tl.load(k + (key_row * H + h)[:, None] * DK + dk[None, :],
                          mask=seen[:, None] & (dk < DK)[None, :], other=0.0)  # [BSP, DKP]
         v_t = tl.load(v + (key_row * H + h)[None, :] * DV + dv[:, None],
@@ -274,7 +284,7 @@ def _dq_step(rows, k, v, acc, block, b, h,
 
 @triton.jit
 def _dq_kernel(q, k, v, block_idx, block_counts, pos, start, do, lse, delta, dq,
-               T: tl.constexpr, H: tl.constexpr, G: tl.constexpr, S: tl.constexpr, DK: tl.constexpr,
+               T: tl.constexpr, TK: tl.constexpr, H: tl.constexpr, G: tl.constexpr, S: tl.constexpr, DK: tl.constexpr,
                DV: tl.constexpr, BS: tl.constexpr, SCALE: tl.constexpr, GR: tl.constexpr, TB: tl.constexpr,
                DKP: tl.constexpr, DVP: tl.constexpr, BSP: tl.constexpr, NSUB: tl.constexpr, SP: tl.constexpr):
     """dq of selected attention for TB consecutive query tokens of one KV head, recomputing p from lse.
@@ -297,13 +307,15 @@ def _dq_kernel(q, k, v, block_idx, block_counts, pos, start, do, lse, delta, dq,
         p_t, s_t, blocks = _token_blocks(block_idx, block_counts, pos, start, b, h, T=T, H=H, BS=BS, S=S, SP=SP)
         for slot in range(S):  # as the forward
             blk = tl.max(tl.where(tl.arange(0, SP) == slot, blocks, -1), 0)
-            acc = _dq_step(rows, k, v, acc, (blk, s_t, p_t, p_t, 0.0), b, h, T=T, H=H, DK=DK, DV=DV, BS=BS,
+            acc = _dq_step(rows, k, v, acc, (blk, s_t, p_t, p_t, 0.0), b, h, TK=TK, H=H, DK=DK, DV=DV, BS=BS,
                            SCALE=SCALE, DKP=DKP, DVP=DVP, BSP=BSP, NSUB=NSUB, TB=TB, GR=GR)
     else:
-        tile, num = _tile_blocks(block_idx, block_counts, pos, start, b, h, T=T, H=H, BS=BS, S=S, SP=SP, TB=TB)
+        tile, num = _tile_blocks(block_idx, block_counts, pos, start, b, h, T=T, TK=TK, H=H, BS=BS, S=S, SP=SP,
+                                 TB=TB)
         for i in range(num):  # as the forward
-            acc = _dq_step(rows, k, v, acc, _tile_block(i, tile, T=T, BS=BS, TB=TB, GR=GR), b, h, T=T, H=H, DK=DK,
-                           DV=DV, BS=BS, SCALE=SCALE, DKP=DKP, DVP=DVP, BSP=BSP, NSUB=NSUB, TB=TB, GR=GR)
+            block = _tile_block(i, tile, TK=TK, BS=BS, TB=TB, GR=GR)
+            acc = _dq_step(rows, k, v, acc, block, b, h, TK=TK, H=H, DK=DK, DV=DV, BS=BS, SCALE=SCALE, DKP=DKP,
+                           DVP=DVP, BSP=BSP, NSUB=NSUB, TB=TB, GR=GR)
 
     dk = tl.arange(0, DKP)
     tl.store(dq + q_rows[:, None] * DK + dk[None, :], (acc * SCALE).to(dq.dtype.element_ty),
@@ -311,37 +323,38 @@ def _dq_kernel(q, k, v, block_idx, block_counts, pos, start, do, lse, delta, dq,
 
 
 @triton.jit
-def _key_rows(row_start, row_end, r, chunk, b, T: tl.constexpr, BS: tl.constexpr, BSP: tl.constexpr):
-    """Keys chunk * BSP + j, j < BSP, of block row r: (j, their tokens in the batch row, which exist, their
-    int64 global token rows, 0 where they do not exist). Block row r is the tokens
+def _key_rows(row_start, row_end, r, chunk, b, TK: tl.constexpr, BS: tl.constexpr, BSP: tl.constexpr):
+    """Keys chunk * BSP + j, j < BSP, of block row r: (j, their rows of k in the batch row, which exist, their
+    int64 global rows of k [B, TK, H, DK], 0 where they do not exist). Block row r is the key rows
     [row_start[r], min(row_start[r] + BS, row_end[r])) of batch row b."""
     j = chunk * BSP + tl.arange(0, BSP)
     key_tok = tl.load(row_start + r) + j
     key_ok = (j < BS) & (key_tok < tl.load(row_end + r))
-    return j, key_tok, key_ok, b * T + tl.where(key_ok, key_tok, 0)
+    return j, key_tok, key_ok, b * TK + tl.where(key_ok, key_tok, 0)
 
 
 @triton.jit
 def _dkv_partial_kernel(q, k, v, do, lse, delta, row_start, row_end, seg_list, seg_lo, seg_hi, query_tok,
-                        dk_part, dv_part,
-                        T: tl.constexpr, H: tl.constexpr, G: tl.constexpr, NR: tl.constexpr, DK: tl.constexpr,
-                        DV: tl.constexpr, BS: tl.constexpr, SCALE: tl.constexpr, GR: tl.constexpr,
-                        BQ: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr,
-                        BSP: tl.constexpr, NSUB: tl.constexpr):
+                        query_row0, dk_part, dv_part,
+                        T: tl.constexpr, TK: tl.constexpr, H: tl.constexpr, G: tl.constexpr, NR: tl.constexpr,
+                        DK: tl.constexpr, DV: tl.constexpr, BS: tl.constexpr, SCALE: tl.constexpr, GR: tl.constexpr,
+                        BQ: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr, BSP: tl.constexpr,
+                        NSUB: tl.constexpr):
     """Partial dk and dv of one key block row of one (batch, KV head), from one segment of its query list.
 
     Grid: (NSEG * NSUB,): program p takes BSP keys (chunk p % NSUB: one chunk when the block fits in shared
-    memory) of block row r, NR block rows (ceil(T / BS), or per-sequence blocks when packed), against
+    memory) of block row r, NR block rows (ceil(TK / BS), or per-sequence blocks when packed), against
     segment s = p // NSUB of list i = seg_list[s] = (b * H + h) * NR + r: the queries query_tok[seg_lo[s] :
-    seg_hi[s]] (token index in the batch row; a query listed twice counts twice). The segments past the
-    real ones are empty: they store zeros that are never reduced.
+    seg_hi[s]] (token index t in the batch row, at key row query_row0[b] + t; a query listed twice counts
+    twice). The segments past the real ones are empty: they store zeros that are never reduced.
     Tile: BQ queries at a time, each with its G heads padded to GR = next_pow2(G) rows, so BQ * GR rows
     (>= 16), in a for loop that Triton software-pipelines (two stages: the next BQ entries' q and do load
     while these are computed; on an H200 selected attention's fwd+bwd at T = 65536 went 49.6 -> 47.0 ms).
-    Loads the key block k [B, T, H, DK] (BSP x DKP) and the value block v [B, T, H, DV] once, then per
-    step of BQ entries q [B, T, HQ, DK], do [B, T, HQ, DV], lse and delta [B, T, HQ].
+    Loads the key block k [B, TK, H, DK] (BSP x DKP) and the value block v [B, TK, H, DV] once, up to the
+    key row of the batch row's last query (rows past a cache's length read as 0), then per step of BQ
+    entries q [B, T, HQ, DK], do [B, T, HQ, DV], lse and delta [B, T, HQ].
     Stores the unscaled float32 partials dk_part [NSEG, BS, DK] and dv_part [NSEG, BS, DV] of segment s
-    (zero for keys past the block's end).
+    (zero for keys past the block's end or the last query).
     """
     seg = tl.program_id(0) // NSUB
     list_id = tl.load(seg_list + seg)
@@ -350,7 +363,9 @@ def _dkv_partial_kernel(q, k, v, do, lse, delta, row_start, row_end, seg_list, s
     h = bh % H
     r = list_id % NR
     chunk = tl.program_id(0) % NSUB
-    j, key_tok, key_ok, key_row = _key_rows(row_start, row_end, r, chunk, b, T=T, BS=BS, BSP=BSP)
+    j, key_tok, key_ok, key_row = _key_rows(row_start, row_end, r, chunk, b, TK=TK, BS=BS, BSP=BSP)
+    row0 = tl.load(query_row0 + b)  # query t is at key row row0 + t
+    key_ok = key_ok & (key_tok < row0 + T)
     dk = tl.arange(0, DKP)
     dv = tl.arange(0, DVP)
     k_tile = tl.load(k + (key_row * H + h)[:, None] * DK + dk[None, :],
@@ -370,7 +385,7 @@ def _dkv_partial_kernel(q, k, v, do, lse, delta, row_start, row_end, seg_list, s
         ok = entry_ok & (g < G)
         q_rows = (b * T + t) * (H * G) + h * G + tl.where(ok, g, 0)
         q_tile, do_tile, lse2, delta_r = _query_rows(q, do, lse, delta, q_rows, ok, DK=DK, DV=DV, DKP=DKP, DVP=DVP)
-        seen = ok[:, None] & key_ok[None, :] & (key_tok[None, :] <= t[:, None])  # [BQ * GR, BSP]
+        seen = ok[:, None] & key_ok[None, :] & (key_tok[None, :] <= row0 + t[:, None])  # [BQ * GR, BSP]
         s = tl.dot(q_tile, tl.trans(k_tile), input_precision="ieee") * (SCALE * LOG2E)
         p = tl.where(seen, tl.exp2(s - lse2[:, None]), 0.0)  # lse is finite: each listed query sees this block
         acc_v += tl.dot(tl.trans(p.to(do_tile.dtype)), do_tile, input_precision="ieee")
@@ -398,7 +413,7 @@ def _sum_partials(part, seg, stop, j, D: tl.constexpr, DP: tl.constexpr, BS: tl.
 
 @triton.jit
 def _dkv_reduce_kernel(dk_part, dv_part, row_start, row_end, seg_offsets, dk_out, dv_out,
-                       T: tl.constexpr, H: tl.constexpr, NR: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                       TK: tl.constexpr, H: tl.constexpr, NR: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                        BS: tl.constexpr, SCALE: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr,
                        BSP: tl.constexpr, NSUB: tl.constexpr):
     """dk and dv of one key block row of one (batch, KV head): the sum of its segments' partials.
@@ -407,14 +422,14 @@ def _dkv_reduce_kernel(dk_part, dv_part, row_start, row_end, seg_offsets, dk_out
     [seg_offsets[i], seg_offsets[i + 1]) (none if the block was never selected), each program BSP keys.
     Tile: [BSP, DKP], then [BSP, DVP], float32.
     Loads the partials dk_part [NSEG, BS, DK] and dv_part [NSEG, BS, DV] of its segments, added in
-    segment order. Stores dk [B, T, H, DK] (times SCALE) and dv [B, T, H, DV] of the block's tokens in
-    their dtype: every token is in one block row, so every row is written (zero if never selected).
+    segment order. Stores dk [B, TK, H, DK] (times SCALE) and dv [B, TK, H, DV] of the block's keys in
+    their dtype: every key row is in one block row, so every row is written (zero if never selected).
     """
     r = tl.program_id(0) // NSUB
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)
     h = bh % H
-    j, _, key_ok, key_row = _key_rows(row_start, row_end, r, tl.program_id(0) % NSUB, b, T=T, BS=BS, BSP=BSP)
+    j, _, key_ok, key_row = _key_rows(row_start, row_end, r, tl.program_id(0) % NSUB, b, TK=TK, BS=BS, BSP=BSP)
     list_id = bh.to(tl.int64) * NR + r
     first = tl.load(seg_offsets + list_id)
     stop = tl.load(seg_offsets + list_id + 1)
@@ -446,7 +461,7 @@ class Config(NamedTuple):
 
 
 def default_config(q, k, v, block_indices, *, block_size, cu_seqlens=None):
-    """The Config for q [B, T, HQ, Dk], k [B, T, H, Dk], v [B, T, H, Dv] and block_indices [B, T, H, S].
+    """The Config for q [B, T, HQ, Dk], k [B, TK, H, Dk], v [B, TK, H, Dv] and block_indices [B, T, H, S].
 
     - BSP: the block in one chunk when BSP * (DKP + DVP) elements take at most 64 KiB (shared memory:
       float32 at Dk = Dv = 256 and block_size 128 does not fit in one chunk on an H200).
@@ -470,7 +485,7 @@ def default_config(q, k, v, block_indices, *, block_size, cu_seqlens=None):
     tb = max(1, 16 // gr)
     block_bytes = triton.cdiv(block_size, bsp) * bsp * (dkp + dvp) * itemsize
     tile_bytes = tb * gr * (dkp + dvp) * itemsize
-    entries, lists = B * T * H * S, B * H * num_compressed_blocks(T, block_size, cu_seqlens)
+    entries, lists = B * T * H * S, B * H * num_compressed_blocks(k.shape[1], block_size, cu_seqlens)
     segment = min(1024, max(256, triton.next_power_of_2(-(-entries // max(lists, 1)))))
     return Config(block_keys=bsp, tokens=tb, num_warps=8 if max(dkp, dvp, bsp) > 128 else 4,
                   num_stages=2 if block_bytes + tile_bytes <= 160 * 1024 else 1,
@@ -481,28 +496,41 @@ _DKV_STAGES = 2  # dk/dv partials: the next BQ entries' q and do load while thes
 
 
 def _meta(q, k, v, block_size, scale, cfg):
-    """The constexprs every selected-attention kernel takes."""
-    _, T, HQ, Dk = q.shape
-    H, Dv = k.shape[2], v.shape[3]
-    return dict(T=T, H=H, DK=Dk, DV=Dv, BS=block_size, SCALE=float(scale), DKP=pow2(Dk), DVP=pow2(Dv),
+    """The constexprs every selected-attention kernel takes (TK: the rows of k and v)."""
+    Dk = q.shape[3]
+    TK, H, Dv = k.shape[1], k.shape[2], v.shape[3]
+    return dict(TK=TK, H=H, DK=Dk, DV=Dv, BS=block_size, SCALE=float(scale), DKP=pow2(Dk), DVP=pow2(Dv),
                 BSP=cfg.block_keys, NSUB=triton.cdiv(block_size, cfg.block_keys), num_warps=cfg.num_warps)
 
 
 def _per_token(q, k, block_indices, cfg):
-    """The constexprs and the grid of the per-token kernels (forward, dq): the S slots, SP = S padded to a
-    power of two, G and GR, TB tokens per program."""
+    """The constexprs and the grid of the per-token kernels (forward, dq): the T queries, the S slots, SP = S
+    padded to a power of two, G and GR, TB tokens per program."""
     B, T, HQ, _ = q.shape
     H, S = k.shape[2], block_indices.shape[-1]
-    return dict(grid=(triton.cdiv(T, cfg.tokens), B * H), num_stages=cfg.num_stages, S=S,
+    return dict(grid=(triton.cdiv(T, cfg.tokens), B * H), num_stages=cfg.num_stages, T=T, S=S,
                 SP=triton.next_power_of_2(S), G=HQ // H, GR=triton.next_power_of_2(HQ // H), TB=cfg.tokens)
 
 
 # ------------------------------------------------------------------------------------ wrappers
 
 
-def _clipped(block_indices, T, block_size):
-    """int32 block ids with the same validity: anything past the last block becomes one past it."""
-    return jnp.clip(block_indices, -1, T // block_size + 1).astype(jnp.int32)
+def _clipped(block_indices, TK, block_size):
+    """int32 block ids with the same validity: anything past the last block of TK keys becomes one past it."""
+    return jnp.clip(block_indices, -1, TK // block_size + 1).astype(jnp.int32)
+
+
+def _tokens(q, block_size, cu_seqlens, kv_lens):
+    """The queries' `nsa._varlen.tokens`, each field int32 [B, T] as the kernels index them (b * T + t)."""
+    tok = tokens(q.shape[1], block_size, cu_seqlens, kv_lens)
+    return tok._make(jnp.broadcast_to(x, q.shape[:2]) for x in tok)
+
+
+def _query_row0(q, kv_lens):
+    """int32 [B]: the key row of each batch row's query 0, kv_lens[b] - T (0 without kv_lens: query t is then
+    key row t, packed or not)."""
+    B, T = q.shape[:2]
+    return jnp.zeros((B,), jnp.int32) if kv_lens is None else kv_lens.astype(jnp.int32) - T
 
 
 def _config(q, k, v, block_indices, block_size, cu_seqlens, config):
@@ -511,17 +539,15 @@ def _config(q, k, v, block_indices, block_size, cu_seqlens, config):
 
 
 def forward(q, k, v, block_indices, block_counts, cu_seqlens, kv_lens=None, *, block_size, scale, config=None):
-    """Returns o [B, T, HQ, Dv] and the reference's residuals (inputs, o, lse [B, T, HQ] float32);
-    config: a Config (None: `default_config`)."""
-    if kv_lens is not None:  # TEMPORARY (issue 10): being added to the kernels
-        raise NotImplementedError("kv_lens is not supported by this kernel yet")
-    T = q.shape[1]
+    """Returns o [B, T, HQ, Dv] and the reference's residuals (inputs, o, lse [B, T, HQ] float32); kv_lens int
+    [B] or None places the queries at the end of longer sequences of keys k, v [B, TK, H, D]
+    (`nsa._varlen.tokens`). config: a Config (None: `default_config`)."""
     cfg = _config(q, k, v, block_indices, block_size, cu_seqlens, config)
-    tok = tokens(T, block_size, cu_seqlens)
+    tok = _tokens(q, block_size, cu_seqlens, kv_lens)
     o, lse = _launch.launch(
         _fwd_kernel,
-        inputs=dict(q=q, k=k, v=v, block_idx=_clipped(block_indices, T, block_size),
-                    block_counts=block_counts.astype(jnp.int32), pos=tok.pos[0], start=tok.start[0]),
+        inputs=dict(q=q, k=k, v=v, block_idx=_clipped(block_indices, k.shape[1], block_size),
+                    block_counts=block_counts.astype(jnp.int32), pos=tok.pos, start=tok.start),
         outputs=dict(o=_launch.shape_dtype(q.shape[:3] + v.shape[3:], q.dtype),
                      lse=_launch.shape_dtype(q.shape[:3], jnp.float32)),
         **_per_token(q, k, block_indices, cfg), **_meta(q, k, v, block_size, scale, cfg))
@@ -529,10 +555,11 @@ def forward(q, k, v, block_indices, block_counts, cu_seqlens, kv_lens=None, *, b
 
 
 def _block_rows(T, block_size, cu_seqlens):
-    """(NR, row_start [NR], row_end [NR]): the key block rows and the tokens [start, end) of each.
+    """(NR, row_start [NR], row_end [NR]): the key block rows of T keys and the key rows [start, end) of each.
 
-    Without cu_seqlens block row r is [r * bs, T); packed, the rows of sequence i are numbered from
-    tokens(...).cmp_start of its tokens, so a (sequence, in-sequence block) pair has one row.
+    Without cu_seqlens block row r is [r * bs, T) (T = TK, the rows of a KV cache, with kv_lens); packed, the
+    rows of sequence i are numbered from tokens(...).cmp_start of its tokens, so a (sequence, in-sequence
+    block) pair has one row.
     Rows past the real ones (a traced cu_seqlens pads to a static bound) get an empty range.
     """
     NR = num_compressed_blocks(T, block_size, cu_seqlens)
@@ -552,7 +579,7 @@ def _block_rows(T, block_size, cu_seqlens):
 def _query_lists(block_indices, block_counts, tok, B, T, H, NR, block_size):
     """The selections inverted: (offsets [B * H * NR + 1], query_tok [B * T * H * S]), both int32.
 
-    Each valid entry (b, t, h, slot) is keyed by (b * H + h) * NR + cmp_start[t] + block; a stable
+    Each valid entry (b, t, h, slot) is keyed by (b * H + h) * NR + cmp_start[b, t] + block; a stable
     sort groups the entries of each (batch, KV head, block row) in token order, and the queries of
     list i are query_tok[offsets[i] : offsets[i + 1]]. Invalid entries sort past every list.
     """
@@ -592,36 +619,38 @@ def _segments(offsets, num_entries, seg_len):
 
 
 def backward(residuals, do, *, block_size, scale, config=None):
-    """Gradients (dq, dk, dv, None, None, None) in the input dtypes, as the reference's backward; config:
+    """Gradients (dq, dk, dv, None, None, None, None) in the input dtypes, as the reference's backward; config:
     a Config (None: `default_config`)."""
     q, k, v, block_indices, block_counts, cu_seqlens, kv_lens, o, lse = residuals
     B, T, HQ, _ = q.shape
     H = k.shape[2]
     cfg = _config(q, k, v, block_indices, block_size, cu_seqlens, config)
     meta = _meta(q, k, v, block_size, scale, cfg)
-    tok = tokens(T, block_size, cu_seqlens)
+    tok = _tokens(q, block_size, cu_seqlens, kv_lens)
     delta = _common.delta(o, do).astype(jnp.float32)
     do = do.astype(q.dtype)
-    idx = _clipped(block_indices, T, block_size)
+    idx = _clipped(block_indices, k.shape[1], block_size)
     counts = block_counts.astype(jnp.int32)
     softmax = dict(q=q, k=k, v=v, do=do, lse=lse, delta=delta)
 
     [dq] = _launch.launch(
-        _dq_kernel, inputs=dict(q=q, k=k, v=v, block_idx=idx, block_counts=counts, pos=tok.pos[0], start=tok.start[0],
+        _dq_kernel, inputs=dict(q=q, k=k, v=v, block_idx=idx, block_counts=counts, pos=tok.pos, start=tok.start,
                                 do=do, lse=lse, delta=delta),
         outputs=dict(dq=_launch.shape_dtype(q.shape, q.dtype)), **_per_token(q, k, block_indices, cfg), **meta)
 
-    NR, row_start, row_end = _block_rows(T, block_size, cu_seqlens)
+    NR, row_start, row_end = _block_rows(k.shape[1], block_size, cu_seqlens)
     offsets, query_tok = _query_lists(idx, counts, tok, B, T, H, NR, block_size)
     seg_offsets, seg_list, seg_lo, seg_hi = _segments(offsets, query_tok.shape[0], cfg.segment)
     NSEG = seg_list.shape[0]
     rows = dict(row_start=row_start, row_end=row_end)
     dk_part, dv_part = _launch.launch(
         _dkv_partial_kernel, grid=(NSEG * meta["NSUB"],),
-        inputs=dict(softmax, **rows, seg_list=seg_list, seg_lo=seg_lo, seg_hi=seg_hi, query_tok=query_tok),
+        inputs=dict(softmax, **rows, seg_list=seg_list, seg_lo=seg_lo, seg_hi=seg_hi, query_tok=query_tok,
+                    query_row0=_query_row0(q, kv_lens)),
         outputs=dict(dk_part=_launch.shape_dtype((NSEG, block_size, k.shape[3]), jnp.float32),
                      dv_part=_launch.shape_dtype((NSEG, block_size, v.shape[3]), jnp.float32)),
-        num_stages=_DKV_STAGES, G=HQ // H, GR=triton.next_power_of_2(HQ // H), NR=NR, BQ=cfg.dkv_entries, **meta)
+        num_stages=_DKV_STAGES, T=T, G=HQ // H, GR=triton.next_power_of_2(HQ // H), NR=NR, BQ=cfg.dkv_entries,
+        **meta)
     dk, dv = _launch.launch(
         _dkv_reduce_kernel, grid=(NR * meta["NSUB"], B * H),
         inputs=dict(dk_part=dk_part, dv_part=dv_part, **rows, seg_offsets=seg_offsets),
