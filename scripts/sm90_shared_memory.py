@@ -106,6 +106,46 @@ def check_long_select(config, records):
         jax.eval_shape(run, q, k_cmp, lse)
 
 
+def check_decode(args):
+    """The decode kernels (nsa/triton/decode.py: window, compressed, selected, their split and combine
+    launches) at the standard serving shape (HQ = 64, H = 4, D = 128, bf16, block 64, 16 slots, window 512,
+    TK = 65536) for B = 1 (splits and the combine) and B = 64 (one split), TQ = 1 and 8 (TQ * G = 128 rows,
+    the largest tile decode.applies takes); then each config of CONFIGS (FLOAT32_CONFIGS with --float32) at
+    its largest such tile, TQ = min(16, 128 // G). Traced only (jax.eval_shape): no cache-sized array is
+    made. Prints each launch; returns the largest shared memory."""
+    from nsa.triton import decode
+
+    shapes = [(B, TQ, 16, "bfloat16", 128, 128, 64) for B in (1, 64) for TQ in (1, 8)]
+    for c in CONFIGS + (FLOAT32_CONFIGS if args.float32 else []):
+        shapes.append((1, max(1, min(decode.MAX_TOKENS, decode.MAX_ROWS // c[0])), *c))
+    worst = 0
+    for B, TQ, G, dtype, dk, dv, bs in shapes:
+        H, TK, S = 4, 65536, 16
+        arg = lambda *shape, dt=dtype: jax.ShapeDtypeStruct(shape, dt)
+        q, k, v = arg(B, TQ, H * G, dk), arg(B, TK, H, dk), arg(B, TK, H, dv)
+        k_cmp, v_cmp = arg(B, TK // bs, H, dk), arg(B, TK // bs, H, dv)
+        lens, idx, counts = arg(B, dt=jnp.int32), arg(B, TQ, H, S, dt=jnp.int32), arg(B, TQ, H, dt=jnp.int32)
+        records = []
+        _launch._call = compile_launch(records)
+        kw = dict(scale=dk ** -0.5)
+        jax.eval_shape(lambda q, k, v, lens: decode.window(q, k, v, lens, window_size=512, **kw), q, k, v, lens)
+        jax.eval_shape(lambda q, k, v, lens: decode.compressed(q, k, v, lens, block_size=bs, **kw), q, k_cmp, v_cmp,
+                       lens)
+        jax.eval_shape(lambda q, k, v, idx, counts, lens: decode.selected(q, k, v, idx, counts, lens, block_size=bs,
+                                                                           **kw), q, k, v, idx, counts, lens)
+        for i, (name, shared, warps, stages, ptx) in enumerate(records):
+            worst = max(worst, shared)
+            if args.ptx_dir:
+                os.makedirs(args.ptx_dir, exist_ok=True)
+                tag = "-".join(map(str, ("decode", B, TQ, G, dtype, dk, dv, bs)))
+                with open(os.path.join(args.ptx_dir, f"{tag}-{i:02d}-{name}.ptx"), "w") as f:
+                    f.write(ptx)
+            flag = "  OVER THE LIMIT" if shared > LIMIT else ""
+            print(f"B={B:<3} TQ={TQ:<3} G={G:<3} {dtype:<9} Dk={dk:<4} Dv={dv:<4} bs={bs:<4} {name:<30} warps={warps} "
+                  f"stages={stages} shared={shared / 1024:6.1f} KiB{flag}", flush=True)
+    return worst
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--float32", action="store_true", help="also the float32 configs")
@@ -128,6 +168,7 @@ def main():
             flag = "  OVER THE LIMIT" if shared > LIMIT else ""
             print(f"G={config[0]:<3} {config[1]:<9} Dk={config[2]:<4} Dv={config[3]:<4} bs={config[4]:<4} "
                   f"{name:<30} warps={warps} stages={stages} shared={shared / 1024:6.1f} KiB{flag}", flush=True)
+    worst = max(worst, check_decode(args))
     print(f"largest: {worst / 1024:.1f} KiB of {LIMIT / 1024:.0f} KiB")
     return 1 if worst > LIMIT else 0
 

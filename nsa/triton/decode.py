@@ -1,0 +1,526 @@
+"""Flash-decoding forward kernels for a few queries at the end of a KV cache: window, compressed, selected.
+
+Serving: q [B, TQ, HQ, Dk] are the last TQ tokens (TQ = 1 .. 16: decode, speculative or chunked steps) of
+sequences held in a padded cache k, v [B, TK, H, D]; kv_lens int32 [B] is each sequence's length, and query
+i of row b sits at position p = kv_lens[b] - TQ + i. The results are the reference forwards' with
+`cu_seqlens=None, kv_lens=kv_lens` (nsa.reference.{window,compressed,selected}): o [B, TQ, HQ, Dv] in q's
+dtype and lse [B, TQ, HQ] float32 (natural log; -inf and o = 0 where a query sees nothing). Keys at
+positions >= kv_lens[b] (and compressed rows no query sees) are never loaded, whatever they hold.
+
+Why not the training kernels: at decode one token's work is tiny, and they tile it badly. The window and
+compressed kernels (_flash.py) run one query head per program, so each KV head's keys are read G = HQ / H
+times; the selected kernel runs one program per (b, h), so at B = 1, H = 4 only 4 programs run.
+
+Design (flash-decoding). One program per (b * H + h, split):
+
+- its tile has R = TQ * G rows, all G query heads of KV head h for each of the TQ tokens (row r: head
+  h * G + r % G of token r // G), padded to RP = next_pow2(R) >= 16 rows for tl.dot, so each key is
+  loaded once per KV head, not G times;
+- the keys of (b, h) are one range of work units: window and compressed, the key rows any of the tile's
+  tokens sees ([p_0 - W + 1, p_last] and [0, kv_lens // block_size - 1]), in tiles of BLOCK_N rows;
+  selected, the distinct blocks the TQ tokens list (each loaded once for all of them, a token that lists
+  a block k times adding log2(k) to its rows' logits). The units are cut into NSPLIT even shares at run
+  time (a ragged batch splits each row's own range), one per program (`default_config`: enough programs
+  to fill an H200's 132 SMs at B = 1, H = 4, never more splits than units);
+- each program runs an online softmax in float32 (base 2 inside) over its share and stores float32
+  partials: acc [B, H, NSPLIT, R, Dv] (unnormalized), the running max m and the sum l [B, H, NSPLIT, R];
+  `_combine_kernel` then merges the splits of each row in a fixed order (deterministic, no atomics) and
+  stores o and lse. With NSPLIT = 1 (large batches) the program stores o and lse itself.
+
+Forward only (serving needs no gradient). `applies(q, k)` says when to use these kernels rather than the
+training ones (TQ <= 16 and tiles of <= 128 rows). Every array is row-major; row offsets are computed in
+int64 (b is int64) before they are multiplied by the head dims.
+"""
+
+from typing import NamedTuple
+
+import jax.numpy as jnp
+import triton
+import triton.language as tl
+
+from nsa.triton import _launch
+from nsa.triton._common import LN2, LOG2E, pow2
+
+MAX_ROWS = 128  # the largest tile (TQ * G rows) these kernels take: `applies`
+MAX_TOKENS = 16  # and the most query tokens
+_SMS = 132  # an H200's streaming multiprocessors: the programs `default_config` aims at
+_SHARED = 200 * 1024  # the shared memory `default_config` plans for (an H200 block has 227 KiB)
+_NONE = tl.constexpr(2 ** 31 - 1)  # a skipped slot of the selected kernel: above every valid int32 block id
+
+# ------------------------------------------------------------------------------------------ kernels
+
+
+@triton.jit
+def _group_rows(b, h, TQ: tl.constexpr, HQ: tl.constexpr, G: tl.constexpr, RP: tl.constexpr):
+    """The RP rows of the tile of KV head h of batch row b: row r is query head h * G + r % G of token r // G.
+    Returns (r, ok: the row is real (r < TQ * G), t: its token (0 where not ok), q_rows: its int64 row
+    (b * TQ + t) * HQ + h * G + r % G of q, o and lse)."""
+    r = tl.arange(0, RP)
+    ok = r < TQ * G
+    t = tl.where(ok, r // G, 0)
+    return r, ok, t, (b * TQ + t) * HQ + h * G + r % G
+
+
+@triton.jit
+def _query_tile(Q, q_rows, ok, DK: tl.constexpr, DKP: tl.constexpr):
+    """q [B, TQ, HQ, DK] at the rows q_rows as an [RP, DKP] tile (rows not ok and columns >= DK read 0)."""
+    dk = tl.arange(0, DKP)
+    return tl.load(Q + q_rows[:, None] * DK + dk[None, :], mask=ok[:, None] & (dk < DK)[None, :], other=0.0)
+
+
+@triton.jit
+def _keys(K, V, rows, load, DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr):
+    """The keys, transposed [DKP, N], and the values [N, DVP] at the int64 rows `rows` [N] of K [.., DK] and
+    V [.., DV]; only where `load` (elsewhere 0, nothing read)."""
+    dk = tl.arange(0, DKP)
+    dv = tl.arange(0, DVP)
+    k_t = tl.load(K + rows[None, :] * DK + dk[:, None], mask=load[None, :] & (dk < DK)[:, None], other=0.0)
+    v = tl.load(V + rows[:, None] * DV + dv[None, :], mask=load[:, None] & (dv < DV)[None, :], other=0.0)
+    return k_t, v
+
+
+@triton.jit
+def _online(m, l_sum, acc, s, v, visible):
+    """One step of the online softmax: the base-2 logits s [RP, N] where visible, the values v [N, DVP];
+    returns the running max m, the sum l_sum [RP] and acc [RP, DVP] (float32) updated."""
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet: no NaN
+    alpha = tl.exp2(m - m_use)
+    e = tl.exp2(s - m_use[:, None])
+    l_sum = l_sum * alpha + tl.sum(e, 1)
+    acc = acc * alpha[:, None] + tl.dot(e.to(v.dtype), v, input_precision="ieee")
+    return m_new, l_sum, acc
+
+
+@triton.jit
+def _store_final(O, LSE, m, l_sum, acc, q_rows, ok, DV: tl.constexpr, DVP: tl.constexpr):
+    """o = acc / l_sum into O [B, TQ, HQ, DV] (O's dtype) and lse into LSE [B, TQ, HQ] (natural log, -inf and
+    o = 0 where nothing is seen), at the rows q_rows that are ok."""
+    dv = tl.arange(0, DVP)
+    seen = l_sum > 0
+    out = acc / tl.where(seen, l_sum, 1.0)[:, None]
+    tl.store(O + q_rows[:, None] * DV + dv[None, :], out.to(O.dtype.element_ty), mask=ok[:, None] & (dv < DV)[None, :])
+    tl.store(LSE + q_rows, tl.where(seen, (m + tl.log2(tl.where(seen, l_sum, 1.0))) * LN2, float("-inf")), mask=ok)
+
+
+@triton.jit
+def _store_partial(ACC, M, L, m, l_sum, acc, bh, split, r, ok, R: tl.constexpr, NSPLIT: tl.constexpr,
+                   DV: tl.constexpr, DVP: tl.constexpr):
+    """The split's float32 partials at the rows r that are ok: acc into ACC [B * H, NSPLIT, R, DV], m (base 2)
+    and l_sum into M and L [B * H, NSPLIT, R]."""
+    dv = tl.arange(0, DVP)
+    rows = (bh.to(tl.int64) * NSPLIT + split) * R + r
+    tl.store(ACC + rows[:, None] * DV + dv[None, :], acc, mask=ok[:, None] & (dv < DV)[None, :])
+    tl.store(M + rows, m, mask=ok)
+    tl.store(L + rows, l_sum, mask=ok)
+
+
+@triton.jit
+def _interval(Q, K, V, KV_LENS, bh, split, NSPLIT: tl.constexpr, TQ: tl.constexpr, NK: tl.constexpr,
+              HQ: tl.constexpr, H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexpr,
+              DVP: tl.constexpr, RP: tl.constexpr, BLOCK_N: tl.constexpr, COMPRESSED: tl.constexpr,
+              WINDOW: tl.constexpr, BS: tl.constexpr, SCALE: tl.constexpr):
+    """The window or compressed attention of one (b * H + h = bh, split) program, as softmax state.
+
+    Row r (token t at position p = kv_lens[b] - TQ + t) sees the key rows [lo, hi] of K [B, NK, H, DK]:
+    window (COMPRESSED false), [p - WINDOW + 1, p]; compressed, [0, (p + 1) // BS - 1]; both clipped to
+    [0, NK - 1]. The rows any token sees, [k_lo, k_hi], are cut into tiles of BLOCK_N keys and the tiles into
+    NSPLIT shares; this program walks share `split`, loading k (transposed, [DKP, BLOCK_N]) and v
+    [BLOCK_N, DVP] of each tile once for all RP rows (nothing past k_hi: a window's keys end at p_last =
+    kv_lens[b] - 1, the compressed rows at kv_lens[b] // BS - 1). Returns (m, l_sum, acc, r, ok, q_rows).
+    """
+    G: tl.constexpr = HQ // H
+    b = (bh // H).to(tl.int64)
+    h = bh % H
+    r, ok, t, q_rows = _group_rows(b, h, TQ=TQ, HQ=HQ, G=G, RP=RP)
+    q = _query_tile(Q, q_rows, ok, DK=DK, DKP=DKP)
+    p = tl.load(KV_LENS + b) - TQ + t
+    if COMPRESSED:
+        lo = tl.zeros_like(p)
+        hi = (p + 1) // BS - 1
+    else:
+        lo = p - WINDOW + 1
+        hi = p
+    lo = tl.maximum(lo, 0)
+    hi = tl.minimum(hi, NK - 1)
+    seen = ok & (p >= 0) & (lo <= hi)
+    k_lo = tl.min(tl.where(seen, lo, NK), 0)
+    k_hi = tl.max(tl.where(seen, hi, -1), 0)
+    tiles = (tl.maximum(k_hi - k_lo + 1, 0) + BLOCK_N - 1) // BLOCK_N
+    per = (tiles + NSPLIT - 1) // NSPLIT
+    first = split * per
+    last = tl.minimum(tiles, first + per)
+
+    m = tl.full([RP], float("-inf"), tl.float32)  # running max of the base-2 logits
+    l_sum = tl.zeros([RP], tl.float32)
+    acc = tl.zeros([RP, DVP], tl.float32)
+    for i in range(first, last):
+        offs = k_lo + i * BLOCK_N + tl.arange(0, BLOCK_N)
+        load = offs <= k_hi
+        k_t, v = _keys(K, V, (b * NK + tl.where(load, offs, 0)) * H + h, load, DK=DK, DV=DV, DKP=DKP, DVP=DVP)
+        s = tl.dot(q, k_t, input_precision="ieee") * (SCALE * LOG2E)
+        visible = seen[:, None] & (offs[None, :] >= lo[:, None]) & (offs[None, :] <= hi[:, None])
+        m, l_sum, acc = _online(m, l_sum, acc, s, v, visible)
+    return m, l_sum, acc, r, ok, q_rows
+
+
+@triton.jit
+def _interval_kernel(Q, K, V, KV_LENS, O, LSE,
+                     TQ: tl.constexpr, NK: tl.constexpr, HQ: tl.constexpr, H: tl.constexpr, DK: tl.constexpr,
+                     DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr, RP: tl.constexpr,
+                     BLOCK_N: tl.constexpr, COMPRESSED: tl.constexpr, WINDOW: tl.constexpr, BS: tl.constexpr,
+                     SCALE: tl.constexpr):
+    """Window or compressed decode attention, one split: o [B, TQ, HQ, DV] and lse [B, TQ, HQ].
+
+    Grid (B * H,). Loads q [B, TQ, HQ, DK] (the tile's RP x DKP rows), kv_lens [B], then every key tile
+    the tile's tokens see (`_interval`); stores o and lse of its R = TQ * G rows.
+    """
+    m, l_sum, acc, r, ok, q_rows = _interval(Q, K, V, KV_LENS, tl.program_id(0), 0, NSPLIT=1, TQ=TQ, NK=NK, HQ=HQ,
+                                             H=H, DK=DK, DV=DV, DKP=DKP, DVP=DVP, RP=RP, BLOCK_N=BLOCK_N,
+                                             COMPRESSED=COMPRESSED, WINDOW=WINDOW, BS=BS, SCALE=SCALE)
+    _store_final(O, LSE, m, l_sum, acc, q_rows, ok, DV=DV, DVP=DVP)
+
+
+@triton.jit
+def _interval_split_kernel(Q, K, V, KV_LENS, ACC, M, L,
+                           TQ: tl.constexpr, NK: tl.constexpr, HQ: tl.constexpr, H: tl.constexpr,
+                           DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr,
+                           RP: tl.constexpr, BLOCK_N: tl.constexpr, COMPRESSED: tl.constexpr,
+                           WINDOW: tl.constexpr, BS: tl.constexpr, SCALE: tl.constexpr, NSPLIT: tl.constexpr):
+    """Window or compressed decode attention, NSPLIT splits: float32 partials for `_combine_kernel`.
+
+    Grid (B * H, NSPLIT). Loads q (RP x DKP), kv_lens [B] and the key tiles of its share (`_interval`);
+    stores acc [B * H, NSPLIT, R, DV], m and l [B * H, NSPLIT, R] of its split (m = -inf, l = 0, acc = 0
+    where the share is empty or unseen).
+    """
+    bh = tl.program_id(0)
+    split = tl.program_id(1)
+    m, l_sum, acc, r, ok, _ = _interval(Q, K, V, KV_LENS, bh, split, NSPLIT=NSPLIT, TQ=TQ, NK=NK, HQ=HQ, H=H, DK=DK,
+                                        DV=DV, DKP=DKP, DVP=DVP, RP=RP, BLOCK_N=BLOCK_N, COMPRESSED=COMPRESSED,
+                                        WINDOW=WINDOW, BS=BS, SCALE=SCALE)
+    _store_partial(ACC, M, L, m, l_sum, acc, bh, split, r, ok, R=TQ * (HQ // H), NSPLIT=NSPLIT, DV=DV, DVP=DVP)
+
+
+@triton.jit
+def _runs(first_a, last_a, runs_a, first_b, last_b, runs_b):
+    """Combine of an associative scan: (first value, last value, number of runs of equal values) of a stretch
+    of a sequence, from those of its two halves."""
+    return first_a, last_b, runs_a + runs_b - (last_a == first_b).to(tl.int32)
+
+
+@triton.jit
+def _selected(Q, K, V, IDX, COUNTS, KV_LENS, bh, split, NSPLIT: tl.constexpr, TQ: tl.constexpr,
+              TK: tl.constexpr, HQ: tl.constexpr, H: tl.constexpr, S: tl.constexpr, DK: tl.constexpr,
+              DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr, RP: tl.constexpr, TQP: tl.constexpr,
+              SP: tl.constexpr, BS: tl.constexpr, BSP: tl.constexpr, NSUB: tl.constexpr, SCALE: tl.constexpr):
+    """The selected attention of one (b * H + h = bh, split) program, as softmax state.
+
+    Token t (position p_t = kv_lens[b] - TQ + t) lists the blocks IDX[b, t, h, :COUNTS[b, t, h]] (IDX
+    [B, TQ, H, S] int32); a slot is skipped when negative or after p_t // BS. The valid
+    slots of the TQ tokens (a [TQP, SP] tile) are sorted and ranked by an associative scan: the tile's
+    distinct blocks are the values of ranks 1 .. num, in increasing order, cut into NSPLIT shares. This
+    program walks share `split`: block i is the value of rank i + 1 (computed from i alone, so the loop
+    carries no block state), loaded once for all RP rows in NSUB chunks of BSP keys (k transposed
+    [DKP, BSP], v [BSP, DVP]; only keys before kv_lens[b]). Row r sees key u of the block iff its token
+    lists the block and u <= its position; a token that lists it k times adds log2(k) to its rows' logits
+    (attended k times). Returns (m, l_sum, acc, r, ok, q_rows).
+    """
+    G: tl.constexpr = HQ // H
+    b = (bh // H).to(tl.int64)
+    h = bh % H
+    r, ok, t, q_rows = _group_rows(b, h, TQ=TQ, HQ=HQ, G=G, RP=RP)
+    q = _query_tile(Q, q_rows, ok, DK=DK, DKP=DKP)
+    kv_len = tl.load(KV_LENS + b)
+    key_end = tl.minimum(kv_len, TK)  # loads stay in the cache even for a kv_lens past it
+    p_row = tl.where(ok, kv_len - TQ + t, -1)
+
+    tok = tl.arange(0, TQP)
+    p_tok = kv_len - TQ + tok
+    slots = tl.arange(0, SP)
+    lists = (b * TQ + tl.minimum(tok, TQ - 1)) * H + h
+    listed = tl.load(IDX + lists[:, None] * S + slots[None, :], mask=(tok < TQ)[:, None] & (slots < S)[None, :],
+                     other=-1)
+    count = tl.load(COUNTS + lists, mask=tok < TQ, other=0)
+    valid = ((slots[None, :] < count[:, None]) & (listed >= 0) & (p_tok >= 0)[:, None]
+             & (listed <= (tl.maximum(p_tok, 0) // BS)[:, None]))
+    firsts = tl.where(valid, listed, _NONE)  # [TQP, SP]
+    in_order = tl.sort(tl.reshape(firsts, [TQP * SP]))
+    _, _, rank = tl.associative_scan((in_order, in_order, tl.full([TQP * SP], 1, tl.int32)), 0, _runs)
+    num = tl.max(tl.where(in_order < _NONE, rank, 0))
+    per = (num + NSPLIT - 1) // NSPLIT
+    first = split * per
+    last = tl.minimum(num, first + per)
+    row_token = (t[:, None] == tok[None, :]) & ok[:, None]  # [RP, TQP]
+
+    m = tl.full([RP], float("-inf"), tl.float32)
+    l_sum = tl.zeros([RP], tl.float32)
+    acc = tl.zeros([RP, DVP], tl.float32)
+    for i in range(first, last):
+        blk = tl.min(tl.where(rank == i + 1, in_order, _NONE))
+        times = tl.sum((firsts == blk).to(tl.float32), 1)  # [TQP]: how many slots of each token list it
+        times = tl.sum(tl.where(row_token, times[None, :], 0.0), 1)  # [RP]
+        bias = tl.log2(tl.maximum(times, 1.0))
+        for chunk in tl.static_range(NSUB):  # the block in chunks of BSP keys
+            j = chunk * BSP + tl.arange(0, BSP)
+            key_pos = blk * BS + j
+            load = (j < BS) & (key_pos < key_end)
+            k_t, v = _keys(K, V, (b * TK + tl.where(load, key_pos, 0)) * H + h, load, DK=DK, DV=DV, DKP=DKP,
+                           DVP=DVP)
+            s = tl.dot(q, k_t, input_precision="ieee") * (SCALE * LOG2E) + bias[:, None]
+            visible = (times > 0)[:, None] & load[None, :] & (key_pos[None, :] <= p_row[:, None])
+            m, l_sum, acc = _online(m, l_sum, acc, s, v, visible)
+    return m, l_sum, acc, r, ok, q_rows
+
+
+@triton.jit
+def _selected_kernel(Q, K, V, IDX, COUNTS, KV_LENS, O, LSE,
+                     TQ: tl.constexpr, TK: tl.constexpr, HQ: tl.constexpr, H: tl.constexpr, S: tl.constexpr,
+                     DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr, RP: tl.constexpr,
+                     TQP: tl.constexpr, SP: tl.constexpr, BS: tl.constexpr, BSP: tl.constexpr,
+                     NSUB: tl.constexpr, SCALE: tl.constexpr):
+    """Selected decode attention, one split: o [B, TQ, HQ, DV] and lse [B, TQ, HQ].
+
+    Grid (B * H,). Loads q (RP x DKP), kv_lens [B], the slots IDX [B, TQ, H, S] and COUNTS [B, TQ, H] of
+    its TQ tokens, then each distinct listed block once (`_selected`); stores o and lse of its R rows.
+    """
+    m, l_sum, acc, r, ok, q_rows = _selected(Q, K, V, IDX, COUNTS, KV_LENS, tl.program_id(0), 0, NSPLIT=1, TQ=TQ,
+                                             TK=TK, HQ=HQ, H=H, S=S, DK=DK, DV=DV, DKP=DKP, DVP=DVP, RP=RP, TQP=TQP,
+                                             SP=SP, BS=BS, BSP=BSP, NSUB=NSUB, SCALE=SCALE)
+    _store_final(O, LSE, m, l_sum, acc, q_rows, ok, DV=DV, DVP=DVP)
+
+
+@triton.jit
+def _selected_split_kernel(Q, K, V, IDX, COUNTS, KV_LENS, ACC, M, L,
+                           TQ: tl.constexpr, TK: tl.constexpr, HQ: tl.constexpr, H: tl.constexpr,
+                           S: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexpr,
+                           DVP: tl.constexpr, RP: tl.constexpr, TQP: tl.constexpr, SP: tl.constexpr,
+                           BS: tl.constexpr, BSP: tl.constexpr, NSUB: tl.constexpr, SCALE: tl.constexpr,
+                           NSPLIT: tl.constexpr):
+    """Selected decode attention, NSPLIT splits: float32 partials for `_combine_kernel`.
+
+    Grid (B * H, NSPLIT). Loads as `_selected_kernel`, but only the blocks of its share; stores acc
+    [B * H, NSPLIT, R, DV], m and l [B * H, NSPLIT, R] of its split.
+    """
+    bh = tl.program_id(0)
+    split = tl.program_id(1)
+    m, l_sum, acc, r, ok, _ = _selected(Q, K, V, IDX, COUNTS, KV_LENS, bh, split, NSPLIT=NSPLIT, TQ=TQ, TK=TK, HQ=HQ,
+                                        H=H, S=S, DK=DK, DV=DV, DKP=DKP, DVP=DVP, RP=RP, TQP=TQP, SP=SP, BS=BS,
+                                        BSP=BSP, NSUB=NSUB, SCALE=SCALE)
+    _store_partial(ACC, M, L, m, l_sum, acc, bh, split, r, ok, R=TQ * (HQ // H), NSPLIT=NSPLIT, DV=DV, DVP=DVP)
+
+
+@triton.jit
+def _combine_kernel(ACC, M, L, O, LSE,
+                    TQ: tl.constexpr, HQ: tl.constexpr, H: tl.constexpr, DV: tl.constexpr, NSPLIT: tl.constexpr,
+                    NSP: tl.constexpr, CR: tl.constexpr, CD: tl.constexpr, CS: tl.constexpr):
+    """The splits of each row merged in a fixed order (deterministic): o [B, TQ, HQ, DV] and lse [B, TQ, HQ].
+
+    Grid (B * H, cdiv(R, CR), cdiv(DV, CD)): CR rows of one KV head's tile by CD columns of DV. Loads m and l of
+    every split at once ([NSP, CR], NSP = next_pow2(NSPLIT)): the rows' max, the weights exp2(m_split - max)
+    and l = sum(w l_split); then the acc partials in chunks of CS splits ([CS, CR, CD] tiles, each chunk's
+    loads issued together rather than one split after another: the loop over 16 splits took 5 us at B = 1 on
+    an H200), chunk after chunk, each summed over its splits by the same reduction tree. Stores o = sum(w acc)
+    / l in O's dtype and (column tile 0) lse in natural log, -inf and o = 0 where no split saw anything.
+    """
+    G: tl.constexpr = HQ // H
+    R: tl.constexpr = TQ * G
+    bh = tl.program_id(0)
+    b = (bh // H).to(tl.int64)
+    h = bh % H
+    r = tl.program_id(1) * CR + tl.arange(0, CR)
+    ok = r < R
+    d = tl.program_id(2) * CD + tl.arange(0, CD)
+    d_ok = d < DV
+    rows = bh.to(tl.int64) * NSPLIT * R + r  # split 0's partial rows; split s adds s * R
+    sp = tl.arange(0, NSP)
+    stat = (sp < NSPLIT)[:, None] & ok[None, :]
+    m_all = tl.load(M + rows[None, :] + sp[:, None] * R, mask=stat, other=float("-inf"))  # [NSP, CR]
+    m_max = tl.max(m_all, 0)
+    m_use = tl.where(m_max == float("-inf"), 0.0, m_max)
+    l_all = tl.load(L + rows[None, :] + sp[:, None] * R, mask=stat, other=0.0)
+    l_sum = tl.sum(tl.exp2(m_all - m_use[None, :]) * l_all, 0)
+    acc = tl.zeros([CR, CD], tl.float32)
+    for c in tl.static_range(0, NSPLIT, CS):
+        s = c + tl.arange(0, CS)
+        used = (s < NSPLIT)[:, None] & ok[None, :]  # [CS, CR]
+        part_rows = rows[None, :] + s[:, None] * R
+        w = tl.exp2(tl.load(M + part_rows, mask=used, other=float("-inf")) - m_use[None, :])
+        part = tl.load(ACC + part_rows[:, :, None] * DV + d[None, None, :], mask=used[:, :, None] & d_ok[None, None, :],
+                       other=0.0)  # [CS, CR, CD]
+        acc += tl.sum(w[:, :, None] * part, 0)
+    seen = l_sum > 0
+    q_rows = (b * TQ + tl.where(ok, r // G, 0)) * HQ + h * G + r % G
+    out = acc / tl.where(seen, l_sum, 1.0)[:, None]
+    tl.store(O + q_rows[:, None] * DV + d[None, :], out.to(O.dtype.element_ty), mask=ok[:, None] & d_ok[None, :])
+    lse = tl.where(seen, (m_max + tl.log2(tl.where(seen, l_sum, 1.0))) * LN2, float("-inf"))
+    tl.store(LSE + q_rows, lse, mask=ok & (tl.program_id(2) == 0))
+
+
+# --------------------------------------------------------------------------------- launches
+
+
+class Config(NamedTuple):
+    """The launches of the decode kernels: BLOCK_N keys per tile (window and compressed: a tile of key rows;
+    selected: a chunk of a block, NSUB = cdiv(block_size, BLOCK_N) chunks), NSPLIT splits of each (b, h)'s
+    work (1: no combine), the warps and pipeline stages of the attention kernels, and the combine's tile of
+    combine_rows rows by combine_cols columns of Dv, combine_splits splits loaded at once, combine_warps
+    warps."""
+
+    block_n: int
+    splits: int
+    num_warps: int
+    num_stages: int
+    combine_rows: int = 16
+    combine_cols: int = 32
+    combine_splits: int = 8
+    combine_warps: int = 4
+
+
+def applies(q, k):
+    """Whether the decode kernels should run q [B, TQ, HQ, Dk] against k [B, TK, H, Dk] rather than the
+    training kernels (static shapes only): a few tokens (1 <= TQ <= MAX_TOKENS = 16) whose tile of all
+    G = HQ / H query heads has at most MAX_ROWS = 128 rows. Beyond, the float32 accumulator [TQ * G, Dv]
+    no longer fits in registers, the selected kernel's sort of the TQ * S slots grows, and the queries
+    are enough to fill the GPU with the training kernels' query tiles."""
+    TQ, HQ, H = q.shape[1], q.shape[2], k.shape[2]
+    return 1 <= TQ <= MAX_TOKENS and TQ * (HQ // H) <= MAX_ROWS
+
+
+def default_config(q, k, v, *, units, block_size=None):
+    """The Config of q [B, TQ, HQ, Dk] against k [B, NK, H, Dk] and v [B, NK, H, Dv].
+
+    units: the most work units a (b, h) can have (static): window and compressed, the key rows its tokens
+    see at most (then block_size=None); selected, the distinct blocks its tokens list at most, of
+    block_size keys.
+
+    - BLOCK_N: 64 key rows, or fewer while BLOCK_N * (DKP + DVP) elements take more than 64 KiB (float32 at
+      Dk = Dv = 256), and no more than the keys there are (window and compressed); selected: a block in one
+      chunk of pow2(block_size) keys under the same 64 KiB, else in chunks.
+    - NSPLIT (the heuristic): enough programs to fill the H200's 132 SMs, cdiv(132, B * H) splits (33 at
+      B = 1, H = 4: window 512 gives 8 tiles of 64 keys, so 8; selected, 16 blocks, 16; compressed at
+      TK = 65536, 1024 rows, 16), never more than the work units (tiles or blocks), and 1 from B * H >= 132
+      (B = 64, H = 4), where no combine runs. More splits than units would only add empty programs.
+      Measured on an H200 (bf16, standard shape, TK = 65536, all sequences full; device time per call from a
+      profiler trace, the splits and the combine together), TQ = 1: at B = 1, window 5.4 us (one split:
+      9.1; the training kernel _flash.attend on the same keys, one query head per program: 8.8), compressed
+      6.4 us (one split 16.5, training 15.7), selected 6.9 us (8 splits 6.9, one 18.4); the combine takes
+      2.5 to 3.4 us of these. B = 16 (3 splits): 9.1, 13.1, 14.1 us. B = 64 (one split): 19.4, 34.5,
+      37.0 us, 3.5 to 3.9 TB/s of keys and values (8 splits there: selected 51.6 us). TQ = 4, B = 1: 7.7,
+      7.9, 14.8 us.
+    - Warps: 4, 8 once a tile side passes 128. Stages: as many key tiles (selected: whole blocks, all their
+      chunks) in flight, up to 3, as fit in 200 KiB of shared memory next to the query tile and twice the
+      probability tile [RP, BLOCK_N]. Compiled for sm_90 (scripts/sm90_shared_memory.py), these take 70 KiB
+      at the standard shape (TQ = 1, three stages), 160 KiB at TQ = 8, and at most 192 KiB over the
+      script's wide and float32 configs; counting only the key tiles gave 368 KiB (selected, float32,
+      Dv = 256, block 128 in 4 chunks, 3 stages).
+    """
+    B, TQ, HQ, Dk = q.shape
+    H, Dv = k.shape[2], v.shape[3]
+    itemsize = jnp.dtype(q.dtype).itemsize
+    dkp, dvp, rp = pow2(Dk), pow2(Dv), pow2(TQ * (HQ // H))
+    fit = max(16, triton.next_power_of_2(65536 // (itemsize * (dkp + dvp)) + 1) // 2)
+    if block_size is None:
+        block_n = min(64, fit, pow2(units))
+        tiles, stage = -(-units // block_n), block_n
+    else:
+        block_n = min(pow2(block_size), fit)
+        tiles, stage = units, triton.cdiv(block_size, block_n) * block_n  # a stage holds a whole block
+    stage *= (dkp + dvp) * itemsize
+    fixed = rp * (dkp + 2 * block_n) * itemsize  # the query tile, the probabilities (and as much again)
+    stages = max(1, min(3, (_SHARED - fixed) // stage))
+    splits = max(1, min(tiles, -(-_SMS // max(1, B * H))))
+    return Config(block_n=block_n, splits=splits, num_warps=8 if max(dkp, dvp, rp, block_n) > 128 else 4,
+                  num_stages=int(stages))
+
+
+def _meta(q, k, v, scale, cfg):
+    """The constexprs every attention kernel takes."""
+    _, TQ, HQ, Dk = q.shape
+    H, Dv = k.shape[2], v.shape[3]
+    return dict(TQ=TQ, HQ=HQ, H=H, DK=Dk, DV=Dv, DKP=pow2(Dk), DVP=pow2(Dv), RP=pow2(TQ * (HQ // H)),
+                SCALE=float(scale), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def _run(kernel, split_kernel, q, v, inputs, cfg, meta):
+    """The attention kernel on grid (B * H, NSPLIT) (the final kernel when NSPLIT = 1), then the combine:
+    (o [B, TQ, HQ, Dv] in q's dtype, lse [B, TQ, HQ] float32)."""
+    B, TQ, HQ, _ = q.shape
+    H, Dv = meta["H"], v.shape[3]
+    outputs = dict(O=_launch.shape_dtype((B, TQ, HQ, Dv), q.dtype), LSE=_launch.shape_dtype((B, TQ, HQ), jnp.float32))
+    if B * TQ * HQ == 0:  # no query: empty results, nothing launched
+        return jnp.zeros((B, TQ, HQ, Dv), q.dtype), jnp.zeros((B, TQ, HQ), jnp.float32)
+    if cfg.splits == 1:
+        return _launch.launch(kernel, grid=(B * H,), inputs=inputs, outputs=outputs, **meta)
+    R = TQ * (HQ // H)
+    acc, m, l_sum = _launch.launch(
+        split_kernel, grid=(B * H, cfg.splits), inputs=inputs,
+        outputs=dict(ACC=_launch.shape_dtype((B * H, cfg.splits, R, Dv), jnp.float32),
+                     M=_launch.shape_dtype((B * H, cfg.splits, R), jnp.float32),
+                     L=_launch.shape_dtype((B * H, cfg.splits, R), jnp.float32)),
+        NSPLIT=cfg.splits, **meta)
+    cr, cd = min(cfg.combine_rows, pow2(R)), min(cfg.combine_cols, pow2(Dv))
+    nsp = triton.next_power_of_2(cfg.splits)
+    return _launch.launch(
+        _combine_kernel, grid=(B * H, triton.cdiv(R, cr), triton.cdiv(Dv, cd)),
+        inputs=dict(ACC=acc, M=m, L=l_sum), outputs=outputs, TQ=TQ, HQ=HQ, H=H, DV=Dv, NSPLIT=cfg.splits, NSP=nsp,
+        CR=cr, CD=cd, CS=min(cfg.combine_splits, nsp), num_warps=cfg.combine_warps, num_stages=1)
+
+
+def _check(q, k, v, kv_lens):
+    B, TQ, HQ, Dk = q.shape
+    if not (k.ndim == v.ndim == 4 and k.shape[:3] == v.shape[:3] and k.shape[0] == B and k.shape[3] == Dk
+            and HQ % k.shape[2] == 0 and kv_lens.shape == (B,)):
+        raise ValueError(f"decode kernels: q {q.shape}, keys {k.shape}, values {v.shape}, kv_lens {kv_lens.shape}")
+
+
+def window(q, k, v, kv_lens, *, window_size, scale, config=None):
+    """Sliding-window attention of the queries q [B, TQ, HQ, Dk] at the end of the cache k [B, TK, H, Dk],
+    v [B, TK, H, Dv] (kv_lens int [B]): key j is visible to the query at p iff p - window_size < j <= p.
+    Returns (o [B, TQ, HQ, Dv] in q's dtype, lse [B, TQ, HQ] float32); config: a Config (None: default)."""
+    _check(q, k, v, kv_lens)
+    TQ, TK = q.shape[1], k.shape[1]
+    W = min(int(window_size), TK)  # a wider window sees the same keys
+    cfg = default_config(q, k, v, units=max(1, min(W + TQ - 1, TK))) if config is None else config
+    meta = dict(_meta(q, k, v, scale, cfg), NK=TK, BLOCK_N=cfg.block_n, COMPRESSED=False, WINDOW=W, BS=1)
+    return _run(_interval_kernel, _interval_split_kernel, q, v,
+                dict(Q=q, K=k, V=v, KV_LENS=kv_lens.astype(jnp.int32)), cfg, meta)
+
+
+def compressed(q, k_cmp, v_cmp, kv_lens, *, block_size, scale, config=None):
+    """Compressed attention of the queries q [B, TQ, HQ, Dk] at the end of sequences of kv_lens int [B] tokens
+    over k_cmp [B, NC, H, Dk], v_cmp [B, NC, H, Dv]: row c is visible to the query at p iff
+    (c + 1) * block_size - 1 <= p. Returns (o, lse) as `window`; config: a Config (None: default)."""
+    _check(q, k_cmp, v_cmp, kv_lens)
+    NC = k_cmp.shape[1]
+    cfg = default_config(q, k_cmp, v_cmp, units=max(1, NC)) if config is None else config
+    meta = dict(_meta(q, k_cmp, v_cmp, scale, cfg), NK=NC, BLOCK_N=cfg.block_n, COMPRESSED=True, WINDOW=0,
+                BS=int(block_size))
+    return _run(_interval_kernel, _interval_split_kernel, q, v_cmp,
+                dict(Q=q, K=k_cmp, V=v_cmp, KV_LENS=kv_lens.astype(jnp.int32)), cfg, meta)
+
+
+def selected(q, k, v, block_indices, block_counts, kv_lens, *, block_size, scale, config=None):
+    """Selected attention of the queries q [B, TQ, HQ, Dk] at the end of the cache k [B, TK, H, Dk], v
+    [B, TK, H, Dv] (kv_lens int [B]): the query at p of KV head h attends to the keys at positions <= p of
+    the blocks block_indices[b, t, h, :block_counts[b, t, h]] (int [B, TQ, H, S] and int32 [B, TQ, H]);
+    entries < 0 or > p // block_size are ignored and never loaded, a block listed twice is attended twice.
+    Returns (o, lse) as `window`; config: a Config (None: default)."""
+    _check(q, k, v, kv_lens)
+    B, TQ, _, _ = q.shape
+    TK, H, S = k.shape[1], k.shape[2], block_indices.shape[-1]
+    if block_indices.shape != (B, TQ, H, S) or block_counts.shape != (B, TQ, H):
+        raise ValueError(f"decode.selected: block_indices {block_indices.shape}, block_counts {block_counts.shape} "
+                         f"for q {q.shape} and k {k.shape}")
+    bs = int(block_size)
+    blocks = max(1, min(TQ * S, triton.cdiv(TK, bs)))  # the most distinct blocks of one (b, h)
+    cfg = default_config(q, k, v, units=blocks, block_size=bs) if config is None else config
+    idx = block_indices  # int32 ids past p // bs are skipped whatever their size; wider ones are clipped first
+    if idx.dtype != jnp.int32:
+        idx = jnp.clip(idx, -1, TK // bs + 1).astype(jnp.int32)  # the same validity
+    tqp = triton.next_power_of_2(TQ)
+    meta = dict(_meta(q, k, v, scale, cfg), TK=TK, S=S, TQP=tqp, SP=max(triton.next_power_of_2(S), 16 // tqp),
+                BS=bs, BSP=cfg.block_n, NSUB=triton.cdiv(bs, cfg.block_n))
+    return _run(_selected_kernel, _selected_split_kernel, q, v,
+                dict(Q=q, K=k, V=v, IDX=idx, COUNTS=block_counts.astype(jnp.int32), KV_LENS=kv_lens.astype(jnp.int32)),
+                cfg, meta)

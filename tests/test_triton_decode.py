@@ -1,0 +1,241 @@
+"""The flash-decoding forward kernels (nsa/triton/decode.py) against the reference forwards with kv_lens.
+
+q holds the last TQ tokens of B = 2 sequences in a padded cache of TK = 80 rows, with ragged lengths: one
+shorter than a block (TQ + 2 tokens) and one ending mid-block, 3 rows before the cache's end (77). Keys and
+values past each length are NaN, and so are the compressed rows no query sees: a kernel that loads one
+gives a non-finite result. Each op runs with its default Config and with one that takes the other path
+(several splits and the combine, or one split that stores o and lse itself), at G = 1, 3 and 16
+(TQ * G up to 80 rows), TQ = 1 and 5 and Dv != Dk; o and lse are compared with the reference forward
+run in float64 on the same rounded inputs (NaN rows zeroed), with tests/base.py's relative RMS
+tolerances. On the CPU the kernels run in Triton's interpreter (float32, float16); on a GPU
+(ON_GPU, pytest -m gpu) the same tests compile them, also in bfloat16, and a standard serving shape
+runs too.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from nsa.reference import compressed as ref_compressed
+from nsa.reference import selected as ref_selected
+from nsa.reference import window as ref_window
+from nsa.triton import decode
+from tests.base import TOLERANCE, assert_close
+from tests.conftest import ON_GPU
+
+pytestmark = [pytest.mark.gpu] if ON_GPU else []  # on a GPU, scripts/gpu.sh (pytest -m gpu) runs them
+
+DTYPES = ["float32", "float16"] + (["bfloat16"] if ON_GPU else [])  # the interpreter has no bfloat16
+B, TK, BS = 2, 80, 16
+# group name -> (HQ, H, Dk, Dv)
+GROUPS = {"G1": (2, 2, 16, 24), "G3": (3, 1, 16, 8), "G16": (16, 1, 16, 32)}
+SPLIT = decode.Config(block_n=16, splits=3, num_warps=4, num_stages=2)  # more splits than some rows have tiles
+ONE = decode.Config(block_n=16, splits=1, num_warps=4, num_stages=2)  # no combine
+
+
+@pytest.fixture(autouse=True)
+def kernels(monkeypatch):
+    """On the CPU the kernels run in Triton's interpreter; on a GPU they compile (jax-triton)."""
+    if not ON_GPU:
+        from tests import triton_interpreter
+
+        triton_interpreter.install(monkeypatch)
+    yield
+    jax.clear_caches()  # an interpreted kernel compiles to a large program
+
+
+def _rounded(x, dtype):
+    x = jnp.asarray(x, dtype)
+    return x, np.asarray(x.astype(jnp.float32), np.float64)
+
+
+class Cache:
+    """q [B, TQ, HQ, Dk], k, v [B, TK, H, D] in `dtype` with NaN past kv_lens (and their float64 copies with
+    zeros there), kv_lens = [TQ + 2, 77]."""
+
+    def __init__(self, group, TQ, dtype, seed=0):
+        HQ, H, Dk, Dv = GROUPS[group]
+        rng = np.random.default_rng(seed)
+        self.TQ, self.dtype, self.H, self.scale = TQ, dtype, H, Dk ** -0.5
+        self.lens = np.array([TQ + 2, 77], np.int32)
+        self.q, self.q64 = _rounded(rng.standard_normal((B, TQ, HQ, Dk)), dtype)
+        past = np.arange(TK)[None, :, None, None] >= self.lens[:, None, None, None]
+        self.k, self.k64 = self._poisoned(rng.standard_normal((B, TK, H, Dk)), past)
+        self.v, self.v64 = self._poisoned(rng.standard_normal((B, TK, H, Dv)), past)
+        self.rng = rng
+
+    def _poisoned(self, x, poison):
+        x, x64 = _rounded(x, self.dtype)
+        return jnp.where(poison, jnp.nan, x), np.where(poison, 0.0, x64)
+
+    def compressed(self, block_size):
+        """k_cmp, v_cmp [B, TK / block_size, H, D] (random), NaN in the rows no query sees (c >= kv_lens //
+        block_size), and their float64 copies with zeros there."""
+        NC = TK // block_size
+        unseen = np.arange(NC)[None, :, None, None] >= (self.lens // block_size)[:, None, None, None]
+        k_cmp = self._poisoned(self.rng.standard_normal((B, NC, self.H, self.k.shape[3])), unseen)
+        v_cmp = self._poisoned(self.rng.standard_normal((B, NC, self.H, self.v.shape[3])), unseen)
+        return k_cmp, v_cmp
+
+    def block_indices(self, block_size, num_slots=None):
+        """int32 [B, TQ, H, S] and counts [B, TQ, H]: each token lists its own block, a visible block twice
+        and invalid ids, cycling over the rows through -1, the next block (past p // block_size: NaN keys or
+        future ones), 2^30 and a block 3 past; S = 6 slots at TQ = 1 (one more invalid id and one more
+        visible block), else 4 (fewer slots to sort in the interpreter; the rows still hold every kind).
+        The slots are in a random order; counts from 0 to S (all S for token 0)."""
+        TQ, H = self.TQ, self.H
+        S = num_slots or (6 if TQ == 1 else 4)
+        p = (self.lens[:, None] - TQ + np.arange(TQ))[:, :, None]  # [B, TQ, 1]
+        cur = np.broadcast_to(p // block_size, (B, TQ, H))
+        seen = self.rng.integers(0, cur + 1)
+        row = np.arange(B * TQ * H).reshape(B, TQ, H)
+        invalid = np.stack([-np.ones_like(cur), cur + 1, np.full_like(cur, 2 ** 30), cur + 3], -1)
+        pick = lambda shift: np.take_along_axis(invalid, ((row + shift) % 4)[..., None], -1)[..., 0]
+        slots = np.stack([cur, seen, seen, pick(0), pick(2), self.rng.integers(0, cur + 1)], -1)[..., :S]
+        order = np.argsort(self.rng.random(slots.shape), -1)
+        idx = np.take_along_axis(slots, order, -1)
+        counts = self.rng.integers(0, S + 1, (B, TQ, H))
+        counts[:, 0] = S
+        return jnp.asarray(idx, jnp.int32), jnp.asarray(counts, jnp.int32)
+
+
+def _reference(forward, *arrays, **kw):
+    """A reference forward in float64 (arrays: NumPy float64 and int), as (o, lse) NumPy arrays."""
+    with jax.enable_x64(True):
+        out, residuals = forward(*(None if a is None else jnp.asarray(a) for a in arrays), **kw)
+        o, lse = out if isinstance(out, tuple) else (out, residuals[-1])
+        return np.asarray(o), np.asarray(lse)
+
+
+def _check(got, ref, x):
+    o, lse = got
+    o_ref, lse_ref = ref
+    assert o.dtype == x.q.dtype and o.shape == o_ref.shape
+    assert lse.dtype == jnp.float32 and lse.shape == lse_ref.shape
+    assert_close(o, o_ref, TOLERANCE[x.dtype], "o")
+    lse = np.asarray(lse, np.float64)
+    np.testing.assert_array_equal(lse == -np.inf, lse_ref == -np.inf)
+    assert np.all(np.asarray(o, np.float32)[lse == -np.inf] == 0)
+    seen = np.isfinite(lse_ref)
+    assert_close(lse[seen], lse_ref[seen], TOLERANCE[x.dtype], "lse")
+
+
+CASES = pytest.mark.parametrize("group, TQ, dtype", [
+    pytest.param(g, tq, d, id=f"{g}-TQ{tq}-{d}") for g in GROUPS for tq in (1, 5) for d in DTYPES])
+
+
+@CASES
+@pytest.mark.parametrize("window_size", [24, 1000])  # 1000: larger than every sequence and the cache
+def test_window(group, TQ, dtype, window_size):
+    """Default Config (window 24: one 32-key tile, one split that stores o and lse; 1000: two 64-key tiles,
+    two splits and the combine) and SPLIT (3 splits of 16-key tiles; the short sequence has fewer tiles
+    than splits)."""
+    x = Cache(group, TQ, dtype)
+    ref = _reference(ref_window.forward, x.q64, x.k64, x.v64, None, x.lens, window_size=window_size, scale=x.scale)
+    for config in (None, SPLIT):
+        _check(decode.window(x.q, x.k, x.v, jnp.asarray(x.lens), window_size=window_size, scale=x.scale,
+                             config=config), ref, x)
+
+
+@CASES
+def test_compressed(group, TQ, dtype):
+    """block_size 4: 20 compressed rows (one tile by default; two tiles of 16 over 3 splits with SPLIT); the
+    first sequence's first queries see none."""
+    x = Cache(group, TQ, dtype)
+    (k_cmp, k_cmp64), (v_cmp, v_cmp64) = x.compressed(4)
+    ref = _reference(ref_compressed.forward, x.q64, k_cmp64, v_cmp64, None, x.lens, block_size=4, scale=x.scale)
+    for config in (None, SPLIT):
+        _check(decode.compressed(x.q, k_cmp, v_cmp, jnp.asarray(x.lens), block_size=4, scale=x.scale, config=config),
+               ref, x)
+
+
+@CASES
+def test_selected(group, TQ, dtype):
+    """Default Config (5 splits: one per block of the cache, then the combine) and ONE (one split)."""
+    x = Cache(group, TQ, dtype)
+    idx, counts = x.block_indices(BS)
+    ref = _reference(ref_selected.forward, x.q64, x.k64, x.v64, idx, counts, None, x.lens, block_size=BS,
+                     scale=x.scale)
+    for config in (None, ONE):
+        _check(decode.selected(x.q, x.k, x.v, idx, counts, jnp.asarray(x.lens), block_size=BS, scale=x.scale,
+                               config=config), ref, x)
+
+
+def test_selected_blocks_in_chunks_and_deterministic():
+    """block_size 32 loaded in two chunks of 16 keys, over two splits; two jitted runs are bitwise equal."""
+    x = Cache("G3", 5, "float32", seed=3)
+    idx, counts = x.block_indices(32, num_slots=4)
+    cfg = decode.Config(block_n=16, splits=2, num_warps=4, num_stages=2)
+    run = jax.jit(lambda q, k, v, idx, counts, lens: decode.selected(q, k, v, idx, counts, lens, block_size=32,
+                                                                     scale=x.scale, config=cfg))
+    first, second = (run(x.q, x.k, x.v, idx, counts, jnp.asarray(x.lens)) for _ in range(2))
+    for a, b in zip(first, second):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    ref = _reference(ref_selected.forward, x.q64, x.k64, x.v64, idx, counts, None, x.lens, block_size=32,
+                     scale=x.scale)
+    _check(first, ref, x)
+
+
+def test_window_splits_deterministic_under_jit():
+    x = Cache("G16", 1, "float32", seed=4)
+    run = jax.jit(lambda q, k, v, lens: decode.window(q, k, v, lens, window_size=40, scale=x.scale, config=SPLIT))
+    first, second = (run(x.q, x.k, x.v, jnp.asarray(x.lens)) for _ in range(2))
+    for a, b in zip(first, second):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    _check(first, _reference(ref_window.forward, x.q64, x.k64, x.v64, None, x.lens, window_size=40, scale=x.scale), x)
+
+
+def test_default_config_and_applies():
+    """The heuristic at the standard serving shape (HQ = 64, H = 4, D = 128, bf16, block 64, 16 slots,
+    window 512, TK = 65536): 33 splits wanted at B = 1 (132 SMs / 4 heads), capped by the work units; one
+    split (no combine) at B = 64. applies: TQ <= 16 and TQ * G <= 128 rows."""
+    shape = lambda B, T, heads, D: jax.ShapeDtypeStruct((B, T, heads, D), jnp.bfloat16)
+    for B, splits in ((1, (8, 16, 16)), (64, (1, 1, 1))):
+        q, k = shape(B, 1, 64, 128), shape(B, 65536, 4, 128)
+        window = decode.default_config(q, k, k, units=512)
+        compressed = decode.default_config(q, k, k, units=65536 // 64)
+        selected = decode.default_config(q, k, k, units=16, block_size=64)
+        assert (window.splits, compressed.splits, selected.splits) == splits
+        assert window.block_n == compressed.block_n == selected.block_n == 64
+    k = shape(1, 65536, 4, 128)
+    assert decode.applies(shape(1, 8, 64, 128), k) and not decode.applies(shape(1, 9, 64, 128), k)
+    assert decode.applies(shape(1, 16, 4, 128), k) and not decode.applies(shape(1, 17, 4, 128), k)
+
+
+# ---------------------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.parametrize("B", [1, 16])
+@pytest.mark.parametrize("TQ", [1, 4])
+def test_standard_shape_on_gpu(B, TQ):
+    """HQ = 64, H = 4, D = 128, bf16, block 64, 16 slots, window 512, TK = 8192 with ragged lengths, each op
+    against the float32 reference (the default Configs: 8 to 16 splits at B = 1, 2 to 3 at B = 16)."""
+    if not ON_GPU:
+        pytest.skip("needs a CUDA GPU and jax-triton")
+    HQ, H, D, bs, S, W, T = 64, 4, 128, 64, 16, 512, 8192
+    keys = jax.random.split(jax.random.key(0), 5)
+    q = jax.random.normal(keys[0], (B, TQ, HQ, D), jnp.bfloat16)
+    k = jax.random.normal(keys[1], (B, T, H, D), jnp.bfloat16)
+    v = jax.random.normal(keys[2], (B, T, H, D), jnp.bfloat16)
+    lens = jax.random.randint(keys[3], (B,), TQ, T + 1).at[0].set(T).astype(jnp.int32)
+    k_cmp, v_cmp = (x.reshape(B, T // bs, bs, H, D).mean(2) for x in (k, v))
+    p = lens[:, None, None, None] - TQ + jnp.arange(TQ)[None, :, None, None]
+    idx = jnp.maximum(p // bs - jax.random.randint(keys[4], (B, TQ, H, S), 0, 40), -1).astype(jnp.int32)
+    counts = jnp.full((B, TQ, H), S, jnp.int32)
+    f32 = lambda *xs: [x.astype(jnp.float32) for x in xs]
+    scale = D ** -0.5
+    runs = [
+        (decode.window(q, k, v, lens, window_size=W, scale=scale),
+         ref_window.forward(*f32(q, k, v), None, lens, window_size=W, scale=scale)),
+        (decode.compressed(q, k_cmp, v_cmp, lens, block_size=bs, scale=scale),
+         ref_compressed.forward(*f32(q, k_cmp, v_cmp), None, lens, block_size=bs, scale=scale)),
+        (decode.selected(q, k, v, idx, counts, lens, block_size=bs, scale=scale),
+         ref_selected.forward(*f32(q, k, v), idx, counts, None, lens, block_size=bs, scale=scale)),
+    ]
+    for (o, lse), (out, residuals) in runs:
+        o_ref, lse_ref = out if isinstance(out, tuple) else (out, residuals[-1])
+        assert_close(o, o_ref, TOLERANCE["bfloat16"], "o")
+        lse, lse_ref = np.asarray(lse, np.float64), np.asarray(lse_ref, np.float64)
+        np.testing.assert_array_equal(lse == -np.inf, lse_ref == -np.inf)
+        assert_close(lse[np.isfinite(lse_ref)], lse_ref[np.isfinite(lse_ref)], TOLERANCE["bfloat16"], "lse")
