@@ -53,7 +53,7 @@ import triton.language as tl
 
 from nsa._varlen import num_compressed_blocks, tokens
 from nsa.reference import _common
-from nsa.triton import _launch
+from nsa.triton import _launch, decode
 from nsa.triton._common import LN2, LOG2E, pow2
 
 # ------------------------------------------------------------------------------------------ kernels
@@ -541,7 +541,11 @@ def _config(q, k, v, block_indices, block_size, cu_seqlens, config):
 def forward(q, k, v, block_indices, block_counts, cu_seqlens, kv_lens=None, *, block_size, scale, config=None):
     """Returns o [B, T, HQ, Dv] and the reference's residuals (inputs, o, lse [B, T, HQ] float32); kv_lens int
     [B] or None places the queries at the end of longer sequences of keys k, v [B, TK, H, D]
-    (`nsa._varlen.tokens`). config: a Config (None: `default_config`)."""
+    (`nsa._varlen.tokens`): a few of them (`decode.applies`; config None) run the flash-decoding forward of
+    nsa/triton/decode.py. config: a Config (None: `default_config`)."""
+    if kv_lens is not None and config is None and decode.applies(q, k):
+        o, lse = decode.selected(q, k, v, block_indices, block_counts, kv_lens, block_size=block_size, scale=scale)
+        return o, (q, k, v, block_indices, block_counts, cu_seqlens, kv_lens, o, lse)
     cfg = _config(q, k, v, block_indices, block_size, cu_seqlens, config)
     tok = _tokens(q, block_size, cu_seqlens, kv_lens)
     o, lse = _launch.launch(
