@@ -67,6 +67,13 @@ def useful_bytes(lens, sparse):
     return int(H * row * per.sum())
 
 
+def bounds(lens, sparse, step_us):
+    """The row's bytes read, bandwidth bound and time over the bound."""
+    read = useful_bytes(lens, sparse)
+    bound_us = 1e6 * read / COPY_BANDWIDTH
+    return dict(bytes_read=read, bound_us=bound_us, of_bound=step_us / bound_us)
+
+
 def chained(step):
     """A jitted fn running `step(q) -> o` STEPS times, each q shifted by 0 * the previous o (a data dependency,
     so the steps run one after another and none is hoisted out of the loop)."""
@@ -121,9 +128,7 @@ def rows_for(args, B, TK):
     def timed(impl, sparse, seconds):
         def timings(row):
             row["step_us"] = 1e6 * seconds()
-            row["bytes_read"] = useful_bytes(lens, sparse)
-            row["bound_us"] = 1e6 * row["bytes_read"] / COPY_BANDWIDTH
-            row["of_bound"] = row["step_us"] / row["bound_us"]
+            row.update(bounds(lens, sparse, row["step_us"]))
         return measure(dict(base, impl=impl), timings)
 
     for impl in args.impls:
@@ -135,15 +140,20 @@ def rows_for(args, B, TK):
     for impl in args.dense:
         fn = chained(dense_step(impl))
         yield timed(f"dense-{impl}", False, lambda: time_jax(fn, (q, k, v, lens), args.iters) / STEPS)
-    if not args.no_fla and not args.ragged:  # fla has no per-sequence lengths
-        row = timed("fla (no window)", True, lambda: time_fla(B, TK, args.iters))
-        yield row
+
+
+def fla_row(args, B, TK):
+    """fla's row of (B, TK) (every sequence TK long: fla has no per-sequence lengths)."""
+    def timings(row):
+        row["step_us"] = 1e6 * time_fla(B, TK, args.iters)
+        row.update(bounds(np.full(B, TK), True, row["step_us"]))
+    return measure(dict(B=B, TK=TK, ragged=False, impl="fla (no window)"), timings)
 
 
 def table(rows):
     lines = ["| B | TK | implementation | step µs | bytes read (MB) | bandwidth bound µs | × bound | speedup vs dense |",
              "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
+    for r in sorted(rows, key=lambda r: (r["B"], r["TK"])):
         if "error" in r:
             lines.append(f"| {r['B']} | {r['TK']} | {r['impl']} | failed: {r['error'][:80]} | | | | |")
             continue
@@ -175,6 +185,9 @@ def main(argv=None):
         for row in rows_for(args, B, TK):
             rows.append(row)
             print(json.dumps(row), flush=True)
+    for B, TK in configs if not (args.no_fla or args.ragged) else []:  # last: fla autotunes each shape
+        rows.append(fla_row(args, B, TK))
+        print(json.dumps(rows[-1]), flush=True)
     info = meta(STANDARD, steps_per_loop=STEPS, copy_bandwidth=COPY_BANDWIDTH,
                 **module_versions(("triton", "torch", "fla", "jax_triton")))
     write_json(f"{args.out}/{args.name}.json", info, rows)
