@@ -165,6 +165,26 @@ def table(rows):
     return "\n".join(lines)
 
 
+def trace(args, configs):
+    """{(B, TK): {kernel: device us per step}} of one jitted nsa step (no loop), printed and written as
+    <name>-trace.json."""
+    from benchmarks.trace import device_times
+
+    result = {}
+    for B, TK in configs:
+        q, gates, k, v, k_cmp, v_cmp, lens = cache_arrays(B, TK, args.ragged)
+        fn = jax.jit(nsa_step(args.impls[0]))
+        times = device_times(fn, (q, *gates, k, v, k_cmp, v_cmp, lens), args.iters)
+        result[f"B={B} TK={TK}"] = dict(sorted(times.items(), key=lambda kv: -kv[1]))
+        print(f"B={B} TK={TK}: {sum(times.values()):.1f} us of device time in {len(times)} kinds of event; "
+              f"wall {1e6 * time_jax(fn, (q, *gates, k, v, k_cmp, v_cmp, lens), args.iters):.1f} us")
+        for name, us in list(result[f"B={B} TK={TK}"].items())[:25]:
+            print(f"  {us:8.1f} us  {name[:110]}")
+    with open(f"{args.out}/{args.name}-trace.json", "w") as f:
+        json.dump(dict(meta=meta(STANDARD), traces=result), f, indent=1)
+    return result
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True)
@@ -178,8 +198,12 @@ def main(argv=None):
     parser.add_argument("--xla-max-tokens", type=int, default=1 << 17, help="B * TK above which nsa-xla is skipped")
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--name", default="decode", help="the results' file name (without .json)")
+    parser.add_argument("--trace", action="store_true",
+                        help="instead: each kernel's device time in one step of nsa-<impls[0]>, from a profiler trace")
     args = parser.parse_args(argv)
     configs = [(B, TK) for B in args.batches for TK in args.contexts] + [(1, TK) for TK in args.long]
+    if args.trace:
+        return trace(args, configs)
     rows = []
     for B, TK in configs:
         for row in rows_for(args, B, TK):
