@@ -105,6 +105,22 @@ def gradient_scales(q, k, v, do, scale, num_gates=0):
     return [scale * dp * rms(k), scale * dp * rms(q), rms(do)] + [dp] * num_gates
 
 
+def largest_intermediate(jaxpr):
+    """Bytes of the largest array any equation (also inside scan/cond/custom_vjp bodies) produces."""
+    largest = 0
+    for eqn in jaxpr.eqns:
+        for var in eqn.outvars:
+            aval = var.aval
+            if hasattr(aval, "shape"):
+                largest = max(largest, int(np.prod(aval.shape)) * aval.dtype.itemsize)
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (list, tuple)) else [param]:
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    largest = max(largest, largest_intermediate(inner))
+    return largest
+
+
 def assert_same_blocks(idx, ref):
     """Equal selections, up to the order inside each row."""
     np.testing.assert_array_equal(np.sort(np.asarray(idx), -1), np.sort(np.asarray(ref), -1))

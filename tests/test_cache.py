@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import nsa
-from tests.base import Inputs, assert_close
+from tests.base import Inputs, assert_close, largest_intermediate
 
 B, N, H, DK, DV, BS = 2, 80, 2, 16, 8, 8
 
@@ -145,21 +145,6 @@ def test_decode_loop_under_jit_matches_a_full_recompute():
         assert_close(out[:, b], full[0, prompt[b]:], 2e-5, f"decode outputs of sequence {b}")
 
 
-def _largest_intermediate(jaxpr, skip=()):
-    """Bytes of the largest array an equation (also inside sub-jaxprs) produces."""
-    largest = 0
-    for eqn in jaxpr.eqns:
-        for var in eqn.outvars:
-            if hasattr(var.aval, "shape"):
-                largest = max(largest, int(np.prod(var.aval.shape)) * var.aval.dtype.itemsize)
-        for param in eqn.params.values():
-            for sub in param if isinstance(param, (list, tuple)) else [param]:
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    largest = max(largest, _largest_intermediate(inner))
-    return largest
-
-
 def test_a_decode_step_never_touches_the_whole_cache():
     """nsa.attention of one new token per sequence over a cache of TK = 65536 (the standard heads, traced, not
     run): no intermediate is anywhere near the size of the cache's k (a copy, a cast or a pad of the whole
@@ -175,6 +160,6 @@ def test_a_decode_step_never_touches_the_whole_cache():
         return nsa.attention(q, k, v, g_cmp=a, g_slc=b, g_swa=c, k_cmp=k_cmp, v_cmp=v_cmp, kv_lens=lens,
                              block_counts=16, block_size=bs, window_size=512, implementation="xla")
 
-    largest = _largest_intermediate(jax.make_jaxpr(decode)(q, kv, kv, cmp, cmp, lens, g, g, g).jaxpr)
+    largest = largest_intermediate(jax.make_jaxpr(decode)(q, kv, kv, cmp, cmp, lens, g, g, g).jaxpr)
     cache_bytes = Bd * TK * Hd * D * 2
     assert largest <= cache_bytes // 16, f"largest intermediate {largest / 2 ** 20:.1f} MiB of a {cache_bytes >> 20} MiB k"

@@ -10,7 +10,7 @@ from jax.test_util import check_grads
 import nsa
 from nsa import reference
 from tests import oracle
-from tests.base import CU_SEQLENS, Inputs, assert_close
+from tests.base import CU_SEQLENS, Inputs, assert_close, largest_intermediate
 
 SMALL = (1, 21, 6, 2, 4, 3, 4)  # G = 3, Dv != Dk, T not a multiple of block_size
 
@@ -114,22 +114,6 @@ def test_default_implementation_on_cpu_is_the_reference():
     np.testing.assert_array_equal(np.asarray(run(None)), np.asarray(run("xla")))
 
 
-def _largest_intermediate(jaxpr):
-    """Bytes of the largest array any equation (also inside scan/cond/custom_vjp bodies) produces."""
-    largest = 0
-    for eqn in jaxpr.eqns:
-        for var in eqn.outvars:
-            aval = var.aval
-            if hasattr(aval, "shape"):
-                largest = max(largest, int(np.prod(aval.shape)) * aval.dtype.itemsize)
-        for param in eqn.params.values():
-            for sub in param if isinstance(param, (list, tuple)) else [param]:
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    largest = max(largest, _largest_intermediate(inner))
-    return largest
-
-
 def test_standard_shape_never_builds_a_whole_sequence_score_matrix():
     """Forward + backward at T = 8192, HQ = 64, H = 4, D = 128 (traced, not run): no intermediate is
     anywhere near the [T, T, HQ] or [T, S * block_size, HQ] arrays of an unchunked implementation."""
@@ -144,6 +128,6 @@ def test_standard_shape_never_builds_a_whole_sequence_score_matrix():
         return jnp.sum(o.astype(jnp.float32))
 
     jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=tuple(range(6))))(q, kv, kv, g, g, g)
-    largest = _largest_intermediate(jaxpr.jaxpr)
+    largest = largest_intermediate(jaxpr.jaxpr)
     whole_selection = T * 16 * 64 * HQ * 4  # [T, S * bs, HQ] float32: 2 GiB
     assert largest <= 512 * 2 ** 20 < whole_selection, f"largest intermediate {largest / 2 ** 20:.0f} MiB"
