@@ -60,6 +60,14 @@ INTERPRETED_CASES = {
 }
 
 
+# The ops of the KV-cache tests (test_cached_queries_equal_full_sequence). Interpreted kernels run the two
+# nsa.attention cases, which call every op's kernel (compressed, select, selected, window); each kernel's
+# own cache cases are in its test file.
+CACHED_OPS = ["compressed_attention", "select_blocks", "selected_attention", "sliding_window_attention", "attention",
+              "attention-given-blocks"]
+INTERPRETED_CACHED_OPS = ["attention", "attention-given-blocks"]
+
+
 def cases(kind):
     """Marks a test of the base to run over the cases of `kind` its subclass takes (`NSATestBase.case_params`)."""
     return pytest.mark.cases(kind)
@@ -176,6 +184,8 @@ class NSATestBase:
     def case_params(cls, kind):
         """(argnames, pytest params) of a test marked @cases(kind): its (shape, dtype) cases in the dtypes
         this implementation takes, or (for "shapes") its shapes."""
+        if kind == "cached":
+            return "name", INTERPRETED_CACHED_OPS if cls.interpreted else CACHED_OPS
         if kind == "shapes":
             table = (INTERPRETED_CASES if cls.interpreted else CASES)[kind]
             return "shape", [pytest.param(SHAPES[name], id=name) for name, _ in table]
@@ -653,14 +663,12 @@ class NSATestBase:
 
         return cached, full
 
-    CACHED_OPS = ["compressed_attention", "select_blocks", "selected_attention", "sliding_window_attention",
-                  "attention", "attention-given-blocks"]
 
     @pytest.mark.parametrize("tq", [1, 21], ids=["decode", "chunked-prefill"])
-    @pytest.mark.parametrize("name", CACHED_OPS)
+    @cases("cached")
     def test_cached_queries_equal_full_sequence(self, name, tq):
-        """op(q[:, -TQ:], cache, kv_lens) == op(q, k, v)[:, -TQ:] for every op: decode (TQ = 1) and chunked
-        prefill (TQ = 21, across block boundaries), a ragged batch (lengths 77 and 50 in a cache of 80: every
+        """op(q[:, -TQ:], cache, kv_lens) == op(q, k, v)[:, -TQ:] for every op (CACHED_OPS): decode (TQ = 1) and
+        chunked prefill (TQ = 21, across block boundaries), a ragged batch (lengths 77 and 50 in a cache of 80: every
         key past a sequence's length is NaN, so reading one shows), the selection given or made inside,
         the compressed keys from the cache."""
         dtype = "float32" if "float32" in self.dtypes else self.dtypes[0]
