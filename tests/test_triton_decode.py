@@ -206,6 +206,7 @@ def test_default_config_and_applies():
 # ---------------------------------------------------------------------------------------- GPU
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("B", [1, 16])
 @pytest.mark.parametrize("TQ", [1, 4])
 def test_standard_shape_on_gpu(B, TQ):
