@@ -127,6 +127,51 @@ def test_cached_queries_over_several_chunks(interpreted, HQ, tq):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
 
 
+DECODE_CONFIGS = {"3-splits": triton_select.DecodeConfig(chunk=16, splits=3, num_warps=4, num_stages=2),
+                  "1-split": triton_select.DecodeConfig(chunk=16, splits=1, num_warps=4, num_stages=1),
+                  "default": None}
+
+
+@pytest.mark.parametrize("config", DECODE_CONFIGS.values(), ids=DECODE_CONFIGS.keys())
+@pytest.mark.parametrize("HQ, tq", [(16, 1), (3, 5)], ids=["G16-decode", "G3-5-tokens"])
+def test_decode_kernel_matches_reference_exactly(interpreted, HQ, tq, config):
+    """The decode select (`decode_forward`: a few queries at the end of a cache, the candidate blocks split
+    over programs and merged) returns exactly the reference's ids in rank order: the last tq tokens of
+    sequences of 200 and 61 tokens in a cache of 50 compressed rows (block 4), NaN past each sequence's
+    complete blocks (never read), walked in chunks of 16 rows split over 3 programs (one without rows) or
+    one, or the default config, with and without compressed attention's lse; two rows of k_cmp in
+    different splits are equal, so their blocks tie and the lower id must come first."""
+    B, TK, H, Dk, bs = 2, 200, 1, 16, 4
+    lens = np.array([200, 61], np.int32)
+    q, _ = _inputs(B, tq, HQ, H, Dk, bs, "float32", seed=2)
+    _, k_cmp = _inputs(B, TK, HQ, H, Dk, bs, "float32", seed=3)
+    favourite = jnp.sum(q, axis=(1, 2))[:, None]  # [B, 1, Dk]: a key every query likes
+    k_cmp = k_cmp.at[:, 3].set(favourite).at[:, 40].set(favourite)  # a tie that wins
+    past = np.arange(TK // bs)[None, :, None, None] >= (lens // bs)[:, None, None, None]
+    k_zero, kv_lens = jnp.where(past, 0.0, k_cmp), jnp.asarray(lens)
+    lse = nsa.compressed_attention(q, k_zero, k_zero, block_size=bs, kv_lens=kv_lens, implementation="xla")[1]
+    ref = np.asarray(nsa.select_blocks(q, k_zero, block_counts=5, block_size=bs, kv_lens=kv_lens,
+                                       implementation="xla"))
+    assert np.any(np.all(np.isin([3, 40], ref[0]), -1)), "the tied blocks are not both selected"
+    for given in (None, lse):
+        got = triton_select.decode_forward(q, jnp.where(past, jnp.nan, k_cmp), given, kv_lens, block_counts=5,
+                                           block_size=bs, scale=Dk ** -0.5, config=config)
+        np.testing.assert_array_equal(np.asarray(got), ref)
+
+
+def test_default_decode_config():
+    """One split per program at B * H >= 132 (no merge), enough splits to fill the SMs at B = 1 but never
+    more than the chunks of blocks; the decode kernel runs for a cache's few queries."""
+    q = jnp.zeros((1, 1, 64, 128), jnp.bfloat16)
+    for NC, splits in ((1024, 17), (8192, 33), (3, 1)):
+        k_cmp = jnp.zeros((1, NC, 4, 128), jnp.bfloat16)
+        cfg = triton_select.default_decode_config(q, k_cmp, block_counts=16, block_size=64)
+        assert (cfg.chunk, cfg.splits) == (min(64, max(16, 1 << (NC - 1).bit_length())), splits)
+    k_cmp = jnp.zeros((64, 1024, 4, 128), jnp.bfloat16)
+    assert triton_select.default_decode_config(jnp.zeros((64, 1, 64, 128), jnp.bfloat16), k_cmp, block_counts=16,
+                                               block_size=64).splits == 1
+
+
 # ---------------------------------------------------------------------------------------- GPU
 
 def _scores(q, k_cmp, block_size, scale):

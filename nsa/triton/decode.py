@@ -43,7 +43,7 @@ from nsa.triton._common import LN2, LOG2E, pow2
 
 MAX_ROWS = 128  # the largest tile (TQ * G rows) these kernels take: `applies`
 MAX_TOKENS = 16  # and the most query tokens
-_SMS = 132  # an H200's streaming multiprocessors: the programs `default_config` aims at
+SMS = 132  # an H200's streaming multiprocessors: the programs `default_config` aims at
 _SHARED = 200 * 1024  # the shared memory `default_config` plans for (an H200 block has 227 KiB)
 _NONE = tl.constexpr(2 ** 31 - 1)  # a skipped slot of the selected kernel: above every valid int32 block id
 
@@ -429,7 +429,7 @@ def default_config(q, k, v, *, units, block_size=None):
     stage *= (dkp + dvp) * itemsize
     fixed = rp * (dkp + 2 * block_n) * itemsize  # the query tile, the probabilities (and as much again)
     stages = max(1, min(3, (_SHARED - fixed) // stage))
-    splits = max(1, min(tiles, -(-_SMS // max(1, B * H))))
+    splits = max(1, min(tiles, -(-SMS // max(1, B * H))))
     return Config(block_n=block_n, splits=splits, num_warps=8 if max(dkp, dvp, rp, block_n) > 128 else 4,
                   num_stages=int(stages))
 

@@ -39,7 +39,7 @@ import triton.language as tl
 
 from nsa._varlen import cdiv, tokens
 from nsa.reference import select as reference
-from nsa.triton import _launch
+from nsa.triton import _launch, decode
 from nsa.triton._common import LOG2E, pow2
 
 _ROWS = 64  # query rows per tile (TB tokens x GR heads): the M of one wgmma
@@ -84,6 +84,17 @@ def _keys(score, blk, cur):
     rank = tl.where(blk == cur[:, None], _CURRENT, rank)
     key = (rank.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (0x7FFFFFFF - blk).to(tl.int64)
     return tl.where((blk >= 0) & (blk <= cur[:, None]), key, -1)
+
+
+@triton.jit
+def _merge_top(top, key, S: tl.constexpr, SP: tl.constexpr):
+    """Each token's running top [TB, SP] (ascending keys, slot SP - 1 ranks first) merged with the keys
+    [TB, BC] of a chunk: the SP best of both, unless no key can enter any token's top-S (skipped)."""
+    kth = tl.max(tl.where(tl.arange(0, SP)[None, :] == SP - S, top, -1), 1)  # [TB]: each token's S-th best
+    if tl.max((tl.max(key, 1) > kth).to(tl.int32), 0) > 0:  # some token's top-S changes
+        # max of ascending and descending: the SP best of both, bitonic
+        top = tl.bitonic_merge(tl.maximum(top, tl.topk(key, SP, dim=1)), dim=1)
+    return top
 
 
 @triton.jit
@@ -166,7 +177,6 @@ def _select_kernel(q, k_cmp, lse, pos, cmp_start, out,
     # pass 2: scores of each token's candidates, merged chunk by chunk into its running top
     slot = tl.arange(0, SP)
     top = tl.full([TB, SP], -1, tl.int64)  # keys in ascending order: slot SP - 1 ranks first
-    KTH: tl.constexpr = SP - S  # the slot of the S-th best
     end = tl.max(first + cur, 0) + 1
     for r0 in range(lo, end, BC):
         rows = r0 + c
@@ -175,15 +185,108 @@ def _select_kernel(q, k_cmp, lse, pos, cmp_start, out,
         p = tl.where(vis, tl.exp2(s - lse2[:, None]), 0.0)
         score = tl.sum(tl.reshape(p, [TB, GR, BC]), 1) / G
         key = _keys(score, rows[None, :] - first[:, None], cur)  # [TB, BC], by in-sequence block id
-        kth = tl.max(tl.where(slot[None, :] == KTH, top, -1), 1)  # [TB]
-        if tl.max((tl.max(key, 1) > kth).to(tl.int32), 0) > 0:  # some token's top-S changes
-            # max of ascending and descending: the SP best of both, bitonic
-            top = tl.bitonic_merge(tl.maximum(top, tl.topk(key, SP, dim=1)), dim=1)
+        top = _merge_top(top, key, S=S, SP=SP)
 
-    ids = tl.where(top >= 0, 0x7FFFFFFF - (top & 0x7FFFFFFF), -1).to(tl.int32)
     out_slot = SP - 1 - slot  # top is ascending
     out_row = (b * T + tok) * H + h
-    tl.store(out + out_row[:, None] * S + out_slot[None, :], ids, mask=tok_ok[:, None] & (out_slot < S)[None, :])
+    tl.store(out + out_row[:, None] * S + out_slot[None, :], _ids(top),
+             mask=tok_ok[:, None] & (out_slot < S)[None, :])
+
+
+@triton.jit
+def _ids(key):
+    """The block ids (int32) of sortable keys, -1 for the keys of no candidate (-1)."""
+    return tl.where(key >= 0, 0x7FFFFFFF - (key & 0x7FFFFFFF), -1).to(tl.int32)
+
+
+@triton.jit
+def _decode_split_kernel(q, k_cmp, lse, kv_lens, top, out,
+                         TQ: tl.constexpr, NC: tl.constexpr, H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr,
+                         BS: tl.constexpr, S: tl.constexpr, SCALE: tl.constexpr, GR: tl.constexpr,
+                         TQP: tl.constexpr, DKP: tl.constexpr, BC: tl.constexpr, SP: tl.constexpr,
+                         IEEE: tl.constexpr, NSPLIT: tl.constexpr):
+    """Decode: the running top of the TQ queries of one KV head over one share of the candidate blocks.
+
+    The TQ queries are the last tokens of batch row b (query t at position p_t = kv_lens[b] - TQ + t, its
+    candidates the blocks 0 .. p_t // BS, block c scored from row c of k_cmp). Grid (B * H, NSPLIT): program
+    (b * H + h, split) takes share `split` of the chunks of BC blocks up to the tile's last candidate (cut
+    into NSPLIT even shares at run time, so a ragged batch splits each row's own range). Tile: M = TQP * GR
+    query rows, row i = token i // GR, head h * G + i % GR (heads >= G and tokens >= TQ masked; TQP * GR >=
+    16 for tl.dot). Loads q [B, TQ, HQ, DK] (M x DKP) and lse [B, TQ, HQ] (compressed attention's) once,
+    kv_lens [B], then each chunk of k_cmp [B, NC, H, DK] transposed (DKP x BC), only the rows some query
+    sees (below min(NC, (p_last + 1) // BS)). Each chunk's scores are merged into each token's running top
+    (`_merge_top`). With NSPLIT = 1 stores the ids into out [B, TQ, H, S] int32 (rank order, -1 unused),
+    else the keys of its top (ascending) into top [B * H, NSPLIT, TQP, SP, 2] int32 (each int64 key's high and
+    low halves) for `_decode_merge_kernel`.
+    """
+    bh = tl.program_id(0)
+    split = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = bh % H
+    M: tl.constexpr = TQP * GR
+    kv_len = tl.load(kv_lens + b)
+
+    tok = tl.arange(0, TQP)
+    p_tok = kv_len - TQ + tok
+    tok_ok = (tok < TQ) & (p_tok >= 0)
+    cur = tl.where(tok_ok, p_tok // BS, -1)  # each token's current block (-1: no candidates)
+
+    i = tl.arange(0, M)
+    t_row = i // GR
+    p_row = kv_len - TQ + t_row
+    row_ok = (i % GR < G) & (t_row < TQ) & (p_row >= 0)
+    end_row = tl.where(row_ok, tl.minimum((p_row + 1) // BS, NC), 0)  # the row's visible rows [0, end_row)
+    q_row = (b * TQ + t_row) * (H * G) + h * G + i % GR  # int64 row of q and lse
+    dk = tl.arange(0, DKP)
+    q_tile = tl.load(q + q_row[:, None] * DK + dk[None, :], mask=row_ok[:, None] & (dk < DK)[None, :], other=0.0)
+    lse_row = tl.load(lse + q_row, mask=row_ok, other=float("-inf"))
+    seen = lse_row > float("-inf")  # rows that see no compressed row get p = 0, never NaN
+    lse2 = tl.where(seen, lse_row * LOG2E, 0.0)
+
+    vis_end = tl.max(end_row, 0)  # no query sees a row >= vis_end
+    chunks = (tl.max(cur, 0) + BC) // BC  # the chunks up to the last candidate block
+    per = (chunks + NSPLIT - 1) // NSPLIT
+    best = tl.full([TQP, SP], -1, tl.int64)  # ascending keys: slot SP - 1 ranks first
+    for chunk in range(split * per, tl.minimum(chunks, split * per + per)):
+        rows = chunk * BC + tl.arange(0, BC)
+        s = _logits(q_tile, k_cmp, rows, rows < vis_end, b, h, NC=NC, H=H, DK=DK, DKP=DKP, SCALE=SCALE, IEEE=IEEE)
+        p = tl.where((rows[None, :] < end_row[:, None]) & seen[:, None], tl.exp2(s - lse2[:, None]), 0.0)
+        score = tl.sum(tl.reshape(p, [TQP, GR, BC]), 1) / G
+        best = _merge_top(best, _keys(score, rows[None, :], cur), S=S, SP=SP)
+
+    slot = tl.arange(0, SP)
+    if NSPLIT == 1:
+        out_slot = SP - 1 - slot
+        tl.store(out + ((b * TQ + tok) * H + h)[:, None] * S + out_slot[None, :], _ids(best),
+                 mask=(tok < TQ)[:, None] & (out_slot < S)[None, :])
+    else:
+        at = ((bh.to(tl.int64) * NSPLIT + split) * TQP + tok)[:, None] * SP + slot[None, :]
+        tl.store(top + 2 * at, (best >> 32).to(tl.int32))  # int32 halves: jax has no int64 without x64
+        tl.store(top + 2 * at + 1, best.to(tl.int32))
+
+
+@triton.jit
+def _decode_merge_kernel(top, out, TQ: tl.constexpr, H: tl.constexpr, S: tl.constexpr, TQP: tl.constexpr,
+                         SP: tl.constexpr, NSPLIT: tl.constexpr, NSP: tl.constexpr):
+    """Decode: the splits' tops of one query merged, in a fixed order (deterministic).
+
+    Grid (B * H * TQ,): program (b * H + h) * TQ + t loads the NSPLIT tops of token t of KV head h, top
+    [B * H, NSPLIT, TQP, SP, 2] int32 (NSP * SP int64 keys in halves, NSP = NSPLIT padded to a power of
+    two, -1 past NSPLIT),
+    and stores the S best as block ids into out [B, TQ, H, S] int32 (rank order, -1 unused).
+    """
+    bh = tl.program_id(0) // TQ
+    t = tl.program_id(0) % TQ
+    b = (bh // H).to(tl.int64)
+    h = bh % H
+    j = tl.arange(0, NSP * SP)
+    split = j // SP
+    at = ((bh.to(tl.int64) * NSPLIT + split) * TQP + t) * SP + j % SP
+    high = tl.load(top + 2 * at, mask=split < NSPLIT, other=-1)
+    low = tl.load(top + 2 * at + 1, mask=split < NSPLIT, other=-1)
+    keys = (high.to(tl.int64) << 32) | (low.to(tl.int64) & 0xFFFFFFFF)
+    slot = tl.arange(0, SP)
+    tl.store(out + ((b * TQ + t) * H + h) * S + slot, _ids(tl.topk(keys, SP)), mask=slot < S)
 
 
 # ------------------------------------------------------------------------------------ wrappers
@@ -216,9 +319,14 @@ def default_config(q, k_cmp, *, block_counts, block_size, kv_lens=None):
     itemsize = jnp.dtype(q.dtype).itemsize
     gr, dkp, sp, num_blocks = sizes["GR"], sizes["DKP"], sizes["SP"], _num_blocks(q, k_cmp, block_size, kv_lens)
     tb = max(16 // gr, min(max(1, (_ROWS_FP32 if itemsize == 4 else _ROWS) // gr), triton.next_power_of_2(T)))
-    bc = max(sp, min(64, max(16, triton.next_power_of_2(num_blocks))))
+    bc = _chunk(sp, num_blocks)
     largest = max(tb * gr * dkp * itemsize, dkp * bc * itemsize, tb * gr * bc * 4, tb * bc * 8)
     return Config(tb, bc, 8 if largest > 16384 else 4, 2 if num_blocks >= 4 * bc else 1)
+
+
+def _chunk(sp, num_blocks):
+    """BC: 64 compressed rows per step, fewer (>= 16) when there are fewer blocks, at least SP."""
+    return max(sp, min(64, max(16, triton.next_power_of_2(num_blocks))))
 
 
 def _num_blocks(q, k_cmp, block_size, kv_lens):
@@ -236,12 +344,77 @@ def _sizes(q, k_cmp, block_counts, block_size, kv_lens):
                 SP=max(2, triton.next_power_of_2(slots)))
 
 
+class DecodeConfig(NamedTuple):
+    """The launch of the decode select (`decode_forward`): BC compressed rows per step, NSPLIT splits of each (b, h)'s
+    chunks (1: no merge kernel), warps and pipeline stages."""
+
+    chunk: int
+    splits: int
+    num_warps: int
+    num_stages: int
+
+
+def default_decode_config(q, k_cmp, *, block_counts, block_size):
+    """The DecodeConfig of the queries q [B, TQ, HQ, Dk] at the end of a cache against k_cmp [B, NC, H, Dk].
+
+    BC as `default_config`. NSPLIT as the decode kernels' (`decode.default_config`): enough programs to fill
+    the H200's SMs, cdiv(132, B * H) splits, never more than the chunks of the longest sequence (its NC + 1
+    candidate blocks), 1 from B * H >= 132. Warps as `default_config`; two stages once a split walks four
+    chunks or more.
+    """
+    B, TQ, HQ, _ = q.shape
+    H, sizes = k_cmp.shape[2], _sizes(q, k_cmp, block_counts, block_size, kv_lens=True)
+    num_blocks = _num_blocks(q, k_cmp, block_size, kv_lens=True)
+    bc = _chunk(sizes["SP"], num_blocks)
+    chunks = cdiv(num_blocks + 1, bc)
+    splits = max(1, min(chunks, cdiv(decode.SMS, max(1, B * H))))
+    m = _decode_tokens(TQ, sizes["GR"]) * sizes["GR"]
+    largest = max(m * sizes["DKP"] * q.dtype.itemsize, sizes["DKP"] * bc * q.dtype.itemsize, m * bc * 4)
+    return DecodeConfig(bc, splits, 8 if largest > 16384 else 4, 2 if cdiv(chunks, splits) >= 4 else 1)
+
+
+def _decode_tokens(TQ, GR):
+    """TQP, the decode tile's tokens: TQ padded to a power of two, with at least 16 rows (TQP * GR)."""
+    return max(triton.next_power_of_2(TQ), 16 // GR)
+
+
+def decode_forward(q, k_cmp, lse, kv_lens, *, block_counts, block_size, scale, config=None):
+    """`forward` for a few queries q [B, TQ, HQ, Dk] at the end of a cache (kv_lens int [B]), split over the
+    candidate blocks (flash-decoding style: `_decode_split_kernel`, then `_decode_merge_kernel` when NSPLIT
+    > 1). lse None is computed first by the decode kernel of compressed attention (k_cmp as its values).
+    config: a DecodeConfig (None: `default_decode_config`)."""
+    B, TQ, HQ, Dk = q.shape
+    NC, H = k_cmp.shape[1], k_cmp.shape[2]
+    kv_lens = kv_lens.astype(jnp.int32)
+    if lse is None:
+        _, lse = decode.compressed(q, k_cmp, k_cmp, kv_lens, block_size=block_size, scale=scale)
+    cfg = config if config is not None else default_decode_config(q, k_cmp, block_counts=block_counts,
+                                                                  block_size=block_size)
+    sizes = _sizes(q, k_cmp, block_counts, block_size, kv_lens)
+    tqp, S, SP = _decode_tokens(TQ, sizes["GR"]), sizes["S"], sizes["SP"]
+    out = _launch.shape_dtype((B, TQ, H, S), jnp.int32)
+    top = _launch.shape_dtype((B * H, cfg.splits, tqp, SP, 2) if cfg.splits > 1 else (1,), jnp.int32)
+    top, idx = _launch.launch(
+        _decode_split_kernel, grid=(B * H, cfg.splits),
+        inputs=dict(q=q, k_cmp=k_cmp, lse=lse.astype(jnp.float32), kv_lens=kv_lens), outputs=dict(top=top, out=out),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, TQ=TQ, NC=NC, H=H, G=HQ // H, DK=Dk, BS=block_size,
+        SCALE=float(scale), IEEE=bool(q.dtype == jnp.float32), TQP=tqp, BC=cfg.chunk, NSPLIT=cfg.splits, **sizes)
+    if cfg.splits > 1:
+        [idx] = _launch.launch(_decode_merge_kernel, grid=(B * H * TQ,), inputs=dict(top=top), outputs=dict(out=out),
+                               num_warps=4, num_stages=1, TQ=TQ, H=H, S=S, TQP=tqp, SP=SP, NSPLIT=cfg.splits,
+                               NSP=triton.next_power_of_2(cfg.splits))
+    return jnp.pad(idx, [(0, 0)] * 3 + [(0, block_counts - S)], constant_values=-1)
+
+
 def forward(q, k_cmp, lse, cu_seqlens, kv_lens=None, *, block_counts, block_size, scale, config=None):
     """Returns block_indices int32 [B, T, H, block_counts] (in-sequence block ids), as the reference.
 
     lse [B, T, HQ] (compressed attention's of the same q and k_cmp) saves the kernel its first pass;
     None computes it. kv_lens int [B] or None places the queries at the end of longer sequences
-    (`nsa._varlen.tokens`), which k_cmp covers. config: a Config (None: `default_config`)."""
+    (`nsa._varlen.tokens`), which k_cmp covers: a few of them (`decode.applies`; config None) run
+    `decode_forward`. config: a Config (None: `default_config`)."""
+    if kv_lens is not None and config is None and decode.applies(q, k_cmp):
+        return decode_forward(q, k_cmp, lse, kv_lens, block_counts=block_counts, block_size=block_size, scale=scale)
     B, T, HQ, Dk = q.shape
     NC, H = k_cmp.shape[1], k_cmp.shape[2]
     cfg = config if config is not None else default_config(q, k_cmp, block_counts=block_counts,
