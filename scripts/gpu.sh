@@ -4,7 +4,8 @@
 # (decode: benchmarks/decode.py, one decode step over a KV cache, with its own args;
 #  ops: benchmarks/ops.py, the time of each op of the pipeline, with its own args, e.g. --sweep;
 #  trace: benchmarks/trace.py, the device time of each op kernel by kernel;
-#  sanitize: scripts/gpu_hostile.py, every kernel on hostile inputs, under compute-sanitizer's memcheck)
+#  sanitize: scripts/gpu_hostile.py, every kernel on hostile inputs, under compute-sanitizer's memcheck;
+#  its args, e.g. --cache for the KV-cache cases only)
 # tests: PYTEST_ARGS (e.g. "-k 'selected and G1'") selects among the gpu tests; JOBS (default 4) pytest
 # processes run them side by side on the one GPU.
 # Installs the carried wheels (.whl/: jax-triton 0.3.1, fla-core) into /tmp/site first. Through the
@@ -60,7 +61,7 @@ if [[ $what == sanitize ]]; then
     # only nsa's Triton kernels (named _..._kernel) instrumented
     XLA_PYTHON_CLIENT_ALLOCATOR=platform XLA_FLAGS=--xla_gpu_autotune_level=0 \
         compute-sanitizer --tool memcheck --error-exitcode 99 --kernel-name kns=_kernel \
-        python3 scripts/gpu_hostile.py --quick 2>&1 | tee "$out/sanitize.log" | grep -v '^ok '
+        python3 scripts/gpu_hostile.py --quick "$@" 2>&1 | tee "$out/sanitize.log" | grep -v '^ok '
     [[ ${PIPESTATUS[0]} == 0 ]] || status=1
 fi
 if [[ $what == ops ]]; then

@@ -4,7 +4,7 @@
         compute-sanitizer --tool memcheck --error-exitcode 99 python3 scripts/gpu_hostile.py
 
 (`scripts/gpu.sh sanitize` does that, with --quick: float32 only, fewer cases, and only nsa's kernels
-instrumented; XLA's compiles of the reference crawl under the sanitizer). The platform allocator gives each buffer its own allocation, so
+instrumented; --cache runs only the KV-cache cases; XLA's compiles of the reference crawl under the sanitizer). The platform allocator gives each buffer its own allocation, so
 a read past an array is a memcheck error, not a read of its neighbour. The cases: block indices of -1,
 past t // block_size, 2^30 and -2^31, repeated, with counts from 0 to past S; odd groups (G = 3, 5),
 Dv != Dk, T not a multiple of the block, packed sequences with empty ones (concrete and traced
@@ -173,6 +173,10 @@ def case_empty():
 
 def main():
     quick = "--quick" in sys.argv
+    if "--cache" in sys.argv:  # only the KV-cache cases
+        for TQ, B, TK, bs in ((1, 3, 300, 32), (37, 3, 300, 32), (1, 2, 2000, 16)):
+            case_cache(jnp.float32, TQ, B, TK, 6, 2, 64, 32, bs)
+        return report()
     packed = jnp.asarray([0, 37, 37, 300, 300, 517], jnp.int32)  # empty sequences, partial blocks
     for dtype in (jnp.float32,) if quick else (jnp.float32, jnp.bfloat16):
         case_selected(dtype, 1, 517, 5, 1, 32, 64, 64, packed)  # G = 5, Dv != Dk, ragged T
@@ -184,10 +188,15 @@ def main():
             case_attention(dtype, 1, 300, 6, 2, 32, 32, 64, 5000, None)  # window past T
         for TQ in (1, 37):
             case_cache(dtype, TQ, 3, 300, 6, 2, 64, 32, 32)  # G = 3, Dv != Dk, ragged lengths
+        case_cache(dtype, 1, 2, 2000, 6, 2, 64, 32, 16)  # 125 compressed rows: the decode select's splits merged
         if not quick:
             case_cache(dtype, 1, 2, 1000, 64, 4, 128, 128, 64)  # the standard heads, a decode step
     case_short_k_cmp()
     case_empty()
+    return report()
+
+
+def report():
     print(f"{len(failures)} mismatches" + (f": {failures}" if failures else ""), flush=True)
     return 1 if failures else 0
 

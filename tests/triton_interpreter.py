@@ -7,9 +7,14 @@ interpreter handles float32 and float16 (not bfloat16: that dtype is tested on t
 """
 
 import os
+import threading
 
 import jax
 import numpy as np
+
+# XLA's CPU runtime may run two independent callbacks at once, and the interpreter patches triton.language
+# for the duration of a kernel (an interpreted sort then failed with "Did you forget to add @triton.jit?")
+_ONE_KERNEL_AT_A_TIME = threading.Lock()
 
 
 class _Buffer:
@@ -62,8 +67,9 @@ def interpret_call(*args, kernel, out_shape, grid, num_warps=None, num_stages=No
         for i, o in aliases.items():
             outputs[o][...] = inputs[i]
         launch = grid(metaparams) if callable(grid) else grid
-        kernel[tuple(launch)](*[_Buffer(x) if isinstance(x, np.ndarray) else x for x in inputs],
-                              *[_Buffer(x) for x in outputs], **metaparams)
+        with _ONE_KERNEL_AT_A_TIME:
+            kernel[tuple(launch)](*[_Buffer(x) if isinstance(x, np.ndarray) else x for x in inputs],
+                                  *[_Buffer(x) for x in outputs], **metaparams)
         return outputs
 
     result = jax.pure_callback(host, [jax.ShapeDtypeStruct(o.shape, o.dtype) for o in outs],
