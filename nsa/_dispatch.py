@@ -199,3 +199,40 @@ def _apply_bwd(op, implementation, dtype, static, residuals, cotangents):
 
 
 _apply.defvjp(_apply_fwd, _apply_bwd)
+
+
+def _fuses_decode(implementation, q, k):
+    """Whether nsa.attention's decode step on q [B, TQ, HQ, Dk] and the cache k may run Triton's fused
+    kernels: implementation None or 'triton', Triton runnable here on q's dtype, and few queries
+    (nsa.triton.decode.applies)."""
+    if implementation not in (None, "triton") or not _runnable("selected", "triton", q.dtype):
+        return False
+    from nsa.triton import decode
+
+    return decode.applies(q, k)
+
+
+def decode_step(implementation, static, branches, arrays):
+    """nsa.attention over a KV cache with the compressed branch on and the blocks selected: `branches(*arrays)`
+    (the ops one after another), or where Triton runs it (implementation 'triton', or None on a CUDA GPU) and
+    the step is a decode one, the same result from nsa.triton.decode.attention's fused kernels (five launches
+    instead of the ops' ten). arrays: (q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, kv_lens), gates None or
+    arrays. The gradient is always that of `branches`: a fused step runs only when no gradient is taken."""
+    q, k = arrays[0], arrays[1]
+    if not _fuses_decode(implementation, q, k):
+        return branches(*arrays)
+    from nsa.triton import decode
+
+    fused = _mapped_over_vmap(lambda *a: decode.attention(*a, **dict(static)))
+    choose = fused if implementation == "triton" else (
+        lambda *a: lax.platform_dependent(*a, cuda=fused, default=branches))
+
+    @jax.custom_vjp
+    def step(*arrays):
+        return choose(*arrays)
+
+    def step_fwd(*arrays):
+        return jax.vjp(branches, *arrays)
+
+    step.defvjp(step_fwd, lambda vjp, cotangent: vjp(cotangent))
+    return step(*_as_jax(arrays))

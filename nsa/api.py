@@ -277,25 +277,34 @@ def attention(q, k, v, *, g_cmp=None, g_slc=None, g_swa=None, block_indices=None
     if block_counts is not None:
         block_counts = _checks.block_counts(block_counts, B, T, H)
     q, scale = _scaled(q, scale)  # a traced scale is folded into q once, for every branch
-    common = dict(scale=scale, cu_seqlens=cu_seqlens, kv_lens=kv_lens, implementation=implementation)
-
-    branches = []
-    lse_cmp = None
     if k_cmp is None and (g_cmp is not None or block_indices is None):
         k_cmp = compress(k, block_size=block_size, cu_seqlens=cu_seqlens)
-    if g_cmp is not None:
-        if v_cmp is None:
-            v_cmp = compress(v, block_size=block_size, cu_seqlens=cu_seqlens)
-        o_cmp, lse_cmp = compressed_attention(q, k_cmp, v_cmp, block_size=block_size, **common)
-        branches.append((g_cmp, o_cmp))
-    if block_indices is None:  # the selection reuses the compressed branch's lse when it has one
-        block_indices = _select(q, k_cmp, lse_cmp, _slots(block_counts), block_size, scale, cu_seqlens, kv_lens,
-                                implementation)
-    o_slc = selected_attention(q, k, v, block_indices, block_counts=block_counts, block_size=block_size, **common)
-    branches.append((g_slc, o_slc))
-    if window_size > 0:
-        branches.append((g_swa, sliding_window_attention(q, k, v, window_size=window_size, **common)))
+    if g_cmp is not None and v_cmp is None:
+        v_cmp = compress(v, block_size=block_size, cu_seqlens=cu_seqlens)
 
-    acc = jnp.promote_types(q.dtype, jnp.float32)
-    o = sum(o_b.astype(acc) if g is None else g[..., None].astype(acc) * o_b.astype(acc) for g, o_b in branches)
-    return o.astype(q.dtype)
+    def branches(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, kv_lens):
+        """The output from the branches' ops, one after another."""
+        common = dict(scale=scale, cu_seqlens=cu_seqlens, kv_lens=kv_lens, implementation=implementation)
+        gated = []
+        lse_cmp = None
+        if g_cmp is not None:
+            o_cmp, lse_cmp = compressed_attention(q, k_cmp, v_cmp, block_size=block_size, **common)
+            gated.append((g_cmp, o_cmp))
+        indices = block_indices
+        if indices is None:  # the selection reuses the compressed branch's lse when it has one
+            indices = _select(q, k_cmp, lse_cmp, _slots(block_counts), block_size, scale, cu_seqlens, kv_lens,
+                              implementation)
+        o_slc = selected_attention(q, k, v, indices, block_counts=block_counts, block_size=block_size, **common)
+        gated.append((g_slc, o_slc))
+        if window_size > 0:
+            gated.append((g_swa, sliding_window_attention(q, k, v, window_size=window_size, **common)))
+        acc = jnp.promote_types(q.dtype, jnp.float32)
+        o = sum(o_b.astype(acc) if g is None else g[..., None].astype(acc) * o_b.astype(acc) for g, o_b in gated)
+        return o.astype(q.dtype)
+
+    arrays = (q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, kv_lens)
+    if kv_lens is not None and block_indices is None and g_cmp is not None:  # a serving step: maybe fused
+        static = _statics(block_counts=_slots(block_counts), block_size=block_size, window_size=window_size,
+                          scale=scale)
+        return _dispatch.decode_step(implementation, static, branches, arrays)
+    return branches(*arrays)

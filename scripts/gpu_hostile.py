@@ -129,7 +129,8 @@ def case_short_k_cmp():
 
 def case_cache(dtype, TQ, B, TK, HQ, H, Dk, Dv, bs):
     """Queries at the end of a padded cache (kv_lens traced), NaN past each sequence: attention with the
-    selection made inside (and its gradients), and selected attention on hostile indices."""
+    selection made inside (alone: the fused decode kernels when TQ is small; and with its gradients: the
+    ops), and selected attention on hostile indices."""
     q, k, v, do = inputs(B, TK, HQ, H, Dk, Dv, dtype)
     lens = np.array([TQ, TK - bs // 2 - 3, TK][:B])
     pad = np.arange(TK)[None, :, None, None] >= lens[:, None, None, None]
@@ -150,7 +151,8 @@ def case_cache(dtype, TQ, B, TK, HQ, H, Dk, Dv, bs):
         def s(q, k, v, lens):
             return nsa.selected_attention(q, k, v, idx, block_size=bs, kv_lens=lens, implementation=impl)
 
-        return jax.jit(lambda *a: (grads(lambda q, k, v, kc, vc, g: f(q, k, v, kc, vc, g, a[-1]), a[:6], do),
+        return jax.jit(lambda *a: (f(*a),  # no gradient: a decode step runs the fused kernels
+                                   grads(lambda q, k, v, kc, vc, g: f(q, k, v, kc, vc, g, a[-1]), a[:6], do),
                                    grads(lambda q, k, v: s(q, k, v, a[-1]), a[:3], do)))(
             q, k, v, k_cmp, v_cmp, g, lens)
 

@@ -17,6 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import nsa
+from nsa import _dispatch
 from nsa.reference import compressed as ref_compressed
 from nsa.reference import selected as ref_selected
 from nsa.reference import window as ref_window
@@ -32,6 +34,7 @@ B, TK, BS = 2, 80, 16
 GROUPS = {"G1": (2, 2, 16, 24), "G3": (3, 1, 16, 8), "G16": (16, 1, 16, 32)}
 SPLIT = decode.Config(block_n=16, splits=3, num_warps=4, num_stages=2)  # more splits than some rows have tiles
 ONE = decode.Config(block_n=16, splits=1, num_warps=4, num_stages=2)  # no combine
+FUSED = decode.attention
 
 
 @pytest.fixture(autouse=True)
@@ -184,6 +187,47 @@ def test_window_splits_deterministic_under_jit():
     for a, b in zip(first, second):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     _check(first, _reference(ref_window.forward, x.q64, x.k64, x.v64, None, x.lens, window_size=40, scale=x.scale), x)
+
+
+@pytest.mark.parametrize("group, TQ", [("G3", 1), ("G16", 1), ("G1", 5)])
+@pytest.mark.parametrize("gated, window_size", [("every", 24), ("g_cmp", 0)], ids=["3-gates", "g_cmp-no-window"])
+def test_fused_step_equals_the_ops(group, TQ, gated, window_size, monkeypatch):
+    """nsa.attention over the cache with the compressed branch on and the blocks selected runs the fused
+    kernels (decode.attention: compressed and window splits in one launch, the selection reading the
+    compressed partials, one combine with the gates), and returns the ops' result (run one after another by
+    the same decode kernels) and the float64 reference's: G = 3, 16 and 1 (five tokens), all three gates, or
+    g_cmp alone (g_slc weight 1) without a window; block 4 (20 compressed rows, so each branch has splits to
+    merge); NaN past each sequence. Under jax.grad the ops run, so the gradient is theirs exactly."""
+    x = Cache(group, TQ, "float32")
+    bs, slots = 4, 3
+    k_cmp, v_cmp = (nsa.compress(y, block_size=bs) for y in (x.k, x.v))  # NaN in blocks past each sequence
+    gates = [jnp.asarray(x.rng.uniform(0, 1, x.q.shape[:3]), jnp.float32) for _ in range(3)]
+    names = ("g_cmp", "g_slc", "g_swa") if gated == "every" else ("g_cmp",)
+    lens = jnp.asarray(x.lens)
+
+    def step(q, k_cmp, implementation="triton"):
+        return nsa.attention(q, x.k, x.v, **dict(zip(names, gates)), k_cmp=k_cmp, v_cmp=v_cmp, kv_lens=lens,
+                             block_counts=slots, block_size=bs, window_size=window_size,
+                             implementation=implementation)
+
+    calls = []
+    monkeypatch.setattr(decode, "attention", lambda *a, **kw: calls.append(1) or FUSED(*a, **kw))
+    got = step(x.q, k_cmp)
+    assert calls, "the fused kernels did not run"
+    with monkeypatch.context() as m:
+        m.setattr(_dispatch, "_fuses_decode", lambda *a: False)
+        ops = step(x.q, k_cmp)
+        loss = lambda q, kc: jnp.sum(step(q, kc) ** 2)
+        grads_ops = jax.grad(loss, (0, 1))(x.q, k_cmp)
+    reference = step(x.q, k_cmp, "xla")
+    assert got.dtype == x.q.dtype and got.shape == ops.shape
+    assert_close(got, ops, 1e-6, "fused against the ops")
+    assert_close(got, reference, TOLERANCE["float32"], "fused against the reference")
+    calls.clear()
+    grads = jax.grad(loss, (0, 1))(x.q, k_cmp)
+    assert not calls, "the fused kernels ran under jax.grad"
+    for g, g_ops in zip(grads, grads_ops):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(g_ops))
 
 
 def test_default_config_and_applies():

@@ -311,35 +311,32 @@ def _selected_split_kernel(Q, K, V, IDX, COUNTS, KV_LENS, ACC, M, L,
 
 
 @triton.jit
-def _combine_kernel(ACC, M, L, O, LSE,
-                    TQ: tl.constexpr, HQ: tl.constexpr, H: tl.constexpr, DV: tl.constexpr, NSPLIT: tl.constexpr,
-                    NSP: tl.constexpr, CR: tl.constexpr, CD: tl.constexpr, CS: tl.constexpr):
-    """The splits of each row merged in a fixed order (deterministic): o [B, TQ, HQ, DV] and lse [B, TQ, HQ].
-
-    Grid (B * H, cdiv(R, CR), cdiv(DV, CD)): CR rows of one KV head's tile by CD columns of DV. Loads m and l of
-    every split at once ([NSP, CR], NSP = next_pow2(NSPLIT)): the rows' max, the weights exp2(m_split - max)
-    and l = sum(w l_split); then the acc partials in chunks of CS splits ([CS, CR, CD] tiles, each chunk's
-    loads issued together rather than one split after another: the loop over 16 splits took 5 us at B = 1 on
-    an H200), chunk after chunk, each summed over its splits by the same reduction tree. Stores o = sum(w acc)
-    / l in O's dtype and (column tile 0) lse in natural log, -inf and o = 0 where no split saw anything.
-    """
-    G: tl.constexpr = HQ // H
-    R: tl.constexpr = TQ * G
-    bh = tl.program_id(0)
-    b = (bh // H).to(tl.int64)
-    h = bh % H
-    r = tl.program_id(1) * CR + tl.arange(0, CR)
-    ok = r < R
-    d = tl.program_id(2) * CD + tl.arange(0, CD)
-    d_ok = d < DV
-    rows = bh.to(tl.int64) * NSPLIT * R + r  # split 0's partial rows; split s adds s * R
+def split_stats(M, L, rows, ok, R: tl.constexpr, NSPLIT: tl.constexpr, NSP: tl.constexpr):
+    """The merged softmax statistics of the rows `rows` (int64 [N]: split 0's row of M; split s adds s * R) over
+    the NSPLIT splits of M, L [.., NSPLIT, R] (base-2 max and sum): (m_max, m_use: m_max or 0 where nothing
+    was seen, l: the sum at m_use), each [N], loaded at once ([NSP, N], NSP = next_pow2(NSPLIT))."""
     sp = tl.arange(0, NSP)
     stat = (sp < NSPLIT)[:, None] & ok[None, :]
-    m_all = tl.load(M + rows[None, :] + sp[:, None] * R, mask=stat, other=float("-inf"))  # [NSP, CR]
+    m_all = tl.load(M + rows[None, :] + sp[:, None] * R, mask=stat, other=float("-inf"))  # [NSP, N]
     m_max = tl.max(m_all, 0)
     m_use = tl.where(m_max == float("-inf"), 0.0, m_max)
     l_all = tl.load(L + rows[None, :] + sp[:, None] * R, mask=stat, other=0.0)
-    l_sum = tl.sum(tl.exp2(m_all - m_use[None, :]) * l_all, 0)
+    return m_max, m_use, tl.sum(tl.exp2(m_all - m_use[None, :]) * l_all, 0)
+
+
+@triton.jit
+def _merge_splits(ACC, M, L, bh, r, ok, d, d_ok, R: tl.constexpr, DV: tl.constexpr, NSPLIT: tl.constexpr,
+                  NSP: tl.constexpr, CR: tl.constexpr, CD: tl.constexpr, CS: tl.constexpr):
+    """The rows r [CR] (ok) and columns d [CD] (d_ok) of KV head bh's tile merged over the splits of ACC
+    [B * H, NSPLIT, R, DV], M and L [B * H, NSPLIT, R] in a fixed order (deterministic): (o [CR, CD] float32,
+    lse [CR] natural log; -inf and o = 0 where no split saw anything).
+
+    The rows' max and sum come from `split_stats`, the weights exp2(m_split - max); then the acc partials in
+    chunks of CS splits ([CS, CR, CD] tiles, each chunk's loads issued together rather than one split after
+    another: the loop over 16 splits took 5 us at B = 1 on an H200), chunk after chunk, each summed over its
+    splits by the same reduction tree."""
+    rows = bh.to(tl.int64) * NSPLIT * R + r  # split 0's partial rows; split s adds s * R
+    m_max, m_use, l_sum = split_stats(M, L, rows, ok, R=R, NSPLIT=NSPLIT, NSP=NSP)
     acc = tl.zeros([CR, CD], tl.float32)
     for c in tl.static_range(0, NSPLIT, CS):
         s = c + tl.arange(0, CS)
@@ -350,11 +347,108 @@ def _combine_kernel(ACC, M, L, O, LSE,
                        other=0.0)  # [CS, CR, CD]
         acc += tl.sum(w[:, :, None] * part, 0)
     seen = l_sum > 0
-    q_rows = (b * TQ + tl.where(ok, r // G, 0)) * HQ + h * G + r % G
-    out = acc / tl.where(seen, l_sum, 1.0)[:, None]
-    tl.store(O + q_rows[:, None] * DV + d[None, :], out.to(O.dtype.element_ty), mask=ok[:, None] & d_ok[None, :])
     lse = tl.where(seen, (m_max + tl.log2(tl.where(seen, l_sum, 1.0))) * LN2, float("-inf"))
+    return acc / tl.where(seen, l_sum, 1.0)[:, None], lse
+
+
+@triton.jit
+def _combine_tile(TQ: tl.constexpr, HQ: tl.constexpr, H: tl.constexpr, DV: tl.constexpr, CR: tl.constexpr,
+                  CD: tl.constexpr):
+    """The combine's tile of program (b * H + h, row tile, column tile): (bh, r [CR], ok, d [CD], d_ok, q_rows:
+    the int64 rows (b * TQ + r // G) * HQ + h * G + r % G of o and lse)."""
+    G: tl.constexpr = HQ // H
+    bh = tl.program_id(0)
+    b = (bh // H).to(tl.int64)
+    r = tl.program_id(1) * CR + tl.arange(0, CR)
+    ok = r < TQ * G
+    d = tl.program_id(2) * CD + tl.arange(0, CD)
+    return bh, r, ok, d, d < DV, (b * TQ + tl.where(ok, r // G, 0)) * HQ + (bh % H) * G + r % G
+
+
+@triton.jit
+def _combine_kernel(ACC, M, L, O, LSE,
+                    TQ: tl.constexpr, HQ: tl.constexpr, H: tl.constexpr, DV: tl.constexpr, NSPLIT: tl.constexpr,
+                    NSP: tl.constexpr, CR: tl.constexpr, CD: tl.constexpr, CS: tl.constexpr):
+    """The splits of each row merged in a fixed order (deterministic): o [B, TQ, HQ, DV] and lse [B, TQ, HQ].
+
+    Grid (B * H, cdiv(R, CR), cdiv(DV, CD)): CR rows of one KV head's tile by CD columns of DV. Loads m and l of
+    every split ([NSP, CR]) and the acc partials [CS, CR, CD] at a time (`_merge_splits`); stores o in O's dtype
+    and (column tile 0) lse.
+    """
+    bh, r, ok, d, d_ok, q_rows = _combine_tile(TQ=TQ, HQ=HQ, H=H, DV=DV, CR=CR, CD=CD)
+    out, lse = _merge_splits(ACC, M, L, bh, r, ok, d, d_ok, R=TQ * (HQ // H), DV=DV, NSPLIT=NSPLIT, NSP=NSP, CR=CR,
+                             CD=CD, CS=CS)
+    tl.store(O + q_rows[:, None] * DV + d[None, :], out.to(O.dtype.element_ty), mask=ok[:, None] & d_ok[None, :])
     tl.store(LSE + q_rows, lse, mask=ok & (tl.program_id(2) == 0))
+
+
+@triton.jit
+def _cmp_window_split_kernel(Q, K, V, K_CMP, V_CMP, KV_LENS, ACC_C, M_C, L_C, ACC_W, M_W, L_W,
+                             TQ: tl.constexpr, TK: tl.constexpr, NC: tl.constexpr, HQ: tl.constexpr,
+                             H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexpr,
+                             DVP: tl.constexpr, RP: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_W: tl.constexpr,
+                             WINDOW: tl.constexpr, BS: tl.constexpr, SCALE: tl.constexpr, NS_C: tl.constexpr,
+                             NS_W: tl.constexpr):
+    """The fused decode step's first launch: compressed and window attention, float32 partials of each.
+
+    Grid (B * H, NS_C + NS_W): programs (bh, s < NS_C) take share s of the compressed rows K_CMP, V_CMP
+    [B, NC, H, D] (tiles of BLOCK_C), the others share s - NS_C of the window's keys K, V [B, TK, H, D]
+    (tiles of BLOCK_W), as `_interval_split_kernel`; stores acc, m and l into ACC_C, M_C, L_C [B * H, NS_C,
+    R, ..] or ACC_W, M_W, L_W [B * H, NS_W, R, ..].
+    """
+    bh = tl.program_id(0)
+    split = tl.program_id(1)
+    R: tl.constexpr = TQ * (HQ // H)
+    if split < NS_C:
+        m, l_sum, acc, r, ok, _ = _interval(Q, K_CMP, V_CMP, KV_LENS, bh, split, NSPLIT=NS_C, TQ=TQ, NK=NC, HQ=HQ, H=H,
+                                            DK=DK, DV=DV, DKP=DKP, DVP=DVP, RP=RP, BLOCK_N=BLOCK_C, COMPRESSED=True,
+                                            WINDOW=0, BS=BS, SCALE=SCALE)
+        _store_partial(ACC_C, M_C, L_C, m, l_sum, acc, bh, split, r, ok, R=R, NSPLIT=NS_C, DV=DV, DVP=DVP)
+    else:
+        m, l_sum, acc, r, ok, _ = _interval(Q, K, V, KV_LENS, bh, split - NS_C, NSPLIT=NS_W, TQ=TQ, NK=TK, HQ=HQ, H=H,
+                                            DK=DK, DV=DV, DKP=DKP, DVP=DVP, RP=RP, BLOCK_N=BLOCK_W, COMPRESSED=False,
+                                            WINDOW=WINDOW, BS=1, SCALE=SCALE)
+        _store_partial(ACC_W, M_W, L_W, m, l_sum, acc, bh, split - NS_C, r, ok, R=R, NSPLIT=NS_W, DV=DV, DVP=DVP)
+
+
+@triton.jit
+def _gated(o, ACC, M, L, GATE, bh, r, ok, d, d_ok, q_rows, GATED: tl.constexpr, O_TYPE: tl.constexpr,
+           R: tl.constexpr, DV: tl.constexpr, NSPLIT: tl.constexpr, NSP: tl.constexpr, CR: tl.constexpr,
+           CD: tl.constexpr, CS: tl.constexpr):
+    """o [CR, CD] float32 plus one branch's output, merged from its splits (`_merge_splits`) and rounded to
+    O_TYPE as the branch's op returns it, times its gate GATE [B, TQ, HQ] at q_rows (1 when not GATED)."""
+    out, _ = _merge_splits(ACC, M, L, bh, r, ok, d, d_ok, R=R, DV=DV, NSPLIT=NSPLIT, NSP=NSP, CR=CR, CD=CD, CS=CS)
+    out = out.to(O_TYPE).to(tl.float32)
+    if GATED:
+        out = tl.load(GATE + q_rows, mask=ok, other=0.0).to(tl.float32)[:, None] * out
+    return o + out
+
+
+@triton.jit
+def _attention_combine_kernel(ACC_C, M_C, L_C, ACC_S, M_S, L_S, ACC_W, M_W, L_W, G_CMP, G_SLC, G_SWA, O,
+                              TQ: tl.constexpr, HQ: tl.constexpr, H: tl.constexpr, DV: tl.constexpr,
+                              NS_C: tl.constexpr, NS_S: tl.constexpr, NS_W: tl.constexpr, NSP_C: tl.constexpr,
+                              NSP_S: tl.constexpr, NSP_W: tl.constexpr, GATED_C: tl.constexpr,
+                              GATED_S: tl.constexpr, GATED_W: tl.constexpr, CR: tl.constexpr, CD: tl.constexpr,
+                              CS_C: tl.constexpr, CS_S: tl.constexpr, CS_W: tl.constexpr):
+    """The fused decode step's last launch: o = g_cmp * o_cmp + g_slc * o_slc + g_swa * o_swa.
+
+    Grid (B * H, cdiv(R, CR), cdiv(DV, CD)) as `_combine_kernel`. Merges the splits of each branch (compressed
+    NS_C, selected NS_S, window NS_W: none when 0) as the branch's own combine would, rounds each branch's
+    output to O's dtype, loads the gates [B, TQ, HQ] of its rows (a missing gate, not GATED_*, is 1) and sums
+    in nsa.attention's order and precision (float32); stores o [B, TQ, HQ, DV] in O's dtype.
+    """
+    bh, r, ok, d, d_ok, q_rows = _combine_tile(TQ=TQ, HQ=HQ, H=H, DV=DV, CR=CR, CD=CD)
+    R: tl.constexpr = TQ * (HQ // H)
+    o = tl.zeros([CR, CD], tl.float32)
+    o = _gated(o, ACC_C, M_C, L_C, G_CMP, bh, r, ok, d, d_ok, q_rows, GATED=GATED_C, O_TYPE=O.dtype.element_ty, R=R,
+               DV=DV, NSPLIT=NS_C, NSP=NSP_C, CR=CR, CD=CD, CS=CS_C)
+    o = _gated(o, ACC_S, M_S, L_S, G_SLC, bh, r, ok, d, d_ok, q_rows, GATED=GATED_S, O_TYPE=O.dtype.element_ty, R=R,
+               DV=DV, NSPLIT=NS_S, NSP=NSP_S, CR=CR, CD=CD, CS=CS_S)
+    if NS_W > 0:
+        o = _gated(o, ACC_W, M_W, L_W, G_SWA, bh, r, ok, d, d_ok, q_rows, GATED=GATED_W, O_TYPE=O.dtype.element_ty,
+                   R=R, DV=DV, NSPLIT=NS_W, NSP=NSP_W, CR=CR, CD=CD, CS=CS_W)
+    tl.store(O + q_rows[:, None] * DV + d[None, :], o.to(O.dtype.element_ty), mask=ok[:, None] & d_ok[None, :])
 
 
 # --------------------------------------------------------------------------------- launches
@@ -506,6 +600,13 @@ def selected(q, k, v, block_indices, block_counts, kv_lens, *, block_size, scale
     the blocks block_indices[b, t, h, :block_counts[b, t, h]] (int [B, TQ, H, S] and int32 [B, TQ, H]);
     entries < 0 or > p // block_size are ignored and never loaded, a block listed twice is attended twice.
     Returns (o, lse) as `window`; config: a Config (None: default)."""
+    inputs, cfg, meta = _selected_launch(q, k, v, block_indices, block_counts, kv_lens, block_size=block_size,
+                                         scale=scale, config=config)
+    return _run(_selected_kernel, _selected_split_kernel, q, v, inputs, cfg, meta)
+
+
+def _selected_launch(q, k, v, block_indices, block_counts, kv_lens, *, block_size, scale, config):
+    """The inputs, Config and constexprs of the selected kernels (`selected`)."""
     _check(q, k, v, kv_lens)
     B, TQ, _, _ = q.shape
     TK, H, S = k.shape[1], k.shape[2], block_indices.shape[-1]
@@ -521,6 +622,69 @@ def selected(q, k, v, block_indices, block_counts, kv_lens, *, block_size, scale
     tqp = triton.next_power_of_2(TQ)
     meta = dict(_meta(q, k, v, scale, cfg), TK=TK, S=S, TQP=tqp, SP=max(triton.next_power_of_2(S), 16 // tqp),
                 BS=bs, BSP=cfg.block_n, NSUB=triton.cdiv(bs, cfg.block_n))
-    return _run(_selected_kernel, _selected_split_kernel, q, v,
-                dict(Q=q, K=k, V=v, IDX=idx, COUNTS=block_counts.astype(jnp.int32), KV_LENS=kv_lens.astype(jnp.int32)),
-                cfg, meta)
+    inputs = dict(Q=q, K=k, V=v, IDX=idx, COUNTS=block_counts.astype(jnp.int32), KV_LENS=kv_lens.astype(jnp.int32))
+    return inputs, cfg, meta
+
+
+def _partials(B, H, splits, R, Dv):
+    """The float32 partials of `splits` splits: acc [B * H, splits, R, Dv], m and l [B * H, splits, R]."""
+    return dict(ACC=_launch.shape_dtype((B * H, splits, R, Dv), jnp.float32),
+                M=_launch.shape_dtype((B * H, splits, R), jnp.float32),
+                L=_launch.shape_dtype((B * H, splits, R), jnp.float32))
+
+
+def attention(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, kv_lens, *, block_counts, block_size, window_size, scale):
+    """One NSA decode step, fused: nsa.attention's output with the compressed branch on and the blocks
+    selected, for the queries q [B, TQ, HQ, Dk] at the end of the cache k, v [B, TK, H, D] with its
+    compressed rows k_cmp, v_cmp [B, NC, H, D] (kv_lens int [B]); gates [B, TQ, HQ] or None (weight 1),
+    window_size 0 for no window. Returns o [B, TQ, HQ, Dv] in q's dtype.
+
+    Five launches instead of the ops' ten (and XLA's gating): a step's kernels take a few microseconds each,
+    so launching them is most of its time. (1) `_cmp_window_split_kernel`: the compressed rows' and the
+    window's splits, float32 partials; (2, 3) the selection (nsa/triton/select.py, `decode_forward`) reading
+    compressed attention's lse from those partials; (4) `_selected_split_kernel`; (5)
+    `_attention_combine_kernel`: every branch's splits merged, rounded to q's dtype and gated, as nsa.attention
+    sums them. Each split count and tile is its op's `default_config`; the first launch takes the larger warps
+    and the fewer stages of its two branches.
+    """
+    from nsa.triton import select  # it imports this module
+
+    _check(q, k, v, kv_lens)
+    _check(q, k_cmp, v_cmp, kv_lens)
+    B, TQ, HQ, _ = q.shape
+    TK, NC, H, Dv = k.shape[1], k_cmp.shape[1], k.shape[2], v.shape[3]
+    R = TQ * (HQ // H)
+    kv_lens = kv_lens.astype(jnp.int32)
+    W = min(int(window_size), TK)
+    cfg_c = default_config(q, k_cmp, v_cmp, units=max(1, NC))
+    cfg_w = default_config(q, k, v, units=max(1, min(W + TQ - 1, TK))) if W > 0 else cfg_c._replace(splits=0)
+    cmp_parts, win_parts = _partials(B, H, cfg_c.splits, R, Dv), _partials(B, H, max(1, cfg_w.splits), R, Dv)
+    acc_c, m_c, l_c, acc_w, m_w, l_w = _launch.launch(
+        _cmp_window_split_kernel, grid=(B * H, cfg_c.splits + cfg_w.splits),
+        inputs=dict(Q=q, K=k, V=v, K_CMP=k_cmp, V_CMP=v_cmp, KV_LENS=kv_lens),
+        outputs={f"{name}_{branch}": shape for branch, parts in (("C", cmp_parts), ("W", win_parts))
+                 for name, shape in parts.items()},
+        **dict(_meta(q, k, v, scale, cfg_c), num_warps=max(cfg_c.num_warps, cfg_w.num_warps),
+               num_stages=min(cfg_c.num_stages, cfg_w.num_stages)),
+        TK=TK, NC=NC, BLOCK_C=cfg_c.block_n, BLOCK_W=cfg_w.block_n, WINDOW=W, BS=int(block_size), NS_C=cfg_c.splits,
+        NS_W=cfg_w.splits)
+    idx = select.decode_forward(q, k_cmp, None, kv_lens, block_counts=block_counts, block_size=block_size,
+                                scale=scale, lse_parts=(m_c, l_c))
+    counts = jnp.full(idx.shape[:3], idx.shape[3], jnp.int32)  # every slot (unused ones are -1)
+    inputs, cfg_s, meta = _selected_launch(q, k, v, idx, counts, kv_lens, block_size=block_size, scale=scale,
+                                           config=None)
+    acc_s, m_s, l_s = _launch.launch(_selected_split_kernel, grid=(B * H, cfg_s.splits), inputs=inputs,
+                                     outputs=_partials(B, H, cfg_s.splits, R, Dv), NSPLIT=cfg_s.splits, **meta)
+    gates = dict(G_CMP=g_cmp, G_SLC=g_slc, G_SWA=g_swa)
+    cr, cd = min(cfg_c.combine_rows, pow2(R)), min(cfg_c.combine_cols, pow2(Dv))
+    nsp = {branch: triton.next_power_of_2(max(1, cfg.splits)) for branch, cfg in zip("CSW", (cfg_c, cfg_s, cfg_w))}
+    [o] = _launch.launch(
+        _attention_combine_kernel, grid=(B * H, triton.cdiv(R, cr), triton.cdiv(Dv, cd)),
+        inputs=dict(ACC_C=acc_c, M_C=m_c, L_C=l_c, ACC_S=acc_s, M_S=m_s, L_S=l_s, ACC_W=acc_w, M_W=m_w, L_W=l_w,
+                    **{name: jnp.zeros((1,), q.dtype) if g is None else g for name, g in gates.items()}),
+        outputs=dict(O=_launch.shape_dtype((B, TQ, HQ, Dv), q.dtype)), TQ=TQ, HQ=HQ, H=H, DV=Dv,
+        NS_C=cfg_c.splits, NS_S=cfg_s.splits, NS_W=cfg_w.splits, CR=cr, CD=cd,
+        **{f"NSP_{b}": n for b, n in nsp.items()}, **{f"CS_{b}": min(cfg_c.combine_splits, n) for b, n in nsp.items()},
+        GATED_C=g_cmp is not None, GATED_S=g_slc is not None, GATED_W=g_swa is not None,
+        num_warps=cfg_c.combine_warps, num_stages=1)
+    return o

@@ -40,6 +40,7 @@ import triton.language as tl
 from nsa._varlen import cdiv, tokens
 from nsa.reference import select as reference
 from nsa.triton import _launch, decode
+from nsa.triton.decode import split_stats
 from nsa.triton._common import LOG2E, pow2
 
 _ROWS = 64  # query rows per tile (TB tokens x GR heads): the M of one wgmma
@@ -200,11 +201,12 @@ def _ids(key):
 
 
 @triton.jit
-def _decode_split_kernel(q, k_cmp, lse, kv_lens, top, out,
+def _decode_split_kernel(q, k_cmp, lse, m_cmp, l_cmp, kv_lens, top, out,
                          TQ: tl.constexpr, NC: tl.constexpr, H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr,
                          BS: tl.constexpr, S: tl.constexpr, SCALE: tl.constexpr, GR: tl.constexpr,
                          TQP: tl.constexpr, DKP: tl.constexpr, BC: tl.constexpr, SP: tl.constexpr,
-                         IEEE: tl.constexpr, NSPLIT: tl.constexpr):
+                         IEEE: tl.constexpr, NSPLIT: tl.constexpr, LSE_SPLITS: tl.constexpr,
+                         LSE_NSP: tl.constexpr):
     """Decode: the running top of the TQ queries of one KV head over one share of the candidate blocks.
 
     The TQ queries are the last tokens of batch row b (query t at position p_t = kv_lens[b] - TQ + t, its
@@ -214,7 +216,10 @@ def _decode_split_kernel(q, k_cmp, lse, kv_lens, top, out,
     query rows, row i = token i // GR, head h * G + i % GR (heads >= G and tokens >= TQ masked; TQP * GR >=
     16 for tl.dot). Loads q [B, TQ, HQ, DK] (M x DKP) and lse [B, TQ, HQ] (compressed attention's) once,
     kv_lens [B], then each chunk of k_cmp [B, NC, H, DK] transposed (DKP x BC), only the rows some query
-    sees (below min(NC, (p_last + 1) // BS)). Each chunk's scores are merged into each token's running top
+    sees (below min(NC, (p_last + 1) // BS)). The lse of each row is compressed attention's: lse [B, TQ, HQ]
+    (natural log), or with LSE_SPLITS > 0 merged here from the decode kernel's partial statistics m_cmp and
+    l_cmp [B * H, LSE_SPLITS, TQ * G] (base 2; `decode.split_stats`, LSE_NSP = LSE_SPLITS padded to a power of two), which saves the fused decode step
+    (`decode.attention`) a combine before the selection. Each chunk's scores are merged into each token's running top
     (`_merge_top`). With NSPLIT = 1 stores the ids into out [B, TQ, H, S] int32 (rank order, -1 unused),
     else the keys of its top (ascending) into top [B * H, NSPLIT, TQP, SP, 2] int32 (each int64 key's high and
     low halves) for `_decode_merge_kernel`.
@@ -239,9 +244,15 @@ def _decode_split_kernel(q, k_cmp, lse, kv_lens, top, out,
     q_row = (b * TQ + t_row) * (H * G) + h * G + i % GR  # int64 row of q and lse
     dk = tl.arange(0, DKP)
     q_tile = tl.load(q + q_row[:, None] * DK + dk[None, :], mask=row_ok[:, None] & (dk < DK)[None, :], other=0.0)
-    lse_row = tl.load(lse + q_row, mask=row_ok, other=float("-inf"))
-    seen = lse_row > float("-inf")  # rows that see no compressed row get p = 0, never NaN
-    lse2 = tl.where(seen, lse_row * LOG2E, 0.0)
+    if LSE_SPLITS == 0:
+        lse_row = tl.load(lse + q_row, mask=row_ok, other=float("-inf"))
+        seen = lse_row > float("-inf")  # rows that see no compressed row get p = 0, never NaN
+        lse2 = tl.where(seen, lse_row * LOG2E, 0.0)
+    else:
+        part_row = bh.to(tl.int64) * LSE_SPLITS * (TQ * G) + t_row * G + i % GR  # split 0's row of m_cmp, l_cmp
+        _, m_use, l_sum = split_stats(m_cmp, l_cmp, part_row, row_ok, R=TQ * G, NSPLIT=LSE_SPLITS, NSP=LSE_NSP)
+        seen = l_sum > 0
+        lse2 = tl.where(seen, m_use + tl.log2(tl.where(seen, l_sum, 1.0)), 0.0)
 
     vis_end = tl.max(end_row, 0)  # no query sees a row >= vis_end
     chunks = (tl.max(cur, 0) + BC) // BC  # the chunks up to the last candidate block
@@ -378,16 +389,20 @@ def _decode_tokens(TQ, GR):
     return max(triton.next_power_of_2(TQ), 16 // GR)
 
 
-def decode_forward(q, k_cmp, lse, kv_lens, *, block_counts, block_size, scale, config=None):
+def decode_forward(q, k_cmp, lse, kv_lens, *, block_counts, block_size, scale, config=None, lse_parts=None):
     """`forward` for a few queries q [B, TQ, HQ, Dk] at the end of a cache (kv_lens int [B]), split over the
     candidate blocks (flash-decoding style: `_decode_split_kernel`, then `_decode_merge_kernel` when NSPLIT
-    > 1). lse None is computed first by the decode kernel of compressed attention (k_cmp as its values).
-    config: a DecodeConfig (None: `default_decode_config`)."""
+    > 1). Compressed attention's lse is given as lse [B, TQ, HQ], or as lse_parts, the (m, l) partial
+    statistics [B * H, NSPLIT, TQ * G] of its decode kernel's splits (then lse is None), or else computed
+    first by that kernel (k_cmp as its values). config: a DecodeConfig (None: `default_decode_config`)."""
     B, TQ, HQ, Dk = q.shape
     NC, H = k_cmp.shape[1], k_cmp.shape[2]
     kv_lens = kv_lens.astype(jnp.int32)
-    if lse is None:
+    if lse is None and lse_parts is None:
         _, lse = decode.compressed(q, k_cmp, k_cmp, kv_lens, block_size=block_size, scale=scale)
+    unused = jnp.zeros((1,), jnp.float32)
+    m_cmp, l_cmp = (unused, unused) if lse_parts is None else lse_parts
+    lse_splits = 0 if lse_parts is None else m_cmp.shape[1]
     cfg = config if config is not None else default_decode_config(q, k_cmp, block_counts=block_counts,
                                                                   block_size=block_size)
     sizes = _sizes(q, k_cmp, block_counts, block_size, kv_lens)
@@ -396,9 +411,12 @@ def decode_forward(q, k_cmp, lse, kv_lens, *, block_counts, block_size, scale, c
     top = _launch.shape_dtype((B * H, cfg.splits, tqp, SP, 2) if cfg.splits > 1 else (1,), jnp.int32)
     top, idx = _launch.launch(
         _decode_split_kernel, grid=(B * H, cfg.splits),
-        inputs=dict(q=q, k_cmp=k_cmp, lse=lse.astype(jnp.float32), kv_lens=kv_lens), outputs=dict(top=top, out=out),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, TQ=TQ, NC=NC, H=H, G=HQ // H, DK=Dk, BS=block_size,
-        SCALE=float(scale), IEEE=bool(q.dtype == jnp.float32), TQP=tqp, BC=cfg.chunk, NSPLIT=cfg.splits, **sizes)
+        inputs=dict(q=q, k_cmp=k_cmp, lse=unused if lse is None else lse.astype(jnp.float32), m_cmp=m_cmp, l_cmp=l_cmp,
+                    kv_lens=kv_lens),
+        outputs=dict(top=top, out=out), num_warps=cfg.num_warps, num_stages=cfg.num_stages, TQ=TQ, NC=NC, H=H,
+        G=HQ // H, DK=Dk, BS=block_size, SCALE=float(scale), IEEE=bool(q.dtype == jnp.float32), TQP=tqp,
+        BC=cfg.chunk, NSPLIT=cfg.splits, LSE_SPLITS=lse_splits, LSE_NSP=triton.next_power_of_2(max(1, lse_splits)),
+        **sizes)
     if cfg.splits > 1:
         [idx] = _launch.launch(_decode_merge_kernel, grid=(B * H * TQ,), inputs=dict(top=top), outputs=dict(out=out),
                                num_warps=4, num_stages=1, TQ=TQ, H=H, S=S, TQP=tqp, SP=SP, NSPLIT=cfg.splits,
