@@ -129,6 +129,7 @@ def test_cached_queries_over_several_chunks(interpreted, HQ, tq):
 
 DECODE_CONFIGS = {"3-splits": triton_select.DecodeConfig(chunk=16, splits=3, num_warps=4, num_stages=2),
                   "1-split": triton_select.DecodeConfig(chunk=16, splits=1, num_warps=4, num_stages=1),
+                  "64-splits": triton_select.DecodeConfig(chunk=16, splits=64, num_warps=4, num_stages=1),
                   "default": None}
 
 
@@ -160,16 +161,19 @@ def test_decode_kernel_matches_reference_exactly(interpreted, HQ, tq, config):
 
 
 def test_default_decode_config():
-    """One split per program at B * H >= 132 (no merge), enough splits to fill the SMs at B = 1 but never
-    more than the chunks of blocks; the decode kernel runs for a cache's few queries."""
+    """Splits for four programs per SM (528 on an H200), never more than the chunks of blocks (NC + 1
+    candidates) nor MAX_DECODE_SPLITS (64): at B = 1 every chunk its own program up to 64, at B = 64 three
+    splits, at B * H >= 528 one (no merge)."""
     q = jnp.zeros((1, 1, 64, 128), jnp.bfloat16)
-    for NC, splits in ((1024, 17), (8192, 33), (3, 1)):
+    for NC, splits in ((1024, 17), (8192, 64), (3, 1)):
         k_cmp = jnp.zeros((1, NC, 4, 128), jnp.bfloat16)
         cfg = triton_select.default_decode_config(q, k_cmp, block_counts=16, block_size=64)
         assert (cfg.chunk, cfg.splits) == (min(64, max(16, 1 << (NC - 1).bit_length())), splits)
-    k_cmp = jnp.zeros((64, 1024, 4, 128), jnp.bfloat16)
-    assert triton_select.default_decode_config(jnp.zeros((64, 1, 64, 128), jnp.bfloat16), k_cmp, block_counts=16,
-                                               block_size=64).splits == 1
+    for B, splits in ((64, 3), (132, 1)):
+        cfg = triton_select.default_decode_config(jnp.zeros((B, 1, 64, 128), jnp.bfloat16),
+                                                  jnp.zeros((B, 1024, 4, 128), jnp.bfloat16), block_counts=16,
+                                                  block_size=64)
+        assert cfg.splits == splits
 
 
 # ---------------------------------------------------------------------------------------- GPU

@@ -44,6 +44,14 @@ from nsa.triton._common import LN2, LOG2E, pow2
 MAX_ROWS = 128  # the largest tile (TQ * G rows) these kernels take: `applies`
 MAX_TOKENS = 16  # and the most query tokens
 SMS = 132  # an H200's streaming multiprocessors: the programs `default_config` aims at
+# `default_config`'s splits aim at SMS * PROGRAMS_PER_SM programs; two measured slower than one on an H200 at
+# every shape of benchmarks/decode_tuning.py (the fused step at B = 1, 16, 64: 73.0 / 78.3 / 183.5 us against
+# 71.9 / 73.4 / 168.4; results/decode-tuning.json)
+PROGRAMS_PER_SM = 1
+# the columns of Dv one combine program merges: 16 against 32 took the fused step at B = 1 from 66.1 to 56.0 us
+# at 512k (twice the programs for a combine of 33 + 16 + 8 splits) and B = 16 at 64k from 78.2 to 73.4 (the
+# per-op combine takes the same tile, not timed alone)
+COMBINE_COLS = 16
 _SHARED = 200 * 1024  # the shared memory `default_config` plans for (an H200 block has 227 KiB)
 _NONE = tl.constexpr(2 ** 31 - 1)  # a skipped slot of the selected kernel: above every valid int32 block id
 
@@ -466,7 +474,7 @@ class Config(NamedTuple):
     num_warps: int
     num_stages: int
     combine_rows: int = 16
-    combine_cols: int = 32
+    combine_cols: int = COMBINE_COLS
     combine_splits: int = 8
     combine_warps: int = 4
 
@@ -523,7 +531,7 @@ def default_config(q, k, v, *, units, block_size=None):
     stage *= (dkp + dvp) * itemsize
     fixed = rp * (dkp + 2 * block_n) * itemsize  # the query tile, the probabilities (and as much again)
     stages = max(1, min(3, (_SHARED - fixed) // stage))
-    splits = max(1, min(tiles, -(-SMS // max(1, B * H))))
+    splits = max(1, min(tiles, -(-SMS * PROGRAMS_PER_SM // max(1, B * H))))
     return Config(block_n=block_n, splits=splits, num_warps=8 if max(dkp, dvp, rp, block_n) > 128 else 4,
                   num_stages=int(stages))
 

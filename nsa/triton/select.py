@@ -44,6 +44,13 @@ from nsa.triton.decode import split_stats
 from nsa.triton._common import LOG2E, pow2
 
 _ROWS = 64  # query rows per tile (TB tokens x GR heads): the M of one wgmma
+# `default_decode_config`'s splits aim at decode.SMS * DECODE_PROGRAMS_PER_SM programs, never more than
+# MAX_DECODE_SPLITS (the merge sorts MAX_DECODE_SPLITS * SP keys per query). Four programs per SM against one
+# (H200, the fused decode step, benchmarks/decode_tuning.py, results/decode-tuning.json): B = 1 at 64k 78.0 ->
+# 72.0 us, at 512k 76.4 -> 66.1; B = 16 at 64k 80.0 -> 78.2; B = 64 174.0 -> 170.5. A split walks a few
+# chunks of compressed rows, each a load, a dot, a top-k merge: latency, which more programs hide.
+DECODE_PROGRAMS_PER_SM = 4
+MAX_DECODE_SPLITS = 64
 _ROWS_FP32 = 32  # float32 takes no wgmma (IEEE products: an FMA dot), and spills less with fewer rows
 # the forced blocks' ranks, nsa.reference.select's
 _CURRENT, _PREVIOUS, _FIRST = (tl.constexpr(r) for r in (reference.CURRENT, reference.PREVIOUS, reference.FIRST))
@@ -368,17 +375,16 @@ class DecodeConfig(NamedTuple):
 def default_decode_config(q, k_cmp, *, block_counts, block_size):
     """The DecodeConfig of the queries q [B, TQ, HQ, Dk] at the end of a cache against k_cmp [B, NC, H, Dk].
 
-    BC as `default_config`. NSPLIT as the decode kernels' (`decode.default_config`): enough programs to fill
-    the H200's SMs, cdiv(132, B * H) splits, never more than the chunks of the longest sequence (its NC + 1
-    candidate blocks), 1 from B * H >= 132. Warps as `default_config`; two stages once a split walks four
-    chunks or more.
+    BC as `default_config`. NSPLIT: cdiv(132 * DECODE_PROGRAMS_PER_SM, B * H) splits (four programs per SM),
+    never more than the chunks of the longest sequence (its NC + 1 candidate blocks) nor MAX_DECODE_SPLITS,
+    1 from B * H >= 528. Warps as `default_config`; two stages once a split walks four chunks or more.
     """
     B, TQ, HQ, _ = q.shape
     H, sizes = k_cmp.shape[2], _sizes(q, k_cmp, block_counts, block_size, kv_lens=True)
     num_blocks = _num_blocks(q, k_cmp, block_size, kv_lens=True)
     bc = _chunk(sizes["SP"], num_blocks)
     chunks = cdiv(num_blocks + 1, bc)
-    splits = max(1, min(chunks, cdiv(decode.SMS, max(1, B * H))))
+    splits = max(1, min(chunks, MAX_DECODE_SPLITS, cdiv(decode.SMS * DECODE_PROGRAMS_PER_SM, max(1, B * H))))
     m = _decode_tokens(TQ, sizes["GR"]) * sizes["GR"]
     largest = max(m * sizes["DKP"] * q.dtype.itemsize, sizes["DKP"] * bc * q.dtype.itemsize, m * bc * 4)
     return DecodeConfig(bc, splits, 8 if largest > 16384 else 4, 2 if cdiv(chunks, splits) >= 4 else 1)
