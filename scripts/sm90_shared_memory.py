@@ -108,7 +108,7 @@ def check_long_select(config, records):
 
 def check_decode(args):
     """The decode kernels (nsa/triton/decode.py: window, compressed, selected, their split and combine
-    launches) at the standard serving shape (HQ = 64, H = 4, D = 128, bf16, block 64, 16 slots, window 512,
+    launches, and the fused step with select's decode kernels) at the standard serving shape (HQ = 64, H = 4, D = 128, bf16, block 64, 16 slots, window 512,
     TK = 65536) for B = 1 (splits and the combine) and B = 64 (one split), TQ = 1 and 8 (TQ * G = 128 rows,
     the largest tile decode.applies takes); then each config of CONFIGS (FLOAT32_CONFIGS with --float32) at
     its largest such tile, TQ = min(16, 128 // G). Traced only (jax.eval_shape): no cache-sized array is
@@ -133,6 +133,9 @@ def check_decode(args):
                        lens)
         jax.eval_shape(lambda q, k, v, idx, counts, lens: decode.selected(q, k, v, idx, counts, lens, block_size=bs,
                                                                            **kw), q, k, v, idx, counts, lens)
+        gate = arg(B, TQ, H * G)
+        jax.eval_shape(lambda *a: decode.attention(*a, block_counts=S, block_size=bs, window_size=512, **kw),
+                       q, k, v, k_cmp, v_cmp, gate, gate, gate, lens)  # the fused step, the decode select with it
         for i, (name, shared, warps, stages, ptx) in enumerate(records):
             worst = max(worst, shared)
             if args.ptx_dir:

@@ -1,4 +1,5 @@
-"""What every Triton kernel of nsa shares: the base-2 constants and the padding of tile sides.
+"""What every Triton kernel of nsa shares: the base-2 constants, the padding of tile sides, a dot with a
+float32 accumulator and the online softmax's step.
 
 The kernels keep logits in base 2 (exp2 and log2 are the GPU's native forms): a natural-log value x is
 x * LOG2E in base 2, and a base-2 value y is y * LN2 in natural log (the lse every op returns).
@@ -16,3 +17,27 @@ LN2 = tl.constexpr(math.log(2.0))
 def pow2(n, least=16):
     """n rounded up to a power of two, at least `least` (tl.dot and tl.arange want powers of two >= 16)."""
     return max(least, triton.next_power_of_2(int(n)))
+
+
+@triton.jit
+def mm(a, b, IEEE: tl.constexpr):
+    """a @ b with a float32 accumulator; IEEE float32 products for float32 inputs (no TF32)."""
+    if IEEE:
+        out = tl.dot(a, b, input_precision="ieee")
+    else:
+        out = tl.dot(a, b)
+    return out
+
+
+@triton.jit
+def online_step(m, l_sum, acc, s, v, visible, IEEE: tl.constexpr):
+    """One step of the online softmax: the base-2 logits s [M, N] where visible, the values v [N, DVP];
+    returns the running max m, the sum l_sum [M] and acc [M, DVP] (float32) updated."""
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet: no NaN
+    alpha = tl.exp2(m - m_use)
+    p = tl.exp2(s - m_use[:, None])
+    l_sum = l_sum * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + mm(p.to(v.dtype), v, IEEE)
+    return m_new, l_sum, acc

@@ -34,20 +34,10 @@ import triton.language as tl
 
 from nsa import _varlen
 from nsa.triton import _launch
-from nsa.triton._common import LN2, LOG2E, pow2
+from nsa.triton._common import LN2, LOG2E, mm, online_step, pow2
 
 
 # ------------------------------------------------------------------------------------------ kernels
-
-
-@triton.jit
-def _mm(a, b, IEEE: tl.constexpr):
-    """a @ b with a float32 accumulator; IEEE float32 products for float32 inputs (no TF32)."""
-    if IEEE:
-        out = tl.dot(a, b, input_precision="ieee")
-    else:
-        out = tl.dot(a, b)
-    return out
 
 
 @triton.jit
@@ -93,7 +83,7 @@ def _key_tile(K, V, q, lo, hi, n0, k_end, b, h, offs_dk, offs_dv, qk_scale, NK: 
     kv_rows = (b * NK + offs_n) * H + h
     k = _tile(K, kv_rows, n_valid, offs_dk, DK)
     v = _tile(V, kv_rows, n_valid, offs_dv, DV)
-    s = _mm(q, tl.trans(k), IEEE) * qk_scale
+    s = mm(q, tl.trans(k), IEEE) * qk_scale
     return k, v, s, (offs_n[None, :] >= lo[:, None]) & (offs_n[None, :] <= hi[:, None])
 
 
@@ -134,14 +124,7 @@ def _fwd_kernel(Q, K, V, LO, HI, O, LSE,
     for n0 in range(k_begin, k_end, BLOCK_N):
         k, v, s, visible = _key_tile(K, V, q, lo, hi, n0, k_end, b, h, offs_dk, offs_dv, qk_scale, NK=NK, H=H,
                                      DK=DK, DV=DV, BLOCK_N=BLOCK_N, IEEE=IEEE, CACHE=CACHE)
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet: no NaN
-        alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(s - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + _mm(p.to(v.dtype), v, IEEE)
-        m_i = m_new
+        m_i, l_i, acc = online_step(m_i, l_i, acc, s, v, visible, IEEE)
 
     has = l_i > 0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -179,9 +162,9 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, LO, HI, DQ,
                                      DK=DK, DV=DV, BLOCK_N=BLOCK_N, IEEE=IEEE, CACHE=CACHE)
         visible = visible & row_seen[:, None]
         p = tl.where(visible, tl.exp2(s - lse2[:, None]), 0.0)
-        dp = _mm(do, tl.trans(v), IEEE)
+        dp = mm(do, tl.trans(v), IEEE)
         ds = p * (dp - delta[:, None])
-        dq += _mm(ds.to(k.dtype), k, IEEE)
+        dq += mm(ds.to(k.dtype), k, IEEE)
 
     tl.store(DQ + q_rows[:, None] * DK + offs_dk[None, :], (dq * SCALE).to(DQ.dtype.element_ty),
              mask=m_valid[:, None] & (offs_dk[None, :] < DK))
@@ -245,13 +228,13 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, LO, HI, FIRST, LAST, DK_OUT, DV_OU
             do = _tile(DO, q_rows, m_valid, offs_dv, DV)
             row_seen, lse2, delta = _softmax_stats(LSE, DELTA, q_rows, m_valid)
             # transposed tiles [BLOCK_N, BLOCK_M]: key rows by queries
-            s_t = _mm(k, tl.trans(q), IEEE) * qk_scale
+            s_t = mm(k, tl.trans(q), IEEE) * qk_scale
             visible = (offs_n[:, None] >= lo[None, :]) & (offs_n[:, None] <= hi[None, :]) & row_seen[None, :]
             p_t = tl.where(visible, tl.exp2(s_t - lse2[None, :]), 0.0)
-            dv += _mm(p_t.to(do.dtype), do, IEEE)
-            dp_t = _mm(v, tl.trans(do), IEEE)
+            dv += mm(p_t.to(do.dtype), do, IEEE)
+            dp_t = mm(v, tl.trans(do), IEEE)
             ds_t = p_t * (dp_t - delta[None, :])
-            dk += _mm(ds_t.to(q.dtype), q, IEEE)
+            dk += mm(ds_t.to(q.dtype), q, IEEE)
 
     out_rows = split.to(tl.int64) * tl.num_programs(2) * NK + kv_rows  # [NSPLIT, B, NK, H] rows
     tl.store(DK_OUT + out_rows[:, None] * DK + offs_dk[None, :], (dk * SCALE).to(DK_OUT.dtype.element_ty),

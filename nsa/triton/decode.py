@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from nsa.triton import _launch
-from nsa.triton._common import LN2, LOG2E, pow2
+from nsa.triton._common import LN2, LOG2E, online_step, pow2
 
 MAX_ROWS = 128  # the largest tile (TQ * G rows) these kernels take: `applies`
 MAX_TOKENS = 16  # and the most query tokens
@@ -85,20 +85,6 @@ def _keys(K, V, rows, load, DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexp
     k_t = tl.load(K + rows[None, :] * DK + dk[:, None], mask=load[None, :] & (dk < DK)[:, None], other=0.0)
     v = tl.load(V + rows[:, None] * DV + dv[None, :], mask=load[:, None] & (dv < DV)[None, :], other=0.0)
     return k_t, v
-
-
-@triton.jit
-def _online(m, l_sum, acc, s, v, visible):
-    """One step of the online softmax: the base-2 logits s [RP, N] where visible, the values v [N, DVP];
-    returns the running max m, the sum l_sum [RP] and acc [RP, DVP] (float32) updated."""
-    s = tl.where(visible, s, float("-inf"))
-    m_new = tl.maximum(m, tl.max(s, 1))
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet: no NaN
-    alpha = tl.exp2(m - m_use)
-    e = tl.exp2(s - m_use[:, None])
-    l_sum = l_sum * alpha + tl.sum(e, 1)
-    acc = acc * alpha[:, None] + tl.dot(e.to(v.dtype), v, input_precision="ieee")
-    return m_new, l_sum, acc
 
 
 @triton.jit
@@ -169,7 +155,7 @@ def _interval(Q, K, V, KV_LENS, bh, split, NSPLIT: tl.constexpr, TQ: tl.constexp
         k_t, v = _keys(K, V, (b * NK + tl.where(load, offs, 0)) * H + h, load, DK=DK, DV=DV, DKP=DKP, DVP=DVP)
         s = tl.dot(q, k_t, input_precision="ieee") * (SCALE * LOG2E)
         visible = seen[:, None] & (offs[None, :] >= lo[:, None]) & (offs[None, :] <= hi[:, None])
-        m, l_sum, acc = _online(m, l_sum, acc, s, v, visible)
+        m, l_sum, acc = online_step(m, l_sum, acc, s, v, visible, IEEE=True)
     return m, l_sum, acc, r, ok, q_rows
 
 
@@ -277,7 +263,7 @@ def _selected(Q, K, V, IDX, COUNTS, KV_LENS, bh, split, NSPLIT: tl.constexpr, TQ
                            DVP=DVP)
             s = tl.dot(q, k_t, input_precision="ieee") * (SCALE * LOG2E) + bias[:, None]
             visible = (times > 0)[:, None] & load[None, :] & (key_pos[None, :] <= p_row[:, None])
-            m, l_sum, acc = _online(m, l_sum, acc, s, v, visible)
+            m, l_sum, acc = online_step(m, l_sum, acc, s, v, visible, IEEE=True)
     return m, l_sum, acc, r, ok, q_rows
 
 

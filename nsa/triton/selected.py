@@ -54,7 +54,7 @@ import triton.language as tl
 from nsa._varlen import num_compressed_blocks, tokens
 from nsa.reference import _common
 from nsa.triton import _launch, decode
-from nsa.triton._common import LN2, LOG2E, pow2
+from nsa.triton._common import LN2, LOG2E, online_step, pow2
 
 # ------------------------------------------------------------------------------------------ kernels
 
@@ -178,14 +178,8 @@ def _attend(q_tile, k, v, m, l_sum, acc, block, b, h,
                          mask=seen[:, None] & (dv < DV)[None, :], other=0.0)  # [BSP, DVP]
         s = tl.dot(q_tile, k_t, input_precision="ieee") * (SCALE * LOG2E) + row_bias
         row_pos = p0 + tl.arange(0, TB * GR) // GR
-        s = tl.where(seen[None, :] & (key_pos[None, :] <= row_pos[:, None]), s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet: no NaN
-        alpha = tl.exp2(m - m_use)
-        e = tl.exp2(s - m_use[:, None])
-        l_sum = l_sum * alpha + tl.sum(e, 1)
-        acc = acc * alpha[:, None] + tl.dot(e.to(v_tile.dtype), v_tile, input_precision="ieee")
-        m = m_new
+        m, l_sum, acc = online_step(m, l_sum, acc, s, v_tile, seen[None, :] & (key_pos[None, :] <= row_pos[:, None]),
+                                    IEEE=True)
     return m, l_sum, acc
 
 
