@@ -26,7 +26,8 @@ from nsa.triton import decode
 from tests.base import TOLERANCE, assert_close
 from tests.conftest import ON_GPU
 
-pytestmark = [pytest.mark.gpu] if ON_GPU else []  # on a GPU, scripts/gpu.sh (pytest -m gpu) runs them
+# on a GPU, scripts/gpu.sh (pytest -m gpu) runs them; on the CPU they run in Triton's interpreter
+pytestmark = [pytest.mark.gpu] if ON_GPU else [pytest.mark.interpreted]
 
 DTYPES = ["float32", "float16"] + (["bfloat16"] if ON_GPU else [])  # the interpreter has no bfloat16
 B, TK, BS = 2, 80, 16
@@ -189,8 +190,9 @@ def test_window_splits_deterministic_under_jit():
     _check(first, _reference(ref_window.forward, x.q64, x.k64, x.v64, None, x.lens, window_size=40, scale=x.scale), x)
 
 
-@pytest.mark.parametrize("group, TQ", [("G3", 1), ("G16", 1), ("G1", 5)])
-@pytest.mark.parametrize("gated, window_size", [("every", 24), ("g_cmp", 0)], ids=["3-gates", "g_cmp-no-window"])
+@pytest.mark.parametrize("group, TQ, gated, window_size", [("G3", 1, "every", 24), ("G16", 1, "g_cmp", 0),
+                                                          ("G1", 5, "every", 24)],
+                         ids=["G3-3-gates", "G16-g_cmp-no-window", "G1-5-tokens-3-gates"])
 def test_fused_step_equals_the_ops(group, TQ, gated, window_size, monkeypatch):
     """nsa.attention over the cache with the compressed branch on and the blocks selected runs the fused
     kernels (decode.attention: compressed and window splits in one launch, the selection reading the

@@ -14,6 +14,8 @@ import nsa
 from nsa._varlen import num_compressed_blocks
 from tests.base import GRAD_TOLERANCE, TOLERANCE, assert_close, gradient_scales
 
+pytestmark = pytest.mark.interpreted  # the kernels in Triton's interpreter (their gpu tests: pytest -m gpu)
+
 CU = np.array([0, 23, 23, 41, 70], np.int32)  # lengths 23, 0, 18, 29 (T = 70)
 
 

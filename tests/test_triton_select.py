@@ -21,6 +21,8 @@ from nsa.reference import select as reference
 from nsa.triton import select as triton_select
 from tests.conftest import ON_GPU
 
+pytestmark = pytest.mark.interpreted  # the kernels in Triton's interpreter (their gpu tests: pytest -m gpu)
+
 CU = np.array([0, 23, 23, 41, 70], np.int32)  # lengths 23, 0, 18, 29 (T = 70)
 
 

@@ -21,6 +21,8 @@ from nsa.reference import selected as reference
 from tests.base import GRAD_TOLERANCE, TOLERANCE, Inputs, assert_close, gradient_scales
 from tests.conftest import ON_GPU
 
+pytestmark = pytest.mark.interpreted  # the kernels in Triton's interpreter (their gpu tests: pytest -m gpu)
+
 # (B, T, HQ, H, Dk, Dv, block_size)
 CASES = {
     "G3-T40-fp16": ((1, 40, 3, 1, 32, 16, 16), "float16", "array", None),
