@@ -145,19 +145,26 @@ def kv_lens(lens, B, T, TK, cu, bound="TK = k.shape[1]"):
     if cu is not None:
         raise ValueError("kv_lens (sequences at the end of a padded KV cache, B >= 1) and cu_seqlens (packed "
                          "sequences, B = 1) cannot be given together; pass one of them")
+    lens = lengths("kv_lens", lens, B, T, TK, f"[T, {bound}]",
+                   " (the T queries are the last tokens of each sequence)")
+    return None if TK == T else lens
+
+
+def lengths(name, lens, B, lo, hi, bounds, why=""):
+    """Per-sequence lengths `name` (an int array [B], list or tuple) as int32 [B]: concrete ones must lie in
+    [lo, hi] (else a ValueError that names the range as `bounds`, then `why`), traced ones are clipped to it."""
     if isinstance(lens, (list, tuple)):
         lens = np.asarray(lens)
-    integer_array("kv_lens", lens, 1)
-    shape("kv_lens", lens, (B,), "[B]")
+    integer_array(name, lens, 1)
+    shape(name, lens, (B,), "[B]")
     values = concrete(lens)
     if values is None:
-        return None if TK == T else jnp.clip(lens.astype(jnp.int32), T, TK)
-    bad = (values < T) | (values > TK)
+        return jnp.clip(lens.astype(jnp.int32), lo, hi)
+    bad = (values < lo) | (values > hi)
     if np.any(bad):
         i = int(np.argmax(bad))
-        raise ValueError(f"kv_lens must lie in [T, {bound}] = [{T}, {TK}] (the T queries are the last tokens "
-                         f"of each sequence), got kv_lens[{i}] = {values[i]}")
-    return None if TK == T else jnp.asarray(values, jnp.int32)
+        raise ValueError(f"{name} must lie in {bounds} = [{lo}, {hi}]{why}, got {name}[{i}] = {values[i]}")
+    return jnp.asarray(values, jnp.int32)
 
 
 def group(HQ, H):

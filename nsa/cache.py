@@ -151,15 +151,4 @@ def _prompt_lens(lens, B, TP):
     """lens as int32 [B] (None: TP): a concrete one must lie in [0, TP], a traced one is clipped there."""
     if lens is None:
         return jnp.full((B,), TP, jnp.int32)
-    if isinstance(lens, (list, tuple)):
-        lens = np.asarray(lens)
-    _checks.integer_array("lens", lens, 1)
-    _checks.shape("lens", lens, (B,), "[B]")
-    values = concrete(lens)
-    if values is None:
-        return jnp.clip(lens.astype(jnp.int32), 0, TP)
-    bad = (values < 0) | (values > TP)
-    if np.any(bad):
-        i = int(np.argmax(bad))
-        raise ValueError(f"lens must lie in [0, TP = k.shape[1]] = [0, {TP}], got lens[{i}] = {values[i]}")
-    return jnp.asarray(values, jnp.int32)
+    return _checks.lengths("lens", lens, B, 0, TP, "[0, TP = k.shape[1]]")
