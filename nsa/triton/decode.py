@@ -1,4 +1,5 @@
-"""Flash-decoding forward kernels for a few queries at the end of a KV cache: window, compressed, selected.
+"""Flash-decoding forward kernels for a few queries at the end of a KV cache: window, compressed, selected,
+and the whole NSA step fused.
 
 Serving: q [B, TQ, HQ, Dk] are the last TQ tokens (TQ = 1 .. 16: decode, speculative or chunked steps) of
 sequences held in a padded cache k, v [B, TK, H, D]; kv_lens int32 [B] is each sequence's length, and query
@@ -26,6 +27,12 @@ Design (flash-decoding). One program per (b * H + h, split):
   partials: acc [B, H, NSPLIT, R, Dv] (unnormalized), the running max m and the sum l [B, H, NSPLIT, R];
   `_combine_kernel` then merges the splits of each row in a fixed order (deterministic, no atomics) and
   stores o and lse. With NSPLIT = 1 (large batches) the program stores o and lse itself.
+
+The fused step (`attention`): nsa.attention's whole decode step (compressed branch on, blocks selected) in
+five launches, since launching a step's small kernels is most of its time: the compressed and window splits
+in one grid (`_cmp_window_split_kernel`), the selection (nsa/triton/select.py's decode kernels, reading the
+compressed partials' m and l, `split_stats`), the selected splits, and one combine of all three branches
+with the gates (`_attention_combine_kernel`).
 
 Forward only (serving needs no gradient). `applies(q, k)` says when to use these kernels rather than the
 training ones (TQ <= 16 and tiles of <= 128 rows). Every array is row-major; row offsets are computed in
