@@ -314,15 +314,18 @@ def _selected_split_kernel(Q, K, V, IDX, COUNTS, KV_LENS, ACC, M, L,
 @triton.jit
 def split_stats(M, L, rows, ok, R: tl.constexpr, NSPLIT: tl.constexpr, NSP: tl.constexpr):
     """The merged softmax statistics of the rows `rows` (int64 [N]: split 0's row of M; split s adds s * R) over
-    the NSPLIT splits of M, L [.., NSPLIT, R] (base-2 max and sum): (m_max, m_use: m_max or 0 where nothing
-    was seen, l: the sum at m_use), each [N], loaded at once ([NSP, N], NSP = next_pow2(NSPLIT))."""
+    the NSPLIT splits of M, L [.., NSPLIT, R] (base-2 max and sum): (m_use: the max, or 0 where nothing was
+    seen; l: the sum at m_use; lse2: the base-2 log-sum-exp, -inf where nothing was seen), each [N], loaded at
+    once ([NSP, N], NSP = next_pow2(NSPLIT))."""
     sp = tl.arange(0, NSP)
     stat = (sp < NSPLIT)[:, None] & ok[None, :]
     m_all = tl.load(M + rows[None, :] + sp[:, None] * R, mask=stat, other=float("-inf"))  # [NSP, N]
     m_max = tl.max(m_all, 0)
     m_use = tl.where(m_max == float("-inf"), 0.0, m_max)
     l_all = tl.load(L + rows[None, :] + sp[:, None] * R, mask=stat, other=0.0)
-    return m_max, m_use, tl.sum(tl.exp2(m_all - m_use[None, :]) * l_all, 0)
+    l_sum = tl.sum(tl.exp2(m_all - m_use[None, :]) * l_all, 0)
+    seen = l_sum > 0
+    return m_use, l_sum, tl.where(seen, m_use + tl.log2(tl.where(seen, l_sum, 1.0)), float("-inf"))
 
 
 @triton.jit
@@ -337,7 +340,7 @@ def _merge_splits(ACC, M, L, bh, r, ok, d, d_ok, R: tl.constexpr, DV: tl.constex
     another: the loop over 16 splits took 5 us at B = 1 on an H200), chunk after chunk, each summed over its
     splits by the same reduction tree."""
     rows = bh.to(tl.int64) * NSPLIT * R + r  # split 0's partial rows; split s adds s * R
-    m_max, m_use, l_sum = split_stats(M, L, rows, ok, R=R, NSPLIT=NSPLIT, NSP=NSP)
+    m_use, l_sum, lse2 = split_stats(M, L, rows, ok, R=R, NSPLIT=NSPLIT, NSP=NSP)
     acc = tl.zeros([CR, CD], tl.float32)
     for c in tl.static_range(0, NSPLIT, CS):
         s = c + tl.arange(0, CS)
@@ -347,9 +350,7 @@ def _merge_splits(ACC, M, L, bh, r, ok, d, d_ok, R: tl.constexpr, DV: tl.constex
         part = tl.load(ACC + part_rows[:, :, None] * DV + d[None, None, :], mask=used[:, :, None] & d_ok[None, None, :],
                        other=0.0)  # [CS, CR, CD]
         acc += tl.sum(w[:, :, None] * part, 0)
-    seen = l_sum > 0
-    lse = tl.where(seen, (m_max + tl.log2(tl.where(seen, l_sum, 1.0))) * LN2, float("-inf"))
-    return acc / tl.where(seen, l_sum, 1.0)[:, None], lse
+    return acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None], lse2 * LN2
 
 
 @triton.jit

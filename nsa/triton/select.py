@@ -183,7 +183,6 @@ def _select_kernel(q, k_cmp, lse, pos, cmp_start, out,
         lse2 = tl.where(seen, m + tl.log2(tl.where(seen, l_sum, 1.0)), 0.0)
 
     # pass 2: scores of each token's candidates, merged chunk by chunk into its running top
-    slot = tl.arange(0, SP)
     top = tl.full([TB, SP], -1, tl.int64)  # keys in ascending order: slot SP - 1 ranks first
     end = tl.max(first + cur, 0) + 1
     for r0 in range(lo, end, BC):
@@ -195,16 +194,21 @@ def _select_kernel(q, k_cmp, lse, pos, cmp_start, out,
         key = _keys(score, rows[None, :] - first[:, None], cur)  # [TB, BC], by in-sequence block id
         top = _merge_top(top, key, S=S, SP=SP)
 
-    out_slot = SP - 1 - slot  # top is ascending
-    out_row = (b * T + tok) * H + h
-    tl.store(out + out_row[:, None] * S + out_slot[None, :], _ids(top),
-             mask=tok_ok[:, None] & (out_slot < S)[None, :])
+    _store_top(out, (b * T + tok) * H + h, top, tok_ok, S=S, SP=SP)
 
 
 @triton.jit
 def _ids(key):
     """The block ids (int32) of sortable keys, -1 for the keys of no candidate (-1)."""
     return tl.where(key >= 0, 0x7FFFFFFF - (key & 0x7FFFFFFF), -1).to(tl.int32)
+
+
+@triton.jit
+def _store_top(out, out_rows, top, ok, S: tl.constexpr, SP: tl.constexpr):
+    """The block ids of each token's running top [TB, SP] (ascending keys) into its row out_rows [TB] of out
+    [.., S] int32 in rank order (-1 in unused slots), for the tokens that are ok."""
+    out_slot = SP - 1 - tl.arange(0, SP)  # top is ascending
+    tl.store(out + out_rows[:, None] * S + out_slot[None, :], _ids(top), mask=ok[:, None] & (out_slot < S)[None, :])
 
 
 @triton.jit
@@ -225,11 +229,12 @@ def _decode_split_kernel(q, k_cmp, lse, m_cmp, l_cmp, kv_lens, top, out,
     kv_lens [B], then each chunk of k_cmp [B, NC, H, DK] transposed (DKP x BC), only the rows some query
     sees (below min(NC, (p_last + 1) // BS)). The lse of each row is compressed attention's: lse [B, TQ, HQ]
     (natural log), or with LSE_SPLITS > 0 merged here from the decode kernel's partial statistics m_cmp and
-    l_cmp [B * H, LSE_SPLITS, TQ * G] (base 2; `decode.split_stats`, LSE_NSP = LSE_SPLITS padded to a power of two), which saves the fused decode step
-    (`decode.attention`) a combine before the selection. Each chunk's scores are merged into each token's running top
-    (`_merge_top`). With NSPLIT = 1 stores the ids into out [B, TQ, H, S] int32 (rank order, -1 unused),
-    else the keys of its top (ascending) into top [B * H, NSPLIT, TQP, SP, 2] int32 (each int64 key's high and
-    low halves) for `_decode_merge_kernel`.
+    l_cmp [B * H, LSE_SPLITS, TQ * G] (base 2; `decode.split_stats`, LSE_NSP = LSE_SPLITS padded to a power
+    of two), which saves the fused decode step (`decode.attention`) a combine before the selection. Each
+    chunk's scores are merged into each token's running top (`_merge_top`). With NSPLIT = 1 stores the ids
+    into out [B, TQ, H, S] int32 (rank order, -1 unused, `_store_top`), else the keys of its top
+    (ascending) into top [B * H, NSPLIT, TQP, SP, 2] int32 (each int64 key's high and low halves) for
+    `_decode_merge_kernel`.
     """
     bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -252,14 +257,12 @@ def _decode_split_kernel(q, k_cmp, lse, m_cmp, l_cmp, kv_lens, top, out,
     dk = tl.arange(0, DKP)
     q_tile = tl.load(q + q_row[:, None] * DK + dk[None, :], mask=row_ok[:, None] & (dk < DK)[None, :], other=0.0)
     if LSE_SPLITS == 0:
-        lse_row = tl.load(lse + q_row, mask=row_ok, other=float("-inf"))
-        seen = lse_row > float("-inf")  # rows that see no compressed row get p = 0, never NaN
-        lse2 = tl.where(seen, lse_row * LOG2E, 0.0)
+        lse2 = tl.load(lse + q_row, mask=row_ok, other=float("-inf")) * LOG2E
     else:
         part_row = bh.to(tl.int64) * LSE_SPLITS * (TQ * G) + t_row * G + i % GR  # split 0's row of m_cmp, l_cmp
-        _, m_use, l_sum = split_stats(m_cmp, l_cmp, part_row, row_ok, R=TQ * G, NSPLIT=LSE_SPLITS, NSP=LSE_NSP)
-        seen = l_sum > 0
-        lse2 = tl.where(seen, m_use + tl.log2(tl.where(seen, l_sum, 1.0)), 0.0)
+        _, _, lse2 = split_stats(m_cmp, l_cmp, part_row, row_ok, R=TQ * G, NSPLIT=LSE_SPLITS, NSP=LSE_NSP)
+    seen = lse2 > float("-inf")  # rows that see no compressed row get p = 0, never NaN
+    lse2 = tl.where(seen, lse2, 0.0)
 
     vis_end = tl.max(end_row, 0)  # no query sees a row >= vis_end
     chunks = (tl.max(cur, 0) + BC) // BC  # the chunks up to the last candidate block
@@ -272,13 +275,10 @@ def _decode_split_kernel(q, k_cmp, lse, m_cmp, l_cmp, kv_lens, top, out,
         score = tl.sum(tl.reshape(p, [TQP, GR, BC]), 1) / G
         best = _merge_top(best, _keys(score, rows[None, :], cur), S=S, SP=SP)
 
-    slot = tl.arange(0, SP)
     if NSPLIT == 1:
-        out_slot = SP - 1 - slot
-        tl.store(out + ((b * TQ + tok) * H + h)[:, None] * S + out_slot[None, :], _ids(best),
-                 mask=(tok < TQ)[:, None] & (out_slot < S)[None, :])
+        _store_top(out, (b * TQ + tok) * H + h, best, tok < TQ, S=S, SP=SP)
     else:
-        at = ((bh.to(tl.int64) * NSPLIT + split) * TQP + tok)[:, None] * SP + slot[None, :]
+        at = ((bh.to(tl.int64) * NSPLIT + split) * TQP + tok)[:, None] * SP + tl.arange(0, SP)[None, :]
         tl.store(top + 2 * at, (best >> 32).to(tl.int32))  # int32 halves: jax has no int64 without x64
         tl.store(top + 2 * at + 1, best.to(tl.int32))
 
@@ -290,9 +290,8 @@ def _decode_merge_kernel(top, out, TQ: tl.constexpr, H: tl.constexpr, S: tl.cons
 
     Grid (B * H * TQ,): program (b * H + h) * TQ + t loads the NSPLIT tops of token t of KV head h, top
     [B * H, NSPLIT, TQP, SP, 2] int32 (NSP * SP int64 keys in halves, NSP = NSPLIT padded to a power of
-    two, -1 past NSPLIT),
-    and stores the S best as block ids into out [B, TQ, H, S] int32 (rank order, -1 unused).
-    """
+    two, -1 past NSPLIT), and stores the S best as block ids into out [B, TQ, H, S] int32 (rank order, -1
+    unused)."""
     bh = tl.program_id(0) // TQ
     t = tl.program_id(0) % TQ
     b = (bh // H).to(tl.int64)
