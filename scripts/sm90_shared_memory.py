@@ -108,8 +108,8 @@ def check_long_select(config, records):
 
 def check_decode(args):
     """The decode kernels (nsa/triton/decode.py: window, compressed, selected, their split and combine
-    launches, and the fused step with select's decode kernels) at the standard serving shape (HQ = 64, H = 4, D = 128, bf16, block 64, 16 slots, window 512,
-    TK = 65536) for B = 1 (splits and the combine) and B = 64 (one split), TQ = 1 and 8 (TQ * G = 128 rows,
+    launches, and the fused step with select's decode kernels) at the standard serving shape (HQ = 64,
+    H = 4, D = 128, bf16, block 64, 16 slots, window 512, TK = 65536) for B = 1 (splits and the combine) and B = 64 (one split), TQ = 1 and 8 (TQ * G = 128 rows,
     the largest tile decode.applies takes); then each config of CONFIGS (FLOAT32_CONFIGS with --float32) at
     its largest such tile, TQ = min(16, 128 // G). Traced only (jax.eval_shape): no cache-sized array is
     made. Prints each launch; returns the largest shared memory."""

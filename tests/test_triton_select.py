@@ -141,8 +141,8 @@ def test_decode_kernel_matches_reference_exactly(interpreted, HQ, tq, config):
     """The decode select (`decode_forward`: a few queries at the end of a cache, the candidate blocks split
     over programs and merged) returns exactly the reference's ids in rank order: the last tq tokens of
     sequences of 200 and 61 tokens in a cache of 50 compressed rows (block 4), NaN past each sequence's
-    complete blocks (never read), walked in chunks of 16 rows split over 3 programs (one without rows) or
-    one, or the default config, with and without compressed attention's lse; two rows of k_cmp in
+    complete blocks (never read), walked in chunks of 16 rows split over 3 programs (one without rows), 64
+    (most without: the merge takes 64 tops) or one, or the default config, with and without compressed attention's lse; two rows of k_cmp in
     different splits are equal, so their blocks tie and the lower id must come first."""
     B, TK, H, Dk, bs = 2, 200, 1, 16, 4
     lens = np.array([200, 61], np.int32)
