@@ -111,6 +111,40 @@ def test_serving_step_lowers_for_tpu_to_mosaic_kernels(B, TQ, TK, implementation
     assert set(_mosaic_kernels(exported.mlir_module())) == FORWARD_KERNELS
 
 
+def _cache_sized_writes(module, TK):
+    """The ops of an exported module's text that produce an array with a dimension of TK or more: an O(TK)
+    copy, transpose or relayout (reshapes included: on a TPU, merging k's head and feature dims changes its
+    tiled layout), but a while loop's results (its carried inputs, passed through)."""
+    found = []
+    for line in module.splitlines():
+        op = re.search(r'= "?([\w.]+)', line)
+        if " = " not in line or not op or op.group(1) == "stablehlo.while":
+            continue
+        results = re.findall(r"tensor<([\dx]+)x\w+>", line.split("->")[-1])
+        if any(int(d) >= TK for shape in results for d in shape.split("x") if d):
+            found.append(line.strip())
+    return found
+
+
+@pytest.mark.parametrize("implementation", ["pallas", "xla"])
+def test_decode_step_copies_nothing_of_the_cache_size(implementation):
+    """A decode step over a 64k-row cache (B = 16, TQ = 1), exported for TPU, writes no array of the cache's
+    size outside the kernels: the window's rows are cut and the selected blocks gathered before any
+    layout change, so it reads O(TK / block_size + S * block_size + window) rows per KV head. (Before the
+    cut and the gather the Pallas step padded and transposed the whole k and v, and viewed them as
+    [B, TK, H * D]: this finds each.)"""
+    B, TQ, TK = SERVING["decode"]
+
+    def step(q, k, v, kv_lens, k_cmp, v_cmp, g_cmp, g_slc, g_swa):
+        return nsa.attention(q, k, v, g_cmp=g_cmp, g_slc=g_slc, g_swa=g_swa, kv_lens=kv_lens, k_cmp=k_cmp,
+                             v_cmp=v_cmp, block_size=64, block_counts=16, window_size=512,
+                             implementation=implementation)
+
+    module = jax.export.export(jax.jit(step), platforms=["tpu"])(*_serving_args(B, TQ, TK)).mlir_module()
+    assert _cache_sized_writes(module, TK) == []
+    assert _cache_sized_writes(module, TK // 64) != []  # the scan sees arrays: k_cmp's rows are written
+
+
 @pytest.mark.parametrize("B, TQ, TK", SERVING.values(), ids=SERVING.keys())
 def test_serving_step_vmem_budget(B, TQ, TK):
     """Of the kernels' VMEM per grid step only select's depends on the shape (its ranks of every row of

@@ -199,6 +199,32 @@ def test_a_kv_cache():
     assert np.all(np.asarray(dv)[np.broadcast_to(past, dv.shape)] == 0)
 
 
+def test_a_decode_step_gathers_its_blocks():
+    """Two queries at the end of sequences of 300, 131 and 2 tokens in a 300-row cache (not a multiple of the
+    block of 16: the last block's copy reaches past the cache), random selections with invalid entries, NaN
+    past each length: the forward copies only the blocks the queries list (the layout says so: 6 blocks of
+    16 rows per KV head, not the cache's 300 rows) and matches the reference, and so does the backward (on
+    the full layout), with zero dk and dv past each length."""
+    T, TK, lens = 2, 300, np.array([300, 131, 2], np.int32)
+    x = Inputs((3, TK, 6, 2, 32, 24, 16), "float32")
+    last = lambda a: np.stack([np.asarray(a)[b, n - T:n] for b, n in enumerate(lens)])
+    x.q, x.do = (jnp.asarray(last(a)) for a in (x.q, x.do))
+    idx = last(x.block_indices(3))
+    counts = jnp.asarray(np.random.default_rng(2).integers(0, 5, (3, T, 2)), jnp.int32)
+    lay = selected._layout(x.q, x.k, x.v, idx, 16, None, lens, selected.default_config(x.q, x.k, x.v, idx,
+                                                                                        block_size=16))
+    assert lay.gathered and lay.nt * lay.union * lay.br == 96
+    past = (np.arange(TK)[None, :] >= lens[:, None])[..., None, None]
+    keys = x.k, x.v
+    x.k, x.v = (jnp.where(past, jnp.nan, a) for a in keys)
+    got = _kernels(x, idx, counts, None, kv_lens=lens)
+    x.k, x.v = (jnp.where(past, 0.0, a) for a in keys)
+    _assert_matches(got, _reference(x, idx, counts, None, kv_lens=lens), x, "float32", "decode")
+    _, _, (_, dk, dv) = got
+    assert np.all(np.asarray(dk)[np.broadcast_to(past, dk.shape)] == 0)
+    assert np.all(np.asarray(dv)[np.broadcast_to(past, dv.shape)] == 0)
+
+
 def test_rows_that_see_nothing():
     """Every other token sees nothing: o = 0, lse = -inf and dq = 0 there exactly; a call where no token
     sees anything gives zeros everywhere."""

@@ -14,10 +14,12 @@ when loaded, in every kernel: a probability of 0 times a NaN key or value would 
 
 Layouts. The kernel reads q as a [B, T, HQ * Dp] view and k, v as [B, NK, H * Dp] ones (Dp = the head dim
 padded to a multiple of 128 lanes inside the op: no copy when it already is one, as at Dk = Dv = 128), so a
-block (1, BQ, Dp) at column h is head h, with no transpose; T and NK are padded to a multiple of the tiles
-(padded queries see nothing, padded keys are never visible). lo and hi travel as one int32 [1 or B, T, 2]
-array, read as (BQ, 2) blocks; lse and delta as [B, HQ, T, 1] float32 (a (BQ, 1) block is tile-legal: its
-minor dim is the whole dim), returned as [B, T, HQ].
+block (1, BQ, Dp) at column h is head h, with no transpose. T is padded to a multiple of BQ (padded queries see
+nothing); k and v are not (only NK < BK is padded to one tile): copying a long KV cache every decode step is
+what the op must not do. The last key tile may reach past NK, and the BlockSpec pipeline fills its rows past
+the array with unspecified values, which `_seen_keys` zeroes (the dk/dv kernel's writes there are dropped).
+lo and hi travel as one int32 [1 or B, T, 2] array, read as (BQ, 2) blocks; lse and delta as [B, HQ, T, 1]
+float32 (a (BQ, 1) block is tile-legal: its minor dim is the whole dim), returned as [B, T, HQ].
 
 Grid: (B, HQ, T / BQ, STEPS). One program owns the BQ queries of one query tile of one head hq, against
 KV head hq // G: it walks STEPS key tiles of BK rows from the first one any of its queries sees. Scalar
@@ -233,7 +235,8 @@ class _Layout(NamedTuple):
     """The padded sizes, views and ranges the kernels take (see the module docstring)."""
 
     tp: int  # T padded to a multiple of BQ
-    nkp: int  # NK padded to a multiple of BK
+    nkp: int  # NK padded to a multiple of BK: the key tiles of the grid
+    nkv: int  # the rows of the k, v views: NK, or BK when NK < BK (no copy of a long cache)
     dkp: int
     dvp: int
     per_row: bool  # lo, hi per batch row (a KV cache), else shared by the batch
@@ -246,11 +249,12 @@ class _Layout(NamedTuple):
 def _layout(q, k, v, lo, hi, config):
     T, NK = q.shape[1], k.shape[1]
     tp, nkp = _cdiv(T, config.block_q) * config.block_q, max(1, _cdiv(NK, config.block_k)) * config.block_k
+    nkv = max(NK, config.block_k)
     per_row = lo.ndim == 2
     lo, hi = (x.astype(jnp.int32).reshape(-1, T) for x in (lo, hi))
     padding = jnp.arange(tp) >= T
     rows = jnp.stack([jnp.where(padding, 1, _padded(lo, 1, tp)), jnp.where(padding, 0, _padded(hi, 1, tp))], axis=2)
-    return _Layout(tp, nkp, _cdiv(q.shape[3], LANES) * LANES, _cdiv(v.shape[3], LANES) * LANES, per_row, lo, hi,
+    return _Layout(tp, nkp, nkv, _cdiv(q.shape[3], LANES) * LANES, _cdiv(v.shape[3], LANES) * LANES, per_row, lo, hi,
                    rows, jnp.max(hi, axis=1))
 
 
@@ -301,7 +305,7 @@ def _query_grid(kernel, q, k, v, lay, extra, outputs, scratch, *, scale, key_spa
             + [spec(width) for _, width in extra],
             out_specs=[spec(width) for _, width in outputs], scratch_shapes=scratch),
         out_shape=[shape for shape, _ in outputs], name=name, **compiler,
-    )(band, lay.ends, lay.rows, _view(q, lay.tp, lay.dkp), _view(k, lay.nkp, lay.dkp), _view(v, lay.nkp, lay.dvp),
+    )(band, lay.ends, lay.rows, _view(q, lay.tp, lay.dkp), _view(k, lay.nkv, lay.dkp), _view(v, lay.nkv, lay.dvp),
       *[x for x, _ in extra])
 
 
@@ -378,10 +382,10 @@ def attend_backward(q, k, v, lo, hi, o, lse, do, dlse=None, *, scale, key_span, 
                       pl.BlockSpec((1, 1, bq, 1), head_map)],
             out_specs=[pl.BlockSpec((1, bk, lay.dkp), key_map), pl.BlockSpec((1, bk, lay.dvp), key_map)],
             scratch_shapes=[pltpu.VMEM((bk, lay.dkp), jnp.float32), pltpu.VMEM((bk, lay.dvp), jnp.float32)]),
-        out_shape=[out_struct((B, lay.nkp, H * lay.dkp), k.dtype, q),
-                   out_struct((B, lay.nkp, H * lay.dvp), v.dtype, q)], name=f"{name}_dkdv", **compiler,
-    )(band, lay.ends, lay.rows, _view(q, lay.tp, lay.dkp), _view(k, lay.nkp, lay.dkp), _view(v, lay.nkp, lay.dvp),
+        out_shape=[out_struct((B, lay.nkv, H * lay.dkp), k.dtype, q),
+                   out_struct((B, lay.nkv, H * lay.dvp), v.dtype, q)], name=f"{name}_dkdv", **compiler,
+    )(band, lay.ends, lay.rows, _view(q, lay.tp, lay.dkp), _view(k, lay.nkv, lay.dkp), _view(v, lay.nkv, lay.dvp),
       do_v, lse_h, delta_h)
     return (dq.reshape(B, lay.tp, HQ, lay.dkp)[:, :T, :, :dk_dim],
-            dk.reshape(B, lay.nkp, H, lay.dkp)[:, :NK, :, :dk_dim],
-            dv.reshape(B, lay.nkp, H, lay.dvp)[:, :NK, :, :dv_dim])
+            dk.reshape(B, lay.nkv, H, lay.dkp)[:, :NK, :, :dk_dim],
+            dv.reshape(B, lay.nkv, H, lay.dvp)[:, :NK, :, :dv_dim])

@@ -205,13 +205,13 @@ def _logits(q, k, bias, scale, precision):
 
 
 def _walk_union(blocks_ref, names, k_hbm, v_hbm, k_buf, v_buf, sems, body, *, block_size):
-    """body(k, v, bias) for each block of the step's token tile's union, in order: t0, the union's names and
-    last key rows from the step's SMEM row blocks_ref [1, 2 + 2U], the tile's slot names [TB, S]; block
-    u + 1's copy flies while block u is computed (`_pipelined`)."""
+    """body(k, v, bias) for each block of the step's token tile's union, in order: t0, the union's names, last
+    key rows and source rows (in k_hbm) from the step's SMEM row blocks_ref [1, 2 + 3U], the tile's slot
+    names [TB, S]; block u + 1's copy flies while block u is computed (`_pipelined`)."""
     b, h = pl.program_id(0), pl.program_id(1)
-    U = (blocks_ref.shape[1] - 2) // 2
-    copies = lambda u, slot: _block_copies(k_hbm, v_hbm, k_buf, v_buf, sems, b, h, blocks_ref[0, 2 + u], slot,
-                                           block_size)
+    U = (blocks_ref.shape[1] - 2) // 3
+    copies = lambda u, slot: _block_copies(k_hbm, v_hbm, k_buf, v_buf, sems, b, h, blocks_ref[0, 2 + 2 * U + u],
+                                           slot, block_size)
 
     def step(u, slot):
         x = blocks_ref[0, 2 + u]
@@ -356,15 +356,19 @@ class _Layout(NamedTuple):
     dkp: int
     dvp: int
     num_rows: int  # NR, block rows per (batch row, KV head) of the TK keys: a static bound on the distinct blocks
+    union: int  # U, the most distinct blocks of one tile: min(tokens of a tile * S, NR)
+    gathered: bool  # the forward reads the union's blocks gathered from a KV cache (`_gathered_rows`)
 
 
-def _layout(q, k, v, block_indices, block_size, cu_seqlens, cfg):
+def _layout(q, k, v, block_indices, block_size, cu_seqlens, kv_lens, cfg):
     B, T, HQ, Dk = q.shape
     TK, H, S = k.shape[1], k.shape[2], block_indices.shape[3]
-    return _Layout(B, T, TK, H, HQ // H, S, cfg.tokens, _cdiv(T, cfg.tokens),
-                   _copied_rows(block_size, k.dtype), _round_up(block_size, LANES), _round_up(Dk, LANES),
-                   _round_up(v.shape[3], LANES),
-                   num_compressed_blocks(TK, block_size, cu_seqlens))
+    nt, br, num_rows = _cdiv(T, cfg.tokens), _copied_rows(block_size, k.dtype), num_compressed_blocks(
+        TK, block_size, cu_seqlens)
+    union = min(min(T, cfg.tokens) * S, num_rows)
+    return _Layout(B, T, TK, H, HQ // H, S, cfg.tokens, nt, br, _round_up(block_size, LANES), _round_up(Dk, LANES),
+                   _round_up(v.shape[3], LANES), num_rows, union,
+                   kv_lens is not None and 0 < nt * union * br < TK)
 
 
 def _pad_to(x, axis, size):
@@ -395,6 +399,26 @@ def _key_rows(x, lay, dp):
     """[B, TK, H, D] -> [B, H, TK + BR, dp], zero-padded: a copy of BR rows from any block start x < TK
     stays in bounds."""
     return jnp.transpose(_pad_to(_pad_to(x, 3, dp), 1, lay.TK + lay.br), (0, 2, 1, 3))
+
+
+def _gathered_rows(x, union, lay, dp):
+    """[B, TK, H, D] -> [B, H, NT * U * BR, dp]: the BR rows from each union block's first row, tile after
+    tile (rows past TK clamped to it: `_block` zeroes them), zero-padded to dp. With a KV cache the forward
+    gathers these rows, O(T * S * block_size) per KV head, and never copies or transposes the cache."""
+    rows = jnp.where(union == _PAST, 0, union)[..., None] + jnp.arange(lay.br, dtype=jnp.int32)
+    b = jnp.arange(lay.B)[:, None, None, None, None]
+    h = jnp.arange(lay.H)[None, :, None, None, None]
+    blocks = x[b, jnp.minimum(rows, lay.TK - 1), h]  # [B, H, NT, U, BR, D]
+    return _pad_to(blocks, 5, dp).reshape(lay.B, lay.H, lay.nt * lay.union * lay.br, dp)
+
+
+def _source_rows(union, lay, gathered):
+    """int32 [B, H, NT, U]: the row of k_hbm each union block is copied from: its name (its row in
+    `_key_rows`), or its place in `_gathered_rows`."""
+    if not gathered:
+        return union
+    place = jnp.arange(lay.nt, dtype=jnp.int32)[:, None] * lay.union + jnp.arange(lay.union, dtype=jnp.int32)
+    return jnp.broadcast_to(place * lay.br, union.shape)
 
 
 def _row_offsets(kv_lens, lay):
@@ -430,7 +454,7 @@ def _tile_blocks(tile_names, offsets, lay):
     name, token = lax.sort((jnp.where(flat == _NONE, _PAST, flat), token), num_keys=2)
     run_end = jnp.concatenate([name[..., 1:] != name[..., :-1], jnp.ones_like(name[..., :1], bool)], -1)
     union, last = lax.sort((jnp.where(run_end, name, _PAST), token), num_keys=1)
-    U = min(lay.tb * lay.S, lay.num_rows)
+    U = lay.union
     return union[..., :U], last[..., :U], jnp.sum(union[..., :U] != _PAST, axis=-1).astype(jnp.int32)
 
 
@@ -446,13 +470,15 @@ def _smem_rows(*columns):
     return jnp.concatenate([c.astype(jnp.int32) for c in cols], axis=-1)[..., None, :]
 
 
-def _tiles(block_indices, block_counts, cu_seqlens, kv_lens, lay, block_size):
+def _tiles(block_indices, block_counts, cu_seqlens, kv_lens, lay, block_size, gathered):
     """What the forward and the backward both build: (names [B, H, NT, TB, S]; the tiles' SMEM rows
-    [B, H, NT, 1, 2 + 2U]: count, t0, union, last; union and last [B, H, NT, U]; the `_row_offsets`)."""
+    [B, H, NT, 1, 2 + 3U]: count, t0, union, last, source rows (`_source_rows`); union and last [B, H, NT, U];
+    the `_row_offsets`)."""
     row_offsets = _row_offsets(kv_lens, lay)
     names = _tile_names(_names(block_indices, block_counts, cu_seqlens, kv_lens, lay, block_size), lay)
     union, last, count = _tile_blocks(names, row_offsets, lay)
-    return names, _smem_rows(count, _tile_starts(row_offsets, lay), union, last), union, last, row_offsets
+    blocks = _smem_rows(count, _tile_starts(row_offsets, lay), union, last, _source_rows(union, lay, gathered))
+    return names, blocks, union, last, row_offsets
 
 
 def _params(q, interpret, semantics):
@@ -535,12 +561,14 @@ def forward(q, k, v, block_indices, block_counts, cu_seqlens, kv_lens=None, *, b
     """
     _check(q, k, block_indices, block_size)
     cfg = _config(q, k, v, block_indices, block_size, cu_seqlens, config)
-    lay = _layout(q, k, v, block_indices, block_size, cu_seqlens, cfg)
-    names, blocks, _, _, _ = _tiles(block_indices, block_counts, cu_seqlens, kv_lens, lay, block_size)
+    lay = _layout(q, k, v, block_indices, block_size, cu_seqlens, kv_lens, cfg)
+    names, blocks, union, _, _ = _tiles(block_indices, block_counts, cu_seqlens, kv_lens, lay, block_size,
+                                        lay.gathered)
+    rows = functools.partial(_gathered_rows, union=union) if lay.gathered else _key_rows
     tile_shape = (lay.B, lay.H, lay.nt, lay.G, lay.tb)
     o, lse = _query_grid(
         _fwd_kernel, lay, blocks, [_query_tiles(q, lay, lay.dkp), names],
-        _key_rows(k, lay, lay.dkp), _key_rows(v, lay, lay.dvp),
+        rows(k, lay=lay, dp=lay.dkp), rows(v, lay=lay, dp=lay.dvp),
         [out_struct(tile_shape + (lay.dvp,), q.dtype, q), out_struct(tile_shape + (1,), jnp.float32, q)],
         _block_buffers(lay, k, v, 2) + [pltpu.VMEM((lay.G, lay.tb, LANES), jnp.float32)] * 2
         + [pltpu.VMEM((lay.G, lay.tb, lay.dvp), jnp.float32)],
@@ -642,9 +670,9 @@ def backward(residuals, do, *, block_size, scale, interpret=False, config=None):
     and do [B, T, HQ, Dv]; interpret and config as for `forward`."""
     q, k, v, block_indices, block_counts, cu_seqlens, kv_lens, o, lse = residuals
     cfg = _config(q, k, v, block_indices, block_size, cu_seqlens, config)
-    lay = _layout(q, k, v, block_indices, block_size, cu_seqlens, cfg)
+    lay = _layout(q, k, v, block_indices, block_size, cu_seqlens, kv_lens, cfg)
     names, blocks, union, last, row_offsets = _tiles(block_indices, block_counts, cu_seqlens, kv_lens, lay,
-                                                     block_size)
+                                                     block_size, False)
     delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)
     do = do.astype(q.dtype)
     tiled = [_query_tiles(q, lay, lay.dkp), _query_tiles(do, lay, lay.dvp), _row_tiles(lse, lay, -jnp.inf),
