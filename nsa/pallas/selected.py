@@ -19,15 +19,19 @@ Layouts (all built in XLA around the kernels; D padded to Dp, a multiple of 128 
   delta [B, H, NT, G, TB, 1] float32. A (G, TB, Dp) block flattens to [G * TB, Dp] for free (TB is a
   multiple of the sublane tile), so one tile is R = G * TB MXU rows (row g * TB + j: head g, token j);
 - names [B, H, NT, TB, S] int32: the name of each slot of each token of the tile;
-- the tile's blocks [B, H, NT, 1, 2 + 2U] int32: how many distinct blocks the tile's tokens list, t0, then
-  those names in increasing order (the union; U = min(TB * S, NR) bounds it, NR = the block rows of one
-  (b, h): cdiv(TK, block_size), or packed), then the key row of the last token of the tile that lists each
-  (rows past it are never seen). It is sorted in XLA, and each grid step gets only its own row in SMEM (a
-  BlockSpec in SMEM): the whole table (B * H * NT * (2 + 2U) ints) would not fit in SMEM's 1 MiB at long T;
+- the tile's blocks [B, H, NT, 1, 2 + 3U] int32: how many distinct blocks the tile's tokens list, t0, then
+  those names in increasing order (the union; U = min(min(T, TB) * S, NR) bounds it, NR = the block rows
+  of one (b, h): cdiv(TK, block_size), or packed), then the key row of the last token of the tile that
+  lists each (rows past it are never seen), then the row of k's HBM array each is copied from. It is
+  sorted in XLA, and each grid step gets only its own row in SMEM (a BlockSpec in SMEM): the whole table
+  (B * H * NT * (2 + 3U) ints) would not fit in SMEM's 1 MiB at long T;
 - k [B, H, TK + BR, Dkp], v [.., Dvp] stay in HBM (memory_space ANY): a kernel copies a block's BR rows
-  (block_size rounded up to the sublane tile) from row x into the first rows of a VMEM buffer of BK rows
-  (block_size rounded up to 128) itself (`make_async_copy`); rows past the block, or past every query
-  of the tile, are zeroed (`_block`). BK makes every logits tile [R, BK] and every transpose in the
+  (block_size rounded up to the sublane tile) from its source row (its name x) into the first rows of a
+  VMEM buffer of BK rows (block_size rounded up to 128) itself (`make_async_copy`); rows past the block,
+  or past every query of the tile, are zeroed (`_block`). With a KV cache whose TK rows outnumber the
+  NT * U * BR rows the tiles' unions can name (a decode step: 1 tile, U = T * S), the forward's k and v
+  are instead those rows gathered from the cache, [B, H, NT * U * BR, Dp] (`_gathered_rows`: O(T * S *
+  block_size) per KV head, never a transpose of the cache), block u of tile i at source row (i * U + u) * BR. BK makes every logits tile [R, BK] and every transpose in the
   dk/dv kernel (R and BK multiples of 128) lane-aligned: Mosaic has rejected matmuls with fewer than 128
   result lanes and padded transposes (jax issues 18388, 18370), and the MXU is 128 wide anyway.
 
@@ -54,9 +58,9 @@ rows and a float32 [R, Dkp] accumulator; the dk/dv kernel the same tiles (its ow
 one block, and float32 dk, dv [BR, Dp]. At the standard shape (G = 16, TB = 16, bf16, Dp = 128,
 block_size 64) that is about 1.1 MiB; float32 heads of 256 take 1.6 MiB at G = 16 and 4 MiB at G = 3
 (TB = 128), bf16 heads of 256 at G = 64 6.3 MiB: all under the 16 MiB of scoped VMEM. SMEM per step:
-one table row of 2 + 2U ints (forward, dq) or 5 + 2L (dk/dv), double-buffered. None of it depends on T or
-TK, which set only the grids, the lists (B * H * NR of them) and the XLA work (k and v are copied, transposed,
-once per call: with a long cache, TK rows of it).
+one table row of 2 + 3U ints (forward, dq) or 5 + 2L (dk/dv), double-buffered. None of it depends on T or
+TK, which set only the grids, the lists (B * H * NR of them) and the XLA work (k and v are copied,
+transposed, once per call, but for the gathered forward of a decode step).
 
 The Mosaic kernels carry names: selected_forward, selected_dq, selected_dkdv (the partials) and
 selected_dkdv_reduce.
