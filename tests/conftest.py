@@ -3,7 +3,7 @@ matmuls run in full precision so the XLA reference stays a reference.
 
 TRITON_INTERPRET is read when a kernel is decorated, so it is set here, before any test module
 imports nsa.triton. The `interpreted` fixture routes implementation="triton" to the interpreted
-kernels for one test (tests/triton_interpreter.py); `pallas_races` turns Pallas interpret mode's race
+kernels for one test (nsa/triton/interpreter.py); `pallas_races` turns Pallas interpret mode's race
 detector on for one test and fails it on a race. `pytest_generate_tests` makes the cases of the shared
 test base for each of its subclasses (tests/base.py).
 """
@@ -21,12 +21,13 @@ else:
 
 
 @pytest.fixture
-def interpreted(monkeypatch):
+def interpreted():
     if ON_GPU:  # the kernels are compiled for the GPU there, not for the interpreter
         pytest.skip("the interpreter tests run on a CPU-only jax")
-    from tests import triton_interpreter
+    from nsa.triton import interpreter
 
-    triton_interpreter.install(monkeypatch)
+    with interpreter.interpreted():
+        yield
 
 
 def pytest_generate_tests(metafunc):

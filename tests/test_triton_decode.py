@@ -12,6 +12,8 @@ tolerances. On the CPU the kernels run in Triton's interpreter (float32, float16
 runs too.
 """
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -39,13 +41,12 @@ FUSED = decode.attention
 
 
 @pytest.fixture(autouse=True)
-def kernels(monkeypatch):
+def kernels():
     """On the CPU the kernels run in Triton's interpreter; on a GPU they compile (jax-triton)."""
-    if not ON_GPU:
-        from tests import triton_interpreter
+    from nsa.triton import interpreter
 
-        triton_interpreter.install(monkeypatch)
-    yield
+    with contextlib.nullcontext() if ON_GPU else interpreter.interpreted():
+        yield
     jax.clear_caches()  # an interpreted kernel compiles to a large program
 
 

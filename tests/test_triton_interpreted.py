@@ -1,5 +1,5 @@
 """The shared test base on the Triton kernels (implementation="triton"), run on the CPU in Triton's
-interpreter (tests/triton_interpreter.py). Triton's interpreter has no bfloat16: that dtype runs on the
+interpreter (nsa/triton/interpreter.py). Triton's interpreter has no bfloat16: that dtype runs on the
 GPU, where tests/test_triton_gpu.py runs the whole base on the compiled kernels.
 """
 

@@ -1,7 +1,7 @@
 """The Triton block-selection kernel (nsa/triton/select.py): what the shared test base does not check.
 
 On the CPU (every test but the gpu-marked one) the kernel runs in Triton's interpreter
-(tests/triton_interpreter.py; the base runs there too, tests/test_triton_interpreted.py) and must return
+(nsa/triton/interpreter.py; the base runs there too, tests/test_triton_interpreted.py) and must return
 exactly the XLA reference's block ids in the reference's rank order (the base compares sets with the
 float64 oracle): G = 3 with Dk = 24, block_counts beyond the blocks, float16; compressed rows that no
 query sees (NaN, never used) eager and with a traced cu_seqlens; compressed attention's lse given with

@@ -2,7 +2,7 @@
 reach.
 
 On the CPU (every test but the gpu-marked one) the kernels run in Triton's interpreter
-(tests/triton_interpreter.py; the base runs there too, tests/test_triton_interpreted.py) against the XLA
+(nsa/triton/interpreter.py; the base runs there too, tests/test_triton_interpreted.py) against the XLA
 reference on float32 copies of the same rounded inputs: lse (which the public op does not return), a
 block in two chunks (D = 256), traced cu_seqlens, keys that must never be read, rows that see nothing,
 tiles of several tokens sharing blocks, query lists split into many segments, bitwise determinism, and

@@ -1,8 +1,9 @@
 """The one place where nsa's Triton kernels are launched from JAX.
 
-Every kernel goes through `launch`, which calls jax_triton.triton_call on a GPU. The CPU tests replace
-`_call` with a launcher that runs the same kernel in Triton's interpreter (TRITON_INTERPRET=1) through
-jax.pure_callback (tests/triton_interpreter.py), so the kernel bodies are tested in CI.
+Every kernel goes through `launch`, which calls jax_triton.triton_call on a GPU. On the CPU,
+`nsa.triton.interpreter.interpreted()` replaces `_call` with a launcher that runs the same kernel in
+Triton's interpreter (TRITON_INTERPRET=1) through jax.pure_callback: the CPU tests (so the kernel bodies
+are tested in CI) and the kernels notebook.
 """
 
 import math

@@ -1,11 +1,22 @@
-"""Runs nsa's Triton kernels on the CPU in Triton's interpreter (TRITON_INTERPRET=1), for CI.
+"""Runs nsa's Triton kernels on the CPU in Triton's interpreter: how CI tests the kernel bodies, and a way to
+step through a kernel (or print from it) on a laptop.
+
+    import os
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton is first imported: read when a kernel is decorated
+    import nsa
+    from nsa.triton import interpreter
+
+    with interpreter.interpreted():
+        o = nsa.selected_attention(q, k, v, block_indices, block_size=16, implementation="triton")
 
 Only the `triton` package is needed: no GPU, no torch, no jax_triton. `interpret_call` has
-jax_triton.triton_call's signature and runs the kernel on NumPy buffers inside jax.pure_callback, so
-it also works under jit; `install` routes implementation="triton" to it for one test. The
-interpreter handles float32 and float16 (not bfloat16: that dtype is tested on the GPU).
+jax_triton.triton_call's signature and runs the kernel on NumPy buffers inside jax.pure_callback, so it
+also works under jit; `interpreted` routes implementation="triton" to it while it is active. The
+interpreter handles float32 and float16 (not bfloat16: that dtype is tested on the GPU). Every grid
+program runs one after another on the host: exact, and slow.
 """
 
+import contextlib
 import os
 import threading
 
@@ -77,30 +88,40 @@ def interpret_call(*args, kernel, out_shape, grid, num_warps=None, num_stages=No
     return result[0] if single else result
 
 
-def _loop_bounds_as_ints(monkeypatch):
-    """Triton 3.6's interpreter turns a tensor loop bound into an int with int(array of shape (1,)),
-    which NumPy >= 2.3 refuses; the kernels loop over data-dependent ranges, so read element 0."""
-    from triton.runtime import interpreter
-
-    original = interpreter._patch_lang_tensor
+def _loop_bounds_as_ints(original):
+    """Triton 3.6's interpreter turns a tensor loop bound into an int with int(array of shape (1,)), which
+    NumPy >= 2.3 refuses; the kernels loop over data-dependent ranges, so read element 0. Wraps the
+    interpreter's `_patch_lang_tensor` (`original`)."""
 
     def patch(tensor, scope):
         original(tensor, scope)
         scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
 
-    monkeypatch.setattr(interpreter, "_patch_lang_tensor", patch)
+    return patch
 
 
-def install(monkeypatch):
-    """Routes implementation="triton" to the interpreted kernels for one test (a pytest monkeypatch).
+@contextlib.contextmanager
+def interpreted():
+    """While active, implementation="triton" runs nsa's Triton kernels in Triton's interpreter (any
+    platform; implementation=None still picks what the platform runs). TRITON_INTERPRET=1 must be set
+    before triton is first imported; a RuntimeError says so otherwise."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("interpreted(): set the environment variable TRITON_INTERPRET=1 before triton is first "
+                           f"imported (it is {os.environ.get('TRITON_INTERPRET')!r})")
+    from triton.runtime import interpreter
 
-    TRITON_INTERPRET=1 must already be set when nsa.triton is first imported (tests/conftest.py)."""
-    assert os.environ.get("TRITON_INTERPRET") == "1", "set TRITON_INTERPRET=1 before nsa.triton is imported"
     from nsa import _dispatch
     from nsa.triton import _launch
 
-    _loop_bounds_as_ints(monkeypatch)
-
-    monkeypatch.setattr(_launch, "_call", interpret_call)
-    real = _dispatch.import_error
-    monkeypatch.setattr(_dispatch, "import_error", lambda family: None if family == "triton" else real(family))
+    real_error = _dispatch.import_error
+    patches = [(_launch, "_call", interpret_call),
+               (_dispatch, "import_error", lambda family: None if family == "triton" else real_error(family)),
+               (interpreter, "_patch_lang_tensor", _loop_bounds_as_ints(interpreter._patch_lang_tensor))]
+    saved = [(module, name, getattr(module, name)) for module, name, _ in patches]
+    for module, name, value in patches:
+        setattr(module, name, value)
+    try:
+        yield
+    finally:
+        for module, name, value in saved:
+            setattr(module, name, value)
