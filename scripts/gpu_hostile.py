@@ -4,8 +4,10 @@
         compute-sanitizer --tool memcheck --error-exitcode 99 python3 scripts/gpu_hostile.py
 
 (`scripts/gpu.sh sanitize` does that, with --quick: float32 only, fewer cases, and only nsa's kernels
-instrumented; --cache runs only the KV-cache cases; XLA's compiles of the reference crawl under the
-sanitizer). The platform allocator gives each buffer its own allocation, so a read past an array is a memcheck error, not a read of its neighbour. The cases: block indices of -1,
+instrumented; --cache runs only the KV-cache cases; XLA's GPU compiles crawl under the sanitizer, so it
+first runs once without it to fill the compilation caches, and the reference runs on the CPU). The platform
+allocator gives each buffer its own allocation, so a read past an array is a memcheck error, not a read of
+its neighbour. The cases: block indices of -1,
 past t // block_size, 2^30 and -2^31, repeated, with counts from 0 to past S; odd groups (G = 3, 5),
 Dv != Dk, T not a multiple of the block, packed sequences with empty ones (concrete and traced
 cu_seqlens), a traced cu_seqlens that asks for more compressed rows than k_cmp holds, k_cmp of no
