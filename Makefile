@@ -1,4 +1,4 @@
-# make demo | make test | make venv | make clean
+# make demo | make test | make notebooks | make venv | make clean
 #
 # Everything runs in a virtual environment built from setup.cfg: `make demo` installs nsa and what the
 # demo needs (the `demo` extra: matplotlib); `make test` adds the test extras (pytest, and Triton for
@@ -17,7 +17,7 @@ PYTEST_ARGS ?=
 # the tests `make test` runs (pytest -m), and its worker processes (pytest-xdist; each core its own)
 MARKERS ?= not gpu
 WORKERS ?= auto
-TEST_EXTRAS := test demo
+TEST_EXTRAS := test demo notebooks
 
 PY := $(VENV)/bin/python
 # The venv with nsa alone, and the settings it was built with: rebuilt (and its extras with it) when
@@ -25,7 +25,7 @@ PY := $(VENV)/bin/python
 BASE := $(VENV)/.nsa-installed
 SETTINGS := python=$(PYTHON) jax=$(JAX_SPEC)
 
-.PHONY: venv demo test clean FORCE
+.PHONY: venv demo test notebooks clean FORCE
 
 venv: $(TEST_EXTRAS:%=$(VENV)/.nsa-extra-%)
 
@@ -49,6 +49,10 @@ demo: $(VENV)/.nsa-extra-demo
 
 test: venv
 	$(PY) -m pytest -q -m "$(MARKERS)" -n $(WORKERS) --maxprocesses=4 --dist worksteal $(PYTEST_ARGS)
+
+# re-executes every notebook in place, outputs and all (what is committed)
+notebooks: $(VENV)/.nsa-extra-notebooks
+	$(PY) scripts/notebooks.py notebooks/*.ipynb
 
 clean:
 	rm -rf $(sort $(VENV) .venv) .venv-* build dist *.egg-info .pytest_cache demo_selection.png
