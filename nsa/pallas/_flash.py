@@ -11,6 +11,10 @@ sits at key row p = kv_lens[b] - T + t, and k holds NK >= T rows, those past the
 when loaded, in every kernel: a probability of 0 times a NaN key or value would still reach a result.
 
 `attend` is the forward, `attend_backward` the backward (dq, dk, dv; the lse cotangent folds into delta).
+With per-row ranges (a KV cache: a decode step's one or few queries per sequence) both first pack the G
+query heads of each KV head as G consecutive rows of one head (`_packs`): the grid then has H heads, a
+query tile holds the group's rows of BQ / G tokens, and each KV head's keys are read once per tile
+instead of once per query head (G times); o, lse and the gradients are unpacked after.
 
 Layouts. The kernel reads q as a [B, T, HQ * Dp] view and k, v as [B, NK, H * Dp] ones (Dp = the head dim
 padded to a multiple of 128 lanes inside the op: no copy when it already is one, as at Dk = Dv = 128), so a
@@ -309,6 +313,29 @@ def _query_grid(kernel, q, k, v, lay, extra, outputs, scratch, *, scale, key_spa
       *[x for x, _ in extra])
 
 
+def _packed(x, G):
+    """[B, T, H * G, ...] -> [B, T * G, H, ...]: the G query heads of each KV head as G consecutive rows of
+    one head (row t * G + g is token t, head h * G + g)."""
+    B, T, HQ = x.shape[:3]
+    x = x.reshape((B, T, HQ // G, G) + x.shape[3:])
+    return jnp.swapaxes(x, 2, 3).reshape((B, T * G, HQ // G) + x.shape[4:])
+
+
+def _unpacked(x, G):
+    """`_packed`'s inverse: [B, T * G, H, ...] -> [B, T, H * G, ...]."""
+    B, TG, H = x.shape[:3]
+    x = x.reshape((B, TG // G, G, H) + x.shape[3:])
+    return jnp.swapaxes(x, 2, 3).reshape((B, TG // G, H * G) + x.shape[4:])
+
+
+def _packs(q, k, lo):
+    """G when the query heads of a KV head are packed as rows (`_packed`): with per-row ranges (a KV cache:
+    few queries per sequence, where one query tile per head would hold a row or two and each of the G heads
+    would read its KV head's keys again), else 1."""
+    G = q.shape[2] // k.shape[2]
+    return G if lo.ndim == 2 and G > 1 else 1
+
+
 def attend(q, k, v, lo, hi, *, scale, key_span, interpret=False, config=None, name="flash"):
     """o [B, T, HQ, Dv] (q's dtype) and lse [B, T, HQ] float32 of query t over key rows [lo[t], hi[t]].
 
@@ -316,8 +343,19 @@ def attend(q, k, v, lo, hi, *, scale, key_span, interpret=False, config=None, na
     (per batch row), non-decreasing in t. key_span (static) bounds the key rows one tile of BQ queries can
     see: it sets the steps of the grid. interpret: a pltpu.InterpretParams to run in Pallas's TPU interpret
     mode (on any platform), or False. config: the tiles (None: Config()). name: the branch, which names the
-    kernel (`{name}_forward`).
+    kernel (`{name}_forward`). With per-row ranges the G query heads of a KV head run as the rows of one
+    head (`_packs`): a tile of BQ rows then spans BQ / G tokens, within key_span.
     """
+    G = _packs(q, k, lo)
+    if G > 1:
+        rows = lambda x: jnp.repeat(x, G, axis=-1)
+        o, lse = _attend(_packed(q, G), k, v, rows(lo), rows(hi), scale=scale, key_span=key_span,
+                         interpret=interpret, config=config, name=name)
+        return _unpacked(o, G), _unpacked(lse, G)
+    return _attend(q, k, v, lo, hi, scale=scale, key_span=key_span, interpret=interpret, config=config, name=name)
+
+
+def _attend(q, k, v, lo, hi, *, scale, key_span, interpret, config, name):
     config = config or Config()
     B, T, HQ, _ = q.shape
     dv = v.shape[3]
@@ -338,8 +376,23 @@ def attend_backward(q, k, v, lo, hi, o, lse, do, dlse=None, *, scale, key_span, 
     """(dq, dk, dv) of `attend`, in q's, k's and v's dtypes; dlse [B, T, HQ] is lse's cotangent or None.
 
     key_span as for `attend`; query_span (static) bounds how many queries see one key row: it sets the
-    steps of the dk/dv grid. The kernels are named `{name}_dq` and `{name}_dkdv`.
+    steps of the dk/dv grid. The kernels are named `{name}_dq` and `{name}_dkdv`. Packed as `attend` is
+    (then G times as many rows see one key row).
     """
+    G = _packs(q, k, lo)
+    if G > 1:
+        rows = lambda x: jnp.repeat(x, G, axis=-1)
+        dq, dk, dv = _attend_backward(
+            _packed(q, G), k, v, rows(lo), rows(hi), _packed(o, G), _packed(lse, G), _packed(do, G),
+            None if dlse is None else _packed(dlse, G), scale=scale, key_span=key_span, query_span=query_span * G,
+            interpret=interpret, config=config, name=name)
+        return _unpacked(dq, G), dk, dv
+    return _attend_backward(q, k, v, lo, hi, o, lse, do, dlse, scale=scale, key_span=key_span,
+                            query_span=query_span, interpret=interpret, config=config, name=name)
+
+
+def _attend_backward(q, k, v, lo, hi, o, lse, do, dlse, *, scale, key_span, query_span, interpret, config,
+                     name):
     config = config or Config()
     B, T, HQ, dk_dim = q.shape
     NK, H, dv_dim = k.shape[1], k.shape[2], v.shape[3]
