@@ -31,8 +31,9 @@ Layouts (all built in XLA around the kernels; D padded to Dp, a multiple of 128 
   or past every query of the tile, are zeroed (`_block`). With a KV cache whose TK rows outnumber the
   NT * U * BR rows the tiles' unions can name (a decode step: 1 tile, U = T * S), the forward's k and v
   are instead those rows gathered from the cache, [B, H, NT * U * BR, Dp] (`_gathered_rows`: O(T * S *
-  block_size) per KV head, never a transpose of the cache), block u of tile i at source row (i * U + u) * BR. BK makes every logits tile [R, BK] and every transpose in the
-  dk/dv kernel (R and BK multiples of 128) lane-aligned: Mosaic has rejected matmuls with fewer than 128
+  block_size) per KV head, never a transpose of the cache), block u of tile i at source row
+  (i * U + u) * BR. BK makes every logits tile [R, BK] and every transpose in the dk/dv kernel (R and BK
+  multiples of 128) lane-aligned: Mosaic has rejected matmuls with fewer than 128
   result lanes and padded transposes (jax issues 18388, 18370), and the MXU is 128 wide anyway.
 
 Forward (`_fwd_kernel`), grid (B, H, NT), all parallel. A step owns a tile: it loads q (G, TB, Dkp) and
