@@ -5,12 +5,13 @@ arrays and integer arrays alike, the first one the op's main floating input, q o
 `static` configuration (a tuple of (name, value) pairs). Forward and backward each go through `_choose`:
 
 - implementation="xla": the reference (nsa.reference);
-- implementation="triton" / "pallas": that kernel (Pallas: Mosaic on a TPU, its TPU interpret mode on
-  every other platform), or a ValueError (it does not import here, or has no
-  kernel for the op) or TypeError (it has no kernel for the dtype) that says why;
+- implementation="triton" / "pallas": that kernel (Pallas: Mosaic TPU on a TPU, Mosaic GPU on a CUDA GPU,
+  its TPU interpret mode on every other platform: nsa.pallas.runner), or a ValueError (it does not import
+  here, or has no kernel for the op) or TypeError (it has no kernel for the dtype) that says why;
 - implementation=None: `jax.lax.platform_dependent` between the kernels that can run the op on its
-  dtype (Triton on cuda, Pallas on tpu) and the reference everywhere else. When jax-triton does not
-  import on a machine with a CUDA GPU, the reference runs there and a RuntimeWarning says so, once.
+  dtype and the reference everywhere else: Pallas on tpu; on cuda, per op, the family of CUDA_PREFERENCE
+  that comes first and can run it (Triton needs jax-triton, Mosaic GPU jax >= 0.11 and 16-bit inputs).
+  When neither can on a machine with a CUDA GPU, the reference runs there and a RuntimeWarning says so, once.
 
 platform_dependent traces every branch, so a Triton branch is only built when jax_triton imports (it
 does not on a CPU-only jaxlib). `implementations()` tells which code implementation=None runs.
@@ -25,8 +26,11 @@ from jax import lax
 
 from nsa import reference
 
-# kernel family -> the platform (as platform_dependent names it) where implementation=None runs it
-_PLATFORMS = {"triton": "cuda", "pallas": "tpu"}
+# platform (as platform_dependent names it) -> the kernel families implementation=None may run there, per op, in
+# the order it prefers them. On cuda, the faster one as measured on the H200 (benchmarks/results/gpu-pallas.json).
+CUDA_PREFERENCE = {"compressed": ("triton", "pallas"), "select": ("triton", "pallas"),
+                   "selected": ("triton", "pallas"), "window": ("triton", "pallas")}
+_FAMILIES = {"tpu": lambda op: ("pallas",), "cuda": lambda op: CUDA_PREFERENCE.get(op, ("triton", "pallas"))}
 _INSTALL = {"triton": "pip install 'nsa[cuda]' (jax-triton 0.3.1, triton 3.6.0 and jax's CUDA 13 wheels)"}
 # the public name of each op
 PUBLIC_NAMES = {"compress": "compress", "compressed": "compressed_attention", "select": "select_blocks",
@@ -71,19 +75,27 @@ def _why_not(op, name, dtype):
     return None
 
 
-def _kernel(op, phase, name, dtype, explicit):
-    """`phase` (0 forward, 1 backward) of op's kernel in family `name`, for inputs of `dtype`; raises
-    `_why_not`'s error when it cannot run: an explicitly requested kernel never falls back to the
-    reference. Pallas kernels run Mosaic on a TPU and, when `explicit`, interpret mode elsewhere."""
+def _explicit_kernel(op, phase, name, dtype):
+    """`phase` (0 forward, 1 backward) of op's kernel in family `name`, for inputs of `dtype`, as an explicit
+    implementation=name runs it; raises `_why_not`'s error when it cannot run: an explicitly requested kernel
+    never falls back to the reference. Pallas runs nsa.pallas.runner (Mosaic TPU, Mosaic GPU, or interpret
+    mode elsewhere)."""
     why = _why_not(op, name, dtype)
     if why is not None:
         error, message = why
         raise error(message)
-    kernel = _family(name)[0][op][phase]
     if name == "pallas":
         from nsa import pallas
-        return pallas.runner(kernel, everywhere=explicit)
-    return kernel
+        return pallas.runner(op, phase, dtype)
+    return _family(name)[0][op][phase]
+
+
+def _platform_kernel(op, phase, name, platform):
+    """`phase` of op's compiled kernel in family `name` on `platform` (only where `_runnable`)."""
+    if name == "pallas":
+        from nsa import pallas
+        return pallas.kernel(op, phase, platform)
+    return _family(name)[0][op][phase]
 
 
 @functools.cache
@@ -103,9 +115,20 @@ def _warn_once(message):
         warnings.warn(message, RuntimeWarning, stacklevel=2)
 
 
-def _runnable(op, name, dtype):
-    """Whether implementation=None can run family `name`'s kernel of op on dtype in this process."""
-    return _why_not(op, name, dtype) is None
+def _runnable(op, name, dtype, platform):
+    """Whether implementation=None can run family `name`'s kernel of op on dtype on `platform` in this process."""
+    if _why_not(op, name, dtype) is not None:
+        return False
+    if name == "pallas" and platform == "cuda":
+        from nsa import pallas
+        return pallas.gpu_unavailable(op, 0, dtype) is None
+    return True
+
+
+def _default_family(op, dtype, platform):
+    """The kernel family implementation=None runs op on dtype with on `platform`, or None (the reference)."""
+    families = _FAMILIES.get(platform, lambda op: ())(op)
+    return next((name for name in families if _runnable(op, name, dtype, platform)), None)
 
 
 def implementations(platform=None, dtype=jnp.bfloat16):
@@ -117,11 +140,7 @@ def implementations(platform=None, dtype=jnp.bfloat16):
     platform = jax.default_backend() if platform is None else platform
     if platform == "gpu":  # jax's name for both CUDA and ROCm
         platform = "cuda" if _has_cuda_gpu() or jax.default_backend() != "gpu" else "rocm"
-    chosen = {}
-    for op in reference.OPS:
-        names = [n for n, p in _PLATFORMS.items() if p == platform and _runnable(op, n, dtype)]
-        chosen[PUBLIC_NAMES[op]] = names[0] if names else "xla"
-    return chosen
+    return {PUBLIC_NAMES[op]: _default_family(op, dtype, platform) or "xla" for op in reference.OPS}
 
 
 def _mapped_over_vmap(fn):
@@ -156,14 +175,18 @@ def _choose(op, phase, implementation, dtype, static):
     if implementation == "xla":
         return ref
     if implementation is not None:
-        return _mapped_over_vmap(functools.partial(_kernel(op, phase, implementation, dtype, True), **static))
+        return _mapped_over_vmap(functools.partial(_explicit_kernel(op, phase, implementation, dtype), **static))
     kernels = {}
-    for name, platform in _PLATFORMS.items():
-        if _runnable(op, name, dtype):
-            kernels[platform] = _mapped_over_vmap(functools.partial(_kernel(op, phase, name, dtype, False), **static))
-        elif import_error(name) is not None and platform == "cuda" and _has_cuda_gpu():
-            _warn_once(f"nsa runs its XLA reference on the GPU, more than 10x slower than its kernels: "
-                       f"{import_error(name)}. nsa.implementations() tells what runs where.")
+    for platform in _FAMILIES:
+        name = _default_family(op, dtype, platform)
+        if name is not None:
+            kernels[platform] = _mapped_over_vmap(functools.partial(_platform_kernel(op, phase, name, platform),
+                                                                    **static))
+        elif platform == "cuda" and op in _family("pallas")[0] and import_error("triton") is not None and \
+                _has_cuda_gpu():  # an op with kernels elsewhere (compress has none: XLA is its implementation)
+            _warn_once(f"nsa runs its XLA reference on the GPU for {jnp.dtype(dtype).name} inputs, more than 10x "
+                       f"slower than its kernels: {_cuda_reasons(op, dtype)}. nsa.implementations() tells what runs "
+                       f"where.")
     if not kernels:
         return ref
     return lambda *args: lax.platform_dependent(*args, default=ref, **kernels)
@@ -201,11 +224,19 @@ def _apply_bwd(op, implementation, dtype, static, residuals, cotangents):
 _apply.defvjp(_apply_fwd, _apply_bwd)
 
 
+def _cuda_reasons(op, dtype):
+    """Why no kernel family can run op on dtype on a CUDA GPU here (a sentence per family)."""
+    from nsa import pallas
+
+    triton = import_error("triton") or (_why_not(op, "triton", dtype) or (None, "it cannot run it"))[1]
+    return f"Triton: {triton}; Mosaic GPU: {pallas.gpu_unavailable(op, 0, dtype)}"
+
+
 def _fuses_decode(implementation, q, k):
     """Whether nsa.attention's decode step on q [B, TQ, HQ, Dk] and the cache k may run Triton's fused
     kernels: implementation None or 'triton', Triton runnable here on q's dtype, and few queries
     (nsa.triton.decode.applies)."""
-    if implementation not in (None, "triton") or not _runnable("selected", "triton", q.dtype):
+    if implementation not in (None, "triton") or not _runnable("selected", "triton", q.dtype, "cuda"):
         return False
     from nsa.triton import decode
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Everything nsa runs on the GPU, in one call: the gpu-marked tests, then the benchmark.
-#   scripts/gpu.sh [tests|bench|decode|ops|trace|sanitize|all] [extra benchmark args...]
+#   scripts/gpu.sh [tests|bench|pallas|decode|ops|trace|sanitize|all] [extra benchmark args...]
+# (pallas: scripts/pallas_gpu_check.py, the Mosaic GPU kernels op by op; its args name the ops)
 # (decode: benchmarks/decode.py, one decode step over a KV cache, with its own args;
 #  ops: benchmarks/ops.py, the time of each op of the pipeline, with its own args, e.g. --sweep;
 #  trace: benchmarks/trace.py, the device time of each op kernel by kernel;
@@ -48,6 +49,12 @@ fi
 if [[ $what == bench || $what == all ]]; then
     python3 benchmarks/gpu.py --out "$out" "$@" 2>&1 | tee "$out/bench.log" | grep -v '^{'
     [[ ${PIPESTATUS[0]} == 0 ]] || status=1
+fi
+if [[ $what == pallas ]]; then  # the Mosaic GPU kernels' quick checks, each op in its own process
+    for op in ${@:-window compressed selected select attention time}; do
+        timeout 400 python3 scripts/pallas_gpu_check.py "$op" > "$out/pallas-$op.log" 2>&1 || status=1
+        grep -E "^(ok|FAIL|ERR|T=|     File)" "$out/pallas-$op.log" | cut -c1-400
+    done
 fi
 if [[ $what == decode ]]; then
     python3 benchmarks/decode.py --out "$out" "$@" 2>&1 | tee "$out/decode.log" | grep -v '^{'

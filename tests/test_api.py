@@ -14,7 +14,7 @@ import pytest
 from absl.testing import parameterized
 
 import nsa
-from nsa import _dispatch
+from nsa import _dispatch, pallas
 from nsa._varlen import made_valid
 from tests import oracle
 from tests.base import TOLERANCE, Inputs, assert_close, gradient_scales
@@ -226,7 +226,10 @@ def test_default_on_a_gpu_without_jax_triton_warns_once(without_jax_triton, monk
     assert "XLA reference on the GPU" in messages[0] and "pip install 'nsa[cuda]'" in messages[0]
     want = nsa.attention(x.q, x.k, x.v, block_counts=2, block_size=BS, window_size=5, implementation="xla")
     np.testing.assert_array_equal(np.asarray(o), np.asarray(want))
-    assert set(nsa.implementations("gpu").values()) == {"xla"}
+    assert set(nsa.implementations("gpu", dtype=jnp.float32).values()) == {"xla"}
+    # 16-bit inputs run the Mosaic GPU kernels where jax lowers them (tests/test_pallas_gpu_export.py)
+    mosaic = pallas.gpu_unavailable("selected", 0, jnp.bfloat16) is None
+    assert nsa.implementations("gpu")["selected_attention"] == ("pallas" if mosaic else "xla")
 
 
 def test_no_warning_without_a_gpu(without_jax_triton, monkeypatch):

@@ -1,21 +1,29 @@
-"""Pallas kernels for TPUs (Mosaic TPU), and Pallas's TPU interpret mode everywhere else.
+"""Pallas kernels: Mosaic TPU on TPUs, Mosaic GPU on NVIDIA GPUs (nsa/pallas/gpu), and Pallas's TPU interpret
+mode everywhere else.
 
-KERNELS maps an op name of nsa.reference.OPS to its (forward, backward) kernels, with the reference's
-signatures and residuals plus the keyword `interpret`; DTYPES are the input dtypes they take. An op
-missing here runs the reference on every platform.
+KERNELS maps an op name of nsa.reference.OPS to its (forward, backward) TPU kernels, with the reference's
+signatures and residuals plus the keyword `interpret`; DTYPES are the input dtypes they take. nsa.pallas.gpu
+has the same table for its Mosaic GPU kernels (jax >= 0.11; bfloat16 and float16). An op missing here runs
+the reference on every platform.
 
-`runner(kernel, everywhere)` binds `interpret`: on a TPU the Mosaic kernel; with everywhere=True (an
-explicit implementation="pallas") the same kernel in Pallas's TPU interpret mode on any other platform,
-chosen by `jax.lax.platform_dependent` when the program is lowered (never by jax.default_backend(), so a
-program exported for TPU from a CPU machine holds the Mosaic kernels). Interpret mode runs the kernel's
-every grid step as plain JAX on the host: exact, slow, and a way to step through a kernel on a laptop.
+`kernel(op, phase, platform)` is the compiled kernel of one platform ('tpu' or 'cuda'); `runner(op, phase,
+dtype)` is what an explicit implementation="pallas" runs: `jax.lax.platform_dependent` between the Mosaic TPU
+kernel on a TPU, the Mosaic GPU kernel on a CUDA GPU, and the TPU kernel in interpret mode on every other
+platform, chosen when the program is lowered (never by jax.default_backend(), so a program exported for TPU
+or CUDA from a CPU machine holds the Mosaic kernels). Where the GPU kernels cannot run the op (an older jax, a
+float32 input), lowering for CUDA raises and says why: an explicitly requested kernel never falls back.
+Interpret mode runs the kernel's every grid step as plain JAX on the host: exact, slow, and a way to step
+through a kernel on a laptop.
 """
 
 import functools
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental.pallas import tpu as pltpu
+from jax.extend import core as jex_core
+from jax.interpreters import mlir
 
 from nsa.pallas import compressed, select, selected, window
 
@@ -31,16 +39,87 @@ KERNELS = {
 # The interpret-mode settings off TPU (the tests turn race detection on).
 INTERPRET = {"detect_races": False}
 
+MOSAIC_GPU_JAX = (0, 11)  # the first jax whose Mosaic GPU lowers these kernels (plgpu.kernel, for CUDA)
 
-def runner(kernel, everywhere):
-    """kernel(*args, **static) with `interpret` bound: Mosaic on a TPU; with `everywhere`, interpret mode
-    on every other platform (else the function is only valid on a TPU)."""
-    mosaic = functools.partial(kernel, interpret=False)
-    if not everywhere:
-        return mosaic
+
+@functools.cache
+def gpu_family():
+    """(KERNELS, DTYPES) of nsa.pallas.gpu, or a sentence saying why it cannot run in this process."""
+    if jax.__version_info__[:2] < MOSAIC_GPU_JAX:
+        return (f"its Mosaic GPU kernels need jax >= {'.'.join(map(str, MOSAIC_GPU_JAX))}, this is jax "
+                f"{jax.__version__}")
+    from nsa.pallas import gpu
+
+    return gpu.KERNELS, gpu.DTYPES
+
+
+def gpu_unavailable(op, phase, dtype):
+    """Why nsa.pallas.gpu cannot run `phase` of op on `dtype` inputs (a sentence), or None."""
+    family = gpu_family()
+    if isinstance(family, str):
+        return family
+    table, dtypes = family
+    if table.get(op, (None, None))[phase] is None:
+        return "it has no Mosaic GPU kernel for it yet"
+    if jnp.dtype(dtype) not in dtypes:
+        return (f"its Mosaic GPU kernels take {', '.join(jnp.dtype(d).name for d in dtypes)} (wgmma on float32 is "
+                f"TF32, too coarse for float32 results), not {jnp.dtype(dtype).name}")
+    return None
+
+
+def kernel(op, phase, platform):
+    """`phase` (0 forward, 1 backward) of op's compiled kernel on `platform`: 'tpu' (Mosaic TPU) or 'cuda'
+    (Mosaic GPU; only where gpu_unavailable is None)."""
+    if platform == "cuda":
+        return gpu_family()[0][op][phase]
+    return functools.partial(KERNELS[op][phase], interpret=False)
+
+
+def runner(op, phase, dtype):
+    """What implementation="pallas" runs for `phase` of op on `dtype` inputs (see the module docstring)."""
+    tpu = kernel(op, phase, "tpu")
+    why_not = gpu_unavailable(op, phase, dtype)
+    cuda = kernel(op, phase, "cuda") if why_not is None else None
 
     def run(*args, **static):
-        interpreted = functools.partial(kernel, interpret=pltpu.InterpretParams(**INTERPRET), **static)
-        return lax.platform_dependent(*args, tpu=functools.partial(mosaic, **static), default=interpreted)
+        interpreted = functools.partial(KERNELS[op][phase], interpret=pltpu.InterpretParams(**INTERPRET), **static)
+        gpu = (functools.partial(cuda, **static) if cuda is not None
+               else functools.partial(_refused, f"implementation='pallas' cannot run this op on a CUDA GPU: {why_not}; "
+                                                f"use implementation='triton', 'xla' or None", interpreted))
+        if jax.default_backend() != "cpu":  # see _INTERPRETED_ONLY_ON_CPU
+            interpreted = functools.partial(_refused, _INTERPRETED_ONLY_ON_CPU, interpreted)
+        return lax.platform_dependent(*args, tpu=functools.partial(tpu, **static), cuda=gpu, default=interpreted)
 
     return run
+
+
+# Interpret mode's host callbacks are ordered effects, and jax's lowering of platform_dependent (a cond) drops the
+# branches of other platforms but still declares their effects (jax 0.11.2: "Lowering rule for `cond` returns
+# incorrect set of output tokens", seen on the H200 when the Mosaic GPU branch was kept). So the interpret branch
+# is traced only where jax's default backend is the CPU (where it is the one that runs, and where programs are
+# exported for TPU or CUDA with the Mosaic kernels); on a TPU or GPU machine the other platforms' branch refuses.
+_INTERPRETED_ONLY_ON_CPU = ("implementation='pallas' runs Mosaic on a TPU or a CUDA GPU, and its TPU interpret mode "
+                            "only on a machine whose default backend is the CPU")
+
+
+# A primitive whose lowering raises: the CUDA branch of an explicit implementation="pallas" that cannot run there.
+_refusal = jex_core.Primitive("nsa_refused")
+_refusal.multiple_results = True
+_refusal.def_abstract_eval(lambda *args, message, outputs: outputs)
+
+
+def _refuse(ctx, *args, message, outputs):
+    raise TypeError(message)
+
+
+mlir.register_lowering(_refusal, _refuse)
+
+
+def _refused(message, like, *args):
+    """The results `like(*args)` would have, from a computation that cannot be lowered: it raises TypeError(message)
+    when a program that runs it is compiled."""
+    shapes = jax.eval_shape(like, *args)
+    leaves, tree = jax.tree_util.tree_flatten(shapes)
+    outs = _refusal.bind(*jax.tree_util.tree_leaves(args), message=message,
+                         outputs=tuple(jax.core.ShapedArray(x.shape, x.dtype) for x in leaves))
+    return jax.tree_util.tree_unflatten(tree, outs)

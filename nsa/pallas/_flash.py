@@ -336,6 +336,29 @@ def _packs(q, k, lo):
     return G if lo.ndim == 2 and G > 1 else 1
 
 
+def packed_attend(attend_fn, q, k, v, lo, hi):
+    """attend_fn(q, k, v, lo, hi) -> (o, lse), run on the packed heads when `_packs` (then unpacked)."""
+    G = _packs(q, k, lo)
+    if G == 1:
+        return attend_fn(q, k, v, lo, hi)
+    rows = lambda x: jnp.repeat(x, G, axis=-1)
+    o, lse = attend_fn(_packed(q, G), k, v, rows(lo), rows(hi))
+    return _unpacked(o, G), _unpacked(lse, G)
+
+
+def packed_attend_backward(backward_fn, q, k, v, lo, hi, o, lse, do, dlse, query_span=None):
+    """backward_fn(q, k, v, lo, hi, o, lse, do, dlse[, query_span=...]) -> (dq, dk, dv), run on the packed heads
+    when `_packs` (then G times as many rows see one key row: query_span, when given, is scaled by G)."""
+    G = _packs(q, k, lo)
+    span = lambda g: {} if query_span is None else {"query_span": query_span * g}
+    if G == 1:
+        return backward_fn(q, k, v, lo, hi, o, lse, do, dlse, **span(1))
+    rows = lambda x: jnp.repeat(x, G, axis=-1)
+    dq, dk, dv = backward_fn(_packed(q, G), k, v, rows(lo), rows(hi), _packed(o, G), _packed(lse, G),
+                             _packed(do, G), None if dlse is None else _packed(dlse, G), **span(G))
+    return _unpacked(dq, G), dk, dv
+
+
 def attend(q, k, v, lo, hi, *, scale, key_span, interpret=False, config=None, name="flash"):
     """o [B, T, HQ, Dv] (q's dtype) and lse [B, T, HQ] float32 of query t over key rows [lo[t], hi[t]].
 
@@ -346,13 +369,8 @@ def attend(q, k, v, lo, hi, *, scale, key_span, interpret=False, config=None, na
     kernel (`{name}_forward`). With per-row ranges the G query heads of a KV head run as the rows of one
     head (`_packs`): a tile of BQ rows then spans BQ / G tokens, within key_span.
     """
-    G = _packs(q, k, lo)
-    if G > 1:
-        rows = lambda x: jnp.repeat(x, G, axis=-1)
-        o, lse = _attend(_packed(q, G), k, v, rows(lo), rows(hi), scale=scale, key_span=key_span,
-                         interpret=interpret, config=config, name=name)
-        return _unpacked(o, G), _unpacked(lse, G)
-    return _attend(q, k, v, lo, hi, scale=scale, key_span=key_span, interpret=interpret, config=config, name=name)
+    return packed_attend(functools.partial(_attend, scale=scale, key_span=key_span, interpret=interpret,
+                                           config=config, name=name), q, k, v, lo, hi)
 
 
 def _attend(q, k, v, lo, hi, *, scale, key_span, interpret, config, name):
@@ -379,16 +397,9 @@ def attend_backward(q, k, v, lo, hi, o, lse, do, dlse=None, *, scale, key_span, 
     steps of the dk/dv grid. The kernels are named `{name}_dq` and `{name}_dkdv`. Packed as `attend` is
     (then G times as many rows see one key row).
     """
-    G = _packs(q, k, lo)
-    if G > 1:
-        rows = lambda x: jnp.repeat(x, G, axis=-1)
-        dq, dk, dv = _attend_backward(
-            _packed(q, G), k, v, rows(lo), rows(hi), _packed(o, G), _packed(lse, G), _packed(do, G),
-            None if dlse is None else _packed(dlse, G), scale=scale, key_span=key_span, query_span=query_span * G,
-            interpret=interpret, config=config, name=name)
-        return _unpacked(dq, G), dk, dv
-    return _attend_backward(q, k, v, lo, hi, o, lse, do, dlse, scale=scale, key_span=key_span,
-                            query_span=query_span, interpret=interpret, config=config, name=name)
+    return packed_attend_backward(functools.partial(_attend_backward, scale=scale, key_span=key_span,
+                                                    interpret=interpret, config=config, name=name),
+                                  q, k, v, lo, hi, o, lse, do, dlse, query_span=query_span)
 
 
 def _attend_backward(q, k, v, lo, hi, o, lse, do, dlse, *, scale, key_span, query_span, interpret, config,
@@ -442,3 +453,14 @@ def _attend_backward(q, k, v, lo, hi, o, lse, do, dlse, *, scale, key_span, quer
     return (dq.reshape(B, lay.tp, HQ, lay.dkp)[:, :T, :, :dk_dim],
             dk.reshape(B, lay.nkv, H, lay.dkp)[:, :NK, :, :dk_dim],
             dv.reshape(B, lay.nkv, H, lay.dvp)[:, :NK, :, :dv_dim])
+
+
+def kernels(interpret=False, config=None, gpu=False):
+    """(attend, attend_backward) of a target: with `gpu` the Mosaic GPU kernels (nsa/pallas/gpu/_flash.py,
+    which take no interpret or config), else these Mosaic TPU ones with interpret and config bound."""
+    if gpu:
+        from nsa.pallas.gpu import _flash as gpu_flash  # it imports this module
+
+        return gpu_flash.attend, gpu_flash.attend_backward
+    return (functools.partial(attend, interpret=interpret, config=config),
+            functools.partial(attend_backward, interpret=interpret, config=config))

@@ -6,27 +6,28 @@ b) sees the compressed rows [cmp_start, cmp_start + (p + 1) // block_size) of k_
 of nsa.reference.compressed, the gradient also flows through lse. A tile of queries may see any of the NC
 rows (packed sequences, or a cache), and a row any of the T queries: the spans that size the kernels'
 grids. `interpret` (False: Mosaic, or a pltpu.InterpretParams) and `config` (a _flash.Config; None: its
-default) are passed to the kernels.
+default) are passed to the kernels; `gpu=True` runs the Mosaic GPU flash kernels instead (nsa/pallas/gpu/_flash.py).
 """
 
 from nsa._varlen import compressed_key_range
 from nsa.pallas import _flash
 
 
-def forward(q, k_cmp, v_cmp, cu_seqlens, kv_lens=None, *, block_size, scale, interpret=False, config=None):
+def forward(q, k_cmp, v_cmp, cu_seqlens, kv_lens=None, *, block_size, scale, interpret=False, config=None,
+            gpu=False):
     """Returns (o [B, T, HQ, Dv], lse [B, T, HQ] float32) and the residuals; kv_lens None or int32 [B]."""
     lo, hi = compressed_key_range(q.shape[1], k_cmp.shape[1], block_size, cu_seqlens, kv_lens)
-    o, lse = _flash.attend(q, k_cmp, v_cmp, lo, hi, scale=scale, key_span=k_cmp.shape[1], interpret=interpret,
-                           config=config, name="compressed")
+    attend, _ = _flash.kernels(interpret, config, gpu)
+    o, lse = attend(q, k_cmp, v_cmp, lo, hi, scale=scale, key_span=k_cmp.shape[1], name="compressed")
     return (o, lse), (q, k_cmp, v_cmp, cu_seqlens, kv_lens, o, lse)
 
 
-def backward(residuals, cotangents, *, block_size, scale, interpret=False, config=None):
+def backward(residuals, cotangents, *, block_size, scale, interpret=False, config=None, gpu=False):
     """Gradients (dq, dk_cmp, dv_cmp, None, None), including the path through lse."""
     q, k_cmp, v_cmp, cu_seqlens, kv_lens, o, lse = residuals
     do, dlse = cotangents
     lo, hi = compressed_key_range(q.shape[1], k_cmp.shape[1], block_size, cu_seqlens, kv_lens)
-    dq, dk, dv = _flash.attend_backward(q, k_cmp, v_cmp, lo, hi, o, lse, do, dlse, scale=scale,
-                                        key_span=k_cmp.shape[1], query_span=q.shape[1], interpret=interpret,
-                                        config=config, name="compressed")
+    _, attend_backward = _flash.kernels(interpret, config, gpu)
+    dq, dk, dv = attend_backward(q, k_cmp, v_cmp, lo, hi, o, lse, do, dlse, scale=scale, key_span=k_cmp.shape[1],
+                                 query_span=q.shape[1], name="compressed")
     return dq, dk, dv, None, None

@@ -8,7 +8,7 @@ longer than the L = T + W - 1 rows the T queries' windows span (a decode step, a
 first cut to those rows of each batch row (a gather of L rows per KV head: the kernels never see, and XLA
 never copies or relays out, the rest of the cache); the backward scatters dk and dv back. `interpret`
 (False: Mosaic, or a pltpu.InterpretParams) and `config` (a _flash.Config; None: its default) go to the
-kernels.
+kernels; `gpu=True` runs the Mosaic GPU flash kernels instead (nsa/pallas/gpu/_flash.py).
 """
 
 import functools
@@ -51,22 +51,23 @@ def _attended(q, k, v, cu_seqlens, kv_lens, window_size, config):
     return k, v, lo, hi, _spans(k.shape[1], window_size, config), start
 
 
-def forward(q, k, v, cu_seqlens, kv_lens=None, *, window_size, scale, interpret=False, config=None):
+def forward(q, k, v, cu_seqlens, kv_lens=None, *, window_size, scale, interpret=False, config=None, gpu=False):
     """Returns o [B, T, HQ, Dv] and the residuals (inputs, o, lse [B, T, HQ]); k, v [B, TK, H, D], kv_lens
     None (TK = T) or int32 [B]."""
     k_seen, v_seen, lo, hi, (key_span, _), _ = _attended(q, k, v, cu_seqlens, kv_lens, window_size, config)
-    o, lse = _flash.attend(q, k_seen, v_seen, lo, hi, scale=scale, key_span=key_span, interpret=interpret,
-                           config=config, name="window")
+    attend, _ = _flash.kernels(interpret, config, gpu)
+    o, lse = attend(q, k_seen, v_seen, lo, hi, scale=scale, key_span=key_span, name="window")
     return o, (q, k, v, cu_seqlens, kv_lens, o, lse)
 
 
-def backward(residuals, do, *, window_size, scale, interpret=False, config=None):
+def backward(residuals, do, *, window_size, scale, interpret=False, config=None, gpu=False):
     """Gradients (dq, dk, dv, None, None)."""
     q, k, v, cu_seqlens, kv_lens, o, lse = residuals
     k_seen, v_seen, lo, hi, (key_span, query_span), start = _attended(q, k, v, cu_seqlens, kv_lens, window_size,
                                                                       config)
-    dq, dk, dv = _flash.attend_backward(q, k_seen, v_seen, lo, hi, o, lse, do, scale=scale, key_span=key_span,
-                                        query_span=query_span, interpret=interpret, config=config, name="window")
+    _, attend_backward = _flash.kernels(interpret, config, gpu)
+    dq, dk, dv = attend_backward(q, k_seen, v_seen, lo, hi, o, lse, do, scale=scale, key_span=key_span,
+                                 query_span=query_span, name="window")
     if start is not None:  # the cut's transpose: dk, dv scattered back to the cache's rows
         uncut = lambda x, dx: jax.vjp(functools.partial(_cut, start=start, rows=dx.shape[1]), x)[1](dx)[0]
         dk, dv = uncut(k, dk), uncut(v, dv)

@@ -1,0 +1,322 @@
+"""Block selection (`select_blocks`) for NVIDIA GPUs (sm90, H100 / H200) as a Pallas Mosaic GPU kernel: the
+compressed-attention scores in the kernel, the top-k in XLA (not yet fused).
+
+The contract is nsa.reference.select's (nsa/pallas/select.py is the TPU version of the same op, with the
+details spelled out). Query t of KV head h, at in-sequence position p (t, or with a KV cache kv_lens[b] - T + t),
+sees the compressed rows first <= r < end = min(first + (p + 1) // block_size, NC) of k_cmp (first = its
+sequence's cmp_start, 0 with a cache); each of its G = HQ / H query heads takes the softmax
+p_g(r) = exp(scale * q_g . k_cmp[r] - lse_g) over them, and block c (row first + c) scores
+mean_g p_g(first + c) (0 for a row it does not see). Blocks 0, p // bs - 1 and p // bs are forced, blocks after
+p // bs are never candidates, the block_counts best are kept in rank order, ties to the lower block id, unused
+slots -1: that part is the reference's own `block_ranks` and `top_blocks`, run by XLA on the kernel's scores.
+
+Grid: (NT, B * H), one warpgroup (128 threads) per program. Tile: 64 rows, wgmma's M: TB = 64 // GR tokens
+x GR head slots (GR = G rounded up to a multiple of 8, G <= 64; row j * GR + g is token i * TB + j, head g;
+the 64 - TB * GR rows past them, when GR does not divide 64, are unused). Each program
+- copies its TB tokens' query heads with one TMA copy each, q[b, t, h] [GR, Dp] -> rows j * GR.. of the
+  SMEM tile [64, Dp] (a token past T copies token T - 1: it is never written out);
+- copies its rows' visible range (first, end) [2, 64] int32 and, when lse is given, its rows' lse [64]
+  float32 (TMA), read as per-row vectors of the wgmma layout;
+- walks the NCP / 64 chunks of BC = 64 compressed rows of k_cmp[b, :, h] (TMA, one chunk at a time):
+  s = q k^T [64, 64] (wgmma, float32 accumulation), then logits scale * s where the row sees the key and
+  -inf elsewhere (a jnp.where ahead of any other arithmetic: a cache's rows that no token sees may hold NaN,
+  and their column of s is dropped before it reaches a max, a sum or an exp);
+- without lse, a first walk folds each row's logits into its running max m and sum l (online softmax), and
+  p = exp(s - m) / l as the reference's softmax; with lse, p = exp(s - lse) as its `probabilities`;
+- stores p [64, 64] float32 to SMEM and sums each token's G head rows back from it, one row at a time in
+  float32 (exact adds, not a matmul: wgmma on float32 is TF32), divided by G: the token's score of each of
+  the chunk's 64 rows, [TB, 64], written to scores[b, h, i * TB : (i + 1) * TB, chunk] by TMA.
+
+Layouts. q [B, T, HQ, Dk] goes in as its [B, T, H, GR, Dp] view, padded in XLA (zero head slots, zero columns)
+only when GR != G or Dk is not a multiple of 64 (Dp = Dk rounded up to 64: the 128-byte swizzle of the SMEM
+operands); k_cmp as [B, NCP, H, Dp] (NCP = NC rounded up to 64; zero rows and columns, only where needed: a TMA
+copy into a tiled SMEM operand takes the array's rows in whole tiles of 8, and no chunk then reads past the
+array; the zero rows are no token's visible rows). Per tile row, int32 [R, NT, 2, 64] (R = B with kv_lens, else
+1): first and end (0, 0, no visible row, for padded head slots, tokens past T and unused rows: their
+probabilities are 0 and no token's score reads them); lse as [B, H, NT, 64] float32 (0 in those rows).
+
+Memory: the output scores [B, H, TP, NCP] float32 (TP = NT * TB) is B * H * TP * NCP * 4 bytes, about
+B * H * T * NC * 4: 16 MiB at the standard shape (B = 1, T = 8192, H = 4, bs = 64: NC = 128 rows). The XLA
+top-k then reads a [B, T, H, NC] transposed copy and builds the [B, T, H, NB] ranks (NB = cdiv(T, bs), or with
+kv_lens max(cdiv(T, bs), NC)): a few times that in all, growing as T^2 / bs (1 GiB of scores at T = 64k). The
+next step is a fused top-k, which would keep them on chip.
+
+SMEM per program: q [64, Dp] and one chunk of k_cmp [64, Dp] in the input dtype, p [64, 64] and the scores
+[TB, 64] float32, the row ranges and lse: about 50 KiB at Dp = 128. Every copy is waited for before its use (no
+pipelining yet: exactness first). Dtypes: bfloat16 and float16 (the wgmma operands; float32 would run as TF32).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from nsa._varlen import cdiv, tokens
+from nsa.reference.select import block_ranks, top_blocks
+
+ROWS = 64  # the tile: wgmma's M
+CHUNK = 64  # BC: compressed rows per step (wgmma's N)
+DTYPES = (jnp.bfloat16, jnp.float16)
+
+
+def _round_up(x, m):
+    return cdiv(x, m) * m
+
+
+def _head_slots(G):
+    """GR: the G query heads of a KV head rounded up to a multiple of 8 rows (TMA copies whole SMEM tiles)."""
+    return _round_up(G, 8)
+
+
+def _check(q, k_cmp, config):
+    B, T, HQ, Dk = q.shape
+    if k_cmp.ndim != 4 or k_cmp.shape[0] != B or k_cmp.shape[3] != Dk:
+        raise ValueError(f"k_cmp: expected [B={B}, NC, H, Dk={Dk}], got {k_cmp.shape}")
+    H = k_cmp.shape[2]
+    if H == 0 or HQ % H:
+        raise ValueError(f"k_cmp: its {H} KV heads must divide q's {HQ} query heads")
+    if HQ // H > ROWS:
+        raise ValueError(f"q: G = HQ / H = {HQ // H} query heads per KV head; the Mosaic GPU kernel takes at most "
+                         f"{ROWS} (one 64-row tile)")
+    for name, x in (("q", q), ("k_cmp", k_cmp)):
+        if x.dtype not in DTYPES:
+            raise TypeError(f"{name}: dtype {x.dtype} is not supported by the Mosaic GPU kernel (bfloat16 or "
+                            f"float16: wgmma on float32 runs as TF32)")
+    if k_cmp.dtype != q.dtype:
+        raise TypeError(f"k_cmp: dtype {k_cmp.dtype} differs from q's {q.dtype}")
+    if config is not None:
+        raise ValueError(f"config: the Mosaic GPU kernel has no tunable tile yet, expected None, got {config!r}")
+
+
+# ------------------------------------------------------------------------------------------ XLA side
+
+
+def _row_ranges(T, NC, G, block_size, cu_seqlens, kv_lens):
+    """int32 [R, NT, 2, 64]: per tile row (token j * GR + g) its visible compressed rows [first, end); 0, 0
+    (none) for head slots g >= G, tokens past T and the rows past TB * GR."""
+    GR = _head_slots(G)
+    TB = ROWS // GR
+    NT = cdiv(T, TB)
+    tok = tokens(T, block_size, cu_seqlens, kv_lens)
+    first = tok.cmp_start
+    end = jnp.minimum(first + (tok.pos + 1) // block_size, NC)
+    ranges = jnp.stack([first, end], axis=-1).astype(jnp.int32)  # [R, T, 2]
+    ranges = jnp.pad(ranges, [(0, 0), (0, NT * TB - T), (0, 0)])  # padded tokens: 0, 0
+    R = ranges.shape[0]
+    slots = jnp.arange(GR) < G
+    per_row = jnp.where(slots[None, None, :, None], ranges[:, :, None, :], 0)  # [R, NT * TB, GR, 2]
+    per_row = per_row.reshape(R, NT, TB * GR, 2)
+    per_row = jnp.pad(per_row, [(0, 0), (0, 0), (0, ROWS - TB * GR), (0, 0)])
+    return jnp.swapaxes(per_row, 2, 3)
+
+
+def _lse_rows(lse, H, G):
+    """lse [B, T, HQ] -> float32 [B, H, NT, 64] in the tile's rows (0 in the rows that are no query head's)."""
+    B, T, _ = lse.shape
+    GR = _head_slots(G)
+    TB = ROWS // GR
+    NT = cdiv(T, TB)
+    x = lse.astype(jnp.float32).reshape(B, T, H, G)
+    x = jnp.pad(x, [(0, 0), (0, NT * TB - T), (0, 0), (0, GR - G)])
+    x = jnp.transpose(x, (0, 2, 1, 3)).reshape(B, H, NT, TB * GR)
+    return jnp.pad(x, [(0, 0), (0, 0), (0, 0), (0, ROWS - TB * GR)])
+
+
+def _padded_inputs(q, k_cmp, H):
+    """q as [B, T, H, GR, Dp] and k_cmp as [B, NCP, H, Dp] (zero head slots, rows and columns, only where
+    needed: the chunks' TMA copies then never leave the array)."""
+    B, T, HQ, Dk = q.shape
+    NC = k_cmp.shape[1]
+    G = HQ // H
+    GR, Dp, NCP = _head_slots(G), _round_up(Dk, 64), _round_up(NC, CHUNK)
+    q5 = q.reshape(B, T, H, G, Dk)
+    if GR != G or Dp != Dk:
+        q5 = jnp.pad(q5, [(0, 0)] * 3 + [(0, GR - G), (0, Dp - Dk)])
+    if Dp != Dk or NCP != NC:
+        k_cmp = jnp.pad(k_cmp, [(0, 0), (0, NCP - NC), (0, 0), (0, Dp - Dk)])
+    return q5, k_cmp
+
+
+def num_blocks(T, NC, block_size, kv_lens):
+    """NB, the in-sequence blocks a token may have (as the reference): cdiv(T, bs), or with kv_lens (the queries
+    end longer sequences, which k_cmp covers) max(cdiv(T, bs), NC)."""
+    return cdiv(T, block_size) if kv_lens is None else max(cdiv(T, block_size), NC)
+
+
+def indices_from_scores(by_row, cu_seqlens, kv_lens=None, *, block_counts, block_size, num_blocks):
+    """block_indices int32 [B, T, H, block_counts] from the score of each row of k_cmp, by_row float32
+    [B, T, H, NC] (the mean over the G heads of p_g(r), 0 where the token does not see row r): in-sequence
+    block c is row first + c (rows past NC score 0), ranked and picked by the reference's `block_ranks` and
+    `top_blocks`."""
+    B, T, H, NC = by_row.shape
+    tok = tokens(T, block_size, cu_seqlens, kv_lens)
+    by_row = jnp.pad(by_row, [(0, 0)] * 3 + [(0, 1)])
+    rows = jnp.minimum(tok.cmp_start[:, :, None, None] + jnp.arange(num_blocks), NC)
+    by_block = jnp.take_along_axis(by_row, jnp.broadcast_to(rows, (B, T, H, num_blocks)), axis=-1)
+    return top_blocks(block_ranks(by_block, tok.pos, block_size=block_size), block_counts)
+
+
+# ------------------------------------------------------------------------------------------ kernel
+
+
+def _row_vector(ref):
+    """A [64] SMEM vector as one value per tile row (the wgmma accumulator's row layout)."""
+    return plgpu.load(ref, layout=plgpu.Layout.WGMMA.reduce(1))
+
+
+def _by_row(x):
+    """A per-row vector [64] broadcast over the chunk's columns: [64, BC]."""
+    return lax.broadcast_in_dim(x, (ROWS, CHUNK), [0])
+
+
+def _logits(q_smem, k_smem, k_ref, barrier, b, h, chunk, first, end, *, scale):
+    """The chunk's masked logits [64, BC] float32 (-inf where a row does not see the key) and the mask."""
+    x = pl.multiple_of(chunk * CHUNK, CHUNK)
+    plgpu.copy_gmem_to_smem(k_ref.at[b, pl.ds(x, CHUNK), h], k_smem, barrier)
+    plgpu.barrier_wait(barrier)
+
+    def qk(acc_ref):
+        plgpu.wgmma(acc_ref, q_smem, k_smem.transpose((1, 0)))
+        return acc_ref[...]
+
+    s = pl.run_scoped(qk, plgpu.ACC((ROWS, CHUNK), jnp.float32))
+    key = x + plgpu.broadcasted_iota(jnp.int32, (ROWS, CHUNK), 1, layout=plgpu.Layout.WGMMA)
+    visible = (key >= _by_row(first)) & (key < _by_row(end))
+    return jnp.where(visible, s * scale, -jnp.inf), visible
+
+
+def _online_softmax(logits, num_chunks):
+    """The first walk: each row's max m and sum l of exp(s - m) over all chunks (m = 0, l = 0 where a row
+    sees nothing)."""
+    def step(chunk, carry):
+        m, l = carry
+        s, _ = logits(chunk)
+        m_new = jnp.maximum(m, s.max(axis=1))
+        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows that saw nothing yet: no NaN
+        l = l * jnp.exp(m - m_use) + jnp.exp(s - _by_row(m_use)).sum(axis=1)
+        return m_new, l
+
+    row = lambda v: plgpu.layout_cast(jnp.full((ROWS,), v, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+    m, l = lax.fori_loop(0, num_chunks, step, (row(-jnp.inf), row(0.0)))
+    return jnp.where(m == -jnp.inf, 0.0, m), l
+
+
+def _token_scores(p_smem, out_smem, *, G, GR, TB):
+    """out_smem[j] = (sum over g < G of p_smem[j * GR + g]) / G: token j's score of the chunk's rows, summed in
+    float32 one head row at a time."""
+    for j in range(TB):
+        total = _row_vector(p_smem.at[j * GR])
+        for g in range(1, G):
+            total = total + _row_vector(p_smem.at[j * GR + g])
+        out_smem.at[j][...] = total / G
+
+
+def _kernel(*refs, H, G, TB, T, num_chunks, scale, has_lse, per_row):
+    """One program: token tile i of KV head h of batch row b (see the module docstring)."""
+    if has_lse:
+        q_ref, k_ref, ranges_ref, lse_ref, scores_ref, scratch = refs
+    else:
+        (q_ref, k_ref, ranges_ref, scores_ref, scratch), lse_ref = refs, None
+    q_smem, k_smem, ranges_smem, lse_smem, p_smem, out_smem, q_barrier, aux_barrier, k_barrier = scratch
+    GR = _head_slots(G)
+    i = lax.axis_index("tile")
+    bh = lax.axis_index("bh")
+    b, h = lax.div(bh, H), lax.rem(bh, H)
+
+    for j in range(TB):  # one copy per token; a token past T copies the last one (never written out)
+        t = jnp.minimum(i * TB + j, T - 1)
+        plgpu.copy_gmem_to_smem(q_ref.at[b, t, h], q_smem.at[pl.ds(j * GR, GR)], q_barrier)
+    plgpu.copy_gmem_to_smem(ranges_ref.at[b if per_row else 0, i], ranges_smem, aux_barrier)
+    if has_lse:
+        plgpu.copy_gmem_to_smem(lse_ref.at[b, h, i], lse_smem, aux_barrier)
+    plgpu.barrier_wait(q_barrier)
+    plgpu.barrier_wait(aux_barrier)
+    first, end = _row_vector(ranges_smem.at[0]), _row_vector(ranges_smem.at[1])
+    logits = functools.partial(_logits, q_smem, k_smem, k_ref, k_barrier, b, h, first=first, end=end,
+                               scale=scale)
+
+    if has_lse:
+        lse = _row_vector(lse_smem)
+        seen = lse > -jnp.inf
+        shift, norm = jnp.where(seen, lse, 0.0), None
+    else:
+        shift, norm = _online_softmax(logits, num_chunks)
+        seen = norm > 0
+        norm = jnp.where(seen, norm, 1.0)
+
+    @pl.loop(0, num_chunks)
+    def _score(chunk):
+        s, visible = logits(chunk)
+        p = jnp.exp(s - _by_row(shift))
+        if norm is not None:
+            p = p / _by_row(norm)
+        p_smem[...] = jnp.where(visible & _by_row(seen), p, 0.0)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last chunk's scores have left out_smem
+        _token_scores(p_smem, out_smem, G=G, GR=GR, TB=TB)
+        plgpu.commit_smem()
+        x = pl.multiple_of(chunk * CHUNK, CHUNK)
+        plgpu.copy_smem_to_gmem(out_smem, scores_ref.at[b, h, pl.ds(pl.multiple_of(i * TB, TB), TB),
+                                                        pl.ds(x, CHUNK)])
+
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _scratch(dtype, Dp, TB, has_lse):
+    swizzled = dict(transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
+    return (plgpu.SMEM((ROWS, Dp), dtype, **swizzled),  # q
+            plgpu.SMEM((CHUNK, Dp), dtype, **swizzled),  # k_cmp chunk
+            plgpu.SMEM((2, ROWS), jnp.int32),  # first, end per row
+            plgpu.SMEM((ROWS,), jnp.float32) if has_lse else None,
+            plgpu.SMEM((ROWS, CHUNK), jnp.float32),  # p
+            plgpu.SMEM((TB, CHUNK), jnp.float32),  # the tile's scores of one chunk
+            plgpu.Barrier(num_arrivals=TB),  # the TB copies of q
+            plgpu.Barrier(num_arrivals=2 if has_lse else 1),  # row ranges (and lse)
+            plgpu.Barrier())  # k_cmp
+
+
+def scores(q, k_cmp, lse, cu_seqlens, kv_lens=None, *, block_size, scale):
+    """The kernel: float32 [B, H, TP, NCP] (TP = T rounded up to TB tokens, NCP = NC rounded up to 64), the
+    score mean_g p_g(r) of row r of k_cmp for token t of KV head h at [b, h, t, r] (0 where not seen)."""
+    B, T, HQ, Dk = q.shape
+    NC, H = k_cmp.shape[1], k_cmp.shape[2]
+    G = HQ // H
+    GR = _head_slots(G)
+    TB = ROWS // GR
+    NT, num_chunks = cdiv(T, TB), cdiv(NC, CHUNK)
+    q5, k_p = _padded_inputs(q, k_cmp, H)
+    args = [q5, k_p, _row_ranges(T, NC, G, block_size, cu_seqlens, kv_lens)]
+    if lse is not None:
+        args.append(_lse_rows(lse, H, G))
+    kernel = functools.partial(_kernel, H=H, G=G, TB=TB, T=T, num_chunks=num_chunks, scale=float(scale),
+                               has_lse=lse is not None, per_row=kv_lens is not None)
+    scratch = _scratch(q.dtype, k_p.shape[3], TB, lse is not None)
+
+    def entry(*refs):
+        pl.run_scoped(lambda *s: kernel(*refs, s), *scratch)
+
+    return plgpu.kernel(entry, out_type=jax.ShapeDtypeStruct((B, H, NT * TB, num_chunks * CHUNK), jnp.float32),
+                        grid=(NT, B * H), grid_names=("tile", "bh"), kernel_name="select_scores")(*args)
+
+
+def forward(q, k_cmp, lse, cu_seqlens, kv_lens=None, *, block_counts, block_size, scale, config=None):
+    """Returns block_indices int32 [B, T, H, block_counts] (in-sequence block ids), as the reference.
+
+    q [B, T, HQ, Dk], k_cmp [B, NC, H, Dk] (bfloat16 or float16, the same); lse [B, T, HQ] float32 is
+    compressed attention's log-sum-exp of the same q and k_cmp (it saves the kernel its first walk), or None;
+    cu_seqlens None or int32 [N + 1] (packed sequences, B = 1); kv_lens None or int32 [B] (the queries are the
+    last T tokens of sequences of kv_lens[b] tokens, which k_cmp covers). config: None (no tunable tile yet).
+    """
+    _check(q, k_cmp, config)
+    B, T, HQ, _ = q.shape
+    NC, H = k_cmp.shape[1], k_cmp.shape[2]
+    nb = num_blocks(T, NC, block_size, kv_lens)
+    if NC == 0 or B * T == 0:  # no row to score: every score is 0
+        by_row = jnp.zeros((B, T, H, NC), jnp.float32)
+    else:
+        out = scores(q, k_cmp, lse, cu_seqlens, kv_lens, block_size=block_size, scale=scale)
+        by_row = jnp.transpose(out[:, :, :T, :NC], (0, 2, 1, 3))
+    return indices_from_scores(by_row, cu_seqlens, kv_lens, block_counts=block_counts, block_size=block_size,
+                               num_blocks=nb)

@@ -1,0 +1,449 @@
+"""Selected attention (the fine-grained branch) as Pallas Mosaic GPU kernels: forward, dq and a deterministic
+dk/dv.
+
+The contract is nsa.reference.selected's, and the index work around the kernels is nsa/pallas/selected.py's
+(the TPU kernels), reused as it is: each slot names its block by the block's first global key row
+(`_names`), each tile of TB tokens gets the union of the blocks its tokens list (`_tile_blocks`), and dk/dv
+inverts the selection into one list of (tile, block) entries per block row, cut into segments
+(`_block_lists`, `_segments`). Only the tiles and the kernels differ.
+
+Tiles. A tile is TB consecutive query tokens of one KV head with their G query heads: 64 rows (wgmma's M),
+row j * GR + g for token j and head g, the heads padded to GR = the next power of 2 >= max(G, 8) (so that
+TB = 64 / GR tokens fill it; G > 64 takes GR = G rounded up to 64 and TB = 1). q, do and o are kept as
+[B, Tp, H, GR, Dp] (Tp = T padded to a multiple of TB, Dp = D padded to 128 bytes): a free reshape of
+[B, T, HQ, D] when G = GR and nothing is padded, as at the standard shape (G = 16, D = 128); lse and delta
+as [B, H, NT, TB * GR] float32 (`_tile_vector`: a tile's rows contiguous, one TMA copy of at least 256 bytes:
+TMA wants 128-byte-aligned shared memory, which per-token slices of GR floats are not). A tile's q, do and o
+rows come as TB TMA copies of one token's [GR, Dp] each (1 KiB or more: aligned).
+
+Keys. A block is copied whole into one [BK, Dp] shared-memory tile, BK = block_size rounded up to 64 (at
+most 256: one TMA copy), from its source row of k [B, rows, H, Dkp] and v: its own first row when blocks
+start on 8-row boundaries (no cu_seqlens and block_size a multiple of 8: k itself, no copy), else the
+blocks laid out one every BK rows (`_block_rows`, a copy of k and v). Rows of the tile past the block
+are masked; a block's rows past the last token of the tile that lists it (`last`) are zeroed in shared
+memory before p v or ds k: a KV cache's rows past its sequence may hold NaN, and 0 * NaN is NaN.
+
+Forward (`_forward_kernel`), grid (NT, H, B): a program owns a tile and walks its union (count, then per
+block: its name, its source row, and `times`: 4 bits per token, how many of the token's slots list it),
+double-buffered (the next block's copies are in flight while this one is computed). Row (j, g) sees key x + c
+of block x iff token j lists it (m > 0 times: log m is added to its logits, so a block listed twice weighs
+twice), c < block_size and x + c <= the token's key row t0 + j. Online softmax in base 2, float32.
+
+Backward. delta = sum(o * do) in XLA. `_dq_kernel` walks the forward's tiles and unions, recomputing p from
+lse. `_dkdv_kernel`, grid (NSEG,), owns a segment of one block's list: it copies the block once, then walks its
+entries' tiles (q, do: TB copies each; lse, delta: one each; double-buffered) and writes float32 partial dk and dv
+[BK, Dp] of its block; `_reduce_kernel`, grid (NL,), adds a list's partials in segment order; XLA gathers each
+key row's sum. No atomics, a fixed order: dk and dv are bitwise repeatable.
+
+Shared memory per program (the largest, dq): q, do [64, Dp], two k and two v [BK, Dp] buffers, small vectors:
+80 KiB at Dk = Dv = 128, block 64, bfloat16.
+"""
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from nsa._varlen import cdiv, num_compressed_blocks, tokens
+from nsa.pallas import selected as tpu
+from nsa.pallas.gpu._flash import (COLS, LN2, LOG2E, ROWS, by_col, by_row, check_dtype, iota, matmul, matmul_add,
+                                   pad_to, padded_dim, pipelined, smem_tile, store, zero_rows_past)
+
+ROWS_PER_TILE = 64  # wgmma's M
+MAX_BLOCK = 256  # the rows of one TMA copy
+SEGMENT = 1024  # L: the most entries (tiles) of one dk/dv segment; the float32 partials are (NL + E / L) x [BK, Dp]
+TIMES_BITS = 4  # per token in `times`: a token may list one block at most 15 times
+
+
+def _head_rows(G):
+    """GR: the rows of one token's heads in a tile."""
+    if G > ROWS_PER_TILE:
+        return cdiv(G, ROWS_PER_TILE) * ROWS_PER_TILE
+    return max(8, 1 << (G - 1).bit_length())
+
+
+class _Layout(NamedTuple):
+    """The static sizes of one call (see the module docstring)."""
+
+    tpu: tpu._Layout  # the sizes nsa/pallas/selected.py's index functions read
+    gr: int  # GR
+    rows: int  # TB * GR
+    bk: int  # BK
+    direct: bool  # the blocks are read from k and v themselves (else from `_block_rows`)
+
+
+def _layout(q, k, v, block_indices, block_size, cu_seqlens, kv_lens):
+    B, T, HQ, Dk = q.shape
+    TK, H, S = k.shape[1], k.shape[2], block_indices.shape[3]
+    G = HQ // H
+    gr = _head_rows(G)
+    tb = max(1, ROWS_PER_TILE // gr)
+    nt = cdiv(T, tb)
+    num_rows = num_compressed_blocks(TK, block_size, cu_seqlens)
+    bk = cdiv(block_size, 64) * 64
+    lay = tpu._Layout(B, T, TK, H, G, S, tb, nt, bk, bk, padded_dim(Dk, q.dtype), padded_dim(v.shape[3], v.dtype),
+                      num_rows, min(min(T, tb) * S, num_rows), False)
+    return _Layout(lay, gr, tb * gr, bk, cu_seqlens is None and block_size % 8 == 0)
+
+
+def _check(q, k, block_size):
+    check_dtype(q.dtype, "selected_attention")
+    if int(block_size) > MAX_BLOCK:
+        raise ValueError(f"block_size: the Mosaic GPU kernels copy a block in one TMA copy of at most {MAX_BLOCK} "
+                         f"rows, got {block_size}")
+
+
+def _token_rows(x, L, d, fill=0.0):
+    """[B, T, HQ, ...] -> [B, Tp, H, GR, ...] (the trailing dim, if any, zero-padded to d; the padded heads and
+    tokens filled with `fill`)."""
+    lay = L.tpu
+    x = x.reshape((lay.B, lay.T, lay.H, lay.G) + x.shape[3:])
+    if x.ndim == 5:
+        x = pad_to(x, 4, d)
+    pads = [(0, 0), (0, lay.nt * lay.tb - lay.T), (0, 0), (0, L.gr - lay.G)] + [(0, 0)] * (x.ndim - 4)
+    return x if not any(p for _, p in pads) else jnp.pad(x, pads, constant_values=fill)
+
+
+def _from_token_rows(x, L, d):
+    """[B, Tp, H, GR, ...] -> [B, T, HQ, ...] (the trailing dim cut to d)."""
+    lay = L.tpu
+    x = x[:, :lay.T, :, :lay.G]
+    if x.ndim == 5:
+        x = x[..., :d]
+    return x.reshape((lay.B, lay.T, lay.H * lay.G) + x.shape[4:])
+
+
+def _tile_vector(x, L, fill):
+    """[B, T, HQ] -> [B, H, NT, TB * GR] float32 (a tile's rows, contiguous: one TMA copy), padded with `fill`."""
+    lay = L.tpu
+    x = _token_rows(x.astype(jnp.float32), L, None, fill=fill).reshape(lay.B, lay.nt, lay.tb, lay.H, L.gr)
+    return jnp.transpose(x, (0, 3, 1, 2, 4)).reshape(lay.B, lay.H, lay.nt, L.rows)
+
+
+def _from_tile_vector(x, L):
+    """`_tile_vector`'s inverse: [B, H, NT, TB * GR] -> [B, T, HQ]."""
+    lay = L.tpu
+    x = jnp.transpose(x.reshape(lay.B, lay.H, lay.nt, lay.tb, L.gr), (0, 2, 3, 1, 4))
+    return _from_token_rows(x.reshape(lay.B, lay.nt * lay.tb, lay.H, L.gr), L, None)
+
+
+def _block_rows(x, L, cu_seqlens, block_size, d):
+    """[B, TK, H, D] -> [B, NR * BK, H, d]: block row r of each (b, h) at rows r * BK, zero-padded (for
+    blocks that do not start on 8-row boundaries: packed sequences, or a block_size not a multiple of 8)."""
+    lay = L.tpu
+    keys = tokens(lay.TK, block_size, cu_seqlens)
+    dest = (keys.cmp_start[0] + keys.pos[0] // block_size) * L.bk + keys.pos[0] % block_size  # [TK], unique
+    out = jnp.zeros((lay.B, lay.num_rows * L.bk, lay.H, d), x.dtype)
+    return out.at[:, dest].set(pad_to(x, 3, d), unique_indices=True)
+
+
+def _source_rows(names, L, cu_seqlens, block_size):
+    """The row of the kernels' k each block named `names` (a first key row; _PAST for none) is copied from."""
+    if L.direct:
+        return names
+    keys = tokens(L.tpu.TK, block_size, cu_seqlens)
+    x = jnp.where(names == tpu._PAST, 0, names)
+    return (keys.cmp_start[0][x] + keys.pos[0][x] // block_size) * L.bk
+
+
+def _times(tile_names, union):
+    """int32 [B, H, NT, U]: per union block, TIMES_BITS bits per token j of the tile (at bit TIMES_BITS * j):
+    how many of its slots name the block, at most 15."""
+    listed = jnp.sum(tile_names[:, :, :, None, :, :] == union[..., None, None], axis=-1)  # [B, H, NT, U, TB]
+    shifts = TIMES_BITS * jnp.arange(listed.shape[-1], dtype=jnp.int32)
+    return jnp.sum(jnp.minimum(listed, 15).astype(jnp.int32) << shifts, axis=-1).astype(jnp.int32)
+
+
+def _tables(block_indices, block_counts, cu_seqlens, kv_lens, L, block_size):
+    """What the forward and dq kernels read per tile: (count [B, H, NT], t0 [B, H, NT], union [B, H, NT, U], the
+    source rows, times and last [B, H, NT, U]: the key row of the last token of the tile that lists each block;
+    rows past it are zeroed when copied, as no token of the tile sees them)."""
+    lay = L.tpu
+    offsets = tpu._row_offsets(kv_lens, lay)
+    names = tpu._tile_names(tpu._names(block_indices, block_counts, cu_seqlens, kv_lens, lay, block_size), lay)
+    union, last, count = tpu._tile_blocks(names, offsets, lay)
+    return (count, tpu._tile_starts(offsets, lay), union, _source_rows(union, L, cu_seqlens, block_size),
+            _times(names, union), last)
+
+
+def _block_mask(shape, x, t0, times, *, gr, block_size, key_dim):
+    """bool [shape] of a (rows, keys) tile (key_dim 1) or its transpose (key_dim 0) against block x: token j =
+    row // GR lists it (its `times` bits), the key x + c is in the block (c < block_size) and at or before
+    the token's key row t0 + j. Also returns log(times) per entry (0 where unlisted), float32."""
+    c = iota(shape, key_dim)
+    j = lax.div(iota(shape, 1 - key_dim), jnp.int32(gr))
+    m = lax.shift_right_logical(jnp.full(shape, times, jnp.int32), TIMES_BITS * j) & 15
+    visible = (m > 0) & (c < block_size) & (x + c <= t0 + j)
+    return visible, jnp.log2(jnp.maximum(m, 1).astype(jnp.float32))
+
+
+def _copy_tile_rows(src, dst, b, h, first_token, barrier, *, tb, gr):
+    """Tokens first_token ... + TB - 1 of src [B, Tp, H, GR, ...] at (b, h) into dst ([TB * GR, ...] shared
+    memory): one TMA copy per token, each an arrival on `barrier` (made for that many arrivals)."""
+    for j in range(tb):
+        plgpu.copy_gmem_to_smem(src.at[b, first_token + j, h], dst.at[pl.ds(j * gr, gr)], barrier)
+
+
+def _tile_barriers(copies, num_barriers=1):
+    """TMA barriers that complete after `copies` tile copies of TB tokens each (`_copy_tile_rows`)."""
+    return plgpu.Barrier(num_arrivals=copies, num_barriers=num_barriers)
+
+
+def _forward_kernel(count_ref, t0_ref, union_ref, source_ref, times_ref, last_ref, q_ref, k_ref, v_ref, o_ref, lse_ref,
+                    q_smem, k_smem, v_smem, o_smem, lse_smem, q_bar, k_bar, v_bar, *, L, block_size, scale):
+    i, h, b = lax.axis_index("tile"), lax.axis_index("head"), lax.axis_index("batch")
+    tb, gr = L.tpu.tb, L.gr
+    tokens_of_tile = i * tb
+    _copy_tile_rows(q_ref, q_smem, b, h, tokens_of_tile, q_bar.at[0], tb=tb, gr=gr)
+    n, t0 = count_ref[b, h, i], t0_ref[b, h, i]
+    plgpu.barrier_wait(q_bar.at[0])
+
+    def fetch(u, slot):
+        rows = pl.ds(pl.multiple_of(source_ref[b, h, i, u], 8), L.bk)
+        plgpu.copy_gmem_to_smem(k_ref.at[b, rows, h], k_smem.at[slot], k_bar.at[slot])
+        plgpu.copy_gmem_to_smem(v_ref.at[b, rows, h], v_smem.at[slot], v_bar.at[slot])
+
+    def step(u, slot, carry):
+        acc, m, l = carry
+        x = union_ref[b, h, i, u]
+        plgpu.barrier_wait(k_bar.at[slot])
+        logits = matmul(q_smem, k_smem.at[slot].transpose((1, 0)), (L.rows, L.bk)) * (scale * LOG2E)
+        visible, log_times = _block_mask(logits.shape, x, t0, times_ref[b, h, i, u], gr=gr, block_size=block_size,
+                                         key_dim=1)
+        logits = jnp.where(visible, logits + log_times, -jnp.inf)
+        m_new = jnp.maximum(m, logits.max(axis=1))
+        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        alpha = jnp.exp2(m - m_use)
+        p = jnp.exp2(logits - by_row(m_use, logits.shape))
+        l = l * alpha + p.sum(axis=1)
+        acc = acc * by_row(alpha, acc.shape)
+        plgpu.barrier_wait(v_bar.at[slot])
+        zero_rows_past(v_smem.at[slot], x, last_ref[b, h, i, u])
+        return matmul_add(acc, p.astype(q_smem.dtype), v_smem.at[slot]), m_new, l
+
+    init = (plgpu.layout_cast(jnp.zeros((L.rows, L.tpu.dvp), jnp.float32), plgpu.Layout.WGMMA),
+            plgpu.layout_cast(jnp.full((L.rows,), -jnp.inf, jnp.float32), ROWS),
+            plgpu.layout_cast(jnp.zeros((L.rows,), jnp.float32), ROWS))
+    acc, m, l = pipelined(n, fetch, step, init)
+    seen = l > 0
+    l_safe = jnp.where(seen, l, 1.0)
+    o_smem[...] = (acc / by_row(l_safe, acc.shape)).astype(o_smem.dtype)
+    lse_smem[...] = jnp.where(seen, (m + jnp.log2(l_safe)) * LN2, -jnp.inf)
+    plgpu.commit_smem()
+    for j in range(tb):
+        plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(j * gr, gr)], o_ref.at[b, tokens_of_tile + j, h])
+    plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, i])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _dq_kernel(count_ref, t0_ref, union_ref, source_ref, times_ref, last_ref, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref,
+               dq_ref, q_smem, do_smem, stats, k_smem, v_smem, q_bar, k_bar, v_bar, *, L, block_size, scale):
+    i, h, b = lax.axis_index("tile"), lax.axis_index("head"), lax.axis_index("batch")
+    tb, gr = L.tpu.tb, L.gr
+    tokens_of_tile = i * tb
+    for src, dst in ((q_ref, q_smem), (do_ref, do_smem)):
+        _copy_tile_rows(src, dst, b, h, tokens_of_tile, q_bar.at[0], tb=tb, gr=gr)
+    for j, src in enumerate((lse_ref, delta_ref)):
+        plgpu.copy_gmem_to_smem(src.at[b, h, i], stats.at[j], q_bar.at[0])
+    n, t0 = count_ref[b, h, i], t0_ref[b, h, i]
+    plgpu.barrier_wait(q_bar.at[0])
+    lse = plgpu.load(stats.at[0], layout=ROWS)
+    delta = plgpu.load(stats.at[1], layout=ROWS)
+    seen = lse > -jnp.inf
+    lse2 = jnp.where(seen, lse * LOG2E, 0.0)
+
+    def fetch(u, slot):
+        rows = pl.ds(pl.multiple_of(source_ref[b, h, i, u], 8), L.bk)
+        plgpu.copy_gmem_to_smem(k_ref.at[b, rows, h], k_smem.at[slot], k_bar.at[slot])
+        plgpu.copy_gmem_to_smem(v_ref.at[b, rows, h], v_smem.at[slot], v_bar.at[slot])
+
+    def step(u, slot, acc):
+        x = union_ref[b, h, i, u]
+        plgpu.barrier_wait(k_bar.at[slot])
+        zero_rows_past(k_smem.at[slot], x, last_ref[b, h, i, u])
+        logits = matmul(q_smem, k_smem.at[slot].transpose((1, 0)), (L.rows, L.bk)) * (scale * LOG2E)
+        shape = logits.shape
+        visible, log_times = _block_mask(shape, x, t0, times_ref[b, h, i, u], gr=gr, block_size=block_size,
+                                         key_dim=1)
+        visible = visible & by_row(seen, shape)
+        p = jnp.where(visible, jnp.exp2(logits + log_times - by_row(lse2, shape)), 0.0)
+        plgpu.barrier_wait(v_bar.at[slot])
+        dp = matmul(do_smem, v_smem.at[slot].transpose((1, 0)), shape)
+        ds = jnp.where(visible, p * (dp - by_row(delta, shape)), 0.0)
+        return matmul_add(acc, ds.astype(q_smem.dtype), k_smem.at[slot])
+
+    acc = pipelined(n, fetch, step, plgpu.layout_cast(jnp.zeros((L.rows, L.tpu.dkp), jnp.float32),
+                                                      plgpu.Layout.WGMMA))
+    q_smem[...] = (acc * scale).astype(q_smem.dtype)
+    plgpu.commit_smem()
+    for j in range(tb):
+        plgpu.copy_smem_to_gmem(q_smem.at[pl.ds(j * gr, gr)], dq_ref.at[b, tokens_of_tile + j, h])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _dkdv_kernel(seg_ref, entry_ref, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, dk_ref, dv_ref, k_smem, v_smem,
+                 q_smem, do_smem, stats, k_bar, q_bar, *, L, block_size, scale):
+    """A segment: seg_ref [NSEG, 7] (b, h, the block's name x, its source row, the entries lo, hi, the key row
+    offset of batch row b); entry_ref [E, 2] (the entry's tile, times)."""
+    s = lax.axis_index("segment")
+    b, h, x, source, lo, hi, offset = (seg_ref[s, c] for c in range(7))
+    tb, gr = L.tpu.tb, L.gr
+    rows = pl.ds(pl.multiple_of(source, 8), L.bk)
+    plgpu.copy_gmem_to_smem(k_ref.at[b, rows, h], k_smem, k_bar.at[0])
+    plgpu.copy_gmem_to_smem(v_ref.at[b, rows, h], v_smem, k_bar.at[1])
+
+    def fetch(e, slot):
+        first_token = entry_ref[lo + e, 0] * tb
+        for src, dst in ((q_ref, q_smem.at[slot]), (do_ref, do_smem.at[slot])):
+            _copy_tile_rows(src, dst, b, h, first_token, q_bar.at[slot], tb=tb, gr=gr)
+        for j, src in enumerate((lse_ref, delta_ref)):
+            plgpu.copy_gmem_to_smem(src.at[b, h, entry_ref[lo + e, 0]], stats.at[slot, j], q_bar.at[slot])
+
+    def step(e, slot, carry):
+        dk, dv = carry
+        t0, times = offset + entry_ref[lo + e, 0] * tb, entry_ref[lo + e, 1]
+        plgpu.barrier_wait(q_bar.at[slot])
+        lse = plgpu.load(stats.at[slot, 0], layout=COLS)
+        delta = plgpu.load(stats.at[slot, 1], layout=COLS)
+        seen = lse > -jnp.inf
+        logits_t = matmul(k_smem, q_smem.at[slot].transpose((1, 0)), (L.bk, L.rows)) * (scale * LOG2E)
+        shape = logits_t.shape
+        visible, log_times = _block_mask(shape, x, t0, times, gr=gr, block_size=block_size, key_dim=0)
+        visible = visible & by_col(seen, shape)
+        p_t = jnp.where(visible, jnp.exp2(logits_t + log_times - by_col(jnp.where(seen, lse * LOG2E, 0.0), shape)),
+                        0.0)
+        dv = matmul_add(dv, p_t.astype(q_smem.dtype), do_smem.at[slot])
+        dp_t = matmul(v_smem, do_smem.at[slot].transpose((1, 0)), shape)
+        ds_t = jnp.where(visible, p_t * (dp_t - by_col(delta, shape)), 0.0)
+        return matmul_add(dk, ds_t.astype(q_smem.dtype), q_smem.at[slot]), dv
+
+    plgpu.barrier_wait(k_bar.at[0])
+    plgpu.barrier_wait(k_bar.at[1])
+    zeros = lambda d: plgpu.layout_cast(jnp.zeros((L.bk, d), jnp.float32), plgpu.Layout.WGMMA)
+    dk, dv = pipelined(hi - lo, fetch, step, (zeros(L.tpu.dkp), zeros(L.tpu.dvp)))
+    pl.run_scoped(lambda out: store(dk, out, dk_ref.at[s]), plgpu.SMEM((L.bk, L.tpu.dkp), jnp.float32))
+    pl.run_scoped(lambda out: store(dv, out, dv_ref.at[s]), plgpu.SMEM((L.bk, L.tpu.dvp), jnp.float32))
+
+
+def _reduce_kernel(list_ref, dk_ref, dv_ref, dk_out, dv_out, dk_smem, dv_smem, bar):
+    """List l's partials (segments list_ref[l, 0] ... + list_ref[l, 1] - 1) summed in segment order."""
+    l = lax.axis_index("list")
+    first, n = list_ref[l, 0], list_ref[l, 1]
+
+    def add(s, sums):
+        out = []
+        for src, smem, total, j in ((dk_ref, dk_smem, sums[0], 0), (dv_ref, dv_smem, sums[1], 1)):
+            plgpu.copy_gmem_to_smem(src.at[first + s], smem, bar.at[j])
+            plgpu.barrier_wait(bar.at[j])
+            out.append(total + plgpu.load(smem, layout=plgpu.Layout.WGMMA))
+        return tuple(out)
+
+    zeros = lambda smem: plgpu.layout_cast(jnp.zeros(smem.shape, jnp.float32), plgpu.Layout.WGMMA)
+    dk, dv = lax.fori_loop(0, n, add, (zeros(dk_smem), zeros(dv_smem)))
+    store(dk, dk_smem, dk_out.at[l])
+    store(dv, dv_smem, dv_out.at[l])
+
+
+# ------------------------------------------------------------------------------------------ wrappers
+
+
+def _keys(x, L, cu_seqlens, block_size, d):
+    """What the kernels read as k or v: x itself (D padded) when its blocks start on 8-row boundaries, else
+    `_block_rows`."""
+    if L.direct:
+        return pad_to(pad_to(x, 3, d), 1, max(L.bk, cdiv(x.shape[1], 8) * 8))
+    return _block_rows(x, L, cu_seqlens, block_size, d)
+
+
+def _kernel(body, grid, names, outputs, scratch, *args):
+    return plgpu.kernel(body, out_type=outputs, grid=grid, grid_names=names, scratch_types=scratch)(*args)
+
+
+def forward(q, k, v, block_indices, block_counts, cu_seqlens, kv_lens=None, *, block_size, scale):
+    """o [B, T, HQ, Dv] (q's dtype) and the residuals (q, k, v, block_indices, block_counts, cu_seqlens, kv_lens,
+    o, lse [B, T, HQ] float32): nsa/pallas/selected.py's `forward` on Mosaic GPU (bfloat16, float16)."""
+    tpu._check(q, k, block_indices, block_size)
+    _check(q, k, block_size)
+    L = _layout(q, k, v, block_indices, block_size, cu_seqlens, kv_lens)
+    lay = L.tpu
+    tables = _tables(block_indices, block_counts, cu_seqlens, kv_lens, L, block_size)
+    tile = (lay.B, lay.nt * lay.tb, lay.H, L.gr)
+    o, lse_t = _kernel(
+        functools.partial(_forward_kernel, L=L, block_size=block_size, scale=float(scale)), (lay.nt, lay.H, lay.B),
+        ("tile", "head", "batch"),
+        (jax.ShapeDtypeStruct(tile + (lay.dvp,), q.dtype),
+         jax.ShapeDtypeStruct((lay.B, lay.H, lay.nt, L.rows), jnp.float32)),
+        [smem_tile((L.rows, lay.dkp), q.dtype), smem_tile((2, L.bk, lay.dkp), k.dtype),
+         smem_tile((2, L.bk, lay.dvp), v.dtype), smem_tile((L.rows, lay.dvp), q.dtype),
+         plgpu.SMEM((L.rows,), jnp.float32), _tile_barriers(lay.tb), plgpu.Barrier(num_barriers=2),
+         plgpu.Barrier(num_barriers=2)],
+        *tables, _token_rows(q, L, lay.dkp), _keys(k, L, cu_seqlens, block_size, lay.dkp),
+        _keys(v, L, cu_seqlens, block_size, lay.dvp))
+    o, lse = _from_token_rows(o, L, v.shape[3]), _from_tile_vector(lse_t, L)
+    return o, (q, k, v, block_indices, block_counts, cu_seqlens, kv_lens, o, lse)
+
+
+def _dkdv_tables(union, times, t0, cu_seqlens, L, block_size):
+    """The dk/dv segments and entries: (seg [NSEG, 7] int32: b, h, the block's name, its source row, the
+    entries lo, hi, the key row offset of b; entries [E, 2]: tile, times; lists [NL, 2]: each list's first
+    segment and how many)."""
+    lay = L.tpu
+    # nsa/pallas/selected.py's inversion; `times` rides along in the place of its `last`
+    offsets, tile, name, entry_times = tpu._block_lists(union, times, cu_seqlens, lay, block_size)
+    seg_offsets, seg_list, lo, hi = tpu._segments(offsets, tile.shape[0], SEGMENT)
+    per_b = lay.H * lay.num_rows
+    b = seg_list // per_b
+    row_offset = t0[:, 0, 0]  # the key row of each batch row's first tile
+    seg = jnp.stack([b, seg_list % per_b // lay.num_rows, name[lo], _source_rows(name[lo], L, cu_seqlens, block_size),
+                     lo, hi, row_offset[b]], axis=1).astype(jnp.int32)
+    lists = jnp.stack([seg_offsets[:-1], seg_offsets[1:] - seg_offsets[:-1]], axis=1).astype(jnp.int32)
+    return seg, jnp.stack([tile, entry_times], axis=1).astype(jnp.int32), lists
+
+
+def backward(residuals, do, *, block_size, scale):
+    """Gradients (dq, dk, dv, None, None, None, None) in q's, k's and v's dtypes, from `forward`'s residuals and
+    do [B, T, HQ, Dv]."""
+    q, k, v, block_indices, block_counts, cu_seqlens, kv_lens, o, lse = residuals
+    L = _layout(q, k, v, block_indices, block_size, cu_seqlens, kv_lens)
+    lay = L.tpu
+    tables = _tables(block_indices, block_counts, cu_seqlens, kv_lens, L, block_size)
+    _, t0, union, _, times, _ = tables
+    delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)
+    tiled = (_token_rows(q, L, lay.dkp), _token_rows(do.astype(q.dtype), L, lay.dvp),
+             _tile_vector(lse, L, -jnp.inf), _tile_vector(delta, L, 0.0))
+    k_rows, v_rows = _keys(k, L, cu_seqlens, block_size, lay.dkp), _keys(v, L, cu_seqlens, block_size, lay.dvp)
+    common = dict(L=L, block_size=block_size, scale=float(scale))
+    dq = _kernel(
+        functools.partial(_dq_kernel, **common), (lay.nt, lay.H, lay.B), ("tile", "head", "batch"),
+        jax.ShapeDtypeStruct(tiled[0].shape, q.dtype),
+        [smem_tile((L.rows, lay.dkp), q.dtype), smem_tile((L.rows, lay.dvp), q.dtype),
+         plgpu.SMEM((2, L.rows), jnp.float32), smem_tile((2, L.bk, lay.dkp), k.dtype),
+         smem_tile((2, L.bk, lay.dvp), v.dtype), _tile_barriers(2 * lay.tb + 2),
+         plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=2)],
+        *tables, *tiled, k_rows, v_rows)
+
+    seg, entries, lists = _dkdv_tables(union, times, t0, cu_seqlens, L, block_size)
+    nseg, num_lists = seg.shape[0], lists.shape[0]
+    dk_part, dv_part = _kernel(
+        functools.partial(_dkdv_kernel, **common), (nseg,), ("segment",),
+        (jax.ShapeDtypeStruct((nseg, L.bk, lay.dkp), jnp.float32),
+         jax.ShapeDtypeStruct((nseg, L.bk, lay.dvp), jnp.float32)),
+        [smem_tile((L.bk, lay.dkp), k.dtype), smem_tile((L.bk, lay.dvp), v.dtype),
+         smem_tile((2, L.rows, lay.dkp), q.dtype), smem_tile((2, L.rows, lay.dvp), q.dtype),
+         plgpu.SMEM((2, 2, L.rows), jnp.float32), plgpu.Barrier(num_barriers=2),
+         _tile_barriers(2 * lay.tb + 2, 2)],
+        seg, entries, *tiled, k_rows, v_rows)
+    dk_sum, dv_sum = _kernel(
+        _reduce_kernel, (num_lists,), ("list",),
+        (jax.ShapeDtypeStruct((num_lists, L.bk, lay.dkp), jnp.float32),
+         jax.ShapeDtypeStruct((num_lists, L.bk, lay.dvp), jnp.float32)),
+        [plgpu.SMEM((L.bk, lay.dkp), jnp.float32), plgpu.SMEM((L.bk, lay.dvp), jnp.float32),
+         plgpu.Barrier(num_barriers=2)],
+        lists, dk_part, dv_part)
+    dk = tpu._per_key_row(dk_sum, cu_seqlens, lay, block_size, k.shape[3]) * scale
+    dv = tpu._per_key_row(dv_sum, cu_seqlens, lay, block_size, v.shape[3])
+    return (_from_token_rows(dq, L, q.shape[3]), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, None)

@@ -1,0 +1,213 @@
+"""The Mosaic GPU block-selection kernel (nsa/pallas/gpu/select.py), on the CPU.
+
+No GPU here and GPU interpret mode cannot run wgmma, so the kernel itself is only lowered: exported for cuda
+(jax.export, platforms=["cuda"]), which runs Mosaic GPU's layout inference and TMA checks and must give a
+mosaic_gpu custom call, for G = 16, 3 and 24 (unused tile rows), head dims 128 and 16 (padded to 64), lse given
+and None, with kv_lens, with cu_seqlens (concrete and traced), float16, and at the standard shape (jax >= 0.11
+only: the CI's Python 3.11 run has jax 0.10.2). Everything around the kernel runs here against the reference:
+the kernel's inputs in its tile layout (`_padded_inputs`, `_row_ranges`, `_lse_rows`) go through a plain-jnp
+emulation of its math, whose scores `forward` turns into block ids that must equal the reference's; and
+`indices_from_scores` alone, fed the reference's own scores, must give exactly its ids. The run on the H200 is
+scripts/gpu_check_select.py.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from nsa._varlen import cdiv, num_compressed_blocks, tokens
+from nsa.pallas.gpu import select as gpu_select
+from nsa.reference import select as reference
+from nsa.reference.compressed import softmax_over_blocks
+
+CU = np.array([0, 37, 37, 150, 200], np.int32)  # lengths 37, 0, 113, 50 (T = 200)
+MOSAIC_GPU_LOWERS = jax.__version_info__ >= (0, 11)
+needs_mosaic_gpu = pytest.mark.skipif(
+    not MOSAIC_GPU_LOWERS, reason=f"jax {jax.__version__} has no Mosaic GPU lowering for plgpu.kernel on a CPU "
+                                  "machine (it needs jax >= 0.11)")
+
+
+def _inputs(B, T, HQ, H, Dk, block_size, dtype, cu=None, num_rows=None, seed=0):
+    """q [B, T, HQ, Dk] and k_cmp [B, NC, H, Dk] in `dtype`, random normal."""
+    rng = np.random.default_rng(seed)
+    NC = num_rows if num_rows is not None else num_compressed_blocks(T, block_size, cu)
+    return (jnp.asarray(rng.standard_normal((B, T, HQ, Dk)), dtype),
+            jnp.asarray(rng.standard_normal((B, NC, H, Dk)), dtype))
+
+
+def _lse(q, k_cmp, block_size, cu, kv_lens):
+    """Compressed attention's lse [B, T, HQ] of the float32 copies (the reference's)."""
+    tok = tokens(q.shape[1], block_size, cu, kv_lens)
+    _, lse, _ = softmax_over_blocks(q.astype(jnp.float32), k_cmp.astype(jnp.float32), tok.pos, tok.cmp_start,
+                                    block_size=block_size, scale=q.shape[-1] ** -0.5)
+    return lse.reshape(q.shape[:3])
+
+
+# ------------------------------------------------------------------------------------------ export for cuda
+
+# (B, T, HQ, H, Dk, block_size), dtype, block_counts, lse given, cu_seqlens, kv_lens (NC rows of cache)
+EXPORTS = {
+    "G16-dk128-lse": ((1, 200, 16, 1, 128, 16), jnp.bfloat16, 4, True, None, None),
+    "G16-dk128-H2": ((1, 200, 32, 2, 128, 16), jnp.bfloat16, 4, False, None, None),
+    "G3-dk16": ((1, 100, 3, 1, 16, 16), jnp.bfloat16, 3, False, None, None),
+    "G3-dk16-lse": ((1, 100, 3, 1, 16, 16), jnp.bfloat16, 3, True, None, None),
+    "G3-dk16-kv_lens": ((2, 40, 6, 2, 16, 16), jnp.bfloat16, 4, False, None, 24),
+    "G16-dk128-kv_lens-lse": ((2, 40, 32, 2, 128, 16), jnp.bfloat16, 4, True, None, 24),
+    "G16-dk128-cu_seqlens": ((1, 200, 16, 1, 128, 16), jnp.bfloat16, 4, False, CU, None),
+    "G16-dk128-cu_seqlens-traced-lse": ((1, 200, 16, 1, 128, 16), jnp.bfloat16, 4, True, "traced", None),
+    "G24-unused-rows-f16": ((1, 50, 24, 1, 64, 8), jnp.float16, 3, False, None, None),
+    "standard-8k-lse": ((1, 8192, 64, 4, 128, 64), jnp.bfloat16, 16, True, None, None),
+}
+
+
+@needs_mosaic_gpu
+@pytest.mark.parametrize("name", list(EXPORTS))
+def test_exports_for_cuda(name):
+    (B, T, HQ, H, Dk, bs), dtype, S, with_lse, cu, cache_rows = EXPORTS[name]
+    NC = cache_rows if cache_rows is not None else num_compressed_blocks(T, bs, None if cu is None else CU)
+    args = [jax.ShapeDtypeStruct((B, T, HQ, Dk), dtype), jax.ShapeDtypeStruct((B, NC, H, Dk), dtype),
+            jax.ShapeDtypeStruct((B, T, HQ), jnp.float32) if with_lse else None,
+            jax.ShapeDtypeStruct(CU.shape, jnp.int32) if isinstance(cu, str) else None,
+            jax.ShapeDtypeStruct((B,), jnp.int32) if cache_rows is not None else None]
+    concrete_cu = jnp.asarray(cu) if isinstance(cu, np.ndarray) else None
+
+    def f(q, k_cmp, lse, traced_cu, kv_lens):
+        return gpu_select.forward(q, k_cmp, lse, concrete_cu if traced_cu is None else traced_cu, kv_lens,
+                                  block_counts=S, block_size=bs, scale=Dk ** -0.5)
+
+    exported = jax.export.export(jax.jit(f), platforms=["cuda"])(*args)
+    assert "mosaic_gpu" in exported.mlir_module()
+    assert exported.out_avals[0].shape == (B, T, H, S) and exported.out_avals[0].dtype == jnp.int32
+
+
+def test_rejects_float32_and_mixed_dtypes():
+    q, k_cmp = _inputs(1, 32, 2, 1, 16, 8, jnp.float32)
+    kw = dict(block_counts=2, block_size=8, scale=0.25)
+    with pytest.raises(TypeError, match="float32"):
+        gpu_select.forward(q, k_cmp, None, None, **kw)
+    with pytest.raises(TypeError, match="k_cmp"):
+        gpu_select.forward(q.astype(jnp.bfloat16), k_cmp.astype(jnp.float16), None, None, **kw)
+
+
+def test_rejects_groups_over_64():
+    q, k_cmp = _inputs(1, 32, 65, 1, 16, 8, jnp.bfloat16)
+    with pytest.raises(ValueError, match="q: G = HQ / H = 65"):
+        gpu_select.forward(q, k_cmp, None, None, block_counts=2, block_size=8, scale=0.25)
+
+
+# ------------------------------------------------------------------------------------------ around the kernel
+
+
+def _emulated_scores(q, k_cmp, lse, cu_seqlens, kv_lens=None, *, block_size, scale):
+    """`gpu_select.scores` in plain jnp on the kernel's own inputs (its tile layout): per program the 64 rows
+    of TB tokens x GR head slots (a token past T reads token T - 1), logits against every row of the padded
+    k_cmp masked by the rows' [first, end), p = exp(s - lse) or the softmax, then the mean of each token's G
+    head rows: float32 [B, H, NT * TB, NCP]."""
+    B, T, HQ, _ = q.shape
+    NC, H = k_cmp.shape[1], k_cmp.shape[2]
+    G = HQ // H
+    GR = gpu_select._head_slots(G)
+    TB = gpu_select.ROWS // GR
+    NT = cdiv(T, TB)
+    q5, k_p = gpu_select._padded_inputs(q, k_cmp, H)
+    rows = q5[:, jnp.minimum(jnp.arange(NT * TB), T - 1)].astype(jnp.float32)  # [B, NT * TB, H, GR, Dp]
+    rows = jnp.transpose(rows.reshape(B, NT, TB, H, GR, -1), (0, 3, 1, 2, 4, 5)).reshape(B, H, NT, TB * GR, -1)
+    rows = jnp.pad(rows, [(0, 0)] * 3 + [(0, gpu_select.ROWS - TB * GR), (0, 0)])  # [B, H, NT, 64, Dp]
+    ranges = gpu_select._row_ranges(T, NC, G, block_size, cu_seqlens, kv_lens)  # [R, NT, 2, 64]
+    key = jnp.arange(k_p.shape[1])
+    visible = ((key >= ranges[:, None, :, 0, :, None]) & (key < ranges[:, None, :, 1, :, None]))
+    s = jnp.einsum("bhnrd,bchd->bhnrc", rows, k_p.astype(jnp.float32), precision="highest")
+    s = jnp.where(visible, s * scale, -jnp.inf)
+    if lse is not None:
+        lse_rows = gpu_select._lse_rows(lse, H, G)[..., None]  # [B, H, NT, 64, 1]
+        seen = lse_rows > -jnp.inf
+        p = jnp.where(visible & seen, jnp.exp(s - jnp.where(seen, lse_rows, 0.0)), 0.0)
+    else:
+        m = jnp.max(s, axis=-1, keepdims=True)
+        m = jnp.where(m == -jnp.inf, 0.0, m)
+        e = jnp.where(visible, jnp.exp(s - m), 0.0)
+        total = jnp.sum(e, axis=-1, keepdims=True)
+        p = e / jnp.where(total > 0, total, 1.0)
+    p = p[:, :, :, :TB * GR].reshape(B, H, NT, TB, GR, -1)[:, :, :, :, :G]
+    return (jnp.sum(p, axis=4) / G).reshape(B, H, NT * TB, -1)
+
+
+def _reference(q, k_cmp, lse, cu, kv_lens, block_counts, block_size):
+    return np.asarray(reference.forward(q.astype(jnp.float32), k_cmp.astype(jnp.float32), lse, cu, kv_lens,
+                                        block_counts=block_counts, block_size=block_size,
+                                        scale=q.shape[-1] ** -0.5))
+
+
+# (B, T, HQ, H, Dk, block_size), block_counts, lse given, cu_seqlens, kv_lens
+AROUND = {
+    "G16-dk128": ((1, 300, 16, 1, 128, 16), 4, False, None, None),
+    "G16-dk128-lse": ((1, 300, 16, 1, 128, 16), 4, True, None, None),
+    "G3-dk16-H2": ((1, 100, 6, 2, 16, 8), 5, False, None, None),
+    "G3-dk16-lse-more-slots-than-blocks": ((1, 30, 3, 1, 16, 8), 9, True, None, None),
+    "G24-unused-rows": ((1, 50, 24, 1, 64, 8), 3, False, None, None),
+    "G2-cu_seqlens": ((1, 200, 4, 2, 16, 16), 4, False, CU, None),
+    "G2-cu_seqlens-lse": ((1, 200, 4, 2, 16, 16), 4, True, CU, None),
+    "G2-kv_lens": ((2, 100, 4, 2, 16, 16), 4, False, None, np.array([100, 57], np.int32)),
+    "G2-kv_lens-lse": ((2, 100, 4, 2, 16, 16), 4, True, None, np.array([100, 57], np.int32)),
+}
+
+
+@pytest.mark.parametrize("name", list(AROUND))
+def test_forward_around_an_emulated_kernel(name, monkeypatch):
+    """forward's XLA side (the kernel's inputs, then ids from its scores) with the kernel emulated in jnp: the
+    reference's ids, rank order too. With kv_lens the cache has 8 rows (128 tokens), NaN past each sequence's
+    complete blocks."""
+    (B, T, HQ, H, Dk, bs), S, with_lse, cu, kv_lens = AROUND[name]
+    NC = 128 // bs if kv_lens is not None else None
+    q, k_cmp = _inputs(B, T, HQ, H, Dk, bs, jnp.bfloat16, cu, NC)
+    if kv_lens is not None:  # a cache's rows past each sequence's complete blocks: never read
+        unwritten = jnp.arange(NC)[None, :] >= (jnp.asarray(kv_lens) // bs)[:, None]
+        k_cmp = jnp.where(unwritten[:, :, None, None], jnp.nan, k_cmp).astype(k_cmp.dtype)
+        kv_lens = jnp.asarray(kv_lens)
+    lse = _lse(q, k_cmp, bs, cu, kv_lens) if with_lse else None
+    monkeypatch.setattr(gpu_select, "scores", _emulated_scores)
+    got = gpu_select.forward(q, k_cmp, lse, cu, kv_lens, block_counts=S, block_size=bs, scale=Dk ** -0.5)
+    assert got.dtype == jnp.int32 and got.shape == (B, T, H, S)
+    np.testing.assert_array_equal(np.asarray(got), _reference(q, k_cmp, lse, cu, kv_lens, S, bs))
+
+
+def _reference_scores(q, k_cmp, lse, cu, kv_lens, block_size):
+    """The reference's score of each row of k_cmp, [B, T, H, NC] float32 (0 where not seen)."""
+    tok = tokens(q.shape[1], block_size, cu, kv_lens)
+    lse = None if lse is None else lse
+    p, _, _ = softmax_over_blocks(q.astype(jnp.float32), k_cmp.astype(jnp.float32), tok.pos, tok.cmp_start, lse,
+                                  block_size=block_size, scale=q.shape[-1] ** -0.5)
+    return jnp.mean(p, axis=3)
+
+
+@pytest.mark.parametrize("name", ["G16-dk128", "G3-dk16-lse-more-slots-than-blocks", "G2-cu_seqlens",
+                                  "G2-kv_lens-lse"])
+def test_indices_from_scores_is_the_reference(name):
+    """indices_from_scores on the reference's own scores: exactly the reference's ids."""
+    (B, T, HQ, H, Dk, bs), S, with_lse, cu, kv_lens = AROUND[name]
+    NC = 128 // bs if kv_lens is not None else None
+    q, k_cmp = _inputs(B, T, HQ, H, Dk, bs, jnp.float32, cu, NC)
+    kv_lens = None if kv_lens is None else jnp.asarray(kv_lens)
+    lse = _lse(q, k_cmp, bs, cu, kv_lens) if with_lse else None
+    by_row = _reference_scores(q, k_cmp, lse, cu, kv_lens, bs)
+    got = gpu_select.indices_from_scores(by_row, cu, kv_lens, block_counts=S, block_size=bs,
+                                         num_blocks=gpu_select.num_blocks(T, k_cmp.shape[1], bs, kv_lens))
+    np.testing.assert_array_equal(np.asarray(got), _reference(q, k_cmp, lse, cu, kv_lens, S, bs))
+
+
+def test_indices_from_scores_traced_cu_seqlens():
+    """Under jit with cu_seqlens an argument (traced): the same ids as with it concrete."""
+    q, k_cmp = _inputs(1, 200, 4, 2, 16, 16, jnp.float32, CU)
+    by_row = _reference_scores(q, k_cmp, None, CU, None, 16)
+    kw = dict(block_counts=4, block_size=16, num_blocks=gpu_select.num_blocks(200, k_cmp.shape[1], 16, None))
+    traced = jax.jit(lambda s, cu: gpu_select.indices_from_scores(s, cu, None, **kw))(by_row, jnp.asarray(CU))
+    np.testing.assert_array_equal(np.asarray(traced), np.asarray(gpu_select.indices_from_scores(by_row, CU, **kw)))
+
+
+def test_no_rows_gives_the_forced_blocks_only():
+    """k_cmp with no rows (T shorter than a block, kv_lens None): only the current block, no kernel."""
+    q = jnp.zeros((1, 5, 2, 16), jnp.bfloat16)
+    k_cmp = jnp.zeros((1, 0, 1, 16), jnp.bfloat16)
+    got = gpu_select.forward(q, k_cmp, None, None, block_counts=2, block_size=8, scale=0.25)
+    np.testing.assert_array_equal(np.asarray(got), np.tile(np.array([0, -1], np.int32), (1, 5, 1, 1)))
