@@ -51,7 +51,7 @@ if [[ $what == bench || $what == all ]]; then
     [[ ${PIPESTATUS[0]} == 0 ]] || status=1
 fi
 if [[ $what == pallas ]]; then  # the Mosaic GPU kernels' quick checks, each op in its own process
-    for op in ${@:-window compressed selected select attention time}; do
+    for op in ${@:-window compressed selected attention checkpoint time}; do
         timeout 400 python3 scripts/pallas_gpu_check.py "$op" > "$out/pallas-$op.log" 2>&1 || status=1
         grep -E "^(ok|FAIL|ERR|T=|     File)" "$out/pallas-$op.log" | cut -c1-400
     done

@@ -1,6 +1,6 @@
 """Quick checks of the Mosaic GPU kernels (implementation="pallas") on an NVIDIA GPU, op by op, before the test base.
 
-    python3 scripts/pallas_gpu_check.py [window|compressed|selected|select|attention|time]...
+    python3 scripts/pallas_gpu_check.py [window|compressed|selected|attention|checkpoint|time]...
 
 Each case prints one line: the relative RMS error of the output and of each gradient against the XLA reference
 in float32 on the same rounded inputs (bfloat16 tolerances: 5e-3 forward, 1e-2 gradients), or the exception's
@@ -108,6 +108,41 @@ def check(op):
             q, k, v, idx, block_size=16, cu_seqlens=cu, implementation=impl), (q, k, v), (0, 1, 2))
 
 
+def checkpointed():
+    """Gradients with and without jax.checkpoint, op by op (the shared base's G2 case in bfloat16): the largest
+    difference of each gradient and where it is, and of two runs without checkpoint."""
+    B, T, HQ, H, D, bs = 2, 100, 4, 2, 16, 16
+    q, k, v, rng = inputs(B, T, T, HQ, H, D, D)
+    g = jnp.asarray(rng.random((B, T, HQ)), DT)
+    idx = jnp.asarray((rng.random((B, T, H, 3)) * (np.arange(T)[None, :, None, None] // bs + 1)).astype(np.int32))
+    do = jnp.asarray(rng.standard_normal((B, T, HQ, D)), jnp.float32)
+    ops = {
+        "window": lambda q, k, v: nsa.sliding_window_attention(q, k, v, window_size=9, implementation="pallas"),
+        "compressed": lambda q, k, v: nsa.compressed_attention(q, nsa.compress(k, block_size=bs),
+                                                               nsa.compress(v, block_size=bs), block_size=bs,
+                                                               implementation="pallas")[0],
+        "selected": lambda q, k, v: nsa.selected_attention(q, k, v, idx, block_size=bs, implementation="pallas"),
+        "attention": lambda q, k, v: nsa.attention(q, k, v, g_cmp=g, g_slc=g, g_swa=g, block_counts=3, block_size=bs,
+                                                   window_size=9, implementation="pallas"),
+    }
+    for name, f in ops.items():
+        try:
+            loss = lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32) * do)
+            g1 = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+            g1b = jax.jit(jax.grad(lambda *a: loss(*a) * 1.0, argnums=(0, 1, 2)))(q, k, v)
+            g2 = jax.jit(jax.grad(jax.checkpoint(loss), argnums=(0, 1, 2)))(q, k, v)
+            report = []
+            for n, a, b, c in zip("qkv", g1, g2, g1b):
+                a, b, c = (np.asarray(x, np.float32) for x in (a, b, c))
+                d = np.abs(a - b)
+                report.append(f"d{n}: ckpt {d.max():.2e} at {np.unravel_index(d.argmax(), d.shape)} "
+                              f"({np.mean(d > 1e-3 * np.abs(a).max()):.1%} off), rerun {np.abs(a - c).max():.2e}")
+            print(f"{'ok  ' if all('ckpt 0.00e+00' in r for r in report) else 'DIFF'} checkpoint {name}: "
+                  + "; ".join(report), flush=True)
+        except Exception as e:  # noqa: BLE001
+            print(f"ERR  checkpoint {name}: {type(e).__name__}: {str(e).splitlines()[0][:300]}", flush=True)
+
+
 def timed(f, *args, n=10):
     jax.block_until_ready(f(*args))
     start = time.perf_counter()
@@ -146,4 +181,4 @@ def times():
 if __name__ == "__main__":
     print("jax", jax.__version__, jax.devices(), flush=True)
     for what in sys.argv[1:]:
-        times() if what == "time" else check(what)
+        {"time": times, "checkpoint": checkpointed}.get(what, lambda: check(what))()

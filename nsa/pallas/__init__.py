@@ -118,8 +118,6 @@ mlir.register_lowering(_refusal, _refuse)
 def _refused(message, like, *args):
     """The results `like(*args)` would have, from a computation that cannot be lowered: it raises TypeError(message)
     when a program that runs it is compiled."""
-    shapes = jax.eval_shape(like, *args)
-    leaves, tree = jax.tree_util.tree_flatten(shapes)
-    outs = _refusal.bind(*jax.tree_util.tree_leaves(args), message=message,
-                         outputs=tuple(jax.core.ShapedArray(x.shape, x.dtype) for x in leaves))
-    return jax.tree_util.tree_unflatten(tree, outs)
+    closed, shapes = jax.make_jaxpr(like, return_shape=True)(*args)  # its avals keep shard_map's varying axes
+    outs = _refusal.bind(*jax.tree_util.tree_leaves(args), message=message, outputs=tuple(closed.out_avals))
+    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(shapes), outs)

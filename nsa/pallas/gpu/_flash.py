@@ -28,8 +28,10 @@ B), owns one key tile of a KV head and walks, for each of its G query heads, the
 ds^T q, all [BK, .] float32 in registers, in a fixed order (deterministic, no atomics). Masked entries of p^T
 and ds^T are set to 0 with jnp.where, so a NaN key or value past `ends` reaches no result.
 
-Shared memory per program (the largest, the forward): q [BQ, Dkp], two k [BK, Dkp] and two v [BK, Dvp]
-buffers, o [BQ, Dvp], in the input dtype: 96 KiB at Dk = Dv = 128 in bfloat16, within the H200's 227 KiB.
+Tiles: BQ = 64 query rows (wgmma's M, one warpgroup), BK = 64 key rows in dq and dk/dv, 128 in the forward
+(`FORWARD_BLOCK_K`). Shared memory per program (the largest, the forward): q [BQ, Dkp], two k [BK, Dkp] and two
+v [BK, Dvp] buffers, o [BQ, Dvp], in the input dtype: 160 KiB at Dk = Dv = 128 in bfloat16, within the H200's
+227 KiB.
 """
 
 import functools
@@ -45,7 +47,11 @@ from nsa._varlen import cdiv, query_ranges
 from nsa.pallas._flash import _bands, packed_attend, packed_attend_backward
 
 BLOCK_Q = 64  # query rows per tile: wgmma's M (one warpgroup)
-BLOCK_K = 64  # key rows per tile
+BLOCK_K = 64  # key rows per tile of the dq and dk/dv kernels
+# The forward's key tiles: 128 rows (fewer, longer steps), or 64 where two buffers of k and v would not fit in
+# shared memory beside q and o (Dkp + Dvp > 320). A query whose visible keys fit one tile then takes its softmax
+# in one step, with no rescaling: a packed sequence's results equal its results alone (the varlen tests).
+FORWARD_BLOCK_K = 128
 SUBLANES = 8  # the rows of a shared-memory tile
 LANE_BYTES = 128  # the swizzle of a shared-memory tile's rows: D is padded to a multiple of 128 bytes
 LOG2E = math.log2(math.e)
@@ -174,15 +180,15 @@ def _forward_kernel(band_ref, end_ref, lo_ref, hi_ref, q_ref, k_ref, v_ref, o_re
     end = end_ref[row]
 
     def fetch(step, slot):
-        keys = pl.ds(pl.multiple_of((first + step) * BLOCK_K, BLOCK_K), BLOCK_K)
+        keys = pl.ds(pl.multiple_of((first + step) * sh.bk, sh.bk), sh.bk)
         plgpu.copy_gmem_to_smem(k_ref.at[b, keys, h], k_smem.at[slot], k_bar.at[slot])
         plgpu.copy_gmem_to_smem(v_ref.at[b, keys, h], v_smem.at[slot], v_bar.at[slot])
 
     def step(s, slot, carry):
         acc, m, l = carry
-        first_key = (first + s) * BLOCK_K
+        first_key = (first + s) * sh.bk
         plgpu.barrier_wait(k_bar.at[slot])
-        logits = matmul(q_smem, k_smem.at[slot].transpose((1, 0)), (BLOCK_Q, BLOCK_K)) * (scale * LOG2E)
+        logits = matmul(q_smem, k_smem.at[slot].transpose((1, 0)), (BLOCK_Q, sh.bk)) * (scale * LOG2E)
         visible = _visible(first_key + iota(logits.shape, 1), lo, hi, logits.shape, 0)
         logits = jnp.where(visible, logits, -jnp.inf)
         m_new = jnp.maximum(m, logits.max(axis=1))
@@ -324,6 +330,7 @@ class _Layout:
         self.dkp, self.dvp = padded_dim(self.dk, q.dtype), padded_dim(self.dv, v.dtype)
         self.tp = cdiv(self.T, BLOCK_Q) * BLOCK_Q
         self.nq, self.nk = self.tp // BLOCK_Q, max(1, cdiv(self.NK, BLOCK_K))
+        self.bk = FORWARD_BLOCK_K if self.dkp + self.dvp <= 320 else BLOCK_K  # the forward's key tile
         self.per_row = lo.ndim == 2
         self.lo, self.hi = (x.astype(jnp.int32).reshape(-1, self.T) for x in (lo, hi))
         padding = jnp.arange(self.tp) >= self.T  # padded queries see nothing: lo 1, hi 0
@@ -335,18 +342,28 @@ class _Layout:
         return tma_rows(pad_to(x, 3, d), BLOCK_Q)
 
     def keys(self, x, d):
-        return tma_rows(pad_to(x, 3, d), BLOCK_K)
+        return tma_rows(pad_to(x, 3, d), self.bk)
 
     def by_head(self, x):
         """[B, T, HQ] -> [B, HQ, tp] float32, the layout of lse and delta in the kernels."""
         return pad_to(jnp.transpose(x.astype(jnp.float32), (0, 2, 1)), 2, self.tp)
 
 
+def call(body, out_type, *args, **params):
+    """plgpu.kernel(body, out_type=out_type, **params)(*args), its outputs varying over the shard_map axes that
+    its first floating-point argument varies over (plgpu.kernel's outputs vary over none, and the branches of
+    platform_dependent must agree on them)."""
+    like = next(a for a in args if jnp.issubdtype(a.dtype, jnp.floating))
+    axes = tuple(sorted(jax.typeof(like).manual_axis_type.varying))
+    outputs = plgpu.kernel(body, out_type=out_type, **params)(*args)
+    return outputs if not axes else jax.tree_util.tree_map(lambda x: lax.pcast(x, axes, to="varying"), outputs)
+
+
 def _call(kernel, grid, outputs, scratch, *args, barriers):
-    """plgpu.kernel of `kernel` on `grid` (named tile, head, batch), with the shared-memory `scratch` and one
-    group of TMA barriers per entry of `barriers` (their counts) after the outputs."""
-    return plgpu.kernel(kernel, out_type=outputs, grid=grid, grid_names=("tile", "head", "batch"),
-                        scratch_types=_scratch(*scratch) + [plgpu.Barrier(num_barriers=n) for n in barriers])(*args)
+    """`call` of `kernel` on `grid` (named tile, head, batch), with the shared-memory `scratch` and one group of
+    TMA barriers per entry of `barriers` (their counts) after the outputs."""
+    return call(kernel, outputs, *args, grid=grid, grid_names=("tile", "head", "batch"),
+                scratch_types=_scratch(*scratch) + [plgpu.Barrier(num_barriers=n) for n in barriers])
 
 
 def _attend(q, k, v, lo, hi, *, scale, name):
@@ -356,9 +373,9 @@ def _attend(q, k, v, lo, hi, *, scale, name):
     o, lse = _call(
         functools.partial(_forward_kernel, sh=lay, scale=float(scale)), (lay.nq, lay.HQ, lay.B),
         (jax.ShapeDtypeStruct(qv.shape[:3] + (lay.dvp,), dtype), jax.ShapeDtypeStruct((lay.B, lay.HQ, lay.tp), jnp.float32)),
-        [((BLOCK_Q, lay.dkp), dtype), ((2, BLOCK_K, lay.dkp), dtype), ((2, BLOCK_K, lay.dvp), dtype),
+        [((BLOCK_Q, lay.dkp), dtype), ((2, lay.bk, lay.dkp), dtype), ((2, lay.bk, lay.dvp), dtype),
          ((BLOCK_Q, lay.dvp), dtype), ((2, BLOCK_Q), jnp.int32), ((BLOCK_Q,), jnp.float32)],
-        _bands(lay.lo_p, lay.hi_p, lay.nq, BLOCK_K), lay.ends, lay.lo_p, lay.hi_p, qv, kv, vv, barriers=(1, 1, 2, 2))
+        _bands(lay.lo_p, lay.hi_p, lay.nq, lay.bk), lay.ends, lay.lo_p, lay.hi_p, qv, kv, vv, barriers=(1, 1, 2, 2))
     return o[:, :lay.T, :, :lay.dv], jnp.transpose(lse[:, :, :lay.T], (0, 2, 1))
 
 

@@ -55,6 +55,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from nsa._varlen import cdiv, tokens
+from nsa.pallas.gpu._flash import call
 from nsa.reference.select import block_ranks, top_blocks
 
 ROWS = 64  # the tile: wgmma's M
@@ -297,8 +298,8 @@ def scores(q, k_cmp, lse, cu_seqlens, kv_lens=None, *, block_size, scale):
     def entry(*refs):
         pl.run_scoped(lambda *s: kernel(*refs, s), *scratch)
 
-    return plgpu.kernel(entry, out_type=jax.ShapeDtypeStruct((B, H, NT * TB, num_chunks * CHUNK), jnp.float32),
-                        grid=(NT, B * H), grid_names=("tile", "bh"), kernel_name="select_scores")(*args)
+    return call(entry, jax.ShapeDtypeStruct((B, H, NT * TB, num_chunks * CHUNK), jnp.float32), *args,
+                grid=(NT, B * H), grid_names=("tile", "bh"), kernel_name="select_scores")
 
 
 def forward(q, k_cmp, lse, cu_seqlens, kv_lens=None, *, block_counts, block_size, scale, config=None):

@@ -50,7 +50,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from nsa._varlen import cdiv, num_compressed_blocks, tokens
 from nsa.pallas import selected as tpu
-from nsa.pallas.gpu._flash import (COLS, LN2, LOG2E, ROWS, by_col, by_row, check_dtype, iota, matmul, matmul_add,
+from nsa.pallas.gpu._flash import (COLS, LN2, LOG2E, ROWS, by_col, by_row, call, check_dtype, iota, matmul, matmul_add,
                                    pad_to, padded_dim, pipelined, smem_tile, store, zero_rows_past)
 
 ROWS_PER_TILE = 64  # wgmma's M
@@ -360,7 +360,7 @@ def _keys(x, L, cu_seqlens, block_size, d):
 
 
 def _kernel(body, grid, names, outputs, scratch, *args):
-    return plgpu.kernel(body, out_type=outputs, grid=grid, grid_names=names, scratch_types=scratch)(*args)
+    return call(body, outputs, *args, grid=grid, grid_names=names, scratch_types=scratch)
 
 
 def forward(q, k, v, block_indices, block_counts, cu_seqlens, kv_lens=None, *, block_size, scale):
