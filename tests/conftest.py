@@ -3,12 +3,13 @@ matmuls run in full precision so the XLA reference stays a reference.
 
 TRITON_INTERPRET is read when a kernel is decorated, so it is set here, before any test module
 imports nsa.triton. The `interpreted` fixture routes implementation="triton" to the interpreted
-kernels for one test (nsa/triton/interpreter.py); `pallas_races` turns Pallas interpret mode's race
+kernels for one test (nsa/triton/interpreter.py); `without_jax_triton` hides jax_triton; `pallas_races` turns Pallas interpret mode's race
 detector on for one test and fails it on a race. `pytest_generate_tests` makes the cases of the shared
 test base for each of its subclasses (tests/base.py).
 """
 
 import os
+import sys
 
 import jax
 import pytest
@@ -28,6 +29,19 @@ def interpreted():
 
     with interpreter.interpreted():
         yield
+
+
+@pytest.fixture
+def without_jax_triton(monkeypatch):
+    """A process where jax_triton does not import (a plain `pip install nsa` on a GPU, or jax[cuda] alone), with
+    nsa's warn-once memory cleared."""
+    from nsa import _dispatch
+
+    monkeypatch.setitem(sys.modules, "jax_triton", None)  # import jax_triton raises ImportError
+    monkeypatch.setattr(_dispatch, "_warned", set())
+    _dispatch.import_error.cache_clear()
+    yield
+    _dispatch.import_error.cache_clear()
 
 
 def pytest_generate_tests(metafunc):

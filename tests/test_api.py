@@ -3,7 +3,6 @@ when traced, lists accepted), integer scalars of any kind, a traced (learned) sc
 which implementation runs: explicit requests that cannot run raise, implementation=None says when it
 falls back, and nsa.implementations() tells what runs where."""
 
-import sys
 import warnings
 
 import chex
@@ -196,15 +195,6 @@ def test_no_compressed_rows(interpreted, impl):
 
 
 # --------------------------------------------------------------------------- which implementation runs
-
-@pytest.fixture
-def without_jax_triton(monkeypatch):
-    """A process where jax_triton does not import (as after a plain `pip install nsa` on a GPU)."""
-    monkeypatch.setitem(sys.modules, "jax_triton", None)  # import jax_triton raises ImportError
-    _dispatch.import_error.cache_clear()
-    yield
-    _dispatch.import_error.cache_clear()
-
 
 def test_explicit_triton_without_jax_triton_raises(without_jax_triton):
     x = Inputs((B, 20, HQ, H, D, D, BS), "float32")

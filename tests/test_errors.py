@@ -45,7 +45,7 @@ CASES = {
                       r"kv_lens must have an integer dtype, got float32"),
     "kv_lens with cu_seqlens": (lambda: nsa.attention(q, k, v, kv_lens=[T], cu_seqlens=cu), ValueError,
                                 r"kv_lens .* and cu_seqlens .* cannot be given together"),
-    "k_cmp too short": (lambda: nsa.attention(q, k, v, k_cmp=k_cmp[:, :3]), ValueError,
+    "k_cmp too short (attention)": (lambda: nsa.attention(q, k, v, k_cmp=k_cmp[:, :3], block_size=BS), ValueError,
                         r"k_cmp must have at least ceil\(TK / block_size\) = 4 rows .* got shape \(1, 3, 2, 8\)"),
     "k_cmp dtype": (lambda: nsa.attention(q, k, v, k_cmp=k_cmp.astype(jnp.bfloat16)), TypeError,
                     r"k_cmp.dtype must equal q.dtype \(float32\), got bfloat16"),

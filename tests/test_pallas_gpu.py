@@ -6,7 +6,6 @@ deselects it; there the kernels are exported for CUDA (tests/test_pallas_gpu_exp
 tests/test_pallas_gpu_select.py), which runs Mosaic GPU's lowering but not the kernels.
 """
 
-import sys
 import warnings
 
 import jax
@@ -15,7 +14,6 @@ import numpy as np
 import pytest
 
 import nsa
-from nsa import _dispatch
 from tests.base import NSATestBase
 from tests.test_triton_gpu import long_sequence_check
 
@@ -37,16 +35,6 @@ class TestPallasGPU(NSATestBase):
 
 def test_long_sequence_needs_64_bit_offsets():
     long_sequence_check("pallas")
-
-
-@pytest.fixture
-def without_jax_triton(monkeypatch):
-    """A plain `pip install jax[cuda] nsa`: jax_triton does not import."""
-    monkeypatch.setitem(sys.modules, "jax_triton", None)
-    monkeypatch.setattr(_dispatch, "_warned", set())
-    _dispatch.import_error.cache_clear()
-    yield
-    _dispatch.import_error.cache_clear()
 
 
 def test_without_jax_triton_the_default_runs_the_mosaic_gpu_kernels(without_jax_triton):

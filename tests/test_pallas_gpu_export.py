@@ -7,7 +7,6 @@ test base). Mosaic GPU lowers these kernels from jax 0.11 on: the CI's Python 3.
 that the dispatch then leaves them out.
 """
 
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -21,15 +20,6 @@ MOSAIC_GPU_LOWERS = jax.__version_info__[:2] >= pallas.MOSAIC_GPU_JAX
 needs_mosaic_gpu = pytest.mark.skipif(not MOSAIC_GPU_LOWERS, reason=f"jax {jax.__version__}: Mosaic GPU lowers these "
                                                                    "kernels from jax 0.11 on")
 KERNEL_OPS = ("compressed_attention", "select_blocks", "selected_attention", "sliding_window_attention")
-
-
-@pytest.fixture
-def without_jax_triton(monkeypatch):
-    monkeypatch.setitem(sys.modules, "jax_triton", None)
-    monkeypatch.setattr(_dispatch, "_warned", set())
-    _dispatch.import_error.cache_clear()
-    yield
-    _dispatch.import_error.cache_clear()
 
 
 def _inputs(B, T, HQ, H, Dk, Dv, dtype=jnp.bfloat16):

@@ -55,6 +55,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from nsa._varlen import query_ranges
+from nsa.reference._common import kernel_delta
 
 LANES = 128  # a vreg's lanes: the minor dim of every block is a multiple of it (or the whole dim)
 
@@ -411,9 +412,7 @@ def _attend_backward(q, k, v, lo, hi, o, lse, do, dlse, *, scale, key_span, quer
     bq, bk = config
     lay = _layout(q, k, v, lo, hi, config)
     # the pre-pass: ds = p * (dp - delta), with the lse path folded into delta
-    delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)
-    if dlse is not None:
-        delta = delta - jnp.where(jnp.isfinite(lse), dlse.astype(jnp.float32), 0.0)
+    delta = kernel_delta(o, do, q.dtype, lse, dlse)
     do = do.astype(q.dtype)
     lse_h, delta_h, do_v = _by_head(lse, lay.tp), _by_head(delta, lay.tp), _view(do, lay.tp, lay.dvp)
     [dq] = _query_grid(

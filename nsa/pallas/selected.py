@@ -71,7 +71,6 @@ import functools
 import math
 from typing import NamedTuple
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -80,6 +79,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from nsa._varlen import num_compressed_blocks, tokens
 from nsa.pallas._flash import out_struct
+from nsa.reference._common import kernel_delta
 
 LANES = 128  # a vreg's lanes: head dims are padded to a multiple of it
 MXU_ROWS = 128  # a tile's rows (the G heads of TB tokens) are a multiple of one MXU pass
@@ -678,7 +678,7 @@ def backward(residuals, do, *, block_size, scale, interpret=False, config=None):
     lay = _layout(q, k, v, block_indices, block_size, cu_seqlens, kv_lens, cfg)
     names, blocks, union, last, row_offsets = _tiles(block_indices, block_counts, cu_seqlens, kv_lens, lay,
                                                      block_size, False)
-    delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)
+    delta = kernel_delta(o, do, q.dtype)
     do = do.astype(q.dtype)
     tiled = [_query_tiles(q, lay, lay.dkp), _query_tiles(do, lay, lay.dvp), _row_tiles(lse, lay, -jnp.inf),
              _row_tiles(delta, lay, 0.0), names]

@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from nsa import _varlen
+from nsa.reference._common import kernel_delta
 from nsa.triton import _launch
 from nsa.triton._common import LN2, LOG2E, mm, online_step, pow2
 
@@ -347,9 +348,7 @@ def attend_backward(q, k, v, lo, hi, o, lse, do, dlse=None, *, scale, query_span
     NK, H = k.shape[1], k.shape[2]
     cfg = default_config(q, k, v, backward=True, query_span=query_span) if config is None else config
     # the pre-pass: ds = p * (dp - delta), with the lse path folded into delta
-    delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)
-    if dlse is not None:
-        delta = delta - jnp.where(jnp.isfinite(lse), dlse.astype(jnp.float32), 0.0)
+    delta = kernel_delta(o, do, q.dtype, lse, dlse)
     do = do.astype(q.dtype)
     meta = _meta(q, k, v, lo, cfg, scale)
     softmax = dict(Q=q, K=k, V=v, DO=do, LSE=lse, DELTA=delta, LO=_per_batch(lo, B), HI=_per_batch(hi, B))

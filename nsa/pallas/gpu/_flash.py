@@ -45,6 +45,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from nsa._varlen import cdiv, query_ranges
 from nsa.pallas._flash import _bands, packed_attend, packed_attend_backward
+from nsa.reference._common import kernel_delta
 
 BLOCK_Q = 64  # query rows per tile: wgmma's M (one warpgroup)
 BLOCK_K = 64  # key rows per tile of the dq and dk/dv kernels
@@ -69,7 +70,8 @@ def check_dtype(dtype, op):
 def smem_tile(shape, dtype):
     """A shared-memory tile that wgmma and TMA read: (8, 128-byte) tiles, 128-byte swizzle."""
     cols = LANE_BYTES // jnp.dtype(dtype).itemsize
-    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((SUBLANES, cols)), plgpu.SwizzleTransform(LANE_BYTES)))
+    transforms = (plgpu.TilingTransform((SUBLANES, cols)), plgpu.SwizzleTransform(LANE_BYTES))
+    return plgpu.SMEM(shape, dtype, transforms=transforms)
 
 
 def padded_dim(d, dtype):
@@ -129,6 +131,21 @@ def zero_rows_past(ref, first_row, end):
         x = plgpu.load(ref, layout=plgpu.Layout.WGMMA)
         ref[...] = jnp.where(first_row + iota(ref.shape, 0) <= end, x, jnp.zeros_like(x))
         plgpu.commit_smem()  # the writes, visible to wgmma's reads
+
+
+def key_gradients(dk, dv, logits_t, visible, lse, delta, q_smem, do_smem, v_smem):
+    """One step of a dk/dv kernel on its key tile against a tile of query rows: p^T = exp2(logits_t - lse)
+    [keys, rows] (base-2 logits, lse and delta per column; 0 where not visible or where the column sees
+    nothing), dv += p^T do, dp^T = v do^T, ds^T = p^T (dp^T - delta), dk += ds^T q (unscaled). q, do and v are
+    shared-memory tiles (q and do [rows, D], v [keys, Dv]); returns (dk, dv), float32."""
+    shape = logits_t.shape
+    seen = lse > -jnp.inf
+    visible = visible & by_col(seen, shape)
+    p_t = jnp.where(visible, jnp.exp2(logits_t - by_col(jnp.where(seen, lse * LOG2E, 0.0), shape)), 0.0)
+    dv = matmul_add(dv, p_t.astype(q_smem.dtype), do_smem)
+    dp_t = matmul(v_smem, do_smem.transpose((1, 0)), shape)
+    ds_t = jnp.where(visible, p_t * (dp_t - by_col(delta, shape)), 0.0)
+    return matmul_add(dk, ds_t.astype(q_smem.dtype), q_smem), dv
 
 
 def load_vector(src, dst, barrier, layout):
@@ -280,17 +297,12 @@ def _dkdv_kernel(band_ref, lo_ref, hi_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
             plgpu.barrier_wait(vec_bar.at[4 * slot + j])
         lo, hi = (plgpu.load(ranges.at[slot, j], layout=COLS) for j in range(2))
         lse, delta = (plgpu.load(stats.at[slot, j], layout=COLS) for j in range(2))
-        seen = lse > -jnp.inf
         plgpu.barrier_wait(q_bar.at[slot])
         logits_t = matmul(k_smem, q_smem.at[slot].transpose((1, 0)), (BLOCK_K, BLOCK_Q)) * (scale * LOG2E)
         shape = logits_t.shape
-        visible = _visible(n * BLOCK_K + iota(shape, 0), lo, hi, shape, 1) & by_col(seen, shape)
-        p_t = jnp.where(visible, jnp.exp2(logits_t - by_col(jnp.where(seen, lse * LOG2E, 0.0), shape)), 0.0)
         plgpu.barrier_wait(do_bar.at[slot])
-        dv = matmul_add(dv, p_t.astype(q_smem.dtype), do_smem.at[slot])
-        dp_t = matmul(v_smem, do_smem.at[slot].transpose((1, 0)), shape)
-        ds_t = jnp.where(visible, p_t * (dp_t - by_col(delta, shape)), 0.0)
-        return matmul_add(dk, ds_t.astype(q_smem.dtype), q_smem.at[slot]), dv
+        return key_gradients(dk, dv, logits_t, _visible(n * BLOCK_K + iota(shape, 0), lo, hi, shape, 1), lse, delta,
+                             q_smem.at[slot], do_smem.at[slot], v_smem)
 
     plgpu.barrier_wait(k_bar.at[0])
     plgpu.barrier_wait(v_bar.at[0])
@@ -372,7 +384,8 @@ def _attend(q, k, v, lo, hi, *, scale, name):
     dtype = q.dtype
     o, lse = _call(
         functools.partial(_forward_kernel, sh=lay, scale=float(scale)), (lay.nq, lay.HQ, lay.B),
-        (jax.ShapeDtypeStruct(qv.shape[:3] + (lay.dvp,), dtype), jax.ShapeDtypeStruct((lay.B, lay.HQ, lay.tp), jnp.float32)),
+        (jax.ShapeDtypeStruct(qv.shape[:3] + (lay.dvp,), dtype),
+         jax.ShapeDtypeStruct((lay.B, lay.HQ, lay.tp), jnp.float32)),
         [((BLOCK_Q, lay.dkp), dtype), ((2, lay.bk, lay.dkp), dtype), ((2, lay.bk, lay.dvp), dtype),
          ((BLOCK_Q, lay.dvp), dtype), ((2, BLOCK_Q), jnp.int32), ((BLOCK_Q,), jnp.float32)],
         _bands(lay.lo_p, lay.hi_p, lay.nq, lay.bk), lay.ends, lay.lo_p, lay.hi_p, qv, kv, vv, barriers=(1, 1, 2, 2))
@@ -382,9 +395,7 @@ def _attend(q, k, v, lo, hi, *, scale, name):
 def _attend_backward(q, k, v, lo, hi, o, lse, do, dlse, *, scale, name):
     lay = _Layout(q, k, v, lo, hi)
     dtype = q.dtype
-    delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)
-    if dlse is not None:  # the lse path, folded into delta
-        delta = delta - jnp.where(jnp.isfinite(lse), dlse.astype(jnp.float32), 0.0)
+    delta = kernel_delta(o, do, dtype, lse, dlse)
     qv, kv, vv = lay.queries(q, lay.dkp), lay.keys(k, lay.dkp), lay.keys(v, lay.dvp)
     dov = lay.queries(do.astype(dtype), lay.dvp)
     lse_h, delta_h = lay.by_head(lse), lay.by_head(delta)
@@ -401,7 +412,8 @@ def _attend_backward(q, k, v, lo, hi, o, lse, do, dlse, *, scale, name):
         (jax.ShapeDtypeStruct(kv.shape, k.dtype), jax.ShapeDtypeStruct(vv.shape, v.dtype)),
         [((BLOCK_K, lay.dkp), dtype), ((BLOCK_K, lay.dvp), dtype), ((2, BLOCK_Q, lay.dkp), dtype),
          ((2, BLOCK_Q, lay.dvp), dtype), ((2, 2, BLOCK_Q), jnp.int32), ((2, 2, BLOCK_Q), jnp.float32)],
-        _bands(first, last, lay.nk, BLOCK_Q), lay.lo_p, lay.hi_p, qv, kv, vv, dov, lse_h, delta_h, barriers=(1, 1, 2, 2, 8))
+        _bands(first, last, lay.nk, BLOCK_Q), lay.lo_p, lay.hi_p, qv, kv, vv, dov, lse_h, delta_h,
+        barriers=(1, 1, 2, 2, 8))
     return (dq[:, :lay.T, :, :lay.dk], dk[:, :lay.NK, :, :lay.dk], dv[:, :lay.NK, :, :lay.dv])
 
 

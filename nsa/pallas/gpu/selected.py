@@ -50,8 +50,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from nsa._varlen import cdiv, num_compressed_blocks, tokens
 from nsa.pallas import selected as tpu
-from nsa.pallas.gpu._flash import (COLS, LN2, LOG2E, ROWS, by_col, by_row, call, check_dtype, iota, matmul, matmul_add,
-                                   pad_to, padded_dim, pipelined, smem_tile, store, zero_rows_past)
+from nsa.pallas.gpu._flash import (COLS, LN2, LOG2E, ROWS, by_row, call, check_dtype, iota, key_gradients, matmul,
+                                   matmul_add, pad_to, padded_dim, pipelined, smem_tile, store, zero_rows_past)
+from nsa.reference._common import kernel_delta
 
 ROWS_PER_TILE = 64  # wgmma's M
 MAX_BLOCK = 256  # the rows of one TMA copy
@@ -240,8 +241,9 @@ def _forward_kernel(count_ref, t0_ref, union_ref, source_ref, times_ref, last_re
     plgpu.wait_smem_to_gmem(0)
 
 
-def _dq_kernel(count_ref, t0_ref, union_ref, source_ref, times_ref, last_ref, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref,
-               dq_ref, q_smem, do_smem, stats, k_smem, v_smem, q_bar, k_bar, v_bar, *, L, block_size, scale):
+def _dq_kernel(count_ref, t0_ref, union_ref, source_ref, times_ref, last_ref, q_ref, do_ref, lse_ref, delta_ref,
+               k_ref, v_ref, dq_ref, q_smem, do_smem, stats, k_smem, v_smem, q_bar, k_bar, v_bar, *, L, block_size,
+               scale):
     i, h, b = lax.axis_index("tile"), lax.axis_index("head"), lax.axis_index("batch")
     tb, gr = L.tpu.tb, L.gr
     tokens_of_tile = i * tb
@@ -309,17 +311,10 @@ def _dkdv_kernel(seg_ref, entry_ref, q_ref, do_ref, lse_ref, delta_ref, k_ref, v
         plgpu.barrier_wait(q_bar.at[slot])
         lse = plgpu.load(stats.at[slot, 0], layout=COLS)
         delta = plgpu.load(stats.at[slot, 1], layout=COLS)
-        seen = lse > -jnp.inf
         logits_t = matmul(k_smem, q_smem.at[slot].transpose((1, 0)), (L.bk, L.rows)) * (scale * LOG2E)
-        shape = logits_t.shape
-        visible, log_times = _block_mask(shape, x, t0, times, gr=gr, block_size=block_size, key_dim=0)
-        visible = visible & by_col(seen, shape)
-        p_t = jnp.where(visible, jnp.exp2(logits_t + log_times - by_col(jnp.where(seen, lse * LOG2E, 0.0), shape)),
-                        0.0)
-        dv = matmul_add(dv, p_t.astype(q_smem.dtype), do_smem.at[slot])
-        dp_t = matmul(v_smem, do_smem.at[slot].transpose((1, 0)), shape)
-        ds_t = jnp.where(visible, p_t * (dp_t - by_col(delta, shape)), 0.0)
-        return matmul_add(dk, ds_t.astype(q_smem.dtype), q_smem.at[slot]), dv
+        visible, log_times = _block_mask(logits_t.shape, x, t0, times, gr=gr, block_size=block_size, key_dim=0)
+        return key_gradients(dk, dv, logits_t + log_times, visible, lse, delta, q_smem.at[slot], do_smem.at[slot],
+                             v_smem)
 
     plgpu.barrier_wait(k_bar.at[0])
     plgpu.barrier_wait(k_bar.at[1])
@@ -412,7 +407,7 @@ def backward(residuals, do, *, block_size, scale):
     lay = L.tpu
     tables = _tables(block_indices, block_counts, cu_seqlens, kv_lens, L, block_size)
     _, t0, union, _, times, _ = tables
-    delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)
+    delta = kernel_delta(o, do, q.dtype)
     tiled = (_token_rows(q, L, lay.dkp), _token_rows(do.astype(q.dtype), L, lay.dvp),
              _tile_vector(lse, L, -jnp.inf), _tile_vector(delta, L, 0.0))
     k_rows, v_rows = _keys(k, L, cu_seqlens, block_size, lay.dkp), _keys(v, L, cu_seqlens, block_size, lay.dvp)
