@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import nsa
-from tests.base import NSATestBase
+from tests.base import TOLERANCE, NSATestBase, assert_close
 from tests.test_triton_gpu import long_sequence_check
 
 pytestmark = pytest.mark.gpu
@@ -65,3 +65,28 @@ def test_explicit_pallas_on_float32_raises():
     with pytest.raises(TypeError, match="cannot run this op on a CUDA GPU: its Mosaic GPU kernels take bfloat16"):
         jax.block_until_ready(nsa.sliding_window_attention(q, q[:, :, :1], q[:, :, :1], window_size=8,
                                                            implementation="pallas"))
+
+
+def test_compressed_gradients_split_over_programs():
+    """The compressed branch's dk/dv with its key tiles' walks split over several programs (few compressed rows,
+    many queries: nsa/pallas/gpu/_flash.py `_dkdv_parts`) equals the reference's, and repeats bitwise."""
+    from nsa.pallas.gpu import _flash
+
+    B, T, HQ, H, D, bs = 1, 1024, 16, 1, 64, 16
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.standard_normal((B, T, HQ, D)), jnp.bfloat16)
+    k_cmp, v_cmp = (jnp.asarray(rng.standard_normal((B, T // bs, H, D)), jnp.bfloat16) for _ in range(2))
+    do = jnp.asarray(rng.standard_normal((B, T, HQ, D)), jnp.float32)
+    lay = _flash._Layout(q, k_cmp, v_cmp, jnp.zeros((T,), jnp.int32), jnp.zeros((T,), jnp.int32))
+    assert _flash._dkdv_parts(lay, T) > 1
+
+    def grads(impl, *x):
+        loss = lambda q, k, v: jnp.sum(nsa.compressed_attention(q, k, v, block_size=bs, implementation=impl)[0]
+                                       .astype(jnp.float32) * do)
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(*x)
+
+    got, again = grads("pallas", q, k_cmp, v_cmp), grads("pallas", q, k_cmp, v_cmp)
+    want = grads("xla", *(x.astype(jnp.float32) for x in (q, k_cmp, v_cmp)))
+    for name, a, b, c in zip(("dq", "dk", "dv"), got, want, again):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(c, np.float32))
+        assert_close(np.asarray(a, np.float32), np.asarray(b), TOLERANCE["bfloat16"] * 2, name)

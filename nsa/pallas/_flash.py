@@ -347,16 +347,15 @@ def packed_attend(attend_fn, q, k, v, lo, hi):
     return _unpacked(o, G), _unpacked(lse, G)
 
 
-def packed_attend_backward(backward_fn, q, k, v, lo, hi, o, lse, do, dlse, query_span=None):
-    """backward_fn(q, k, v, lo, hi, o, lse, do, dlse[, query_span=...]) -> (dq, dk, dv), run on the packed heads
-    when `_packs` (then G times as many rows see one key row: query_span, when given, is scaled by G)."""
+def packed_attend_backward(backward_fn, q, k, v, lo, hi, o, lse, do, dlse, query_span):
+    """backward_fn(q, k, v, lo, hi, o, lse, do, dlse, query_span=...) -> (dq, dk, dv), run on the packed heads
+    when `_packs` (then G times as many rows see one key row: query_span is scaled by G)."""
     G = _packs(q, k, lo)
-    span = lambda g: {} if query_span is None else {"query_span": query_span * g}
     if G == 1:
-        return backward_fn(q, k, v, lo, hi, o, lse, do, dlse, **span(1))
+        return backward_fn(q, k, v, lo, hi, o, lse, do, dlse, query_span=query_span)
     rows = lambda x: jnp.repeat(x, G, axis=-1)
     dq, dk, dv = backward_fn(_packed(q, G), k, v, rows(lo), rows(hi), _packed(o, G), _packed(lse, G),
-                             _packed(do, G), None if dlse is None else _packed(dlse, G), **span(G))
+                             _packed(do, G), None if dlse is None else _packed(dlse, G), query_span=query_span * G)
     return _unpacked(dq, G), dk, dv
 
 
