@@ -211,3 +211,17 @@ def test_no_rows_gives_the_forced_blocks_only():
     k_cmp = jnp.zeros((1, 0, 1, 16), jnp.bfloat16)
     got = gpu_select.forward(q, k_cmp, None, None, block_counts=2, block_size=8, scale=0.25)
     np.testing.assert_array_equal(np.asarray(got), np.tile(np.array([0, -1], np.int32), (1, 5, 1, 1)))
+
+
+@pytest.mark.parametrize("cu", [None, CU * 10], ids=["batch", "cu_seqlens"])
+def test_chunk_bands_cover_exactly_the_visible_chunks(cu):
+    """Each tile walks from the first to the last chunk of 64 compressed rows that any of its rows sees (the
+    scores of the other chunks are never written)."""
+    T, NC, G, bs = 2000, 125, 3, 16
+    ranges = np.asarray(gpu_select._row_ranges(T, NC, G, bs, None if cu is None else jnp.asarray(cu), None))
+    bands = np.asarray(gpu_select._chunk_bands(jnp.asarray(ranges)))
+    for r in range(ranges.shape[0]):
+        for i in range(ranges.shape[1]):
+            chunks = {row // gpu_select.CHUNK for first, end in zip(*ranges[r, i]) for row in range(first, end)}
+            want = (min(chunks), max(chunks)) if chunks else (0, -1)
+            assert tuple(bands[r, i]) == want, (r, i)

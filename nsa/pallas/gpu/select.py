@@ -17,7 +17,8 @@ the 64 - TB * GR rows past them, when GR does not divide 64, are unused). Each p
   SMEM tile [64, Dp] (a token past T copies token T - 1: it is never written out);
 - copies its rows' visible range (first, end) [2, 64] int32 and, when lse is given, its rows' lse [64]
   float32 (TMA), read as per-row vectors of the wgmma layout;
-- walks the NCP / 64 chunks of BC = 64 compressed rows of k_cmp[b, :, h] (TMA, one chunk at a time):
+- walks the chunks of BC = 64 compressed rows of k_cmp[b, :, h] that any of its rows sees (`_chunk_bands`:
+  about half of them, causally; TMA, one chunk at a time):
   s = q k^T [64, 64] (wgmma, float32 accumulation), then logits scale * s where the row sees the key and
   -inf elsewhere (a jnp.where ahead of any other arithmetic: a cache's rows that no token sees may hold NaN,
   and their column of s is dropped before it reaches a max, a sum or an exp);
@@ -114,6 +115,18 @@ def _row_ranges(T, NC, G, block_size, cu_seqlens, kv_lens):
     return jnp.swapaxes(per_row, 2, 3)
 
 
+def _chunk_bands(ranges):
+    """int32 [R, NT, 2]: the first and last chunk of BC rows of k_cmp that any row of each tile sees (from
+    `_row_ranges`); 0, -1 (none) for a tile that sees nothing. A program walks only those chunks: the scores of
+    the others are never written, and `forward` reads them as 0."""
+    first, end = ranges[:, :, 0], ranges[:, :, 1]  # [R, NT, 64]
+    seen = first < end
+    lo = jnp.min(jnp.where(seen, first, jnp.iinfo(jnp.int32).max), axis=-1) // CHUNK
+    hi = jnp.max(jnp.where(seen, end - 1, -1), axis=-1) // CHUNK
+    any_seen = jnp.any(seen, axis=-1)
+    return jnp.stack([jnp.where(any_seen, lo, 0), jnp.where(any_seen, hi, -1)], axis=-1).astype(jnp.int32)
+
+
 def _lse_rows(lse, H, G):
     """lse [B, T, HQ] -> float32 [B, H, NT, 64] in the tile's rows (0 in the rows that are no query head's)."""
     B, T, _ = lse.shape
@@ -189,9 +202,9 @@ def _logits(q_smem, k_smem, k_ref, barrier, b, h, chunk, first, end, *, scale):
     return jnp.where(visible, s * scale, -jnp.inf), visible
 
 
-def _online_softmax(logits, num_chunks):
-    """The first walk: each row's max m and sum l of exp(s - m) over all chunks (m = 0, l = 0 where a row
-    sees nothing)."""
+def _online_softmax(logits, first_chunk, last_chunk):
+    """The first walk: each row's max m and sum l of exp(s - m) over the tile's chunks (m = 0, l = 0 where a
+    row sees nothing)."""
     def step(chunk, carry):
         m, l = carry
         s, _ = logits(chunk)
@@ -201,7 +214,7 @@ def _online_softmax(logits, num_chunks):
         return m_new, l
 
     row = lambda v: plgpu.layout_cast(jnp.full((ROWS,), v, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-    m, l = lax.fori_loop(0, num_chunks, step, (row(-jnp.inf), row(0.0)))
+    m, l = lax.fori_loop(first_chunk, last_chunk + 1, step, (row(-jnp.inf), row(0.0)))
     return jnp.where(m == -jnp.inf, 0.0, m), l
 
 
@@ -215,12 +228,12 @@ def _token_scores(p_smem, out_smem, *, G, GR, TB):
         out_smem.at[j][...] = total / G
 
 
-def _kernel(*refs, H, G, TB, T, num_chunks, scale, has_lse, per_row):
+def _kernel(*refs, H, G, TB, T, scale, has_lse, per_row):
     """One program: token tile i of KV head h of batch row b (see the module docstring)."""
     if has_lse:
-        q_ref, k_ref, ranges_ref, lse_ref, scores_ref, scratch = refs
+        q_ref, k_ref, ranges_ref, band_ref, lse_ref, scores_ref, scratch = refs
     else:
-        (q_ref, k_ref, ranges_ref, scores_ref, scratch), lse_ref = refs, None
+        (q_ref, k_ref, ranges_ref, band_ref, scores_ref, scratch), lse_ref = refs, None
     q_smem, k_smem, ranges_smem, lse_smem, p_smem, out_smem, q_barrier, aux_barrier, k_barrier = scratch
     GR = _head_slots(G)
     i = lax.axis_index("tile")
@@ -236,6 +249,7 @@ def _kernel(*refs, H, G, TB, T, num_chunks, scale, has_lse, per_row):
     plgpu.barrier_wait(q_barrier)
     plgpu.barrier_wait(aux_barrier)
     first, end = _row_vector(ranges_smem.at[0]), _row_vector(ranges_smem.at[1])
+    first_chunk, last_chunk = band_ref[b if per_row else 0, i, 0], band_ref[b if per_row else 0, i, 1]
     logits = functools.partial(_logits, q_smem, k_smem, k_ref, k_barrier, b, h, first=first, end=end,
                                scale=scale)
 
@@ -244,11 +258,11 @@ def _kernel(*refs, H, G, TB, T, num_chunks, scale, has_lse, per_row):
         seen = lse > -jnp.inf
         shift, norm = jnp.where(seen, lse, 0.0), None
     else:
-        shift, norm = _online_softmax(logits, num_chunks)
+        shift, norm = _online_softmax(logits, first_chunk, last_chunk)
         seen = norm > 0
         norm = jnp.where(seen, norm, 1.0)
 
-    @pl.loop(0, num_chunks)
+    @pl.loop(first_chunk, last_chunk + 1)
     def _score(chunk):
         s, visible = logits(chunk)
         p = jnp.exp(s - _by_row(shift))
@@ -288,10 +302,11 @@ def scores(q, k_cmp, lse, cu_seqlens, kv_lens=None, *, block_size, scale):
     TB = ROWS // GR
     NT, num_chunks = cdiv(T, TB), cdiv(NC, CHUNK)
     q5, k_p = _padded_inputs(q, k_cmp, H)
-    args = [q5, k_p, _row_ranges(T, NC, G, block_size, cu_seqlens, kv_lens)]
+    ranges = _row_ranges(T, NC, G, block_size, cu_seqlens, kv_lens)
+    args = [q5, k_p, ranges, _chunk_bands(ranges)]
     if lse is not None:
         args.append(_lse_rows(lse, H, G))
-    kernel = functools.partial(_kernel, H=H, G=G, TB=TB, T=T, num_chunks=num_chunks, scale=float(scale),
+    kernel = functools.partial(_kernel, H=H, G=G, TB=TB, T=T, scale=float(scale),
                                has_lse=lse is not None, per_row=kv_lens is not None)
     scratch = _scratch(q.dtype, k_p.shape[3], TB, lse is not None)
 
@@ -318,6 +333,11 @@ def forward(q, k_cmp, lse, cu_seqlens, kv_lens=None, *, block_counts, block_size
         by_row = jnp.zeros((B, T, H, NC), jnp.float32)
     else:
         out = scores(q, k_cmp, lse, cu_seqlens, kv_lens, block_size=block_size, scale=scale)
-        by_row = jnp.transpose(out[:, :, :T, :NC], (0, 2, 1, 3))
+        tok = tokens(T, block_size, cu_seqlens, kv_lens)
+        first = tok.cmp_start[:, :, None, None]
+        end = jnp.minimum(first + (tok.pos[:, :, None, None] + 1) // block_size, NC)
+        row = jnp.arange(NC)
+        # a tile writes only its chunks (`_chunk_bands`): the rows a token does not see read as 0
+        by_row = jnp.where((row >= first) & (row < end), jnp.transpose(out[:, :, :T, :NC], (0, 2, 1, 3)), 0.0)
     return indices_from_scores(by_row, cu_seqlens, kv_lens, block_counts=block_counts, block_size=block_size,
                                num_blocks=nb)
