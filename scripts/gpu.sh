@@ -7,7 +7,7 @@
 #  ops: benchmarks/ops.py, the time of each op of the pipeline, with its own args, e.g. --sweep;
 #  trace: benchmarks/trace.py, the device time of each op kernel by kernel;
 #  sanitize: scripts/gpu_hostile.py, every kernel on hostile inputs, under compute-sanitizer's memcheck;
-#  its args, e.g. --cache for the KV-cache cases only)
+#  its args, e.g. --cache for the KV-cache cases only, --pallas for the Mosaic GPU kernels)
 # tests: PYTEST_ARGS (e.g. "-k 'selected and G1'") selects among the gpu tests; JOBS (default 4) pytest
 # processes run them side by side on the one GPU.
 # Installs the carried wheels (.whl/: jax-triton 0.3.1, fla-core) into /tmp/site first. Through the

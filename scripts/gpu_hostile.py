@@ -1,4 +1,5 @@
-"""Every Triton kernel on hostile inputs, against the XLA reference: run it under compute-sanitizer.
+"""Every Triton kernel (or with --pallas every Mosaic GPU kernel, on bfloat16) on hostile inputs, against the XLA
+reference: run it under compute-sanitizer.
 
     XLA_PYTHON_CLIENT_ALLOCATOR=platform XLA_FLAGS=--xla_gpu_autotune_level=0 \
         compute-sanitizer --tool memcheck --error-exitcode 99 python3 scripts/gpu_hostile.py
@@ -29,7 +30,12 @@ import nsa  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")  # the float32 reference, not TF32
 TOL = {"float32": 2e-5, "bfloat16": 2e-2}
+IMPL = "pallas" if "--pallas" in sys.argv else "triton"  # the kernels under test (Mosaic GPU: 16-bit inputs only)
 failures = []
+
+
+def tag(dtype):
+    return "bf16" if dtype == jnp.bfloat16 else "f32"
 
 
 def _rms(x):
@@ -87,8 +93,7 @@ def case_selected(dtype, B, T, HQ, H, Dk, Dv, bs, cu):
     run = lambda impl: jax.jit(lambda q, k, v, do, cu: grads(
         lambda q, k, v: nsa.selected_attention(q, k, v, idx, block_counts=counts, block_size=bs, cu_seqlens=cu,
                                                implementation=impl), (q, k, v), do))(q, k, v, do, cu)
-    tag = "bf16" if dtype == jnp.bfloat16 else "f32"
-    check(f"selected {tag} G={HQ // H} T={T} Dk={Dk} Dv={Dv} bs={bs} cu={cu is not None}", run("triton"),
+    check(f"selected {tag(dtype)} G={HQ // H} T={T} Dk={Dk} Dv={Dv} bs={bs} cu={cu is not None}", run(IMPL),
           reference(run), _rms(v) * _rms(do))
 
 
@@ -102,16 +107,15 @@ def case_attention(dtype, B, T, HQ, H, Dk, Dv, bs, window, cu):
                                  block_size=bs, window_size=window, cu_seqlens=cu, implementation=impl)
         return jax.jit(lambda q, k, v, g, do: grads(f, (q, k, v, g), do))(q, k, v, g, do)
 
-    tag = "bf16" if dtype == jnp.bfloat16 else "f32"
-    check(f"attention {tag} G={HQ // H} T={T} Dk={Dk} Dv={Dv} bs={bs} w={window} cu={cu is not None}",
-          run("triton"), reference(run), _rms(v) * _rms(do))
+    check(f"attention {tag(dtype)} G={HQ // H} T={T} Dk={Dk} Dv={Dv} bs={bs} w={window} cu={cu is not None}",
+          run(IMPL), reference(run), _rms(v) * _rms(do))
 
 
-def case_short_k_cmp():
+def case_short_k_cmp(dtype):
     """A traced cu_seqlens that asks for rows k_cmp does not hold (only the first sequence's are there),
     and k_cmp of no rows at T < block_size: nothing past k_cmp may be read."""
     T, HQ, H, D, bs = 200, 6, 2, 32, 16
-    q, k, v, do = inputs(1, T, HQ, H, D, D, jnp.float32)
+    q, k, v, do = inputs(1, T, HQ, H, D, D, dtype)
     cu = jnp.asarray([0, 100, 100, 200], jnp.int32)
     k_cmp, v_cmp = k[:, :7 * bs:bs], v[:, :7 * bs:bs]  # 7 rows: the first sequence's; 14 in all
 
@@ -124,9 +128,10 @@ def case_short_k_cmp():
         out, vjp = jax.vjp(lambda q, kc, vc: jax.jit(f)(q, kc, vc, cu), q, k_cmp, v_cmp)
         return out, vjp((do, jnp.ones(q.shape[:3]), jnp.zeros(q.shape[:2] + (H, 5))))
 
-    check("compressed + select, traced cu_seqlens past k_cmp", run("triton"), reference(run), _rms(v) * _rms(do))
+    check(f"compressed + select {tag(dtype)}, traced cu_seqlens past k_cmp", run(IMPL), reference(run),
+          _rms(v) * _rms(do))
     q0 = q[:, :10]
-    for impl in ("triton", "xla"):
+    for impl in (IMPL, "xla"):
         o, lse = nsa.compressed_attention(q0, k_cmp[:, :0], v_cmp[:, :0], block_size=bs, implementation=impl)
         idx = nsa.select_blocks(q0, k_cmp[:, :0], block_counts=2, block_size=bs, implementation=impl)
         ok = not np.any(np.asarray(o)) and np.all(np.isneginf(np.asarray(lse))) and np.all(
@@ -165,16 +170,15 @@ def case_cache(dtype, TQ, B, TK, HQ, H, Dk, Dv, bs):
                                    grads(lambda q, k, v: s(q, k, v, a[-1]), a[:3], do)))(
             q, k, v, k_cmp, v_cmp, g, lens)
 
-    tag = "bf16" if dtype == jnp.bfloat16 else "f32"
-    check(f"cache {tag} TQ={TQ} B={B} TK={TK} G={HQ // H} Dk={Dk} Dv={Dv} bs={bs}", run("triton"), reference(run),
-          _rms(v[jnp.isfinite(v)]) * _rms(do))
+    check(f"cache {tag(dtype)} TQ={TQ} B={B} TK={TK} G={HQ // H} Dk={Dk} Dv={Dv} bs={bs}", run(IMPL),
+          reference(run), _rms(v[jnp.isfinite(v)]) * _rms(do))
 
 
-def case_empty():
+def case_empty(dtype):
     for B, T in ((0, 64), (1, 0)):
-        q, k, v, do = inputs(B, T, 4, 2, 32, 16, jnp.float32)
+        q, k, v, do = inputs(B, T, 4, 2, 32, 16, dtype)
         f = lambda q, k, v: nsa.attention(q, k, v, g_cmp=q[..., 0], block_counts=3, block_size=16, window_size=8,
-                                          implementation="triton")
+                                          implementation=IMPL)
         out, g = grads(f, (q, k, v), do)
         ok = out.shape == (B, T, 4, 16) and all(x.shape == y.shape for x, y in zip(g, (q, k, v)))
         print(f"{'ok' if ok else 'MISMATCH':8} empty input B={B} T={T}", flush=True)
@@ -184,12 +188,13 @@ def case_empty():
 
 def main():
     quick = "--quick" in sys.argv
+    dtypes = (jnp.bfloat16,) if IMPL == "pallas" else (jnp.float32,) if quick else (jnp.float32, jnp.bfloat16)
     if "--cache" in sys.argv:  # only the KV-cache cases
         for TQ, B, TK, bs in ((1, 3, 300, 32), (37, 3, 300, 32), (1, 2, 2000, 16)):
-            case_cache(jnp.float32, TQ, B, TK, 6, 2, 64, 32, bs)
+            case_cache(dtypes[0], TQ, B, TK, 6, 2, 64, 32, bs)
         return report()
     packed = jnp.asarray([0, 37, 37, 300, 300, 517], jnp.int32)  # empty sequences, partial blocks
-    for dtype in (jnp.float32,) if quick else (jnp.float32, jnp.bfloat16):
+    for dtype in dtypes:
         case_selected(dtype, 1, 517, 5, 1, 32, 64, 64, packed)  # G = 5, Dv != Dk, ragged T
         case_attention(dtype, 1, 517, 6, 2, 64, 32, 32, 100, packed)  # G = 3
         if not quick:
@@ -202,8 +207,8 @@ def main():
         case_cache(dtype, 1, 2, 2000, 6, 2, 64, 32, 16)  # 125 compressed rows: the decode select's splits merged
         if not quick:
             case_cache(dtype, 1, 2, 1000, 64, 4, 128, 128, 64)  # the standard heads, a decode step
-    case_short_k_cmp()
-    case_empty()
+    case_short_k_cmp(dtypes[0])
+    case_empty(dtypes[0])
     return report()
 
 

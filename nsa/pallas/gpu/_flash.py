@@ -389,11 +389,18 @@ def call(body, out_type, *args, **params):
     return outputs if not axes else jax.tree_util.tree_map(lambda x: lax.pcast(x, axes, to="varying"), outputs)
 
 
-def _call(kernel, grid, outputs, scratch, *args, barriers):
+def kernel_name(branch, kernel):
+    """`{branch}{kernel's function name}`, e.g. window_forward_kernel: what profiles and compute-sanitizer's
+    --kernel-name filter (scripts/gpu.sh sanitize: kns=_kernel) see."""
+    return branch + getattr(kernel, "func", kernel).__name__
+
+
+def _call(kernel, grid, outputs, scratch, *args, barriers, name):
     """`call` of `kernel` on `grid` (named tile, head, batch), with the shared-memory `scratch` and one group of
-    TMA barriers per entry of `barriers` (their counts) after the outputs."""
+    TMA barriers per entry of `barriers` (their counts) after the outputs; the branch `name` names it."""
     return call(kernel, outputs, *args, grid=grid, grid_names=("tile", "head", "batch"),
-                scratch_types=_scratch(*scratch) + [plgpu.Barrier(num_barriers=n) for n in barriers])
+                scratch_types=_scratch(*scratch) + [plgpu.Barrier(num_barriers=n) for n in barriers],
+                kernel_name=kernel_name(name, kernel))
 
 
 def _attend(q, k, v, lo, hi, *, scale, name):
@@ -406,7 +413,7 @@ def _attend(q, k, v, lo, hi, *, scale, name):
          jax.ShapeDtypeStruct((lay.B, lay.HQ, lay.tp), jnp.float32)),
         [((BLOCK_Q, lay.dkp), dtype), ((2, lay.bk, lay.dkp), dtype), ((2, lay.bk, lay.dvp), dtype),
          ((BLOCK_Q, lay.dvp), dtype), ((2, BLOCK_Q), jnp.int32), ((BLOCK_Q,), jnp.float32)],
-        _bands(lay.lo_p, lay.hi_p, lay.nq, lay.bk), lay.ends, lay.lo_p, lay.hi_p, qv, kv, vv, barriers=(1, 1, 2, 2))
+        _bands(lay.lo_p, lay.hi_p, lay.nq, lay.bk), lay.ends, lay.lo_p, lay.hi_p, qv, kv, vv, barriers=(1, 1, 2, 2), name=name)
     return o[:, :lay.T, :, :lay.dv], jnp.transpose(lse[:, :, :lay.T], (0, 2, 1))
 
 
@@ -423,7 +430,7 @@ def _attend_backward(q, k, v, lo, hi, o, lse, do, dlse, *, scale, query_span, na
         [((BLOCK_Q, lay.dkp), dtype), ((BLOCK_Q, lay.dvp), dtype), ((2, BLOCK_K, lay.dkp), dtype),
          ((2, BLOCK_K, lay.dvp), dtype), ((2, BLOCK_Q), jnp.int32), ((2, BLOCK_Q), jnp.float32)],
         _bands(lay.lo_p, lay.hi_p, lay.nq, BLOCK_K), lay.ends, lay.lo_p, lay.hi_p, qv, kv, vv, dov, lse_h, delta_h,
-        barriers=(1, 1, 1, 2, 2))
+        barriers=(1, 1, 1, 2, 2), name=name)
     first, last = query_ranges(lay.lo, lay.hi, lay.nk * BLOCK_K)  # the queries that see each key row
     parts = _dkdv_parts(lay, query_span)
     out = lambda x, dtype: jax.ShapeDtypeStruct(x.shape if parts == 1 else (parts,) + x.shape,
@@ -434,7 +441,7 @@ def _attend_backward(q, k, v, lo, hi, o, lse, do, dlse, *, scale, query_span, na
         [((BLOCK_K, lay.dkp), dtype), ((BLOCK_K, lay.dvp), dtype), ((2, BLOCK_Q, lay.dkp), dtype),
          ((2, BLOCK_Q, lay.dvp), dtype), ((2, 2, BLOCK_Q), jnp.int32), ((2, 2, BLOCK_Q), jnp.float32)],
         _bands(first, last, lay.nk, BLOCK_Q), lay.lo_p, lay.hi_p, qv, kv, vv, dov, lse_h, delta_h,
-        barriers=(1, 1, 2, 2, 8))
+        barriers=(1, 1, 2, 2, 8), name=name)
     if parts > 1:
         dk, dv = jnp.sum(dk, axis=0).astype(k.dtype), jnp.sum(dv, axis=0).astype(v.dtype)
     return (dq[:, :lay.T, :, :lay.dk], dk[:, :lay.NK, :, :lay.dk], dv[:, :lay.NK, :, :lay.dv])

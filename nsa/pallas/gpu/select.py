@@ -314,7 +314,7 @@ def scores(q, k_cmp, lse, cu_seqlens, kv_lens=None, *, block_size, scale):
         pl.run_scoped(lambda *s: kernel(*refs, s), *scratch)
 
     return call(entry, jax.ShapeDtypeStruct((B, H, NT * TB, num_chunks * CHUNK), jnp.float32), *args,
-                grid=(NT, B * H), grid_names=("tile", "bh"), kernel_name="select_scores")
+                grid=(NT, B * H), grid_names=("tile", "bh"), kernel_name="select_scores_kernel")
 
 
 def forward(q, k_cmp, lse, cu_seqlens, kv_lens=None, *, block_counts, block_size, scale, config=None):

@@ -50,8 +50,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from nsa._varlen import cdiv, num_compressed_blocks, tokens
 from nsa.pallas import selected as tpu
-from nsa.pallas.gpu._flash import (COLS, LN2, LOG2E, ROWS, by_row, call, check_dtype, iota, key_gradients, matmul,
-                                   matmul_add, pad_to, padded_dim, pipelined, smem_tile, store, zero_rows_past)
+from nsa.pallas.gpu._flash import (COLS, LN2, LOG2E, ROWS, by_row, call, check_dtype, iota, kernel_name,
+                                   key_gradients, matmul, matmul_add, pad_to, padded_dim, pipelined, smem_tile,
+                                   store, zero_rows_past)
 from nsa.reference._common import kernel_delta
 
 ROWS_PER_TILE = 64  # wgmma's M
@@ -355,7 +356,8 @@ def _keys(x, L, cu_seqlens, block_size, d):
 
 
 def _kernel(body, grid, names, outputs, scratch, *args):
-    return call(body, outputs, *args, grid=grid, grid_names=names, scratch_types=scratch)
+    return call(body, outputs, *args, grid=grid, grid_names=names, scratch_types=scratch,
+                kernel_name=kernel_name("selected", body))
 
 
 def forward(q, k, v, block_indices, block_counts, cu_seqlens, kv_lens=None, *, block_size, scale):
