@@ -8,8 +8,9 @@ machine (`jax.export(..., platforms=["cuda"])`) and run with nothing but jax[cud
 
 Layouts. q, o, do, dq stay [B, T, HQ, D] and k, v, dk, dv [B, NK, H, D]: a tile is a TMA copy of a strided
 slice (`q.at[b, pl.ds(t0, BQ), hq]`), so nothing is transposed. D is padded to a multiple of 64 (the 128-byte
-swizzle of a 2-byte row) and T, NK to at least one tile: copies only for small or odd shapes (none at
-Dk = Dv = 128 and T >= 64). A tile reaching past the rows of the array reads zeros (TMA fills them) and its
+swizzle of a 2-byte row) and T, NK to a multiple of 8 rows (a TMA copy into a tiled shared-memory tile needs
+it) and at least one tile: copies only for small or odd shapes (none at Dk = Dv = 128, T and NK multiples of 8,
+at least 128). A tile reaching past the rows of the array reads zeros (TMA fills them) and its
 stores there are dropped (TMA clips them). lo and hi are int32 [R, tp] (R = B with per-row ranges, else 1; tp
 = T padded to a multiple of BQ, padded queries see nothing), lse and delta float32 [B, HQ, tp]: a tile's
 slice of each is one 1-D TMA copy, loaded as a per-row (or per-column) vector of the wgmma layout.
