@@ -24,8 +24,9 @@ are masked; a block's rows past the last token of the tile that lists it (`last`
 memory before p v or ds k: a KV cache's rows past its sequence may hold NaN, and 0 * NaN is NaN.
 
 Forward (`_forward_kernel`), grid (NT, H, B): a program owns a tile and walks its union (count, then per
-block: its name, its source row, and `times`: 4 bits per token, how many of the token's slots list it),
-double-buffered (the next block's copies are in flight while this one is computed). Row (j, g) sees key x + c
+block: its name, its source row, and `times`: 4 bits per token, or 8 when S >= 16 (then a tile has at most
+4 tokens), how many of the token's slots list it), double-buffered (the next block's copies are in flight
+while this one is computed). Row (j, g) sees key x + c
 of block x iff token j lists it (m > 0 times: log m is added to its logits, so a block listed twice weighs
 twice), c < block_size and x + c <= the token's key row t0 + j. Online softmax in base 2, float32.
 
@@ -58,7 +59,7 @@ from nsa.reference._common import kernel_delta
 ROWS_PER_TILE = 64  # wgmma's M
 MAX_BLOCK = 256  # the rows of one TMA copy
 SEGMENT = 1024  # L: the most entries (tiles) of one dk/dv segment; the float32 partials are (NL + E / L) x [BK, Dp]
-TIMES_BITS = 4  # per token in `times`: a token may list one block at most 15 times
+MAX_SLOTS = 255  # S at most: `times` counts up to 255 listings of a block by one token
 
 
 def _head_rows(G):
@@ -74,6 +75,7 @@ class _Layout(NamedTuple):
     tpu: tpu._Layout  # the sizes nsa/pallas/selected.py's index functions read
     gr: int  # GR
     rows: int  # TB * GR
+    bits: int  # per token in `times`: 4 (counts to 15) when S <= 15, else 8 (counts to 255; then TB <= 4)
     bk: int  # BK
     direct: bool  # the blocks are read from k and v themselves (else from `_block_rows`)
 
@@ -82,18 +84,22 @@ def _layout(q, k, v, block_indices, block_size, cu_seqlens, kv_lens):
     B, T, HQ, Dk = q.shape
     TK, H, S = k.shape[1], k.shape[2], block_indices.shape[3]
     G = HQ // H
-    gr = _head_rows(G)
+    bits = 4 if S < 16 else 8
+    gr = _head_rows(G) if bits == 4 else max(16, _head_rows(G))  # 8 bits per token: at most 4 tokens per tile
     tb = max(1, ROWS_PER_TILE // gr)
     nt = cdiv(T, tb)
     num_rows = num_compressed_blocks(TK, block_size, cu_seqlens)
     bk = cdiv(block_size, 64) * 64
     lay = tpu._Layout(B, T, TK, H, G, S, tb, nt, bk, bk, padded_dim(Dk, q.dtype), padded_dim(v.shape[3], v.dtype),
                       num_rows, min(min(T, tb) * S, num_rows), False)
-    return _Layout(lay, gr, tb * gr, bk, cu_seqlens is None and block_size % 8 == 0)
+    return _Layout(lay, gr, tb * gr, bits, bk, cu_seqlens is None and block_size % 8 == 0)
 
 
-def _check(q, k, block_size):
+def _check(q, block_indices, block_size):
     check_dtype(q.dtype, "selected_attention")
+    if block_indices.shape[3] > MAX_SLOTS:
+        raise ValueError(f"block_indices: the Mosaic GPU kernels take at most {MAX_SLOTS} slots per query, got "
+                         f"{block_indices.shape[3]}")
     if int(block_size) > MAX_BLOCK:
         raise ValueError(f"block_size: the Mosaic GPU kernels copy a block in one TMA copy of at most {MAX_BLOCK} "
                          f"rows, got {block_size}")
@@ -152,12 +158,12 @@ def _source_rows(names, L, cu_seqlens, block_size):
     return (keys.cmp_start[0][x] + keys.pos[0][x] // block_size) * L.bk
 
 
-def _times(tile_names, union):
-    """int32 [B, H, NT, U]: per union block, TIMES_BITS bits per token j of the tile (at bit TIMES_BITS * j):
-    how many of its slots name the block, at most 15."""
+def _times(tile_names, union, bits):
+    """int32 [B, H, NT, U]: per union block, `bits` bits per token j of the tile (at bit bits * j): how many of
+    its S slots name the block (S < 2 ** bits: exact)."""
     listed = jnp.sum(tile_names[:, :, :, None, :, :] == union[..., None, None], axis=-1)  # [B, H, NT, U, TB]
-    shifts = TIMES_BITS * jnp.arange(listed.shape[-1], dtype=jnp.int32)
-    return jnp.sum(jnp.minimum(listed, 15).astype(jnp.int32) << shifts, axis=-1).astype(jnp.int32)
+    shifts = bits * jnp.arange(listed.shape[-1], dtype=jnp.int32)
+    return jnp.sum(listed.astype(jnp.int32) << shifts, axis=-1).astype(jnp.int32)  # disjoint fields: an OR
 
 
 def _tables(block_indices, block_counts, cu_seqlens, kv_lens, L, block_size):
@@ -169,16 +175,16 @@ def _tables(block_indices, block_counts, cu_seqlens, kv_lens, L, block_size):
     names = tpu._tile_names(tpu._names(block_indices, block_counts, cu_seqlens, kv_lens, lay, block_size), lay)
     union, last, count = tpu._tile_blocks(names, offsets, lay)
     return (count, tpu._tile_starts(offsets, lay), union, _source_rows(union, L, cu_seqlens, block_size),
-            _times(names, union), last)
+            _times(names, union, L.bits), last)
 
 
-def _block_mask(shape, x, t0, times, *, gr, block_size, key_dim):
+def _block_mask(shape, x, t0, times, *, gr, bits, block_size, key_dim):
     """bool [shape] of a (rows, keys) tile (key_dim 1) or its transpose (key_dim 0) against block x: token j =
     row // GR lists it (its `times` bits), the key x + c is in the block (c < block_size) and at or before
     the token's key row t0 + j. Also returns log(times) per entry (0 where unlisted), float32."""
     c = iota(shape, key_dim)
     j = lax.div(iota(shape, 1 - key_dim), jnp.int32(gr))
-    m = lax.shift_right_logical(jnp.full(shape, times, jnp.int32), TIMES_BITS * j) & 15
+    m = lax.shift_right_logical(jnp.full(shape, times, jnp.int32), bits * j) & ((1 << bits) - 1)
     visible = (m > 0) & (c < block_size) & (x + c <= t0 + j)
     return visible, jnp.log2(jnp.maximum(m, 1).astype(jnp.float32))
 
@@ -214,8 +220,8 @@ def _forward_kernel(count_ref, t0_ref, union_ref, source_ref, times_ref, last_re
         x = union_ref[b, h, i, u]
         plgpu.barrier_wait(k_bar.at[slot])
         logits = matmul(q_smem, k_smem.at[slot].transpose((1, 0)), (L.rows, L.bk)) * (scale * LOG2E)
-        visible, log_times = _block_mask(logits.shape, x, t0, times_ref[b, h, i, u], gr=gr, block_size=block_size,
-                                         key_dim=1)
+        visible, log_times = _block_mask(logits.shape, x, t0, times_ref[b, h, i, u], gr=gr, bits=L.bits,
+                                         block_size=block_size, key_dim=1)
         logits = jnp.where(visible, logits + log_times, -jnp.inf)
         m_new = jnp.maximum(m, logits.max(axis=1))
         m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
@@ -270,7 +276,7 @@ def _dq_kernel(count_ref, t0_ref, union_ref, source_ref, times_ref, last_ref, q_
         zero_rows_past(k_smem.at[slot], x, last_ref[b, h, i, u])
         logits = matmul(q_smem, k_smem.at[slot].transpose((1, 0)), (L.rows, L.bk)) * (scale * LOG2E)
         shape = logits.shape
-        visible, log_times = _block_mask(shape, x, t0, times_ref[b, h, i, u], gr=gr, block_size=block_size,
+        visible, log_times = _block_mask(shape, x, t0, times_ref[b, h, i, u], gr=gr, bits=L.bits, block_size=block_size,
                                          key_dim=1)
         visible = visible & by_row(seen, shape)
         p = jnp.where(visible, jnp.exp2(logits + log_times - by_row(lse2, shape)), 0.0)
@@ -313,7 +319,8 @@ def _dkdv_kernel(seg_ref, entry_ref, q_ref, do_ref, lse_ref, delta_ref, k_ref, v
         lse = plgpu.load(stats.at[slot, 0], layout=COLS)
         delta = plgpu.load(stats.at[slot, 1], layout=COLS)
         logits_t = matmul(k_smem, q_smem.at[slot].transpose((1, 0)), (L.bk, L.rows)) * (scale * LOG2E)
-        visible, log_times = _block_mask(logits_t.shape, x, t0, times, gr=gr, block_size=block_size, key_dim=0)
+        visible, log_times = _block_mask(logits_t.shape, x, t0, times, gr=gr, bits=L.bits, block_size=block_size,
+                                         key_dim=0)
         return key_gradients(dk, dv, logits_t + log_times, visible, lse, delta, q_smem.at[slot], do_smem.at[slot],
                              v_smem)
 
@@ -364,7 +371,7 @@ def forward(q, k, v, block_indices, block_counts, cu_seqlens, kv_lens=None, *, b
     """o [B, T, HQ, Dv] (q's dtype) and the residuals (q, k, v, block_indices, block_counts, cu_seqlens, kv_lens,
     o, lse [B, T, HQ] float32): nsa/pallas/selected.py's `forward` on Mosaic GPU (bfloat16, float16)."""
     tpu._check(q, k, block_indices, block_size)
-    _check(q, k, block_size)
+    _check(q, block_indices, block_size)
     L = _layout(q, k, v, block_indices, block_size, cu_seqlens, kv_lens)
     lay = L.tpu
     tables = _tables(block_indices, block_counts, cu_seqlens, kv_lens, L, block_size)
