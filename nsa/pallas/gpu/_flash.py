@@ -414,7 +414,8 @@ def _attend(q, k, v, lo, hi, *, scale, name):
          jax.ShapeDtypeStruct((lay.B, lay.HQ, lay.tp), jnp.float32)),
         [((BLOCK_Q, lay.dkp), dtype), ((2, lay.bk, lay.dkp), dtype), ((2, lay.bk, lay.dvp), dtype),
          ((BLOCK_Q, lay.dvp), dtype), ((2, BLOCK_Q), jnp.int32), ((BLOCK_Q,), jnp.float32)],
-        _bands(lay.lo_p, lay.hi_p, lay.nq, lay.bk), lay.ends, lay.lo_p, lay.hi_p, qv, kv, vv, barriers=(1, 1, 2, 2), name=name)
+        _bands(lay.lo_p, lay.hi_p, lay.nq, lay.bk), lay.ends, lay.lo_p, lay.hi_p, qv, kv, vv, barriers=(1, 1, 2, 2),
+        name=name)
     return o[:, :lay.T, :, :lay.dv], jnp.transpose(lse[:, :, :lay.T], (0, 2, 1))
 
 
