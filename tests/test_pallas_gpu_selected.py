@@ -1,0 +1,162 @@
+"""The index work of the Mosaic GPU selected-attention kernels (nsa/pallas/gpu/selected.py), on the CPU.
+
+The kernels themselves need a Hopper GPU (tests/test_pallas_gpu.py runs the shared base on them; here they are
+only exported for CUDA, by tests/test_pallas_gpu_export.py). Everything they read is built in XLA, and is
+checked here: a float64 NumPy emulation of what each kernel computes from its tables (the tiles' unions,
+`times`, `last`, the source rows of the blocks, the dk/dv segments and lists, the re-laid blocks of packed
+sequences) must give the reference's outputs and gradients, on hostile selections: -1 and out-of-range
+slots, a block listed twice, counts below S, packed sequences with an empty one, a KV cache with NaN past each
+length, block sizes 8, 16 and 32, and G = 1, 3 and 16.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import nsa
+from nsa.pallas.gpu import selected as gpu
+
+CU = np.array([0, 23, 23, 70, 100], np.int32)
+CASES = {  # B, T, TK, HQ, H, Dk, Dv, block_size, S, cu_seqlens, kv_lens
+    "G16": (1, 64, 64, 16, 1, 16, 16, 16, 4, None, None),
+    "G3-dv8": (2, 50, 50, 3, 1, 16, 8, 16, 3, None, None),
+    "G1-bs8": (1, 40, 40, 2, 2, 16, 32, 8, 5, None, None),
+    "cu_seqlens": (1, 100, 100, 4, 2, 16, 16, 16, 3, CU, None),
+    "cache": (2, 5, 90, 6, 2, 16, 16, 32, 3, None, (90, 41)),
+}
+
+
+def _case(name):
+    B, T, TK, HQ, H, Dk, Dv, bs, S, cu, lens = CASES[name]
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((B, T, HQ, Dk)).astype(np.float32)
+    k = rng.standard_normal((B, TK, H, Dk)).astype(np.float32)
+    v = rng.standard_normal((B, TK, H, Dv)).astype(np.float32)
+    pos = np.broadcast_to(np.arange(T) if lens is None else np.asarray(lens)[:, None] - T + np.arange(T), (B, T))
+    if cu is not None:
+        pos = np.concatenate([np.arange(b - a) for a, b in zip(cu[:-1], cu[1:])])[None]
+    idx = (rng.random((B, T, H, S)) * (pos[..., None, None] // bs + 2)).astype(np.int32) - 1  # -1 .. past current
+    idx[..., 0] = pos[..., None] // bs
+    idx[:, ::3, :, 1] = idx[:, ::3, :, 0]  # a block listed twice
+    idx[:, 1::4, :, -1] = 1 << 30
+    counts = rng.integers(1, S + 1, (B, T, H)).astype(np.int32)
+    if lens is not None:  # a KV cache: NaN past each sequence
+        for b, n in enumerate(lens):
+            k[b, n:], v[b, n:] = np.nan, np.nan
+    do = rng.standard_normal((B, T, HQ, Dv)).astype(np.float32)
+    return (q, k, v, idx, counts, None if cu is None else jnp.asarray(cu), None if lens is None else
+            jnp.asarray(lens, jnp.int32), bs, do)
+
+
+def _reference(q, k, v, idx, counts, cu, lens, bs, do):
+    f = lambda q, k, v: nsa.selected_attention(q, k, v, jnp.asarray(idx), block_counts=jnp.asarray(counts),
+                                               block_size=bs, cu_seqlens=cu, kv_lens=lens, implementation="xla")
+    with jax.enable_x64(True):
+        args = [jnp.asarray(x, jnp.float64) for x in (q, k, v)]
+        o, vjp = jax.vjp(f, *args)
+        return np.asarray(o), [np.asarray(g) for g in vjp(jnp.asarray(do, jnp.float64))]
+
+
+def _block(rows, source, bk):
+    """rows[source : source + bk] of a [R, ...] array, zero past its end (what a TMA copy reads)."""
+    out = np.zeros((bk,) + rows.shape[1:])
+    got = rows[source:source + bk]
+    out[:len(got)] = got
+    return out
+
+
+def _mask(x, t0, times, rows, bk, *, gr, bits, bs):
+    """The kernels' `_block_mask`, [rows, bk]: (visible, the log of the times listed; natural here, where the
+    logits are, base 2 in the kernels)."""
+    j = np.arange(rows)[:, None] // gr
+    c = np.arange(bk)[None, :]
+    m = (np.int64(times) & 0xFFFFFFFF) >> (bits * j) & ((1 << bits) - 1)
+    visible = (m > 0) & (c < bs) & (x + c <= t0 + j)
+    return visible, np.log(np.maximum(m, 1))
+
+
+def _emulate(q, k, v, idx, counts, cu, lens, bs, do):
+    """What the forward and the dk/dv kernels compute from their tables, in float64: (o, dk, dv)."""
+    B, T, HQ, Dk = q.shape
+    qj, kj, vj = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v))  # the layouts of 16-bit inputs
+    L = gpu._layout(qj, kj, vj, jnp.asarray(idx), bs, cu, lens)
+    lay = L.tpu
+    count, t0, union, source, times, last = (np.asarray(x) for x in gpu._tables(
+        jnp.asarray(idx), jnp.asarray(counts), cu, lens, L, bs))
+    q_t = np.asarray(gpu._token_rows(jnp.asarray(q), L, lay.dkp), np.float64)
+    ks, vs = (np.asarray(gpu._keys(jnp.asarray(x), L, cu, bs, d), np.float64) for x, d in ((k, lay.dkp), (v, lay.dvp)))
+    tile_rows = lambda x, b, i, h: x[b, i * lay.tb:(i + 1) * lay.tb, h].reshape((L.rows,) + x.shape[4:])
+    scale = Dk ** -0.5
+    o_t = np.zeros((B, lay.nt * lay.tb, lay.H, L.gr, lay.dvp))
+    lse_t = np.full((B, lay.nt * lay.tb, lay.H, L.gr), -np.inf)
+    for b in range(B):
+        for h in range(lay.H):
+            for i in range(lay.nt):
+                rows = tile_rows(q_t, b, i, h)
+                logits, values = [], []
+                for u in range(count[b, h, i]):
+                    kb, vb = _block(ks[b, :, h], source[b, h, i, u], L.bk), _block(vs[b, :, h], source[b, h, i, u], L.bk)
+                    vb[union[b, h, i, u] + np.arange(L.bk) > last[b, h, i, u]] = 0.0  # zero_rows_past
+                    visible, log_m = _mask(union[b, h, i, u], t0[b, h, i], times[b, h, i, u], L.rows, L.bk,
+                                           gr=L.gr, bits=getattr(L, "bits", 4), bs=bs)
+                    with np.errstate(invalid="ignore"):
+                        logits.append(np.where(visible, rows @ kb.T * scale + log_m, -np.inf))
+                    values.append(vb)
+                if not logits:
+                    continue
+                s, vals = np.concatenate(logits, 1), np.concatenate(values, 0)
+                m = np.max(s, 1, keepdims=True)
+                seen = np.isfinite(m[:, 0])
+                p = np.where(seen[:, None], np.exp(s - np.where(seen[:, None], m, 0)), 0.0)
+                l = p.sum(1)
+                out = np.where(seen[:, None], p @ vals / np.where(seen, l, 1)[:, None], 0.0)
+                o_t[b, i * lay.tb:(i + 1) * lay.tb, h] = out.reshape(lay.tb, L.gr, -1)
+                lse_t[b, i * lay.tb:(i + 1) * lay.tb, h] = np.where(seen, m[:, 0] + np.log(np.where(seen, l, 1)),
+                                                                    -np.inf).reshape(lay.tb, L.gr)
+    o = np.asarray(gpu._from_token_rows(jnp.asarray(o_t), L, v.shape[3]))
+    lse = np.asarray(gpu._from_token_rows(jnp.asarray(lse_t), L, None))
+
+    # dk, dv: the segments of each block's list of (tile, times) entries, then each list's sum
+    delta = np.sum(o * do, -1)
+    do_t = np.asarray(gpu._token_rows(jnp.asarray(do), L, lay.dvp), np.float64)
+    lse_v = np.asarray(gpu._tile_vector(jnp.asarray(lse), L, -np.inf), np.float64)
+    delta_v = np.asarray(gpu._tile_vector(jnp.asarray(delta), L, 0.0), np.float64)
+    seg, entries, lists = (np.asarray(x) for x in gpu._dkdv_tables(jnp.asarray(union), jnp.asarray(times),
+                                                                    jnp.asarray(t0), cu, L, bs))
+    dk_part = np.zeros((len(seg), L.bk, lay.dkp))
+    dv_part = np.zeros((len(seg), L.bk, lay.dvp))
+    for s_, (b, h, x, src, lo, hi, offset) in enumerate(seg):
+        kb, vb = _block(ks[b, :, h], src, L.bk), _block(vs[b, :, h], src, L.bk)
+        for tile, tms in entries[lo:hi]:
+            qr, dor = tile_rows(q_t, b, tile, h), tile_rows(do_t, b, tile, h)
+            lse_r, delta_r = lse_v[b, h, tile], delta_v[b, h, tile]
+            visible, log_m = _mask(x, offset + tile * lay.tb, tms, L.rows, L.bk, gr=L.gr,
+                                   bits=getattr(L, "bits", 4), bs=bs)
+            visible, seen = visible.T, np.isfinite(lse_r)
+            visible &= seen[None, :]
+            with np.errstate(invalid="ignore", over="ignore"):
+                p_t = np.where(visible, np.exp(kb @ qr.T * scale + log_m.T - np.where(seen, lse_r, 0)[None]), 0.0)
+                dv_part[s_] += p_t @ dor
+                ds_t = np.where(visible, p_t * (vb @ dor.T - delta_r[None]), 0.0)
+            dk_part[s_] += ds_t @ qr
+    sums = lambda part: np.stack([part[first:first + n].sum(0) for first, n in lists])
+    dk = np.asarray(gpu.tpu._per_key_row(jnp.asarray(sums(dk_part)), cu, lay, bs, k.shape[3])) * scale
+    dv = np.asarray(gpu.tpu._per_key_row(jnp.asarray(sums(dv_part)), cu, lay, bs, v.shape[3]))
+    return o, dk, dv
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_the_kernels_tables_give_the_reference(name):
+    """The emulated forward and dk/dv over the kernels' tables equal the reference's o, dk and dv."""
+    case = _case(name)
+    with jax.enable_x64(True):
+        o, dk, dv = _emulate(*case)
+    o_ref, (_, dk_ref, dv_ref) = _reference(*case)
+    lens = case[6]
+    if lens is not None:  # keys past a sequence get no gradient; compare the rest
+        keep = np.arange(case[1].shape[1])[None, :, None, None] < np.asarray(lens)[:, None, None, None]
+        dk_ref, dv_ref = np.where(keep, dk_ref, 0), np.where(keep, dv_ref, 0)
+    for what, got, want in (("o", o, o_ref), ("dk", dk, dk_ref), ("dv", dv, dv_ref)):
+        # float64 but for the kernels' float32 lse and delta vectors: a table's mistake moves o, dk or dv by O(1)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max(), err_msg=what)
