@@ -24,6 +24,7 @@ CASES = {  # B, T, TK, HQ, H, Dk, Dv, block_size, S, cu_seqlens, kv_lens
     "G1-bs8": (1, 40, 40, 2, 2, 16, 32, 8, 5, None, None),
     "cu_seqlens": (1, 100, 100, 4, 2, 16, 16, 16, 3, CU, None),
     "cache": (2, 5, 90, 6, 2, 16, 16, 32, 3, None, (90, 41)),
+    "S17-listed-17-times": (1, 40, 40, 3, 1, 16, 16, 16, 17, None, None),
 }
 
 
@@ -41,6 +42,9 @@ def _case(name):
     idx[:, ::3, :, 1] = idx[:, ::3, :, 0]  # a block listed twice
     idx[:, 1::4, :, -1] = 1 << 30
     counts = rng.integers(1, S + 1, (B, T, H)).astype(np.int32)
+    if S >= 16:  # a token that lists its current block in all of its slots but the last, and block 0 there
+        idx[:, 30], counts[:, 30] = (pos[:, 30] // bs)[:, None, None], S
+        idx[:, 30, :, -1] = 0
     if lens is not None:  # a KV cache: NaN past each sequence
         for b, n in enumerate(lens):
             k[b, n:], v[b, n:] = np.nan, np.nan
