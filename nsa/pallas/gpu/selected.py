@@ -58,7 +58,7 @@ from nsa.reference._common import kernel_delta
 ROWS_PER_TILE = 64  # wgmma's M
 MAX_BLOCK = 256  # the rows of one TMA copy
 SEGMENT = 1024  # L: the most entries (tiles) of one dk/dv segment; the float32 partials are (NL + E / L) x [BK, Dp]
-TIMES_BITS = 4  # per token in `times`: a token may list one block at most 15 times
+TIMES_BITS = 4  # per token in `times`: a block listed more than 15 times by one token counts 15 times (S >= 16 only)
 
 
 def _head_rows(G):
