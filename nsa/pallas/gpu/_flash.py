@@ -15,15 +15,15 @@ stores there are dropped (TMA clips them). lo and hi are int32 [R, tp] (R = B wi
 = T padded to a multiple of BQ, padded queries see nothing), lse and delta float32 [B, HQ, tp]: a tile's
 slice of each is one 1-D TMA copy, loaded as a per-row (or per-column) vector of the wgmma layout.
 
-Forward (`_forward_kernel`), grid (T / BQ, HQ, B): one program owns the BQ queries of one query tile of
-head hq and walks its band of key tiles (`_bands`: the first and last key tile any of its queries sees, read
-as scalars from HBM), double-buffered: the next tile's k and v copies are in flight while this one is
-computed. s = q k^T (wgmma, [BQ, BK] float32), masked to [lo, hi], online softmax in base 2, acc += p v.
-A key tile reaching past the last row any query of its batch row sees (`ends`: a KV cache's rows past a
-sequence may hold NaN, and 0 * NaN is NaN) has those rows of v zeroed in shared memory before p v.
+Forward (`_forward_kernel`), grid (T / 128, HQ, B), three warpgroups (FA3's split, as jax's attention_mgpu.py):
+one program owns 128 queries of head hq; two consumer warpgroups take 64 each, and a producer warpgroup copies
+the band of key tiles (`_bands`: the first and last key tile any of the 128 queries sees, read as scalars from
+HBM) into SLOTS buffers, refilling a slot once both consumers have released it. s = q k^T (wgmma, [64, BK]
+float32), masked to [lo, hi], online softmax in base 2, acc += p v. With a KV cache v's rows past the last one
+any query of the batch row sees are zeroed in XLA first (`_seen_values`: they may hold NaN, and 0 * NaN is NaN).
 
-Backward. `_dq_kernel` runs on the forward's grid and tiles, recomputing p from lse: dq += ds k with ds = p *
-(do v^T - delta) (k's rows past `ends` zeroed as v's are in the forward). `_dkdv_kernel`, grid (NK / BK, H,
+Backward. `_dq_kernel`, grid (T / 64, HQ, B), one warpgroup per 64 queries, recomputes p from lse: dq += ds k
+with ds = p * (do v^T - delta) (k's rows past `ends` zeroed in shared memory). `_dkdv_kernel`, grid (NK / BK, H,
 B * P), owns one key tile of a KV head and walks, for each of its G query heads, the query tiles that see it
 (`query_ranges`, then `_bands` over the key tiles): s^T = k q^T, p^T, dv += p^T do, dp^T = v do^T, dk +=
 ds^T q, all [BK, .] float32 in registers, in a fixed order (deterministic, no atomics). With few key tiles
@@ -32,9 +32,9 @@ that XLA adds in a fixed order. Masked entries of p^T
 and ds^T are set to 0 with jnp.where, so a NaN key or value past `ends` reaches no result.
 
 Tiles: BQ = 64 query rows (wgmma's M, one warpgroup), BK = 64 key rows in dq and dk/dv, 128 in the forward
-(`FORWARD_BLOCK_K`). Shared memory per program (the largest, the forward): q [BQ, Dkp], two k [BK, Dkp] and two
-v [BK, Dvp] buffers, o [BQ, Dvp], in the input dtype: 160 KiB at Dk = Dv = 128 in bfloat16, within the H200's
-227 KiB.
+(`FORWARD_BLOCK_K`). Shared memory per program (the largest, the forward): two q [64, Dkp] and two o [64, Dvp]
+tiles, SLOTS k [BK, Dkp] and v [BK, Dvp] buffers, in the input dtype: 192 KiB at Dk = Dv = 128 in bfloat16,
+within the H200's 227 KiB (head dims Dkp + Dvp up to MAX_HEAD_DIMS).
 """
 
 import functools
@@ -53,13 +53,19 @@ from nsa.reference._common import kernel_delta
 BLOCK_Q = 64  # query rows per tile: wgmma's M (one warpgroup)
 BLOCK_K = 64  # key rows per tile of the dq and dk/dv kernels
 # The forward's key tiles: 128 rows (fewer, longer steps), or 64 where two buffers of k and v would not fit in
-# shared memory beside q and o (Dkp + Dvp > 320). A query whose visible keys fit one tile then takes its softmax
+# shared memory beside q and o (Dkp + Dvp > 256). A query whose visible keys fit one tile then takes its softmax
 # in one step, with no rescaling: a packed sequence's results equal its results alone (the varlen tests).
 FORWARD_BLOCK_K = 128
 # The dk/dv kernel splits a key tile's walk over several programs when there are few key tiles (the compressed
 # branch: B * H * NC / 64 = 64 programs at T = 64k on the standard shape, 46.7 ms forward+backward against
 # Triton's 17.6): about 4 waves of the H200's 132 SMs, each part at least 32 steps.
 DKDV_PROGRAMS = 4 * 132
+# The forward runs FA3's split (jax's attention_mgpu.py): two consumer warpgroups of 64 query rows each and one
+# producer warpgroup that copies key tiles into SLOTS buffers; the producer gives its registers to the consumers.
+FORWARD_ROWS = 2 * BLOCK_Q
+SLOTS = 2
+CONSUMER_REGISTERS, PRODUCER_REGISTERS = 232, 40
+MAX_HEAD_DIMS = 448  # Dkp + Dvp: 2 * (2 * 64 + SLOTS * 64) rows of 2 bytes each must fit the H200's 227 KiB
 DKDV_MIN_STEPS = 32
 SUBLANES = 8  # the rows of a shared-memory tile
 LANE_BYTES = 128  # the swizzle of a shared-memory tile's rows: D is padded to a multiple of 128 bytes
@@ -191,49 +197,74 @@ def _visible(key, lo, hi, shape, along):
     return (key >= spread(lo, shape)) & (key <= spread(hi, shape))
 
 
-def _forward_kernel(band_ref, end_ref, lo_ref, hi_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, q_smem, k_smem, v_smem,
-                    o_smem, ranges, lse_smem, q_bar, vec_bar, k_bar, v_bar, *, sh, scale):
-    i, hq, b = lax.axis_index("tile"), lax.axis_index("head"), lax.axis_index("batch")
+def _forward_kernel(band_ref, lo_ref, hi_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, q_smem, k_smem, v_smem, o_smem,
+                    ranges, lse_smem, q_bar, vec_bar, k_bar, v_bar, k_free, v_free, *, sh, scale):
+    """Warpgroups 0 and 1 each own 64 of the program's 128 query rows and compute; warpgroup 2 copies the key
+    tiles of the band into SLOTS buffers, refilling a slot once both have released it (k_free, v_free)."""
+    i, hq, b, wg = (lax.axis_index(axis) for axis in ("tile", "head", "batch", "wg"))
     row = b if sh.per_row else 0
     h = lax.div(hq, sh.G)
-    queries = pl.ds(i * BLOCK_Q, BLOCK_Q)
-    plgpu.copy_gmem_to_smem(q_ref.at[b, queries, hq], q_smem, q_bar.at[0])
-    lo = load_vector(lo_ref.at[row, queries], ranges.at[0], vec_bar.at[0], ROWS)
-    hi = load_vector(hi_ref.at[row, queries], ranges.at[1], vec_bar.at[0], ROWS)
-    plgpu.barrier_wait(q_bar.at[0])
-    first, last = band(band_ref, row, i, sh.nq)
-    end = end_ref[row]
+    first, last = band(band_ref, row, i, sh.nq_forward)
+    count = jnp.maximum(last - first + 1, 0)
 
-    def fetch(step, slot):
-        keys = pl.ds(pl.multiple_of((first + step) * sh.bk, sh.bk), sh.bk)
-        plgpu.copy_gmem_to_smem(k_ref.at[b, keys, h], k_smem.at[slot], k_bar.at[slot])
-        plgpu.copy_gmem_to_smem(v_ref.at[b, keys, h], v_smem.at[slot], v_bar.at[slot])
+    @pl.when(wg < 2)
+    def _consume():
+        plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+        queries = pl.ds(i * FORWARD_ROWS + wg * BLOCK_Q, BLOCK_Q)
+        q_tile = q_smem.at[wg]
+        plgpu.copy_gmem_to_smem(q_ref.at[b, queries, hq], q_tile, q_bar.at[wg])
+        lo = load_vector(lo_ref.at[row, queries], ranges.at[wg, 0], vec_bar.at[wg], ROWS)
+        hi = load_vector(hi_ref.at[row, queries], ranges.at[wg, 1], vec_bar.at[wg], ROWS)
+        plgpu.barrier_wait(q_bar.at[wg])
 
-    def step(s, slot, carry):
-        acc, m, l = carry
-        first_key = (first + s) * sh.bk
-        plgpu.barrier_wait(k_bar.at[slot])
-        logits = matmul(q_smem, k_smem.at[slot].transpose((1, 0)), (BLOCK_Q, sh.bk)) * (scale * LOG2E)
-        visible = _visible(first_key + iota(logits.shape, 1), lo, hi, logits.shape, 0)
-        logits = jnp.where(visible, logits, -jnp.inf)
-        m_new = jnp.maximum(m, logits.max(axis=1))
-        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows that saw nothing yet: no NaN
-        alpha = jnp.exp2(m - m_use)
-        p = jnp.exp2(logits - by_row(m_use, logits.shape))
-        l = l * alpha + p.sum(axis=1)
-        acc = acc * by_row(alpha, acc.shape)
-        plgpu.barrier_wait(v_bar.at[slot])
-        zero_rows_past(v_smem.at[slot], first_key, end)
-        return matmul_add(acc, p.astype(q_smem.dtype), v_smem.at[slot]), m_new, l
+        def step(s, carry):
+            acc, m, l = carry
+            slot = lax.rem(s, SLOTS)
+            plgpu.barrier_wait(k_bar.at[slot])
+            logits = matmul(q_tile, k_smem.at[slot].transpose((1, 0)), (BLOCK_Q, sh.bk)) * (scale * LOG2E)
+            plgpu.barrier_arrive(k_free.at[slot])
+            visible = _visible((first + s) * sh.bk + iota(logits.shape, 1), lo, hi, logits.shape, 0)
+            logits = jnp.where(visible, logits, -jnp.inf)
+            m_new = jnp.maximum(m, logits.max(axis=1))
+            m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows that saw nothing yet: no NaN
+            alpha = jnp.exp2(m - m_use)
+            p = jnp.exp2(logits - by_row(m_use, logits.shape))
+            l = l * alpha + p.sum(axis=1)
+            acc = acc * by_row(alpha, acc.shape)
+            plgpu.barrier_wait(v_bar.at[slot])
+            acc = matmul_add(acc, p.astype(q_tile.dtype), v_smem.at[slot])
+            plgpu.barrier_arrive(v_free.at[slot])
+            return acc, m_new, l
 
-    init = (plgpu.layout_cast(jnp.zeros((BLOCK_Q, sh.dvp), jnp.float32), plgpu.Layout.WGMMA),
-            plgpu.layout_cast(jnp.full((BLOCK_Q,), -jnp.inf, jnp.float32), ROWS),
-            plgpu.layout_cast(jnp.zeros((BLOCK_Q,), jnp.float32), ROWS))
-    acc, m, l = pipelined(last - first + 1, fetch, step, init)
-    seen = l > 0
-    l_safe = jnp.where(seen, l, 1.0)
-    store(acc / by_row(l_safe, acc.shape), o_smem, o_ref.at[b, queries, hq])
-    store(jnp.where(seen, (m + jnp.log2(l_safe)) * LN2, -jnp.inf), lse_smem, lse_ref.at[b, hq, queries])
+        init = (plgpu.layout_cast(jnp.zeros((BLOCK_Q, sh.dvp), jnp.float32), plgpu.Layout.WGMMA),
+                plgpu.layout_cast(jnp.full((BLOCK_Q,), -jnp.inf, jnp.float32), ROWS),
+                plgpu.layout_cast(jnp.zeros((BLOCK_Q,), jnp.float32), ROWS))
+        acc, m, l = lax.fori_loop(0, count, step, init)
+        seen = l > 0
+        l_safe = jnp.where(seen, l, 1.0)
+        store(acc / by_row(l_safe, acc.shape), o_smem.at[wg], o_ref.at[b, queries, hq])
+        store(jnp.where(seen, (m + jnp.log2(l_safe)) * LN2, -jnp.inf), lse_smem.at[wg], lse_ref.at[b, hq, queries])
+
+    @pl.when(wg == 2)
+    def _produce():
+        plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+
+        def fetch(s, slot):
+            keys = pl.ds(pl.multiple_of((first + s) * sh.bk, sh.bk), sh.bk)
+            plgpu.copy_gmem_to_smem(k_ref.at[b, keys, h], k_smem.at[slot], k_bar.at[slot])
+            plgpu.copy_gmem_to_smem(v_ref.at[b, keys, h], v_smem.at[slot], v_bar.at[slot])
+
+        for s in range(SLOTS):
+            pl.when(s < count)(functools.partial(fetch, s, s))
+
+        @pl.loop(SLOTS, count)
+        def _refill(s):
+            slot = lax.rem(s, SLOTS)
+            keys = pl.ds(pl.multiple_of((first + s) * sh.bk, sh.bk), sh.bk)
+            plgpu.barrier_wait(k_free.at[slot])
+            plgpu.copy_gmem_to_smem(k_ref.at[b, keys, h], k_smem.at[slot], k_bar.at[slot])
+            plgpu.barrier_wait(v_free.at[slot])
+            plgpu.copy_gmem_to_smem(v_ref.at[b, keys, h], v_smem.at[slot], v_bar.at[slot])
 
 
 def _dq_kernel(band_ref, end_ref, lo_ref, hi_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, q_smem,
@@ -361,13 +392,22 @@ class _Layout:
         self.dkp, self.dvp = padded_dim(self.dk, q.dtype), padded_dim(self.dv, v.dtype)
         self.tp = cdiv(self.T, BLOCK_Q) * BLOCK_Q
         self.nq, self.nk = self.tp // BLOCK_Q, max(1, cdiv(self.NK, BLOCK_K))
-        self.bk = FORWARD_BLOCK_K if self.dkp + self.dvp <= 320 else BLOCK_K  # the forward's key tile
+        self.bk = FORWARD_BLOCK_K if self.dkp + self.dvp <= 256 else BLOCK_K  # the forward's key tile
+        if self.dkp + self.dvp > MAX_HEAD_DIMS:
+            raise ValueError(f"q, v: the Mosaic GPU flash forward holds two 64-row q and o tiles and two key tiles in "
+                             f"shared memory, for head dims Dk + Dv of at most {MAX_HEAD_DIMS} (each rounded up to "
+                             f"64), got Dk = {self.dk}, Dv = {self.dv}")
         self.per_row = lo.ndim == 2
         self.lo, self.hi = (x.astype(jnp.int32).reshape(-1, self.T) for x in (lo, hi))
         padding = jnp.arange(self.tp) >= self.T  # padded queries see nothing: lo 1, hi 0
         self.lo_p = jnp.where(padding, 1, pad_to(self.lo, 1, self.tp))
         self.hi_p = jnp.where(padding, 0, pad_to(self.hi, 1, self.tp))
         self.ends = jnp.max(self.hi, axis=1)  # [R]: the last key row any query of the batch row sees
+        self.tp_forward = cdiv(self.T, FORWARD_ROWS) * FORWARD_ROWS  # the forward's queries, in tiles of 128
+        self.nq_forward = self.tp_forward // FORWARD_ROWS
+        forward_padding = jnp.arange(self.tp_forward) >= self.T
+        self.lo_forward = jnp.where(forward_padding, 1, pad_to(self.lo, 1, self.tp_forward))
+        self.hi_forward = jnp.where(forward_padding, 0, pad_to(self.hi, 1, self.tp_forward))
 
     def queries(self, x, d):
         return tma_rows(pad_to(x, 3, d), BLOCK_Q)
@@ -396,26 +436,38 @@ def kernel_name(branch, kernel):
     return branch + getattr(kernel, "func", kernel).__name__
 
 
-def _call(kernel, grid, outputs, scratch, *args, barriers, name):
+def _call(kernel, grid, outputs, scratch, *args, barriers, name, **params):
     """`call` of `kernel` on `grid` (named tile, head, batch), with the shared-memory `scratch` and one group of
-    TMA barriers per entry of `barriers` (their counts) after the outputs; the branch `name` names it."""
+    barriers per entry of `barriers` (a count, or (count, arrivals)) after the outputs; the branch `name` names it;
+    `params` go to plgpu.kernel (num_threads, thread_name)."""
+    groups = [plgpu.Barrier(num_barriers=n) if isinstance(n, int) else plgpu.Barrier(num_barriers=n[0],
+                                                                                     num_arrivals=n[1])
+              for n in barriers]
     return call(kernel, outputs, *args, grid=grid, grid_names=("tile", "head", "batch"),
-                scratch_types=_scratch(*scratch) + [plgpu.Barrier(num_barriers=n) for n in barriers],
-                kernel_name=kernel_name(name, kernel))
+                scratch_types=_scratch(*scratch) + groups, kernel_name=kernel_name(name, kernel), **params)
+
+
+def _seen_values(v, lay):
+    """v with the rows past the last one any query of its batch row sees zeroed, with per-row ranges (a KV cache's
+    rows past a sequence may hold NaN, and p = 0 times NaN is NaN); v itself otherwise (every row is a key)."""
+    if not lay.per_row:
+        return v
+    keep = jnp.arange(v.shape[1])[None, :, None, None] <= lay.ends[:, None, None, None]
+    return jnp.where(keep, v, jnp.zeros_like(v))
 
 
 def _attend(q, k, v, lo, hi, *, scale, name):
     lay = _Layout(q, k, v, lo, hi)
-    qv, kv, vv = lay.queries(q, lay.dkp), lay.keys(k, lay.dkp), lay.keys(v, lay.dvp)
+    qv, kv, vv = lay.queries(q, lay.dkp), lay.keys(k, lay.dkp), lay.keys(_seen_values(v, lay), lay.dvp)
     dtype = q.dtype
     o, lse = _call(
-        functools.partial(_forward_kernel, sh=lay, scale=float(scale)), (lay.nq, lay.HQ, lay.B),
+        functools.partial(_forward_kernel, sh=lay, scale=float(scale)), (lay.nq_forward, lay.HQ, lay.B),
         (jax.ShapeDtypeStruct(qv.shape[:3] + (lay.dvp,), dtype),
-         jax.ShapeDtypeStruct((lay.B, lay.HQ, lay.tp), jnp.float32)),
-        [((BLOCK_Q, lay.dkp), dtype), ((2, lay.bk, lay.dkp), dtype), ((2, lay.bk, lay.dvp), dtype),
-         ((BLOCK_Q, lay.dvp), dtype), ((2, BLOCK_Q), jnp.int32), ((BLOCK_Q,), jnp.float32)],
-        _bands(lay.lo_p, lay.hi_p, lay.nq, lay.bk), lay.ends, lay.lo_p, lay.hi_p, qv, kv, vv, barriers=(1, 1, 2, 2),
-        name=name)
+         jax.ShapeDtypeStruct((lay.B, lay.HQ, lay.tp_forward), jnp.float32)),
+        [((2, BLOCK_Q, lay.dkp), dtype), ((SLOTS, lay.bk, lay.dkp), dtype), ((SLOTS, lay.bk, lay.dvp), dtype),
+         ((2, BLOCK_Q, lay.dvp), dtype), ((2, 2, BLOCK_Q), jnp.int32), ((2, BLOCK_Q), jnp.float32)],
+        _bands(lay.lo_forward, lay.hi_forward, lay.nq_forward, lay.bk), lay.lo_forward, lay.hi_forward, qv, kv, vv,
+        barriers=(2, 2, SLOTS, SLOTS, (SLOTS, 2), (SLOTS, 2)), name=name, num_threads=3, thread_name="wg")
     return o[:, :lay.T, :, :lay.dv], jnp.transpose(lse[:, :, :lay.T], (0, 2, 1))
 
 
