@@ -1,4 +1,5 @@
-"""The GPU benchmark: nsa's kernels against nsa's XLA reference, dense cuDNN attention and fla's NSA.
+"""The GPU benchmark: nsa's kernels (Triton, Pallas Mosaic GPU) against nsa's XLA reference, dense cuDNN attention
+and fla's NSA.
 
     python benchmarks/gpu.py --out benchmarks/results [--seq-lens 8192 16384 ...] [--cases selection full]
 
@@ -118,7 +119,8 @@ def main():
     parser.add_argument("--out", required=True)
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[8192, 16384, 32768, 65536, 131072])
     parser.add_argument("--cases", nargs="+", default=["selection", "full"])
-    parser.add_argument("--impls", nargs="*", default=["triton", "xla"], help="nsa implementations to time")
+    parser.add_argument("--impls", nargs="*", default=["triton", "pallas", "xla"],
+                        help="nsa implementations to time (pallas: the Mosaic GPU kernels)")
     parser.add_argument("--no-dense", action="store_true", help="skip dense cuDNN attention")
     parser.add_argument("--no-fla", action="store_true", help="skip fla")
     parser.add_argument("--xla-max-seq-len", type=int, default=16384)
