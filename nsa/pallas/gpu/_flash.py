@@ -47,7 +47,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from nsa._varlen import cdiv, query_ranges
-from nsa.pallas._flash import _bands, packed_attend, packed_attend_backward
+from nsa.pallas._flash import _bands, _padded as pad_to, packed_attend, packed_attend_backward
 from nsa.reference._common import kernel_delta
 
 BLOCK_Q = 64  # query rows per tile: wgmma's M (one warpgroup)
@@ -92,12 +92,6 @@ def padded_dim(d, dtype):
     """d rounded up to whole 128-byte rows."""
     cols = LANE_BYTES // jnp.dtype(dtype).itemsize
     return cdiv(d, cols) * cols
-
-
-def pad_to(x, axis, size):
-    """x zero-padded along `axis` to `size` (x itself when it already has it)."""
-    missing = size - x.shape[axis]
-    return x if missing <= 0 else jnp.pad(x, [(0, missing if a == axis else 0) for a in range(x.ndim)])
 
 
 def tma_rows(x, tile):

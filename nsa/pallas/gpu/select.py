@@ -56,12 +56,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from nsa._varlen import cdiv, tokens
-from nsa.pallas.gpu._flash import call
+from nsa.pallas.gpu._flash import DTYPES, by_row, call, iota, matmul, padded_dim, smem_tile
 from nsa.reference.select import block_ranks, top_blocks
 
 ROWS = 64  # the tile: wgmma's M
 CHUNK = 64  # BC: compressed rows per step (wgmma's N)
-DTYPES = (jnp.bfloat16, jnp.float16)
 
 
 def _round_up(x, m):
@@ -145,7 +144,7 @@ def _padded_inputs(q, k_cmp, H):
     B, T, HQ, Dk = q.shape
     NC = k_cmp.shape[1]
     G = HQ // H
-    GR, Dp, NCP = _head_slots(G), _round_up(Dk, 64), _round_up(NC, CHUNK)
+    GR, Dp, NCP = _head_slots(G), padded_dim(Dk, q.dtype), _round_up(NC, CHUNK)
     q5 = q.reshape(B, T, H, G, Dk)
     if GR != G or Dp != Dk:
         q5 = jnp.pad(q5, [(0, 0)] * 3 + [(0, GR - G), (0, Dp - Dk)])
@@ -183,7 +182,7 @@ def _row_vector(ref):
 
 def _by_row(x):
     """A per-row vector [64] broadcast over the chunk's columns: [64, BC]."""
-    return lax.broadcast_in_dim(x, (ROWS, CHUNK), [0])
+    return by_row(x, (ROWS, CHUNK))
 
 
 def _logits(q_smem, k_smem, k_ref, barrier, b, h, chunk, first, end, *, scale):
@@ -191,13 +190,8 @@ def _logits(q_smem, k_smem, k_ref, barrier, b, h, chunk, first, end, *, scale):
     x = pl.multiple_of(chunk * CHUNK, CHUNK)
     plgpu.copy_gmem_to_smem(k_ref.at[b, pl.ds(x, CHUNK), h], k_smem, barrier)
     plgpu.barrier_wait(barrier)
-
-    def qk(acc_ref):
-        plgpu.wgmma(acc_ref, q_smem, k_smem.transpose((1, 0)))
-        return acc_ref[...]
-
-    s = pl.run_scoped(qk, plgpu.ACC((ROWS, CHUNK), jnp.float32))
-    key = x + plgpu.broadcasted_iota(jnp.int32, (ROWS, CHUNK), 1, layout=plgpu.Layout.WGMMA)
+    s = matmul(q_smem, k_smem.transpose((1, 0)), (ROWS, CHUNK))
+    key = x + iota((ROWS, CHUNK), 1)
     visible = (key >= _by_row(first)) & (key < _by_row(end))
     return jnp.where(visible, s * scale, -jnp.inf), visible
 
@@ -280,9 +274,8 @@ def _kernel(*refs, H, G, TB, T, scale, has_lse, per_row):
 
 
 def _scratch(dtype, Dp, TB, has_lse):
-    swizzled = dict(transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
-    return (plgpu.SMEM((ROWS, Dp), dtype, **swizzled),  # q
-            plgpu.SMEM((CHUNK, Dp), dtype, **swizzled),  # k_cmp chunk
+    return (smem_tile((ROWS, Dp), dtype),  # q
+            smem_tile((CHUNK, Dp), dtype),  # k_cmp chunk
             plgpu.SMEM((2, ROWS), jnp.int32),  # first, end per row
             plgpu.SMEM((ROWS,), jnp.float32) if has_lse else None,
             plgpu.SMEM((ROWS, CHUNK), jnp.float32),  # p

@@ -53,7 +53,7 @@ from nsa._varlen import cdiv, num_compressed_blocks, tokens
 from nsa.pallas import selected as tpu
 from nsa.pallas.gpu._flash import (COLS, LN2, LOG2E, ROWS, by_row, call, check_dtype, iota, kernel_name,
                                    key_gradients, matmul, matmul_add, pad_to, padded_dim, pipelined, smem_tile,
-                                   store, zero_rows_past)
+                                   store, tma_rows, zero_rows_past)
 from nsa.reference._common import kernel_delta
 
 ROWS_PER_TILE = 64  # wgmma's M
@@ -358,7 +358,7 @@ def _keys(x, L, cu_seqlens, block_size, d):
     """What the kernels read as k or v: x itself (D padded) when its blocks start on 8-row boundaries, else
     `_block_rows`."""
     if L.direct:
-        return pad_to(pad_to(x, 3, d), 1, max(L.bk, cdiv(x.shape[1], 8) * 8))
+        return tma_rows(pad_to(x, 3, d), L.bk)
     return _block_rows(x, L, cu_seqlens, block_size, d)
 
 
