@@ -1,8 +1,8 @@
 """Where the GPU time of each op goes, kernel by kernel, from a jax.profiler trace.
 
-    python -m benchmarks.trace --out DIR [--seq-lens 8192 65536] [--ops window selected ...] [--iters 5]
+    python -m benchmarks.trace --out DIR [--seq-lens 8192 65536] [--ops window selected ...] [--iters 5] [--impl pallas]
 
-Takes the op cases of benchmarks/ops.py (standard shape, implementation="triton"). For each op it runs the
+Takes the op cases of benchmarks/ops.py (standard shape, implementation --impl, "triton" unless told). For each op it runs the
 forward+backward (select: the forward) once to compile, then --iters times under
 jax.profiler.trace(create_perfetto_trace=True), and sums the device events of the trace by name: the
 Triton kernels by their function name, XLA's fusions, sorts and copies by theirs. Prints, per op, the
@@ -48,11 +48,12 @@ def main():
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[8192])
     parser.add_argument("--ops", nargs="*", default=None, help="only these ops (default: all)")
     parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--impl", default="triton")
     args = parser.parse_args()
     result = dict(date=time.strftime("%Y-%m-%d"), device=str(jax.devices()[0].device_kind), jax=jax.__version__,
-                  rows=[])
+                  impl=args.impl, rows=[])
     for T in args.seq_lens:
-        for name, fwd, fwd_bwd, op_args in op_cases(T, "triton"):
+        for name, fwd, fwd_bwd, op_args in op_cases(T, args.impl):
             if args.ops and name not in args.ops:
                 continue
             times = device_times(fwd_bwd or fwd, op_args, args.iters)
@@ -62,7 +63,8 @@ def main():
                 if us >= 0.01 * total:
                     print(f"  {us / 1e3:8.3f} ms  {event[:110]}")
             result["rows"].append(dict(op=name, T=T, fwd_bwd=fwd_bwd is not None, total_us=total, events=dict(times)))
-    with open(f"{args.out}/trace-{'-'.join(map(str, args.seq_lens))}.json", "w") as f:
+    name = "-".join(map(str, args.seq_lens)) + ("" if args.impl == "triton" else f"-{args.impl}")
+    with open(f"{args.out}/trace-{name}.json", "w") as f:
         json.dump(result, f, indent=1)
 
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything nsa runs on the GPU, in one call: the gpu-marked tests, then the benchmark.
 #   scripts/gpu.sh [tests|bench|pallas|decode|ops|trace|sanitize|all] [extra benchmark args...]
-# (pallas: scripts/pallas_gpu_check.py and gpu_check_select.py, the Mosaic GPU kernels op by op; its args
+# (pallas: scripts/pallas_gpu_check.py and gpu_check_select.py, the Mosaic GPU kernels op by op, each under
+#  PALLAS_TIMEOUT seconds (default 400); its args
 #  name the ops)
 # (decode: benchmarks/decode.py, one decode step over a KV cache, with its own args;
 #  ops: benchmarks/ops.py, the time of each op of the pipeline, with its own args, e.g. --sweep;
@@ -55,7 +56,7 @@ if [[ $what == pallas ]]; then  # the Mosaic GPU kernels' quick checks, each op 
     for op in ${@:-window compressed selected select attention checkpoint time}; do
         check=scripts/pallas_gpu_check.py
         [[ $op == select ]] && check=scripts/gpu_check_select.py  # the selections, row by row
-        timeout 400 python3 $check "$op" > "$out/pallas-$op.log" 2>&1 || status=1
+        timeout ${PALLAS_TIMEOUT:-400} python3 $check "$op" > "$out/pallas-$op.log" 2>&1 || status=1
         grep -E "^(ok|FAIL|ERR|T=|     File|[0-9]+ of)" "$out/pallas-$op.log" | cut -c1-400
     done
 fi
