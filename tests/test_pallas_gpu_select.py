@@ -21,6 +21,8 @@ import numpy as np
 import pytest
 
 from nsa._varlen import cdiv, num_compressed_blocks, tokens
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
 from nsa.pallas.gpu import select as gpu_select
 from nsa.reference import select as reference
 from nsa.reference.compressed import softmax_over_blocks
@@ -34,11 +36,9 @@ needs_mosaic_gpu = pytest.mark.skipif(
 
 @pytest.fixture
 def top_k_on_cpu(monkeypatch):
-    """gpu_select.top_k interpreted on the CPU (jax >= 0.11), else the reference's top_blocks in its place."""
-    if MOSAIC_GPU_LOWERS:
-        monkeypatch.setattr(gpu_select, "top_k", functools.partial(gpu_select.top_k, interpret=True))
-    else:
-        monkeypatch.setattr(gpu_select, "top_k", lambda x, k, chunks: reference.top_blocks(x, k))
+    """The reference's top_blocks in the place of the top-k kernel (interpreting it takes about a minute for
+    forward's hundreds of rows; test_top_k_kernel_interpreted and test_forward_with_the_top_k_interpreted run it)."""
+    monkeypatch.setattr(gpu_select, "top_k", lambda x, k, chunks: reference.top_blocks(x, k))
 
 
 def _inputs(B, T, HQ, H, Dk, block_size, dtype, cu=None, num_rows=None, seed=0):
@@ -257,7 +257,10 @@ TOP_K = {
 def test_top_k_kernel_interpreted(name):
     """The top-k kernel in Mosaic GPU's interpret mode: exactly the reference's `top_blocks` (rank order, ties to
     the lower column, -1 for -inf), with every third row -inf past half its columns, every fifth all -inf, and
-    the tiles' chunk counts cut to the columns that are not -inf where a whole tile allows it."""
+    the tiles' chunk counts cut to the columns that are not -inf where a whole tile allows it. The interpreter's
+    race detector runs too (it finds the race when the load of a chunk is not followed by commit_smem before the
+    next copy into its buffer)."""
+    from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races  # jax 0.11's own tool
     R, N, k, kind = TOP_K[name]
     rng = np.random.default_rng(1)
     x = rng.random((R, N)).astype(np.float32)
@@ -272,9 +275,23 @@ def test_top_k_kernel_interpreted(name):
     finite = np.pad(np.isfinite(x), [(0, tiles * gpu_select.TOP_ROWS - R), (0, 0)]).reshape(tiles, -1, N)
     last = np.array([np.max(np.nonzero(t.any(axis=0))[0], initial=-1) for t in finite])
     chunks = (last // gpu_select.TOP_CHUNK + 1).astype(np.int32)
-    got = gpu_select.top_k(jnp.asarray(x), k, jnp.asarray(chunks), interpret=True)
+    interpret = plgpu.InterpretGPUParams(detect_races=True)
+    got = gpu_select.top_k(jnp.asarray(x), k, jnp.asarray(chunks), interpret=interpret)
     assert got.dtype == jnp.int32 and got.shape == (R, k)
+    assert not get_races().races_found
     np.testing.assert_array_equal(np.asarray(got), np.asarray(reference.top_blocks(jnp.asarray(x), k)))
+
+
+@needs_mosaic_gpu
+def test_forward_with_the_top_k_interpreted(monkeypatch):
+    """forward with the scores kernel emulated and the top-k kernel interpreted (one tile of rows): the
+    reference's ids."""
+    (B, T, HQ, H, Dk, bs), S, _, cu, _ = AROUND["G3-dk16-lse-more-slots-than-blocks"]
+    q, k_cmp = _inputs(B, T, HQ, H, Dk, bs, jnp.bfloat16, cu)
+    monkeypatch.setattr(gpu_select, "scores", _emulated_scores)
+    monkeypatch.setattr(gpu_select, "top_k", functools.partial(gpu_select.top_k, interpret=plgpu.InterpretGPUParams()))
+    got = gpu_select.forward(q, k_cmp, None, cu, None, block_counts=S, block_size=bs, scale=Dk ** -0.5)
+    np.testing.assert_array_equal(np.asarray(got), _reference(q, k_cmp, None, cu, None, S, bs))
 
 
 # B, T, H, block_size, cu_seqlens, kv_lens, NC: 375 blocks of 8 tokens, 3 chunks of ranks

@@ -382,7 +382,7 @@ def _top_k_kernel(chunks_ref, x_ref, out_ref, x_smem, out_smem, barrier, *, k, s
     plgpu.wait_smem_to_gmem(0)
 
 
-def top_k(x, k, chunks, *, interpret=False):
+def top_k(x, k, chunks, *, interpret=None):
     """The k best columns of each row of x float32 [R, N] in rank order, int32 [R, k]: value descending, ties to
     the lower column, -1 for -inf (nsa.reference.select's `top_blocks`; x must hold no NaN). chunks int32
     [cdiv(R, 64)]: how many chunks of TOP_CHUNK columns each tile of 64 rows walks (the columns past them must
@@ -393,8 +393,8 @@ def top_k(x, k, chunks, *, interpret=False):
     taken out (a row max, then the row min of the columns that hold it) and offered to the row's running top,
     k (value, id) pairs in registers [64, SP] (SP = k rounded up to 8), which replaces its worst. At the end the
     top is reported in rank order into an int32 [SP, 64] tile of shared memory, one TMA copy out. Cost: about
-    k x 6 passes over each walked chunk in registers; exact, deterministic. interpret: run it in Mosaic GPU's
-    interpret mode (on the CPU: the tests)."""
+    k x 6 passes over each walked chunk in registers; exact, deterministic. interpret: None, or a
+    plgpu.InterpretGPUParams to run it in Mosaic GPU's interpret mode (on the CPU: the tests)."""
     R, N = x.shape
     if N >= NO_ID:
         raise ValueError(f"x: the top-k kernel carries column ids in float32, for fewer than {int(NO_ID)} columns, "
@@ -408,7 +408,7 @@ def top_k(x, k, chunks, *, interpret=False):
                grid=(nt,), grid_names=("tile",),
                scratch_types=[plgpu.SMEM((2, TOP_ROWS, TOP_CHUNK), jnp.float32),
                               plgpu.SMEM((slots, TOP_ROWS), jnp.int32), plgpu.Barrier(num_barriers=2)],
-               kernel_name="select_top_k_kernel", interpret=plgpu.InterpretGPUParams() if interpret else None)
+               kernel_name="select_top_k_kernel", interpret=interpret)
     return jnp.transpose(out, (0, 2, 1)).reshape(RP, slots)[:R, :k]
 
 
