@@ -7,9 +7,13 @@ and None, with kv_lens, with cu_seqlens (concrete and traced), float16, and at t
 only: the CI's Python 3.11 run has jax 0.10.2). Everything around the kernel runs here against the reference:
 the kernel's inputs in its tile layout (`_padded_inputs`, `_row_ranges`, `_lse_rows`) go through a plain-jnp
 emulation of its math, whose scores `forward` turns into block ids that must equal the reference's; and
-`indices_from_scores` alone, fed the reference's own scores, must give exactly its ids. The run on the H200 is
-scripts/gpu_check_select.py.
+`indices_from_scores` alone, fed the reference's own scores, must give exactly its ids. The top-k kernel
+(`top_k`: no wgmma) runs here in Mosaic GPU's interpret mode (jax >= 0.11), on hostile ranks (ties within and
+across chunks, -inf rows, more slots than columns, ragged rows and columns) and inside `forward`; with older jax
+`forward` takes the reference's `top_blocks` in its place. The run on the H200 is scripts/gpu_check_select.py.
 """
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +21,8 @@ import numpy as np
 import pytest
 
 from nsa._varlen import cdiv, num_compressed_blocks, tokens
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
 from nsa.pallas.gpu import select as gpu_select
 from nsa.reference import select as reference
 from nsa.reference.compressed import softmax_over_blocks
@@ -26,6 +32,13 @@ MOSAIC_GPU_LOWERS = jax.__version_info__ >= (0, 11)
 needs_mosaic_gpu = pytest.mark.skipif(
     not MOSAIC_GPU_LOWERS, reason=f"jax {jax.__version__} has no Mosaic GPU lowering for plgpu.kernel on a CPU "
                                   "machine (it needs jax >= 0.11)")
+
+
+@pytest.fixture
+def top_k_on_cpu(monkeypatch):
+    """The reference's top_blocks in the place of the top-k kernel (interpreting it takes about a minute for
+    forward's hundreds of rows; test_top_k_kernel_interpreted and test_forward_with_the_top_k_interpreted run it)."""
+    monkeypatch.setattr(gpu_select, "top_k", lambda x, k, chunks: reference.top_blocks(x, k))
 
 
 def _inputs(B, T, HQ, H, Dk, block_size, dtype, cu=None, num_rows=None, seed=0):
@@ -154,7 +167,7 @@ AROUND = {
 
 
 @pytest.mark.parametrize("name", list(AROUND))
-def test_forward_around_an_emulated_kernel(name, monkeypatch):
+def test_forward_around_an_emulated_kernel(name, monkeypatch, top_k_on_cpu):
     """forward's XLA side (the kernel's inputs, then ids from its scores) with the kernel emulated in jnp: the
     reference's ids, rank order too. With kv_lens the cache has 8 rows (128 tokens), NaN past each sequence's
     complete blocks."""
@@ -205,8 +218,8 @@ def test_indices_from_scores_traced_cu_seqlens():
     np.testing.assert_array_equal(np.asarray(traced), np.asarray(gpu_select.indices_from_scores(by_row, CU, **kw)))
 
 
-def test_no_rows_gives_the_forced_blocks_only():
-    """k_cmp with no rows (T shorter than a block, kv_lens None): only the current block, no kernel."""
+def test_no_rows_gives_the_forced_blocks_only(top_k_on_cpu):
+    """k_cmp with no rows (T shorter than a block, kv_lens None): only the current block, no scores kernel."""
     q = jnp.zeros((1, 5, 2, 16), jnp.bfloat16)
     k_cmp = jnp.zeros((1, 0, 1, 16), jnp.bfloat16)
     got = gpu_select.forward(q, k_cmp, None, None, block_counts=2, block_size=8, scale=0.25)
@@ -225,3 +238,84 @@ def test_chunk_bands_cover_exactly_the_visible_chunks(cu):
             chunks = {row // gpu_select.CHUNK for first, end in zip(*ranges[r, i]) for row in range(first, end)}
             want = (min(chunks), max(chunks)) if chunks else (0, -1)
             assert tuple(bands[r, i]) == want, (r, i)
+
+
+# R, N, k, ranks: random, ties (values on a grid of 4, so ties within and across chunks), or equal (one value
+# everywhere but every 7th column)
+TOP_K = {
+    "small": (5, 7, 3, "random"),
+    "one-tile-ties": (64, 128, 8, "ties"),
+    "ragged-ties-k20": (130, 260, 20, "ties"),
+    "more-slots-than-columns": (64, 40, 50, "random"),
+    "one-entry": (1, 1, 1, "random"),
+    "equal-values": (66, 500, 16, "equal"),
+}
+
+
+@needs_mosaic_gpu
+@pytest.mark.parametrize("name", list(TOP_K))
+def test_top_k_kernel_interpreted(name):
+    """The top-k kernel in Mosaic GPU's interpret mode: exactly the reference's `top_blocks` (rank order, ties to
+    the lower column, -1 for -inf), with every third row -inf past half its columns, every fifth all -inf, and
+    the tiles' chunk counts cut to the columns that are not -inf where a whole tile allows it. The interpreter's
+    race detector runs too (it finds the race when the load of a chunk is not followed by commit_smem before the
+    next copy into its buffer)."""
+    from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races  # jax 0.11's own tool
+    R, N, k, kind = TOP_K[name]
+    rng = np.random.default_rng(1)
+    x = rng.random((R, N)).astype(np.float32)
+    if kind == "ties":
+        x = np.round(x * 4) / 4
+    if kind == "equal":
+        x[:] = 0.5
+        x[:, ::7] = 0.25
+    x[::3, N // 2:] = -np.inf
+    x[1::5] = -np.inf
+    tiles = cdiv(R, gpu_select.TOP_ROWS)
+    finite = np.pad(np.isfinite(x), [(0, tiles * gpu_select.TOP_ROWS - R), (0, 0)]).reshape(tiles, -1, N)
+    last = np.array([np.max(np.nonzero(t.any(axis=0))[0], initial=-1) for t in finite])
+    chunks = (last // gpu_select.TOP_CHUNK + 1).astype(np.int32)
+    interpret = plgpu.InterpretGPUParams(detect_races=True)
+    got = gpu_select.top_k(jnp.asarray(x), k, jnp.asarray(chunks), interpret=interpret)
+    assert got.dtype == jnp.int32 and got.shape == (R, k)
+    assert not get_races().races_found
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(reference.top_blocks(jnp.asarray(x), k)))
+
+
+@needs_mosaic_gpu
+def test_forward_with_the_top_k_interpreted(monkeypatch):
+    """forward with the scores kernel emulated and the top-k kernel interpreted (one tile of rows): the
+    reference's ids."""
+    (B, T, HQ, H, Dk, bs), S, _, cu, _ = AROUND["G3-dk16-lse-more-slots-than-blocks"]
+    q, k_cmp = _inputs(B, T, HQ, H, Dk, bs, jnp.bfloat16, cu)
+    monkeypatch.setattr(gpu_select, "scores", _emulated_scores)
+    monkeypatch.setattr(gpu_select, "top_k", functools.partial(gpu_select.top_k, interpret=plgpu.InterpretGPUParams()))
+    got = gpu_select.forward(q, k_cmp, None, cu, None, block_counts=S, block_size=bs, scale=Dk ** -0.5)
+    np.testing.assert_array_equal(np.asarray(got), _reference(q, k_cmp, None, cu, None, S, bs))
+
+
+# B, T, H, block_size, cu_seqlens, kv_lens, NC: 375 blocks of 8 tokens, 3 chunks of ranks
+TOP_CHUNKS = {
+    "batch": (2, 3000, 2, 8, None, None, 375),
+    "cu_seqlens": (1, 3000, 2, 8, np.array([0, 1100, 1100, 2999, 3000], np.int32), None, 375),
+    "kv_lens": (2, 50, 3, 8, None, np.array([3000, 1100], np.int32), 375),
+}
+
+
+@pytest.mark.parametrize("name", list(TOP_CHUNKS))
+def test_top_chunks_cover_every_finite_rank(name):
+    """`_top_chunks`: every rank a tile's chunks leave out is -inf, and each tile walks exactly the chunks up to
+    its last finite rank."""
+    B, T, H, bs, cu, kv_lens, NC = TOP_CHUNKS[name]
+    kv_lens = None if kv_lens is None else jnp.asarray(kv_lens)
+    nb = gpu_select.num_blocks(T, NC, bs, kv_lens)
+    by_row = jnp.asarray(np.random.default_rng(0).random((B, T, H, NC)), jnp.float32)
+    ranks = np.asarray(gpu_select.ranks_from_scores(by_row, cu, kv_lens, block_size=bs, num_blocks=nb))
+    chunks = np.asarray(gpu_select._top_chunks(tokens(T, bs, cu, kv_lens).pos, B, H, bs, nb))
+    rows = np.pad(ranks.reshape(B * T * H, nb), [(0, chunks.size * gpu_select.TOP_ROWS - B * T * H), (0, 0)],
+                  constant_values=-np.inf).reshape(chunks.size, gpu_select.TOP_ROWS, nb)
+    col = np.arange(nb)
+    assert len(set(chunks.tolist())) > 1  # the cases reach several chunk counts
+    for tile, n in zip(rows, chunks):
+        assert np.all(tile[:, col >= n * gpu_select.TOP_CHUNK] == -np.inf)
+        assert n == np.max(col[np.isfinite(tile).any(axis=0)]) // gpu_select.TOP_CHUNK + 1

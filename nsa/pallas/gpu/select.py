@@ -1,5 +1,6 @@
-"""Block selection (`select_blocks`) for NVIDIA GPUs (sm90, H100 / H200) as a Pallas Mosaic GPU kernel: the
-compressed-attention scores in the kernel, the top-k in XLA (not yet fused).
+"""Block selection (`select_blocks`) for NVIDIA GPUs (sm90, H100 / H200) as two Pallas Mosaic GPU kernels: the
+compressed-attention scores (`scores`), then the top-k of their ranks (`top_k`), with the ranks built in XLA
+between them.
 
 The contract is nsa.reference.select's (nsa/pallas/select.py is the TPU version of the same op, with the
 details spelled out). Query t of KV head h, at in-sequence position p (t, or with a KV cache kv_lens[b] - T + t),
@@ -8,7 +9,8 @@ sequence's cmp_start, 0 with a cache); each of its G = HQ / H query heads takes 
 p_g(r) = exp(scale * q_g . k_cmp[r] - lse_g) over them, and block c (row first + c) scores
 mean_g p_g(first + c) (0 for a row it does not see). Blocks 0, p // bs - 1 and p // bs are forced, blocks after
 p // bs are never candidates, the block_counts best are kept in rank order, ties to the lower block id, unused
-slots -1: that part is the reference's own `block_ranks` and `top_blocks`, run by XLA on the kernel's scores.
+slots -1: the ranks are the reference's own `block_ranks` (XLA, on the kernel's scores), and `top_k` picks from
+them exactly what the reference's `top_blocks` (lax.top_k) would.
 
 Grid: (NT, B * H), one warpgroup (128 threads) per program. Tile: 64 rows, wgmma's M: TB = 64 // GR tokens
 x GR head slots (GR = G rounded up to a multiple of 8, G <= 64; row j * GR + g is token i * TB + j, head g;
@@ -37,10 +39,12 @@ array; the zero rows are no token's visible rows). Per tile row, int32 [R, NT, 2
 probabilities are 0 and no token's score reads them); lse as [B, H, NT, 64] float32 (0 in those rows).
 
 Memory: the output scores [B, H, TP, NCP] float32 (TP = NT * TB) is B * H * TP * NCP * 4 bytes, about
-B * H * T * NC * 4: 16 MiB at the standard shape (B = 1, T = 8192, H = 4, bs = 64: NC = 128 rows). The XLA
-top-k then reads a [B, T, H, NC] transposed copy and builds the [B, T, H, NB] ranks (NB = cdiv(T, bs), or with
-kv_lens max(cdiv(T, bs), NC)): a few times that in all, growing as T^2 / bs (1 GiB of scores at T = 64k). The
-next step is a fused top-k, which would keep them on chip.
+B * H * T * NC * 4: 16 MiB at the standard shape (B = 1, T = 8192, H = 4, bs = 64: NC = 128 rows). XLA then
+builds the [B, T, H, NB] ranks from a transposed copy (NB = cdiv(T, bs), or with kv_lens max(cdiv(T, bs), NC)),
+which `top_k` reads once: a few times that in all, growing as T^2 / bs (1 GiB of scores at T = 64k). The top-k
+is its own kernel rather than XLA's lax.top_k, which took 24.6 of select's 32.1 ms at T = 64k on the H200
+(benchmarks/results/trace-65536-pallas.json); fusing it into the scores kernel would also keep the scores on
+chip.
 
 SMEM per program: q [64, Dp] and one chunk of k_cmp [64, Dp] in the input dtype, p [64, 64] and the scores
 [TB, 64] float32, the row ranges and lse: about 50 KiB at Dp = 128. Every copy is waited for before its use (no
@@ -56,7 +60,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from nsa._varlen import cdiv, tokens
-from nsa.pallas.gpu._flash import DTYPES, by_row, call, iota, matmul, padded_dim, smem_tile
+from nsa.pallas.gpu._flash import DTYPES, by_row, call, iota, matmul, padded_dim, pipelined, smem_tile
 from nsa.reference.select import block_ranks, top_blocks
 
 ROWS = 64  # the tile: wgmma's M
@@ -159,17 +163,23 @@ def num_blocks(T, NC, block_size, kv_lens):
     return cdiv(T, block_size) if kv_lens is None else max(cdiv(T, block_size), NC)
 
 
-def indices_from_scores(by_row, cu_seqlens, kv_lens=None, *, block_counts, block_size, num_blocks):
-    """block_indices int32 [B, T, H, block_counts] from the score of each row of k_cmp, by_row float32
-    [B, T, H, NC] (the mean over the G heads of p_g(r), 0 where the token does not see row r): in-sequence
-    block c is row first + c (rows past NC score 0), ranked and picked by the reference's `block_ranks` and
-    `top_blocks`."""
+def ranks_from_scores(by_row, cu_seqlens, kv_lens=None, *, block_size, num_blocks):
+    """The ranks float32 [B, T, H, NB] of the in-sequence blocks (the reference's `block_ranks`) from the score of
+    each row of k_cmp, by_row float32 [B, T, H, NC] (the mean over the G heads of p_g(r), 0 where the token does
+    not see row r): in-sequence block c is row first + c (rows past NC score 0)."""
     B, T, H, NC = by_row.shape
     tok = tokens(T, block_size, cu_seqlens, kv_lens)
     by_row = jnp.pad(by_row, [(0, 0)] * 3 + [(0, 1)])
     rows = jnp.minimum(tok.cmp_start[:, :, None, None] + jnp.arange(num_blocks), NC)
     by_block = jnp.take_along_axis(by_row, jnp.broadcast_to(rows, (B, T, H, num_blocks)), axis=-1)
-    return top_blocks(block_ranks(by_block, tok.pos, block_size=block_size), block_counts)
+    return block_ranks(by_block, tok.pos, block_size=block_size)
+
+
+def indices_from_scores(by_row, cu_seqlens, kv_lens=None, *, block_counts, block_size, num_blocks):
+    """block_indices int32 [B, T, H, block_counts] from `ranks_from_scores`, picked by the reference's own
+    `top_blocks` in XLA: what the top-k kernel (`top_k`) must reproduce exactly."""
+    ranks = ranks_from_scores(by_row, cu_seqlens, kv_lens, block_size=block_size, num_blocks=num_blocks)
+    return top_blocks(ranks, block_counts)
 
 
 # ------------------------------------------------------------------------------------------ kernel
@@ -310,6 +320,108 @@ def scores(q, k_cmp, lse, cu_seqlens, kv_lens=None, *, block_size, scale):
                 grid=(NT, B * H), grid_names=("tile", "bh"), kernel_name="select_scores_kernel")
 
 
+# ------------------------------------------------------------------------------------------ top-k kernel
+
+TOP_ROWS = 64  # rows (token, KV head) per top-k program: the wgmma layout's tile
+TOP_CHUNK = 128  # ranks per step: a [64, 128] float32 tile, 32 KiB of shared memory per buffer (two buffers)
+NO_ID = float(1 << 23)  # ids travel as float32, exact below 2^24: block ids are below NO_ID, fillers above it
+
+
+def _insert(best, m, at):
+    """best = (values, ids) [64, SP] float32, each row's running top, unordered; the candidate (m, at) [64]
+    replaces the row's worst (lowest value, highest id on ties) where m is larger. A candidate's id exceeds every
+    id of its value in best (chunks come in id order, and a chunk's candidates in rank order), so "strictly
+    larger" is the rank order, ties to the lower id."""
+    values, ids = best
+    low = values.min(axis=1)
+    is_low = values == by_row(low, values.shape)
+    worst = jnp.where(is_low, ids, -1.0).max(axis=1)
+    replace = is_low & (ids == by_row(worst, ids.shape)) & (by_row(m, values.shape) > by_row(low, values.shape))
+    return jnp.where(replace, by_row(m, values.shape), values), jnp.where(replace, by_row(at, ids.shape), ids)
+
+
+def _top_k_kernel(chunks_ref, x_ref, out_ref, x_smem, out_smem, barrier, *, k, slots):
+    """Tile i: rows 64 i .. 64 i + 63 of x [RP, NP], its first chunks_ref[i] chunks of TOP_CHUNK columns."""
+    i = lax.axis_index("tile")
+    rows = pl.ds(pl.multiple_of(i * TOP_ROWS, TOP_ROWS), TOP_ROWS)
+
+    def fetch(c, slot):
+        cols = pl.ds(c * TOP_CHUNK, TOP_CHUNK)
+        plgpu.copy_gmem_to_smem(x_ref.at[rows, cols], x_smem.at[slot], barrier.at[slot])
+
+    def step(c, slot, best):
+        plgpu.barrier_wait(barrier.at[slot])
+        x = plgpu.load(x_smem.at[slot], layout=plgpu.Layout.WGMMA)
+        plgpu.commit_smem()  # every thread has read the slot before the next copy into it is issued
+        col = (iota(x.shape, 1) + c * TOP_CHUNK).astype(jnp.float32)
+
+        def extract(_, carry):  # the chunk's best left: its value m and lowest column, then out of the chunk
+            x, best = carry
+            m = x.max(axis=1)
+            at = jnp.where(x == by_row(m, x.shape), col, NO_ID).min(axis=1)
+            x = jnp.where(col == by_row(at, x.shape), -jnp.inf, x)
+            return x, _insert(best, m, at)
+
+        return lax.fori_loop(0, min(k, TOP_CHUNK), extract, (x, best))[1]
+
+    slot_id = iota((TOP_ROWS, slots), 1)
+    init = (jnp.where(slot_id < k, -jnp.inf, jnp.inf),  # slots past k: never the worst, never reported
+            (slot_id + int(NO_ID)).astype(jnp.float32))
+    values, ids = pipelined(chunks_ref[i], fetch, step, init)
+    values = jnp.where(slot_id < k, values, -jnp.inf)
+
+    def report(s, values):  # rank s: the best left (lowest id on ties), -1 for -inf
+        m = values.max(axis=1)
+        at = jnp.where(values == by_row(m, values.shape), ids, 2 * NO_ID).min(axis=1)
+        out_smem.at[s][...] = jnp.where(m == -jnp.inf, -1, at.astype(jnp.int32))
+        return jnp.where(ids == by_row(at, ids.shape), -jnp.inf, values)
+
+    lax.fori_loop(0, k, report, values)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(out_smem, out_ref.at[i])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def top_k(x, k, chunks, *, interpret=None):
+    """The k best columns of each row of x float32 [R, N] in rank order, int32 [R, k]: value descending, ties to
+    the lower column, -1 for -inf (nsa.reference.select's `top_blocks`; x must hold no NaN). chunks int32
+    [cdiv(R, 64)]: how many chunks of TOP_CHUNK columns each tile of 64 rows walks (the columns past them must
+    be -inf in all its rows; causally, about half the chunks).
+
+    Grid (cdiv(R, 64),), one warpgroup per program. A program walks its chunks, each a TMA copy of x [64, 128]
+    into shared memory (double-buffered), loaded as one wgmma-layout tile: k times the chunk's best entry is
+    taken out (a row max, then the row min of the columns that hold it) and offered to the row's running top,
+    k (value, id) pairs in registers [64, SP] (SP = k rounded up to 8), which replaces its worst. At the end the
+    top is reported in rank order into an int32 [SP, 64] tile of shared memory, one TMA copy out. Cost: about
+    k x 6 passes over each walked chunk in registers; exact, deterministic. interpret: None, or a
+    plgpu.InterpretGPUParams to run it in Mosaic GPU's interpret mode (on the CPU: the tests)."""
+    R, N = x.shape
+    if N >= NO_ID:
+        raise ValueError(f"x: the top-k kernel carries column ids in float32, for fewer than {int(NO_ID)} columns, "
+                         f"got {N}")
+    slots = _round_up(max(k, 1), 8)
+    RP, NP = _round_up(R, TOP_ROWS), _round_up(N, TOP_CHUNK)
+    x = jnp.pad(x.astype(jnp.float32), [(0, RP - R), (0, NP - N)], constant_values=-jnp.inf)
+    nt = RP // TOP_ROWS
+    out = call(functools.partial(_top_k_kernel, k=k, slots=slots),
+               jax.ShapeDtypeStruct((nt, slots, TOP_ROWS), jnp.int32), chunks.astype(jnp.int32), x,
+               grid=(nt,), grid_names=("tile",),
+               scratch_types=[plgpu.SMEM((2, TOP_ROWS, TOP_CHUNK), jnp.float32),
+                              plgpu.SMEM((slots, TOP_ROWS), jnp.int32), plgpu.Barrier(num_barriers=2)],
+               kernel_name="select_top_k_kernel", interpret=interpret)
+    return jnp.transpose(out, (0, 2, 1)).reshape(RP, slots)[:R, :k]
+
+
+def _top_chunks(pos, B, H, block_size, num_blocks):
+    """int32 [cdiv(B * T * H, 64)]: the chunks of ranks each top-k tile walks, rows (b, t, h) in order: a token's
+    blocks past its current one, pos // block_size, rank -inf."""
+    last = jnp.minimum(pos // block_size, num_blocks - 1) // TOP_CHUNK + 1  # [R_tok, T]
+    T = pos.shape[1]
+    per_row = jnp.broadcast_to(last[:, :, None], (B, T, H)).reshape(-1)
+    per_row = jnp.pad(per_row, [(0, _round_up(per_row.shape[0], TOP_ROWS) - per_row.shape[0])])
+    return jnp.max(per_row.reshape(-1, TOP_ROWS), axis=1)
+
+
 def forward(q, k_cmp, lse, cu_seqlens, kv_lens=None, *, block_counts, block_size, scale, config=None):
     """Returns block_indices int32 [B, T, H, block_counts] (in-sequence block ids), as the reference.
 
@@ -322,15 +434,18 @@ def forward(q, k_cmp, lse, cu_seqlens, kv_lens=None, *, block_counts, block_size
     B, T, HQ, _ = q.shape
     NC, H = k_cmp.shape[1], k_cmp.shape[2]
     nb = num_blocks(T, NC, block_size, kv_lens)
-    if NC == 0 or B * T == 0:  # no row to score: every score is 0
+    if B * T * H == 0:
+        return jnp.zeros((B, T, H, block_counts), jnp.int32)
+    tok = tokens(T, block_size, cu_seqlens, kv_lens)
+    if NC == 0:  # no row to score: every score is 0
         by_row = jnp.zeros((B, T, H, NC), jnp.float32)
     else:
         out = scores(q, k_cmp, lse, cu_seqlens, kv_lens, block_size=block_size, scale=scale)
-        tok = tokens(T, block_size, cu_seqlens, kv_lens)
         first = tok.cmp_start[:, :, None, None]
         end = jnp.minimum(first + (tok.pos[:, :, None, None] + 1) // block_size, NC)
         row = jnp.arange(NC)
         # a tile writes only its chunks (`_chunk_bands`): the rows a token does not see read as 0
         by_row = jnp.where((row >= first) & (row < end), jnp.transpose(out[:, :, :T, :NC], (0, 2, 1, 3)), 0.0)
-    return indices_from_scores(by_row, cu_seqlens, kv_lens, block_counts=block_counts, block_size=block_size,
-                               num_blocks=nb)
+    ranks = ranks_from_scores(by_row, cu_seqlens, kv_lens, block_size=block_size, num_blocks=nb)
+    ids = top_k(ranks.reshape(B * T * H, nb), block_counts, _top_chunks(tok.pos, B, H, block_size, nb))
+    return ids.reshape(B, T, H, block_counts)
