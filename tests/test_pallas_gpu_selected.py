@@ -3,10 +3,11 @@
 The kernels themselves need a Hopper GPU (tests/test_pallas_gpu.py runs the shared base on them; here they are
 only exported for CUDA, by tests/test_pallas_gpu_export.py). Everything they read is built in XLA, and is
 checked here: a float64 NumPy emulation of what each kernel computes from its tables (the tiles' unions,
-`times`, `last`, the source rows of the blocks, the dk/dv segments and lists, the re-laid blocks of packed
-sequences) must give the reference's outputs and gradients, on hostile selections: -1 and out-of-range
-slots, a block listed twice, counts below S, packed sequences with an empty one, a KV cache with NaN past each
-length, block sizes 8, 16 and 32, and G = 1, 3 and 16.
+`times`, `last`, the source rows of the blocks, the dk/dv token entries, segments and lists and the lse and
+delta gathered into entry order, the re-laid blocks of packed sequences) must give the reference's outputs and
+gradients, on hostile selections: -1 and out-of-range slots, a block listed twice, counts below S, packed
+sequences with an empty one, a KV cache with NaN past each length, block sizes 8, 16 and 32, and G = 1, 3 and
+16; the dk/dv tables also with segments of 5 entries (most segments then end in a step of fewer than TB tokens).
 """
 
 import jax

@@ -1,20 +1,21 @@
 """Selected attention (the fine-grained branch) as Pallas Mosaic GPU kernels: forward, dq and a deterministic
 dk/dv.
 
-The contract is nsa.reference.selected's, and the index work around the kernels is nsa/pallas/selected.py's
-(the TPU kernels), reused as it is: each slot names its block by the block's first global key row
-(`_names`), each tile of TB tokens gets the union of the blocks its tokens list (`_tile_blocks`), and dk/dv
-inverts the selection into one list of (tile, block) entries per block row, cut into segments
-(`_block_lists`, `_segments`). Only the tiles and the kernels differ.
+The contract is nsa.reference.selected's, and the index work of the forward and dq is nsa/pallas/selected.py's
+(the TPU kernels), reused as it is: each slot names its block by the block's first global key row (`_names`),
+and each tile of TB tokens gets the union of the blocks its tokens list (`_tile_blocks`). dk/dv inverts the
+selection per token instead (`_token_lists`): one list of (token, times) entries per block row, cut into
+segments (`_segments`), so that a step computes the TB * GR rows of TB tokens that all list its block.
 
 Tiles. A tile is TB consecutive query tokens of one KV head with their G query heads: 64 rows (wgmma's M),
 row j * GR + g for token j and head g, the heads padded to GR = the next power of 2 >= max(G, 8) (so that
 TB = 64 / GR tokens fill it; G > 64 takes GR = G rounded up to 64 and TB = 1). q, do and o are kept as
 [B, Tp, H, GR, Dp] (Tp = T padded to a multiple of TB, Dp = D padded to 128 bytes): a free reshape of
 [B, T, HQ, D] when G = GR and nothing is padded, as at the standard shape (G = 16, D = 128); lse and delta
-as [B, H, NT, TB * GR] float32 (`_tile_vector`: a tile's rows contiguous, one TMA copy of at least 256 bytes:
-TMA wants 128-byte-aligned shared memory, which per-token slices of GR floats are not). A tile's q, do and o
-rows come as TB TMA copies of one token's [GR, Dp] each (1 KiB or more: aligned).
+for the forward and dq as [B, H, NT, TB * GR] float32 (`_tile_vector`: a tile's rows contiguous, one TMA copy of
+at least 256 bytes: TMA wants 128-byte-aligned shared memory, which per-token slices of GR floats are not), for
+dk/dv gathered into entry order, [(E + TB) * GR] (`_entry_vector`). A tile's q, do and o rows come as TB TMA
+copies of one token's [GR, Dp] each (1 KiB or more: aligned).
 
 Keys. A block is copied whole into one [BK, Dp] shared-memory tile, BK = block_size rounded up to 64 (at
 most 256: one TMA copy), from its source row of k [B, rows, H, Dkp] and v: its own first row when blocks
@@ -31,10 +32,20 @@ of block x iff token j lists it (m > 0 times: log m is added to its logits, so a
 twice), c < block_size and x + c <= the token's key row t0 + j. Online softmax in base 2, float32.
 
 Backward. delta = sum(o * do) in XLA. `_dq_kernel` walks the forward's tiles and unions, recomputing p from
-lse. `_dkdv_kernel`, grid (NSEG,), owns a segment of one block's list: it copies the block once, then walks its
-entries' tiles (q, do: TB copies each; lse, delta: one each; double-buffered) and writes float32 partial dk and dv
-[BK, Dp] of its block; `_reduce_kernel`, grid (NL,), adds a list's partials in segment order; XLA gathers each
-key row's sum. No atomics, a fixed order: dk and dv are bitwise repeatable.
+lse. dk/dv: each of the B * T * H * S slots is keyed by its list (b * H + h) * NR + block row, a token's slots
+naming one block merged into one entry (times = how many), and all stably sorted: list i is the entries
+offsets[i] : offsets[i + 1] (E = B * T * H * S bounds them), its tokens increasing, and is cut into segments of
+at most SEGMENT entries. `_dkdv_kernel`, grid (NSEG,), owns a segment of one block's list: it copies the block
+once, then walks its entries TB at a time (double-buffered): step e takes entries lo + e * TB + j (j < TB), one
+TMA copy per token of q [GR, Dkp] and do [GR, Dvp] into rows j * GR ..., and one copy each of the TB * GR floats
+of lse and delta at (lo + e * TB) * GR (the entry order of `_entry_vector`: TMA needs aligned shared memory, not
+an aligned global offset). Row (j, g) sees key x + c iff c < block_size and x + c <= the key row of entry j's
+token (log m added to its logits); in a segment's last step the rows of entries past the segment see nothing
+(their tokens, those of the next entries or of the tables' padding, are still valid rows to copy). k and v
+are not zeroed: a NaN key row (a cache's past its sequence) is masked for every row, and reaches only its own
+row of s^T and dp^T, which the jnp.where set to 0 in p^T and ds^T. The kernel writes float32 partial dk and dv
+[BK, Dp] of its block; `_reduce_kernel`, grid (NL,), adds a list's partials in segment order; XLA gathers
+each key row's sum. No atomics, a fixed order: dk and dv are bitwise repeatable.
 
 Shared memory per program (the largest, dq): q, do [64, Dp], two k and two v [BK, Dp] buffers, small vectors:
 80 KiB at Dk = Dv = 128, block 64, bfloat16.
@@ -460,7 +471,7 @@ def _dkdv_tables(block_indices, block_counts, cu_seqlens, kv_lens, L, block_size
 
 def _entry_vector(x, entries, bh, L, fill):
     """[B, T, HQ] -> float32 [(E + TB) * GR]: the GR values of entry e (its token's query heads of its KV head,
-    the padded heads `fill`) at e * GR, so that a dk/dv step's TB entries are 64 contiguous floats (one TMA copy
+    the padded heads `fill`) at e * GR, so that a dk/dv step's TB entries are TB * GR contiguous floats (one TMA copy
     into 128-byte-aligned shared memory, from any offset); the TB padding entries `fill`."""
     lay = L.tpu
     rows = _token_rows(x.astype(jnp.float32), L, None, fill=fill)  # [B, Tp, H, GR]
