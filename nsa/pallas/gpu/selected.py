@@ -31,24 +31,26 @@ while this one is computed). Row (j, g) sees key x + c
 of block x iff token j lists it (m > 0 times: log m is added to its logits, so a block listed twice weighs
 twice), c < block_size and x + c <= the token's key row t0 + j. Online softmax in base 2, float32.
 
-Backward. delta = sum(o * do) in XLA. `_dq_kernel` walks the forward's tiles and unions, recomputing p from
-lse. dk/dv: each of the B * T * H * S slots is keyed by its list (b * H + h) * NR + block row, a token's slots
-naming one block merged into one entry (times = how many), and all stably sorted: list i is the entries
-offsets[i] : offsets[i + 1] (E = B * T * H * S bounds them), its tokens increasing, and is cut into segments of
-at most SEGMENT entries. `_dkdv_kernel`, grid (NSEG,), owns a segment of one block's list: it copies the block
-once, then walks its entries TB at a time (double-buffered): step e takes entries lo + e * TB + j (j < TB), one
-TMA copy per token of q [GR, Dkp] and do [GR, Dvp] into rows j * GR ..., and one copy each of the TB * GR floats
-of lse and delta at (lo + e * TB) * GR (the entry order of `_entry_vector`: TMA needs aligned shared memory, not
-an aligned global offset). Row (j, g) sees key x + c iff c < block_size and x + c <= the key row of entry j's
-token (log m added to its logits); in a segment's last step the rows of entries past the segment see nothing
-(their tokens, those of the next entries or of the tables' padding, are still valid rows to copy). k and v
-are not zeroed: a NaN key row (a cache's past its sequence) is masked for every row, and reaches only its own
-row of s^T and dp^T, which the jnp.where set to 0 in p^T and ds^T. The kernel writes float32 partial dk and dv
-[BK, Dp] of its block; `_reduce_kernel`, grid (NL,), adds a list's partials in segment order; XLA gathers
-each key row's sum. No atomics, a fixed order: dk and dv are bitwise repeatable.
+Backward. delta = sum(o * do) in XLA. `_dq_kernel` walks the forward's tiles and unions, recomputing p from lse.
+dk/dv: each of the B * T * H * S slots is keyed by its list (b * H + h) * NR + block row, a token's slots naming
+one block merged into one entry (times = how many), and all stably sorted: list i is the entries offsets[i] :
+offsets[i + 1] (E = B * T * H * min(S, NR) bounds them), its tokens increasing, and is cut into segments of at
+most SEGMENT entries. `_dkdv_kernel`, grid (NSEG,), owns a segment of one block's list: it copies the block once,
+then walks its entries TB at a time (double-buffered): step e takes entries lo + e * TB + j (j < TB), one TMA copy
+per token of q [GR, Dkp] and do [GR, Dvp] into rows j * GR ..., and one copy each of the TB * GR floats of lse and
+delta at (lo + e * TB) * GR (the entry order of `_entry_vector`: TMA needs aligned shared memory, not an aligned
+global offset). Row (j, g) sees key x + c iff c < block_size and x + c <= the key row of entry j's token (log m
+added to its logits); in a segment's last step the rows of entries past the segment see nothing (their tokens,
+those of the next entries or of the tables' padding, are still valid rows to copy). k and v are not zeroed: a NaN
+key row (a cache's past its sequence) is masked for every row, and reaches only its own row of s^T and dp^T, which
+the jnp.where set to 0 in p^T and ds^T. The kernel writes float32 partial dk and dv [BK, Dp] of its block;
+`_reduce_kernel`, grid (NL,), adds a list's partials in segment order; XLA gathers each key row's sum. No atomics,
+a fixed order: dk and dv are bitwise repeatable.
 
 Shared memory per program (the largest, dq): q, do [64, Dp], two k and two v [BK, Dp] buffers, small vectors:
-80 KiB at Dk = Dv = 128, block 64, bfloat16.
+80 KiB at Dk = Dv = 128, block 64, bfloat16. Global memory: dk/dv's tables take E * (8 + 8 * GR) bytes (the
+entries; lse and delta in entry order), 544 MiB at T = 64k on the standard shape (H = 4, S = 16, GR = 16), beside
+the float32 partials, (NL + E / SEGMENT) x [BK, Dkp + Dvp].
 """
 
 import functools
@@ -428,8 +430,8 @@ def _token_lists(block_indices, block_counts, cu_seqlens, kv_lens, L, block_size
     """The selections inverted per token: each slot's block keyed by its list (b * H + h) * NR + block row, the
     slots of one token naming one block merged into one entry (`times`: how many), and all B * T * H * S slots
     stably sorted by list, so that a list's tokens increase. Returns (offsets [NL + 1]: list i is the entries
-    offsets[i] : offsets[i + 1]; per entry [E = B * T * H * S], those past offsets[NL] unused: bh = b * H + h
-    (clamped below B * H), token (< T, every one), times, name)."""
+    offsets[i] : offsets[i + 1]; per entry [E = B * T * H * min(S, NR)], those past offsets[NL] unused:
+    bh = b * H + h (clamped below B * H), token (< T, every one), times, name)."""
     lay = L.tpu
     names = tpu._names(block_indices, block_counts, cu_seqlens, kv_lens, lay, block_size)  # [B, T, H, S]
     name = jnp.sort(jnp.where(names == tpu._NONE, tpu._PAST, names), axis=3)
@@ -444,11 +446,16 @@ def _token_lists(block_indices, block_counts, cu_seqlens, kv_lens, L, block_size
     bh = jnp.arange(lay.B, dtype=jnp.int32)[:, None, None, None] * lay.H + jnp.arange(lay.H, dtype=jnp.int32)[:, None]
     num_lists = lay.B * lay.H * lay.num_rows
     key = jnp.where(valid, bh * lay.num_rows + row, num_lists)
-    token = lax.broadcasted_iota(jnp.int32, name.shape, 1)
-    key, token, times, x = lax.sort(tuple(a.reshape(-1).astype(jnp.int32) for a in (key, token, s + 1 - run_start, x)),
-                                    num_keys=1, is_stable=True)
+    # one (key, slot) pair sort (a stable radix sort on a GPU), the rest gathered; a token lists at most NR distinct
+    # blocks: the entries (sorted first) fit E = B * T * H * min(S, NR)
+    key, slot = lax.sort((key.reshape(-1).astype(jnp.int32), jnp.arange(key.size, dtype=jnp.int32)), num_keys=1,
+                         is_stable=True)
+    E = lay.B * lay.T * lay.H * min(lay.S, lay.num_rows)
+    key, slot = key[:E], slot[:E]
+    token = slot // (lay.H * lay.S) % lay.T
+    times, x = ((s + 1 - run_start).reshape(-1)[slot], x.reshape(-1)[slot])
     offsets = jnp.searchsorted(key, jnp.arange(num_lists + 1, dtype=jnp.int32), side="left").astype(jnp.int32)
-    return offsets, jnp.minimum(key // lay.num_rows, lay.B * lay.H - 1), token, times, x
+    return offsets, jnp.minimum(key // lay.num_rows, lay.B * lay.H - 1), token, times.astype(jnp.int32), x
 
 
 def _dkdv_tables(block_indices, block_counts, cu_seqlens, kv_lens, L, block_size):
@@ -458,6 +465,9 @@ def _dkdv_tables(block_indices, block_counts, cu_seqlens, kv_lens, L, block_size
     many; bh [E]: b * H + h of each entry, for `_entry_vector`)."""
     lay = L.tpu
     offsets, bh, token, times, name = _token_lists(block_indices, block_counts, cu_seqlens, kv_lens, L, block_size)
+    if (token.shape[0] + lay.tb) * L.gr >= 2 ** 31:
+        raise ValueError(f"selected_attention: the Mosaic GPU dk/dv kernel indexes its {token.shape[0]} entries' lse "
+                         f"and delta ({L.gr} each) with int32 offsets: B * T * H * min(S, block rows) is too large")
     seg_offsets, seg_list, lo, hi = tpu._segments(offsets, token.shape[0], SEGMENT)
     per_b = lay.H * lay.num_rows
     b = seg_list // per_b
