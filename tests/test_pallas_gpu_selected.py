@@ -3,10 +3,11 @@
 The kernels themselves need a Hopper GPU (tests/test_pallas_gpu.py runs the shared base on them; here they are
 only exported for CUDA, by tests/test_pallas_gpu_export.py). Everything they read is built in XLA, and is
 checked here: a float64 NumPy emulation of what each kernel computes from its tables (the tiles' unions,
-`times`, `last`, the source rows of the blocks, the dk/dv segments and lists, the re-laid blocks of packed
-sequences) must give the reference's outputs and gradients, on hostile selections: -1 and out-of-range
-slots, a block listed twice, counts below S, packed sequences with an empty one, a KV cache with NaN past each
-length, block sizes 8, 16 and 32, and G = 1, 3 and 16.
+`times`, `last`, the source rows of the blocks, the dk/dv token entries, segments and lists and the lse and
+delta gathered into entry order, the re-laid blocks of packed sequences) must give the reference's outputs and
+gradients, on hostile selections: -1 and out-of-range slots, a block listed twice, counts below S, packed
+sequences with an empty one, a KV cache with NaN past each length, block sizes 8, 16 and 32, and G = 1, 3 and
+16; the dk/dv tables also with segments of 5 entries (most segments then end in a step of fewer than TB tokens).
 """
 
 import jax
@@ -121,26 +122,34 @@ def _emulate(q, k, v, idx, counts, cu, lens, bs, do):
     o = np.asarray(gpu._from_token_rows(jnp.asarray(o_t), L, v.shape[3]))
     lse = np.asarray(gpu._from_token_rows(jnp.asarray(lse_t), L, None))
 
-    # dk, dv: the segments of each block's list of (tile, times) entries, then each list's sum
+    # dk, dv: the segments of each block's list of (token, times) entries, TB entries a step, then each list's sum
     delta = np.sum(o * do, -1)
     do_t = np.asarray(gpu._token_rows(jnp.asarray(do), L, lay.dvp), np.float64)
-    lse_v = np.asarray(gpu._tile_vector(jnp.asarray(lse), L, -np.inf), np.float64)
-    delta_v = np.asarray(gpu._tile_vector(jnp.asarray(delta), L, 0.0), np.float64)
-    seg, entries, lists = (np.asarray(x) for x in gpu._dkdv_tables(jnp.asarray(union), jnp.asarray(times),
-                                                                    jnp.asarray(t0), cu, L, bs))
+    seg, entries, lists, bh = (np.asarray(x) for x in gpu._dkdv_tables(jnp.asarray(idx), jnp.asarray(counts), cu, lens,
+                                                                        L, bs))
+    lse_e, delta_e = (np.asarray(gpu._entry_vector(jnp.asarray(x), jnp.asarray(entries), jnp.asarray(bh), L, fill),
+                                 np.float64) for x, fill in ((lse, -np.inf), (delta, 0.0)))
+    assert ((entries[:, 0] >= 0) & (entries[:, 0] < T)).all()  # any entry a step reads names a token to copy
+    tb, gr = lay.tb, L.gr
+    row_token = np.arange(L.rows) // gr  # j of row j * GR + g
     dk_part = np.zeros((len(seg), L.bk, lay.dkp))
     dv_part = np.zeros((len(seg), L.bk, lay.dvp))
     for s_, (b, h, x, src, lo, hi, offset) in enumerate(seg):
         kb, vb = _block(ks[b, :, h], src, L.bk), _block(vs[b, :, h], src, L.bk)
-        for tile, tms in entries[lo:hi]:
-            qr, dor = tile_rows(q_t, b, tile, h), tile_rows(do_t, b, tile, h)
-            lse_r, delta_r = lse_v[b, h, tile], delta_v[b, h, tile]
-            visible, log_m = _mask(x, offset + tile * lay.tb, tms, L.rows, L.bk, gr=L.gr,
-                                   bits=getattr(L, "bits", 4), bs=bs)
-            visible, seen = visible.T, np.isfinite(lse_r)
-            visible &= seen[None, :]
+        for first in range(lo, hi, tb):  # the kernel's step: entries first ... first + TB - 1, read whole
+            token, times = entries[first:first + tb, 0], entries[first:first + tb, 1]
+            stats = slice(first * gr, (first + tb) * gr)
+            lse_r, delta_r = lse_e[stats], delta_e[stats]
+            assert len(token) == tb and len(lse_r) == L.rows  # in bounds: the tables' padding
+            qr = np.concatenate([q_t[b, t, h] for t in token])  # TB copies of [GR, Dp]
+            dor = np.concatenate([do_t[b, t, h] for t in token])
+            limit = np.where(first + np.arange(tb) < hi, offset + token - x, -1)[row_token]  # `_token_mask`
+            c = np.arange(L.bk)[:, None]
+            seen = np.isfinite(lse_r)
+            visible = (c < bs) & (c <= limit[None, :]) & seen[None, :]  # [BK, rows]
+            log_m = np.log(np.maximum(times, 1))[row_token][None, :]
             with np.errstate(invalid="ignore", over="ignore"):
-                p_t = np.where(visible, np.exp(kb @ qr.T * scale + log_m.T - np.where(seen, lse_r, 0)[None]), 0.0)
+                p_t = np.where(visible, np.exp(kb @ qr.T * scale + log_m - np.where(seen, lse_r, 0)[None]), 0.0)
                 dv_part[s_] += p_t @ dor
                 ds_t = np.where(visible, p_t * (vb @ dor.T - delta_r[None]), 0.0)
             dk_part[s_] += ds_t @ qr
@@ -150,9 +159,13 @@ def _emulate(q, k, v, idx, counts, cu, lens, bs, do):
     return o, dk, dv
 
 
+@pytest.mark.parametrize("segment", [gpu.SEGMENT, 5], ids=["segment", "segment5"])
 @pytest.mark.parametrize("name", CASES)
-def test_the_kernels_tables_give_the_reference(name):
-    """The emulated forward and dk/dv over the kernels' tables equal the reference's o, dk and dv."""
+def test_the_kernels_tables_give_the_reference(name, segment, monkeypatch):
+    """The emulated forward and dk/dv over the kernels' tables equal the reference's o, dk and dv; with segments
+    of 5 entries too (not a multiple of TB: lists cut in many segments, most ending in a step of fewer than TB
+    tokens)."""
+    monkeypatch.setattr(gpu, "SEGMENT", segment)
     case = _case(name)
     with jax.enable_x64(True):
         o, dk, dv = _emulate(*case)

@@ -1,20 +1,21 @@
 """Selected attention (the fine-grained branch) as Pallas Mosaic GPU kernels: forward, dq and a deterministic
 dk/dv.
 
-The contract is nsa.reference.selected's, and the index work around the kernels is nsa/pallas/selected.py's
-(the TPU kernels), reused as it is: each slot names its block by the block's first global key row
-(`_names`), each tile of TB tokens gets the union of the blocks its tokens list (`_tile_blocks`), and dk/dv
-inverts the selection into one list of (tile, block) entries per block row, cut into segments
-(`_block_lists`, `_segments`). Only the tiles and the kernels differ.
+The contract is nsa.reference.selected's, and the index work of the forward and dq is nsa/pallas/selected.py's
+(the TPU kernels), reused as it is: each slot names its block by the block's first global key row (`_names`),
+and each tile of TB tokens gets the union of the blocks its tokens list (`_tile_blocks`). dk/dv inverts the
+selection per token instead (`_token_lists`): one list of (token, times) entries per block row, cut into
+segments (`_segments`), so that a step computes the TB * GR rows of TB tokens that all list its block.
 
 Tiles. A tile is TB consecutive query tokens of one KV head with their G query heads: 64 rows (wgmma's M),
 row j * GR + g for token j and head g, the heads padded to GR = the next power of 2 >= max(G, 8) (so that
 TB = 64 / GR tokens fill it; G > 64 takes GR = G rounded up to 64 and TB = 1). q, do and o are kept as
 [B, Tp, H, GR, Dp] (Tp = T padded to a multiple of TB, Dp = D padded to 128 bytes): a free reshape of
 [B, T, HQ, D] when G = GR and nothing is padded, as at the standard shape (G = 16, D = 128); lse and delta
-as [B, H, NT, TB * GR] float32 (`_tile_vector`: a tile's rows contiguous, one TMA copy of at least 256 bytes:
-TMA wants 128-byte-aligned shared memory, which per-token slices of GR floats are not). A tile's q, do and o
-rows come as TB TMA copies of one token's [GR, Dp] each (1 KiB or more: aligned).
+for the forward and dq as [B, H, NT, TB * GR] float32 (`_tile_vector`: a tile's rows contiguous, one TMA copy of
+at least 256 bytes: TMA wants 128-byte-aligned shared memory, which per-token slices of GR floats are not), for
+dk/dv gathered into entry order, [(E + TB) * GR] (`_entry_vector`). A tile's q, do and o rows come as TB TMA
+copies of one token's [GR, Dp] each (1 KiB or more: aligned).
 
 Keys. A block is copied whole into one [BK, Dp] shared-memory tile, BK = block_size rounded up to 64 (at
 most 256: one TMA copy), from its source row of k [B, rows, H, Dkp] and v: its own first row when blocks
@@ -30,14 +31,26 @@ while this one is computed). Row (j, g) sees key x + c
 of block x iff token j lists it (m > 0 times: log m is added to its logits, so a block listed twice weighs
 twice), c < block_size and x + c <= the token's key row t0 + j. Online softmax in base 2, float32.
 
-Backward. delta = sum(o * do) in XLA. `_dq_kernel` walks the forward's tiles and unions, recomputing p from
-lse. `_dkdv_kernel`, grid (NSEG,), owns a segment of one block's list: it copies the block once, then walks its
-entries' tiles (q, do: TB copies each; lse, delta: one each; double-buffered) and writes float32 partial dk and dv
-[BK, Dp] of its block; `_reduce_kernel`, grid (NL,), adds a list's partials in segment order; XLA gathers each
-key row's sum. No atomics, a fixed order: dk and dv are bitwise repeatable.
+Backward. delta = sum(o * do) in XLA. `_dq_kernel` walks the forward's tiles and unions, recomputing p from lse.
+dk/dv: each of the B * T * H * S slots is keyed by its list (b * H + h) * NR + block row, a token's slots naming
+one block merged into one entry (times = how many), and all stably sorted: list i is the entries offsets[i] :
+offsets[i + 1] (E = B * T * H * min(S, NR) bounds them), its tokens increasing, and is cut into segments of at
+most SEGMENT entries. `_dkdv_kernel`, grid (NSEG,), owns a segment of one block's list: it copies the block once,
+then walks its entries TB at a time (double-buffered): step e takes entries lo + e * TB + j (j < TB), one TMA copy
+per token of q [GR, Dkp] and do [GR, Dvp] into rows j * GR ..., and one copy each of the TB * GR floats of lse and
+delta at (lo + e * TB) * GR (the entry order of `_entry_vector`: TMA needs aligned shared memory, not an aligned
+global offset). Row (j, g) sees key x + c iff c < block_size and x + c <= the key row of entry j's token (log m
+added to its logits); in a segment's last step the rows of entries past the segment see nothing (their tokens,
+those of the next entries or of the tables' padding, are still valid rows to copy). k and v are not zeroed: a NaN
+key row (a cache's past its sequence) is masked for every row, and reaches only its own row of s^T and dp^T, which
+the jnp.where set to 0 in p^T and ds^T. The kernel writes float32 partial dk and dv [BK, Dp] of its block;
+`_reduce_kernel`, grid (NL,), adds a list's partials in segment order; XLA gathers each key row's sum. No atomics,
+a fixed order: dk and dv are bitwise repeatable.
 
 Shared memory per program (the largest, dq): q, do [64, Dp], two k and two v [BK, Dp] buffers, small vectors:
-80 KiB at Dk = Dv = 128, block 64, bfloat16.
+80 KiB at Dk = Dv = 128, block 64, bfloat16. Global memory: dk/dv's tables take E * (8 + 8 * GR) bytes (the
+entries; lse and delta in entry order), 544 MiB at T = 64k on the standard shape (H = 4, S = 16, GR = 16), beside
+the float32 partials, (NL + E / SEGMENT) x [BK, Dkp + Dvp].
 """
 
 import functools
@@ -58,7 +71,7 @@ from nsa.reference._common import kernel_delta
 
 ROWS_PER_TILE = 64  # wgmma's M
 MAX_BLOCK = 256  # the rows of one TMA copy
-SEGMENT = 1024  # L: the most entries (tiles) of one dk/dv segment; the float32 partials are (NL + E / L) x [BK, Dp]
+SEGMENT = 1024  # L: the most entries (tokens) of one dk/dv segment; the float32 partials are (NL + E / L) x [BK, Dp]
 MAX_SLOTS = 255  # S at most: `times` counts up to 255 listings of a block by one token
 
 
@@ -294,10 +307,27 @@ def _dq_kernel(count_ref, t0_ref, union_ref, source_ref, times_ref, last_ref, q_
     plgpu.wait_smem_to_gmem(0)
 
 
+def _token_mask(shape, limits, counts, *, gr, block_size):
+    """bool [shape] of a (keys, rows) tile of the dk/dv kernel against its block: key c (the block's row c) is
+    visible to row r iff c < block_size and c <= limits[r // GR] (the key row of the row's token less the block's
+    first row; -1 for a row of no token). Also returns log2(counts[r // GR]) per entry (0 where counts is 0),
+    float32. limits, counts: TB scalars each, made per row by a chain of selects on the row's token r // GR."""
+    j = lax.div(iota(shape, 1), jnp.int32(gr))
+    limit, count = jnp.full(shape, limits[-1], jnp.int32), jnp.full(shape, counts[-1], jnp.int32)
+    for t in range(len(limits) - 2, -1, -1):
+        limit = jnp.where(j == t, jnp.full(shape, limits[t], jnp.int32), limit)
+        count = jnp.where(j == t, jnp.full(shape, counts[t], jnp.int32), count)
+    c = iota(shape, 0)
+    return (c < block_size) & (c <= limit), jnp.log2(jnp.maximum(count, 1).astype(jnp.float32))
+
+
 def _dkdv_kernel(seg_ref, entry_ref, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, dk_ref, dv_ref, k_smem, v_smem,
                  q_smem, do_smem, stats, k_bar, q_bar, *, L, block_size, scale):
     """A segment: seg_ref [NSEG, 7] (b, h, the block's name x, its source row, the entries lo, hi, the key row
-    offset of batch row b); entry_ref [E, 2] (the entry's tile, times)."""
+    offset of batch row b); entry_ref [E + TB, 2] (the entry's token, times); lse_ref, delta_ref [(E + TB) * GR]
+    (`_entry_vector`). Step e takes entries lo + e * TB + j, j < TB: row j * GR + g is head g of entry j's token.
+    Entries at or past hi (in a segment's last step) are read (every row of entry_ref names a token < T: valid
+    memory to copy) but their rows see nothing."""
     s = lax.axis_index("segment")
     b, h, x, source, lo, hi, offset = (seg_ref[s, c] for c in range(7))
     tb, gr = L.tpu.tb, L.gr
@@ -305,29 +335,34 @@ def _dkdv_kernel(seg_ref, entry_ref, q_ref, do_ref, lse_ref, delta_ref, k_ref, v
     plgpu.copy_gmem_to_smem(k_ref.at[b, rows, h], k_smem, k_bar.at[0])
     plgpu.copy_gmem_to_smem(v_ref.at[b, rows, h], v_smem, k_bar.at[1])
 
-    def fetch(e, slot):
-        first_token = entry_ref[lo + e, 0] * tb
-        for src, dst in ((q_ref, q_smem.at[slot]), (do_ref, do_smem.at[slot])):
-            _copy_tile_rows(src, dst, b, h, first_token, q_bar.at[slot], tb=tb, gr=gr)
+    def fetch(e, slot):  # 2 * TB + 2 copies, all on q_bar[slot]
+        first = lo + e * tb
+        for j in range(tb):
+            token = entry_ref[first + j, 0]
+            for src, dst in ((q_ref, q_smem.at[slot]), (do_ref, do_smem.at[slot])):
+                plgpu.copy_gmem_to_smem(src.at[b, token, h], dst.at[pl.ds(j * gr, gr)], q_bar.at[slot])
+        vector = pl.ds(first * gr, L.rows)  # entries first ... + TB - 1: contiguous
         for j, src in enumerate((lse_ref, delta_ref)):
-            plgpu.copy_gmem_to_smem(src.at[b, h, entry_ref[lo + e, 0]], stats.at[slot, j], q_bar.at[slot])
+            plgpu.copy_gmem_to_smem(src.at[vector], stats.at[slot, j], q_bar.at[slot])
 
     def step(e, slot, carry):
         dk, dv = carry
-        t0, times = offset + entry_ref[lo + e, 0] * tb, entry_ref[lo + e, 1]
+        first = lo + e * tb
+        limits = [jnp.where(first + j < hi, offset + entry_ref[first + j, 0] - x, -1) for j in range(tb)]
+        counts = [entry_ref[first + j, 1] for j in range(tb)]
         plgpu.barrier_wait(q_bar.at[slot])
         lse = plgpu.load(stats.at[slot, 0], layout=COLS)
         delta = plgpu.load(stats.at[slot, 1], layout=COLS)
         logits_t = matmul(k_smem, q_smem.at[slot].transpose((1, 0)), (L.bk, L.rows)) * (scale * LOG2E)
-        visible, log_times = _block_mask(logits_t.shape, x, t0, times, gr=gr, bits=L.bits, block_size=block_size,
-                                         key_dim=0)
+        visible, log_times = _token_mask(logits_t.shape, limits, counts, gr=gr, block_size=block_size)
         return key_gradients(dk, dv, logits_t + log_times, visible, lse, delta, q_smem.at[slot], do_smem.at[slot],
                              v_smem)
 
     plgpu.barrier_wait(k_bar.at[0])
     plgpu.barrier_wait(k_bar.at[1])
     zeros = lambda d: plgpu.layout_cast(jnp.zeros((L.bk, d), jnp.float32), plgpu.Layout.WGMMA)
-    dk, dv = pipelined(hi - lo, fetch, step, (zeros(L.tpu.dkp), zeros(L.tpu.dvp)))
+    steps = lax.div(hi - lo + (tb - 1), tb)
+    dk, dv = pipelined(steps, fetch, step, (zeros(L.tpu.dkp), zeros(L.tpu.dvp)))
     pl.run_scoped(lambda out: store(dk, out, dk_ref.at[s]), plgpu.SMEM((L.bk, L.tpu.dkp), jnp.float32))
     pl.run_scoped(lambda out: store(dv, out, dv_ref.at[s]), plgpu.SMEM((L.bk, L.tpu.dvp), jnp.float32))
 
@@ -391,21 +426,67 @@ def forward(q, k, v, block_indices, block_counts, cu_seqlens, kv_lens=None, *, b
     return o, (q, k, v, block_indices, block_counts, cu_seqlens, kv_lens, o, lse)
 
 
-def _dkdv_tables(union, times, t0, cu_seqlens, L, block_size):
-    """The dk/dv segments and entries: (seg [NSEG, 7] int32: b, h, the block's name, its source row, the
-    entries lo, hi, the key row offset of b; entries [E, 2]: tile, times; lists [NL, 2]: each list's first
-    segment and how many)."""
+def _token_lists(block_indices, block_counts, cu_seqlens, kv_lens, L, block_size):
+    """The selections inverted per token: each slot's block keyed by its list (b * H + h) * NR + block row, the
+    slots of one token naming one block merged into one entry (`times`: how many), and all B * T * H * S slots
+    stably sorted by list, so that a list's tokens increase. Returns (offsets [NL + 1]: list i is the entries
+    offsets[i] : offsets[i + 1]; per entry [E = B * T * H * min(S, NR)], those past offsets[NL] unused:
+    bh = b * H + h (clamped below B * H), token (< T, every one), times, name)."""
     lay = L.tpu
-    # nsa/pallas/selected.py's inversion; `times` rides along in the place of its `last`
-    offsets, tile, name, entry_times = tpu._block_lists(union, times, cu_seqlens, lay, block_size)
-    seg_offsets, seg_list, lo, hi = tpu._segments(offsets, tile.shape[0], SEGMENT)
+    names = tpu._names(block_indices, block_counts, cu_seqlens, kv_lens, lay, block_size)  # [B, T, H, S]
+    name = jnp.sort(jnp.where(names == tpu._NONE, tpu._PAST, names), axis=3)
+    s = lax.broadcasted_iota(jnp.int32, name.shape, 3)
+    differs = name[..., 1:] != name[..., :-1]
+    edge = jnp.ones_like(name[..., :1], bool)
+    run_start = lax.cummax(jnp.where(jnp.concatenate([edge, differs], -1), s, 0), axis=3)
+    valid = jnp.concatenate([differs, edge], -1) & (name != tpu._PAST)  # a run's last slot: one per (token, block)
+    keys = tokens(lay.TK, block_size, cu_seqlens)  # of the key rows: x itself is a block's first row
+    x = jnp.where(valid, name, 0)
+    row = keys.cmp_start[0][x] + keys.pos[0][x] // block_size  # the block's row among its (b, h)'s NR rows
+    bh = jnp.arange(lay.B, dtype=jnp.int32)[:, None, None, None] * lay.H + jnp.arange(lay.H, dtype=jnp.int32)[:, None]
+    num_lists = lay.B * lay.H * lay.num_rows
+    key = jnp.where(valid, bh * lay.num_rows + row, num_lists)
+    # one (key, slot) pair sort (a stable radix sort on a GPU), the rest gathered; a token lists at most NR distinct
+    # blocks: the entries (sorted first) fit E = B * T * H * min(S, NR)
+    key, slot = lax.sort((key.reshape(-1).astype(jnp.int32), jnp.arange(key.size, dtype=jnp.int32)), num_keys=1,
+                         is_stable=True)
+    E = lay.B * lay.T * lay.H * min(lay.S, lay.num_rows)
+    key, slot = key[:E], slot[:E]
+    token = slot // (lay.H * lay.S) % lay.T
+    times, x = ((s + 1 - run_start).reshape(-1)[slot], x.reshape(-1)[slot])
+    offsets = jnp.searchsorted(key, jnp.arange(num_lists + 1, dtype=jnp.int32), side="left").astype(jnp.int32)
+    return offsets, jnp.minimum(key // lay.num_rows, lay.B * lay.H - 1), token, times.astype(jnp.int32), x
+
+
+def _dkdv_tables(block_indices, block_counts, cu_seqlens, kv_lens, L, block_size):
+    """The dk/dv segments and entries: (seg [NSEG, 7] int32: b, h, the block's name, its source row, the entries
+    lo, hi, the key row offset of b; entries [E + TB, 2] int32: token, times, then TB rows (0, 0), so that a step
+    reads TB entries from any lo + TB * step < hi in bounds; lists [NL, 2]: each list's first segment and how
+    many; bh [E]: b * H + h of each entry, for `_entry_vector`)."""
+    lay = L.tpu
+    offsets, bh, token, times, name = _token_lists(block_indices, block_counts, cu_seqlens, kv_lens, L, block_size)
+    if (token.shape[0] + lay.tb) * L.gr >= 2 ** 31:
+        raise ValueError(f"selected_attention: the Mosaic GPU dk/dv kernel indexes its {token.shape[0]} entries' lse "
+                         f"and delta ({L.gr} each) with int32 offsets: B * T * H * min(S, block rows) is too large")
+    seg_offsets, seg_list, lo, hi = tpu._segments(offsets, token.shape[0], SEGMENT)
     per_b = lay.H * lay.num_rows
     b = seg_list // per_b
-    row_offset = t0[:, 0, 0]  # the key row of each batch row's first tile
+    row_offset = jnp.broadcast_to(tpu._row_offsets(kv_lens, lay), (lay.B,))  # the key row of each batch row's token 0
     seg = jnp.stack([b, seg_list % per_b // lay.num_rows, name[lo], _source_rows(name[lo], L, cu_seqlens, block_size),
                      lo, hi, row_offset[b]], axis=1).astype(jnp.int32)
+    entries = jnp.pad(jnp.stack([token, times], axis=1), [(0, lay.tb), (0, 0)])
     lists = jnp.stack([seg_offsets[:-1], seg_offsets[1:] - seg_offsets[:-1]], axis=1).astype(jnp.int32)
-    return seg, jnp.stack([tile, entry_times], axis=1).astype(jnp.int32), lists
+    return seg, entries.astype(jnp.int32), lists, bh
+
+
+def _entry_vector(x, entries, bh, L, fill):
+    """[B, T, HQ] -> float32 [(E + TB) * GR]: the GR values of entry e (its token's query heads of its KV head,
+    the padded heads `fill`) at e * GR, so that a dk/dv step's TB entries are TB * GR contiguous floats (one TMA copy
+    into 128-byte-aligned shared memory, from any offset); the TB padding entries `fill`."""
+    lay = L.tpu
+    rows = _token_rows(x.astype(jnp.float32), L, None, fill=fill)  # [B, Tp, H, GR]
+    values = rows[bh // lay.H, entries[:bh.shape[0], 0], bh % lay.H]  # [E, GR]
+    return jnp.pad(values, [(0, lay.tb), (0, 0)], constant_values=fill).reshape(-1)
 
 
 def backward(residuals, do, *, block_size, scale):
@@ -415,7 +496,6 @@ def backward(residuals, do, *, block_size, scale):
     L = _layout(q, k, v, block_indices, block_size, cu_seqlens, kv_lens)
     lay = L.tpu
     tables = _tables(block_indices, block_counts, cu_seqlens, kv_lens, L, block_size)
-    _, t0, union, _, times, _ = tables
     delta = kernel_delta(o, do, q.dtype)
     tiled = (_token_rows(q, L, lay.dkp), _token_rows(do.astype(q.dtype), L, lay.dvp),
              _tile_vector(lse, L, -jnp.inf), _tile_vector(delta, L, 0.0))
@@ -430,7 +510,8 @@ def backward(residuals, do, *, block_size, scale):
          plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=2)],
         *tables, *tiled, k_rows, v_rows)
 
-    seg, entries, lists = _dkdv_tables(union, times, t0, cu_seqlens, L, block_size)
+    seg, entries, lists, bh = _dkdv_tables(block_indices, block_counts, cu_seqlens, kv_lens, L, block_size)
+    vectors = (_entry_vector(lse, entries, bh, L, -jnp.inf), _entry_vector(delta, entries, bh, L, 0.0))
     nseg, num_lists = seg.shape[0], lists.shape[0]
     dk_part, dv_part = _kernel(
         functools.partial(_dkdv_kernel, **common), (nseg,), ("segment",),
@@ -440,7 +521,7 @@ def backward(residuals, do, *, block_size, scale):
          smem_tile((2, L.rows, lay.dkp), q.dtype), smem_tile((2, L.rows, lay.dvp), q.dtype),
          plgpu.SMEM((2, 2, L.rows), jnp.float32), plgpu.Barrier(num_barriers=2),
          _tile_barriers(2 * lay.tb + 2, 2)],
-        seg, entries, *tiled, k_rows, v_rows)
+        seg, entries, *tiled[:2], *vectors, k_rows, v_rows)
     dk_sum, dv_sum = _kernel(
         _reduce_kernel, (num_lists,), ("list",),
         (jax.ShapeDtypeStruct((num_lists, L.bk, lay.dkp), jnp.float32),
