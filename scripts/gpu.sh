@@ -39,14 +39,19 @@ if [[ $what == tests || $what == all ]]; then
     export XLA_PYTHON_CLIENT_PREALLOCATE=false
     eval "python3 -m pytest -q -m gpu -p no:cacheprovider --collect-only ${PYTEST_ARGS:-}" | grep '::' > /tmp/gpu-tests.txt
     echo "$(wc -l < /tmp/gpu-tests.txt) gpu tests in $jobs processes"
+    # each process's log and junit xml under /tmp/gpu-tests, then two files in $out (the device tool brings
+    # back at most 8): the logs one after another, and all of it as a tarball
+    rm -rf /tmp/gpu-tests && mkdir -p /tmp/gpu-tests
     for ((j = 0; j < jobs; j++)); do
         awk -v j=$j -v n=$jobs 'NR % n == j' /tmp/gpu-tests.txt > /tmp/gpu-tests-$j.txt
         mapfile -t ids < /tmp/gpu-tests-$j.txt
-        python3 -m pytest -q -p no:cacheprovider -rf --junitxml="$out/gpu-tests-$j.xml" "${ids[@]}" \
-            > "$out/gpu-tests-$j.log" 2>&1 &
+        python3 -m pytest -q -p no:cacheprovider -rf --junitxml="/tmp/gpu-tests/$j.xml" "${ids[@]}" \
+            > "/tmp/gpu-tests/$j.log" 2>&1 &
     done
     for ((j = 0; j < jobs; j++)); do wait -n || status=1; done
-    tail -q -n 15 "$out"/gpu-tests-*.log
+    cat /tmp/gpu-tests/*.log > "$out/gpu-tests.log"
+    tar czf "$out/gpu-tests.tgz" -C /tmp gpu-tests
+    tail -q -n 15 /tmp/gpu-tests/*.log
 fi
 if [[ $what == bench || $what == all ]]; then
     python3 benchmarks/gpu.py --out "$out" "$@" 2>&1 | tee "$out/bench.log" | grep -v '^{'

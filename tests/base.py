@@ -467,7 +467,7 @@ class NSATestBase:
 
     def _check_grads(self, name, x, cu_seqlens=None):
         f, f64, args, args64 = self._grad_case(name, x, cu_seqlens)
-        out, vjp = jax.vjp(f, *args)
+        out, vjp = jax.vjp(jax.jit(f), *args)  # jitted: one compile, not an eager dispatch per op
         with jax.enable_x64(True):
             out64, vjp64 = jax.vjp(f64, *args64)
             if name == "compressed":  # also a cotangent on lse, where it is finite
@@ -477,7 +477,7 @@ class NSATestBase:
             else:
                 ct64, ct = x.do64, x.do
             grads64 = vjp64(ct64)
-        grads = vjp(ct)
+        grads = jax.jit(vjp)(ct)
         scales = gradient_scales(*args64[:3], x.do64, x.shape[4] ** -0.5, num_gates=len(args) - 3)
         for i, (grad, grad64, arg, size) in enumerate(zip(grads, grads64, args, scales)):
             assert grad.dtype == arg.dtype, f"gradient {i}: dtype {grad.dtype} != input dtype {arg.dtype}"
@@ -585,12 +585,13 @@ class NSATestBase:
             xs = [Inputs(SHAPES["G3-dv8"], dtype, seed=s) for s in range(3)]
             f = self._attention_fn(xs[0])
             q, k, v = (jnp.stack([getattr(x, n) for x in xs]) for n in "qkv")
-            batched = jax.vmap(f)(q, k, v)
+            batched = jax.jit(jax.vmap(f))(q, k, v)  # jitted: one compile, not an eager dispatch per op
+            single = jax.jit(f)
             for i, x in enumerate(xs):
-                assert_close(batched[i], f(x.q, x.k, x.v), 1e-5, "o under vmap")
+                assert_close(batched[i], single(x.q, x.k, x.v), 1e-5, "o under vmap")
             loss = lambda q, k, v: jnp.sum(jax.vmap(f)(q, k, v).astype(jnp.float32) ** 2)
-            dq = jax.grad(loss)(q, k, v)
-            dq0 = jax.grad(lambda q: jnp.sum(f(q, xs[0].k, xs[0].v).astype(jnp.float32) ** 2))(xs[0].q)
+            dq = jax.jit(jax.grad(loss))(q, k, v)
+            dq0 = jax.jit(jax.grad(lambda q: jnp.sum(f(q, xs[0].k, xs[0].v).astype(jnp.float32) ** 2)))(xs[0].q)
             assert_close(dq[0], dq0, 1e-5, "dq under vmap")
 
     def test_inside_shard_map(self):
@@ -609,10 +610,10 @@ class NSATestBase:
                                             block_size=x.block_size, window_size=9)
 
             sharded = jax.jit(jax.shard_map(per_shard, mesh=mesh, in_specs=(spec,) * 6, out_specs=spec))
-            assert_close(sharded(x.q, x.k, x.v, *g), f(x.q, x.k, x.v), 1e-6, "o inside shard_map")
+            assert_close(sharded(x.q, x.k, x.v, *g), jax.jit(f)(x.q, x.k, x.v), 1e-6, "o inside shard_map")
             loss = lambda *a: jnp.sum(sharded(*a).astype(jnp.float32) ** 2)
-            dq = jax.grad(loss)(x.q, x.k, x.v, *g)
-            dq_ref = jax.grad(lambda q: jnp.sum(f(q, x.k, x.v).astype(jnp.float32) ** 2))(x.q)
+            dq = jax.jit(jax.grad(loss))(x.q, x.k, x.v, *g)
+            dq_ref = jax.jit(jax.grad(lambda q: jnp.sum(f(q, x.k, x.v).astype(jnp.float32) ** 2)))(x.q)
             assert_close(dq, dq_ref, 1e-5, "dq inside shard_map")
 
 
@@ -677,9 +678,9 @@ class NSATestBase:
         x = Inputs((2, 80, 6, 2, 16, 8, 8), dtype, seed=3)
         lens = [77, 50]
         cached, full = self._cached_call(name, x, tq, lens, self.implementation)
-        got = cached()
+        got = jax.jit(cached)()  # jitted: one compile, not an eager dispatch per op (lens stays concrete)
         for b in range(2):
-            want = full(b)
+            want = jax.jit(functools.partial(full, b))()
             if name == "select_blocks":
                 np.testing.assert_array_equal(np.asarray(got[b]), np.asarray(want))
                 continue
@@ -706,13 +707,13 @@ class NSATestBase:
             o = self.op("attention")(q, k, v, g_cmp=last(g[0]), g_slc=last(g[1]), g_swa=last(g[2]), kv_lens=lens, **kw)
             return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
 
-        grads = jax.grad(loss, argnums=(0, 1, 2))(last(x.q), nan_past(x.k), nan_past(x.v))
+        grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(last(x.q), nan_past(x.k), nan_past(x.v))
         for b_sel, n in enumerate(lens):
             one = lambda y: y[b_sel:b_sel + 1, :n]
             full_loss = lambda q, k, v: jnp.sum(nsa.attention(
                 q, k, v, g_cmp=one(g[0]), g_slc=one(g[1]), g_swa=one(g[2]), implementation="xla",
                 **kw)[:, n - tq:].astype(jnp.float32) * do[b_sel:b_sel + 1].astype(jnp.float32))
-            dq, dk, dv = jax.grad(full_loss, argnums=(0, 1, 2))(one(x.q), one(x.k), one(x.v))
+            dq, dk, dv = jax.jit(jax.grad(full_loss, argnums=(0, 1, 2)))(one(x.q), one(x.k), one(x.v))
             scales = gradient_scales(x.q64, x.k64, x.v64, x.do64, x.q.shape[-1] ** -0.5)
             assert_close(grads[0][b_sel], dq[0, n - tq:], GRAD_TOLERANCE[dtype], f"dq[{b_sel}]", scales[0])
             for got, ref, what, s in ((grads[1], dk, "dk", scales[1]), (grads[2], dv, "dv", scales[2])):
