@@ -1,12 +1,14 @@
 """Where the GPU time of each op goes, kernel by kernel, from a jax.profiler trace.
 
-    python -m benchmarks.trace --out DIR [--seq-lens 8192 65536] [--ops window selected ...] [--iters 5] [--impl pallas]
+    python -m benchmarks.trace --out DIR [--seq-lens 8192 65536] [--ops window selected ...] [--iters 5]
+                               [--impl pallas]
 
-Takes the op cases of benchmarks/ops.py (standard shape, implementation --impl, "triton" unless told). For each op it runs the
-forward+backward (select: the forward) once to compile, then --iters times under
+Takes the op cases of benchmarks/ops.py (standard shape, implementation --impl, "triton" unless told). For
+each op it runs the forward+backward (select: the forward) once to compile, then --iters times under
 jax.profiler.trace(create_perfetto_trace=True), and sums the device events of the trace by name: the
 Triton kernels by their function name, XLA's fusions, sorts and copies by theirs. Prints, per op, the
-device time per run and the events that take at least 1% of it, and writes trace-<seq lens>.json into --out.
+device time per run and the events that take at least 1% of it, and writes trace-<seq lens>[-<impl>].json
+into --out (no suffix for triton).
 """
 
 import argparse
@@ -63,8 +65,8 @@ def main():
                 if us >= 0.01 * total:
                     print(f"  {us / 1e3:8.3f} ms  {event[:110]}")
             result["rows"].append(dict(op=name, T=T, fwd_bwd=fwd_bwd is not None, total_us=total, events=dict(times)))
-    name = "-".join(map(str, args.seq_lens)) + ("" if args.impl == "triton" else f"-{args.impl}")
-    with open(f"{args.out}/trace-{name}.json", "w") as f:
+    tag = "-".join(map(str, args.seq_lens)) + ("" if args.impl == "triton" else f"-{args.impl}")
+    with open(f"{args.out}/trace-{tag}.json", "w") as f:
         json.dump(result, f, indent=1)
 
 

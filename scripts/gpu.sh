@@ -2,8 +2,7 @@
 # Everything nsa runs on the GPU, in one call: the gpu-marked tests, then the benchmark.
 #   scripts/gpu.sh [tests|bench|pallas|decode|ops|trace|sanitize|all] [extra benchmark args...]
 # (pallas: scripts/pallas_gpu_check.py and gpu_check_select.py, the Mosaic GPU kernels op by op, each under
-#  PALLAS_TIMEOUT seconds (default 400); its args
-#  name the ops)
+#  PALLAS_TIMEOUT seconds (default 400); its args name the ops)
 # (decode: benchmarks/decode.py, one decode step over a KV cache, with its own args;
 #  ops: benchmarks/ops.py, the time of each op of the pipeline, with its own args, e.g. --sweep;
 #  trace: benchmarks/trace.py, the device time of each op kernel by kernel;
