@@ -28,7 +28,7 @@ from nsa import reference
 
 # platform (as platform_dependent names it) -> the kernel families implementation=None may run there, per op, in
 # the order it prefers them. On cuda, the faster one as measured on the H200 (benchmarks/results/gpu-pallas.json).
-CUDA_PREFERENCE = {"compressed": ("triton", "pallas"), "select": ("triton", "pallas"),
+CUDA_PREFERENCE = {"compressed": ("triton", "pallas"), "select": ("pallas", "triton"),
                    "selected": ("triton", "pallas"), "window": ("triton", "pallas")}
 _FAMILIES = {"tpu": lambda op: ("pallas",), "cuda": lambda op: CUDA_PREFERENCE.get(op, ("triton", "pallas"))}
 _INSTALL = {"triton": "pip install 'nsa[cuda]' (jax-triton 0.3.1, triton 3.6.0 and jax's CUDA 13 wheels)"}
