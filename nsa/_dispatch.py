@@ -27,7 +27,8 @@ from jax import lax
 from nsa import reference
 
 # platform (as platform_dependent names it) -> the kernel families implementation=None may run there, per op, in
-# the order it prefers them. On cuda, the faster one as measured on the H200 (benchmarks/results/gpu-pallas.json).
+# the order it prefers them. On cuda, the faster one as measured on the H200 at 64k
+# (benchmarks/results/ops-65536-pallas.json against ops-65536.json; select: 8.4 against 11.8 ms, the rest Triton).
 CUDA_PREFERENCE = {"compressed": ("triton", "pallas"), "select": ("pallas", "triton"),
                    "selected": ("triton", "pallas"), "window": ("triton", "pallas")}
 _FAMILIES = {"tpu": lambda op: ("pallas",), "cuda": lambda op: CUDA_PREFERENCE.get(op, ("triton", "pallas"))}
