@@ -123,6 +123,12 @@ def loss_of(forward):
     return loss
 
 
+def implementation_of(name):
+    """nsa's `implementation` argument for a benchmark's implementation name: "auto" is None (implementation=None,
+    what nsa._dispatch picks per op), any other name is itself ("triton", "pallas", "xla")."""
+    return None if name == "auto" else name
+
+
 def nsa_fns(case, implementation, T, idx, shape=STANDARD):
     """(forward, forward+backward) jitted fns of (q, k, v, gates, do) for nsa's `case` with `implementation`;
     the backward differentiates q, k, v and the gates."""

@@ -23,9 +23,9 @@ import jax
 if not __package__:  # run as a script (python benchmarks/gpu.py): the repo root holds the benchmarks package
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import (STANDARD, compiled_memory_gib, dense_flops, jax_inputs, jax_timings, loss_of,  # noqa: F401
-                               measure, meta, module_versions, nsa_fns, random_block_indices, run, table,
-                               time_jax, useful_flops, window_flops, write_json)
+from benchmarks.common import (STANDARD, compiled_memory_gib, dense_flops, implementation_of, jax_inputs,  # noqa: F401
+                               jax_timings, loss_of, measure, meta, module_versions, nsa_fns, random_block_indices,
+                               run, table, time_jax, useful_flops, window_flops, write_json)
 
 B, HQ, H, D, BS, S, WINDOW = STANDARD
 # jax_triton clears TRITON_CACHE_DIR when it is imported; fla's Triton (its driver helpers, its
@@ -72,7 +72,7 @@ def gpu_rows(args):
         for impl in args.impls:
             if (impl == "xla" and T > args.xla_max_seq_len) or (impl == "auto" and case == "selection"):
                 continue  # auto on one op is the row of the family CUDA_PREFERENCE puts first
-            fwd, fwd_bwd = nsa_fns(case, None if impl == "auto" else impl, T, idx)
+            fwd, fwd_bwd = nsa_fns(case, implementation_of(impl), T, idx)
             args_ = (q, k, v, gates, do)
             yield measure(dict(case=case, T=T, impl=f"nsa-{impl}", useful_tflop_fwd=useful / 1e12),
                           jax_timings(fwd, fwd_bwd, args_, args_, args.iters))

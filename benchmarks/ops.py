@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 import nsa
-from benchmarks.gpu import BS, HQ, S, WINDOW, jax_inputs, time_jax
+from benchmarks.gpu import BS, HQ, S, WINDOW, implementation_of, jax_inputs, time_jax
 
 
 def _grad_fn(fn, argnums):
@@ -43,7 +43,7 @@ def _grad_fn(fn, argnums):
 def op_cases(T, impl, hq=HQ, shared_selection=False):
     """(name, forward fn, forward+backward fn or None, args) for each op of the pipeline."""
     q, k, v, gates, do = jax_inputs(T, hq=hq)
-    kw = dict(implementation=impl)
+    kw = dict(implementation=implementation_of(impl))
     k_cmp = nsa.compress(k, block_size=BS)
     v_cmp = nsa.compress(v, block_size=BS)
     idx = jax.jit(lambda q, k_cmp: nsa.select_blocks(q, k_cmp, block_counts=S, block_size=BS, **kw))(q, k_cmp)
@@ -150,7 +150,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True)
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[65536])
-    parser.add_argument("--impl", default="triton")
+    parser.add_argument("--impl", default="triton",
+                        help="triton, pallas, xla, or auto (implementation=None: the per-op choice of nsa._dispatch)")
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--sweep", nargs="*", choices=["flash", "selected"], default=[],
                         help="kernels to sweep over candidate configs")

@@ -50,7 +50,8 @@ def main():
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[8192])
     parser.add_argument("--ops", nargs="*", default=None, help="only these ops (default: all)")
     parser.add_argument("--iters", type=int, default=5)
-    parser.add_argument("--impl", default="triton")
+    parser.add_argument("--impl", default="triton",
+                        help="triton, pallas, xla, or auto (implementation=None: the per-op choice of nsa._dispatch)")
     args = parser.parse_args()
     result = dict(date=time.strftime("%Y-%m-%d"), device=str(jax.devices()[0].device_kind), jax=jax.__version__,
                   impl=args.impl, rows=[])
