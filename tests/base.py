@@ -21,12 +21,15 @@ import numpy as np
 import pytest
 
 import nsa
+from nsa import pallas
 from tests import dense, oracle
 
 # Relative RMS error allowed against float64 on the same rounded inputs: forward, then gradients.
 TOLERANCE = {"float64": 1e-10, "float32": 2e-5, "bfloat16": 5e-3, "float16": 1e-3}
 GRAD_TOLERANCE = {"float64": 1e-9, "float32": 1e-4, "bfloat16": 1e-2, "float16": 2e-3}
 ALL_DTYPES = ["float32", "float64", "bfloat16", "float16"]
+# whether this jax lowers the Mosaic GPU kernels (for CUDA, also on a CPU machine: jax.export)
+MOSAIC_GPU_LOWERS = jax.__version_info__[:2] >= pallas.MOSAIC_GPU_JAX
 
 # (B, T, HQ, H, Dk, Dv, block_size): group sizes 1, 2, 3, 4, 16; Dv != Dk; T not a multiple of
 # block_size; T < block_size.

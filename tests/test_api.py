@@ -16,7 +16,7 @@ import nsa
 from nsa import _dispatch, pallas
 from nsa._varlen import made_valid
 from tests import oracle
-from tests.base import TOLERANCE, Inputs, assert_close, gradient_scales
+from tests.base import MOSAIC_GPU_LOWERS, TOLERANCE, Inputs, assert_close, gradient_scales
 
 B, T, HQ, H, D, BS = 1, 100, 4, 2, 16, 16
 
@@ -244,9 +244,8 @@ def test_explicit_triton_on_float64_raises(interpreted):
 def test_implementations_tells_what_runs_where(interpreted):
     """nsa.implementations() with jax_triton importable (as the interpreted fixture makes it): on CUDA, select on
     the Mosaic GPU kernels where this jax lowers them (measured faster on the H200), every other op on Triton."""
-    mosaic_gpu = jax.__version_info__[:2] >= pallas.MOSAIC_GPU_JAX
     kernels = {"compress": "xla", "compressed_attention": "triton", "selected_attention": "triton",
-               "select_blocks": "pallas" if mosaic_gpu else "triton", "sliding_window_attention": "triton"}
+               "select_blocks": "pallas" if MOSAIC_GPU_LOWERS else "triton", "sliding_window_attention": "triton"}
     assert nsa.implementations("gpu") == nsa.implementations("cuda") == kernels
     assert nsa.implementations("cuda", dtype=jnp.float32)["select_blocks"] == "triton"  # Mosaic GPU: 16-bit only
     assert set(nsa.implementations("cuda", dtype=jnp.float64).values()) == {"xla"}

@@ -15,8 +15,8 @@ import pytest
 
 import nsa
 from nsa import _dispatch, pallas
+from tests.base import MOSAIC_GPU_LOWERS
 
-MOSAIC_GPU_LOWERS = jax.__version_info__[:2] >= pallas.MOSAIC_GPU_JAX
 needs_mosaic_gpu = pytest.mark.skipif(not MOSAIC_GPU_LOWERS, reason=f"jax {jax.__version__}: Mosaic GPU lowers these "
                                                                    "kernels from jax 0.11 on")
 KERNEL_OPS = ("compressed_attention", "select_blocks", "selected_attention", "sliding_window_attention")

@@ -26,9 +26,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from nsa.pallas.gpu import select as gpu_select
 from nsa.reference import select as reference
 from nsa.reference.compressed import softmax_over_blocks
+from tests.base import MOSAIC_GPU_LOWERS
 
 CU = np.array([0, 37, 37, 150, 200], np.int32)  # lengths 37, 0, 113, 50 (T = 200)
-MOSAIC_GPU_LOWERS = jax.__version_info__ >= (0, 11)
 needs_mosaic_gpu = pytest.mark.skipif(
     not MOSAIC_GPU_LOWERS, reason=f"jax {jax.__version__} has no Mosaic GPU lowering for plgpu.kernel on a CPU "
                                   "machine (it needs jax >= 0.11)")
