@@ -1,8 +1,9 @@
 # make demo | make test | make notebooks | make venv | make clean
 #
 # Everything runs in a virtual environment built from setup.cfg: `make demo` installs nsa and what the
-# demo needs (the `demo` extra: matplotlib); `make test` adds the test extras (pytest, and Triton for
-# its CPU interpreter). Override on the command line:
+# demo needs (the `demo` extra: matplotlib); `make test` adds the `test` extra, everything the suite imports
+# (pytest, chex, Triton for its CPU interpreter, the `demo`, `notebooks` and `nnx` extras, build and twine).
+# Override on the command line:
 #   PYTHON    the interpreter the venv is made from   (default python3, >= 3.11)
 #   VENV      the venv's folder                       (default .venv)
 #   JAX_SPEC  a pip requirement pinning JAX           (default: the newest pip finds), e.g. 'jax==0.11.2'
@@ -17,7 +18,6 @@ PYTEST_ARGS ?=
 # the tests `make test` runs (pytest -m), and its worker processes (pytest-xdist; each core its own)
 MARKERS ?= not gpu
 WORKERS ?= auto
-TEST_EXTRAS := test demo notebooks
 
 PY := $(VENV)/bin/python
 # The venv with nsa alone, and the settings it was built with: rebuilt (and its extras with it) when
@@ -27,7 +27,7 @@ SETTINGS := python=$(PYTHON) jax=$(JAX_SPEC)
 
 .PHONY: venv demo test notebooks clean FORCE
 
-venv: $(TEST_EXTRAS:%=$(VENV)/.nsa-extra-%)
+venv: $(VENV)/.nsa-extra-test
 
 ifneq "$(SETTINGS)" "$(shell cat $(BASE) 2>/dev/null)"
 $(BASE): FORCE
