@@ -133,7 +133,7 @@ def qkv(q, k, v):
     return B, T, HQ, H
 
 
-def kv_lens(lens, B, T, TK, cu, bound="TK = k.shape[1]"):
+def kv_lens(lens, B, T, TK, cu, bound="TK = k.shape[1]", name="kv_lens"):
     """kv_lens as the ops take it: None, or int32 [B] with T <= kv_lens[b] <= TK (`bound` names TK).
 
     kv_lens[b] is sequence b's length in a padded KV cache, and the T queries are its last T tokens. None
@@ -145,7 +145,7 @@ def kv_lens(lens, B, T, TK, cu, bound="TK = k.shape[1]"):
     if cu is not None:
         raise ValueError("kv_lens (sequences at the end of a padded KV cache, B >= 1) and cu_seqlens (packed "
                          "sequences, B = 1) cannot be given together; pass one of them")
-    lens = lengths("kv_lens", lens, B, T, TK, f"[T, {bound}]",
+    lens = lengths(name, lens, B, T, TK, f"[T, {bound}]",
                    " (the T queries are the last tokens of each sequence)")
     return None if TK == T else lens
 

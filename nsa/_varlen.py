@@ -121,19 +121,3 @@ def made_valid(cu_seqlens, seq_len):
     the first sequence, tokens after the last one the last sequence). A valid cu_seqlens is unchanged."""
     cu = jnp.clip(jax.lax.cummax(cu_seqlens.astype(jnp.int32)), 0, seq_len)
     return cu.at[0].set(0).at[-1].set(seq_len)
-
-
-def visible_compressed_rows(seq_len, block_size, cu_seqlens=None):
-    """How many rows of k_cmp some query can see (every later row is padding), or None if unknown.
-
-    A query sees only complete blocks of its own sequence: T // bs rows, or with a concrete
-    cu_seqlens max_i(first row of sequence i + len_i // bs). None for a traced cu_seqlens.
-    """
-    if cu_seqlens is None:
-        return seq_len // block_size
-    cu = concrete(cu_seqlens)
-    if cu is None:
-        return None
-    lengths = np.diff(cu.astype(np.int64))
-    blocks = cdiv(lengths, block_size)
-    return int(np.max(np.cumsum(blocks) - blocks + lengths // block_size))

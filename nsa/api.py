@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from nsa import _checks, _dispatch
-from nsa._varlen import concrete, num_compressed_blocks, visible_compressed_rows
+from nsa._varlen import concrete, num_compressed_blocks
 
 
 def _statics(**kwargs):
@@ -51,18 +51,19 @@ def check_cu_seqlens(cu_seqlens, seq_len):
     _checks.cu_seqlens(cu_seqlens, 1, seq_len)
 
 
-def _key_lens(kv_lens, q, k, cu_seqlens):
-    """kv_lens checked against q [B, T, ...] and k [B, TK, ...] (`_checks.kv_lens`); None with TK > T
-    means every sequence fills the cache (kv_lens = TK)."""
+def _key_lens(kv_lens, q, k, cu_seqlens, name="kv_lens"):
+    """kv_lens (called `name` in errors) checked against q [B, T, ...] and k [B, TK, ...] (`_checks.kv_lens`);
+    None with TK > T means every sequence fills the cache (kv_lens = TK)."""
     B, T, TK = q.shape[0], q.shape[1], k.shape[1]
     if kv_lens is None and TK > T:
         kv_lens = np.full((B,), TK, np.int32)
-    return _checks.kv_lens(kv_lens, B, T, TK, cu_seqlens)
+    return _checks.kv_lens(kv_lens, B, T, TK, cu_seqlens, name=name)
 
 
 def _compressed_kv(q, k_cmp, v_cmp, block_size, cu_seqlens, kv_lens=None):
-    """Checks k_cmp [B, NC, H, Dk] and v_cmp [B, NC, H, Dv] against q and the rows queries can see, and
-    kv_lens (`_checks.kv_lens`) against the tokens k_cmp covers, NC * block_size; returns kv_lens."""
+    """Checks k_cmp [B, NC, H, Dk] and v_cmp [B, NC, H, Dv] against q: without kv_lens, k_cmp holds the rows
+    compress gives for q's T tokens (the queries are the whole sequences); with kv_lens (`_checks.kv_lens`),
+    it covers them (kv_lens <= NC * block_size); returns kv_lens."""
     _checks.array("k_cmp", k_cmp, 4, like=q)
     B, T, HQ, Dk = q.shape
     NC, H = k_cmp.shape[1], k_cmp.shape[2]
@@ -74,11 +75,21 @@ def _compressed_kv(q, k_cmp, v_cmp, block_size, cu_seqlens, kv_lens=None):
     if kv_lens is not None:
         return _checks.kv_lens(kv_lens, B, T, NC * block_size, cu_seqlens,
                                bound="NC * block_size, the tokens k_cmp covers")
-    needed = visible_compressed_rows(T, block_size, cu_seqlens)
-    if needed is not None and NC < needed:
-        raise ValueError(f"k_cmp must have at least {needed} compressed rows (NC, axis 1) for T = {T}, "
-                         f"block_size = {block_size}, got {NC}")
+    _compressed_rows(k_cmp, T, "q's T", block_size, cu_seqlens)
     return None
+
+
+def _compressed_rows(k_cmp, TK, tokens, block_size, cu_seqlens):
+    """Checks that k_cmp [B, NC, ...] has the rows `compress(k, block_size=block_size, cu_seqlens=cu_seqlens)` gives
+    for TK tokens (named `tokens`): ceil(TK / block_size), or the packing's; for a traced cu_seqlens between
+    ceil(TK / block_size) and its static bound. So compressed keys of another block size raise."""
+    NC, rows = k_cmp.shape[1], num_compressed_blocks(TK, block_size, cu_seqlens)
+    fewest = rows if cu_seqlens is None or concrete(cu_seqlens) is not None else -(-TK // block_size)
+    if not fewest <= NC <= rows:
+        made = f"compress(k, block_size={block_size}{', cu_seqlens=...' if cu_seqlens is not None else ''})"
+        expected = f"{rows}" if fewest == rows else f"between {fewest} and {rows}"
+        raise ValueError(f"k_cmp must have the rows {made} gives for {tokens} = {TK} tokens, {expected} (NC, axis 1), "
+                         f"got shape {tuple(k_cmp.shape)}: compressed keys made with another block_size?")
 
 
 def compress(x, *, block_size, cu_seqlens=None):
@@ -220,21 +231,22 @@ def _slots(block_counts):
     return max(1, int(counts.max(initial=0)))
 
 
-def _given_compressed(k_cmp, v_cmp, q, k, v, block_size, needs_values):
-    """Checks a precomputed k_cmp [B, NC, H, Dk] / v_cmp [B, NC, H, Dv] (a KV cache's) against k and v
-    [B, TK, ...]: NC >= ceil(TK / block_size), so that they cover every key; v_cmp is needed with k_cmp
-    when the compressed branch is on, and never without k_cmp."""
+def _given_compressed(k_cmp, v_cmp, q, k, v, block_size, cu_seqlens, kv_lens, needs_values):
+    """Checks a precomputed k_cmp [B, NC, H, Dk] / v_cmp [B, NC, H, Dv] (a KV cache's, or a user's) against k and v
+    [B, TK, ...]: its rows are those compress(k) gives (`_compressed_rows`); k longer than q (a cache's) needs
+    kv_lens; v_cmp is needed with k_cmp when the compressed branch is on, and never without k_cmp."""
     if k_cmp is None:
         if v_cmp is not None:
             raise ValueError("v_cmp was given without k_cmp; pass both (or neither: attention compresses k and v)")
         return
     B, TK, H, Dk = k.shape
-    need = -(-TK // block_size)
     _checks.array("k_cmp", k_cmp, 4, like=q)
-    if k_cmp.shape[1] < need:
-        raise ValueError(f"k_cmp must have at least ceil(TK / block_size) = {need} rows (NC, axis 1) to cover "
-                         f"k's TK = {TK} tokens, got shape {tuple(k_cmp.shape)}")
     _checks.shape("k_cmp", k_cmp, (B, k_cmp.shape[1], H, Dk), "[B, NC, H, Dk] (B, H, Dk from k)")
+    _compressed_rows(k_cmp, TK, "k's TK", block_size, cu_seqlens)
+    if TK > q.shape[1] and kv_lens is None:
+        raise ValueError(f"k_cmp was given with k longer than q (TK = {TK} > T = {q.shape[1]}), a KV cache's, but "
+                         f"kv_lens was not: pass cache=cache (which brings its lengths), or kv_lens=cache.lens (each "
+                         f"sequence's length; [TK] * B if every one fills the cache)")
     if v_cmp is None:
         if needs_values:
             raise ValueError("the compressed branch (g_cmp given) needs v_cmp with k_cmp; got k_cmp only")
@@ -243,35 +255,62 @@ def _given_compressed(k_cmp, v_cmp, q, k, v, block_size, needs_values):
     _checks.shape("v_cmp", v_cmp, k_cmp.shape[:3] + v.shape[3:], "[B, NC, H, Dv] (B, NC, H from k_cmp, Dv from v)")
 
 
-def attention(q, k, v, *, g_cmp=None, g_slc=None, g_swa=None, block_indices=None, block_counts=16,
-              block_size=64, window_size=0, scale=None, cu_seqlens=None, kv_lens=None, k_cmp=None, v_cmp=None,
-              implementation=None):
+def _from_cache(cache, block_size, given):
+    """(k, v, k_cmp, v_cmp, kv_lens, block_size) of `cache` (an nsa.KVCache, checked), for attention(q, cache=cache):
+    `given` maps the names of those arguments to what the call passed, which must be None (block_size may be the
+    cache's own)."""
+    from nsa.cache import check_cache  # nsa.cache builds on this module
+
+    block_size = check_cache(cache, block_size)
+    passed = [name for name, x in given.items() if x is not None]
+    if passed:
+        raise ValueError(f"cache= brings the keys, values, compressed rows and lengths of the cache: pass "
+                         f"{' and '.join(passed)} or cache, not both")
+    return cache.k, cache.v, cache.k_cmp, cache.v_cmp, cache.lens, block_size
+
+
+def attention(q, k=None, v=None, *, g_cmp=None, g_slc=None, g_swa=None, block_indices=None, block_counts=16,
+              block_size=None, window_size=0, scale=None, cu_seqlens=None, kv_lens=None, k_cmp=None, v_cmp=None,
+              cache=None, implementation=None):
     """Native Sparse Attention: o = g_cmp * o_cmp + g_slc * o_slc + g_swa * o_swa.
 
     - compressed branch (o_cmp, `compressed_attention` on `compress(k)`, `compress(v)`): on iff g_cmp
       is given;
     - selected branch (o_slc, `selected_attention`): always on; with block_indices=None the blocks come
       from `select_blocks` on the compressed keys (whether or not g_cmp is given);
-    - sliding-window branch (o_swa, `sliding_window_attention`): on iff window_size > 0 (g_swa is
-      ignored when it is off).
+    - sliding-window branch (o_swa, `sliding_window_attention`): on iff window_size > 0 (a g_swa given with
+      window_size = 0 raises: the branch it weighs is off).
 
-    A missing gate of an active branch means weight 1. Gates are [B, T, HQ]; the output is
-    [B, T, HQ, Dv] in q's dtype, with gradients for q, k, v and every gate.
+    So the defaults (no g_cmp, window_size = 0) run the selected branch alone, over blocks chosen from the
+    mean-pooled keys; pass g_cmp and window_size for the paper's three branches. A missing gate of an active
+    branch means weight 1. Gates are [B, T, HQ]; the output is [B, T, HQ, Dv] in q's dtype, with gradients for
+    q, k, v and every gate. block_size: 64, or with cache= the cache's.
 
-    Serving (a KV cache, `nsa.cache`): k, v [B, TK, H, D] may hold longer sequences than q; the T queries
-    are the last T tokens of sequence b, which has kv_lens[b] tokens (int [B], default TK; its keys past
-    them are never read). k_cmp [B, NC, H, Dk] and v_cmp [B, NC, H, Dv], the cache's compressed keys and
-    values (NC >= ceil(TK / block_size)), replace `compress(k)`, `compress(v)`; gradients then flow to
-    them instead of through the compression to k and v.
+    Serving (a KV cache, `nsa.cache`): `attention(q, cache=cache, ...)` attends over an nsa.KVCache, which brings
+    k, v, k_cmp, v_cmp, kv_lens (its lengths) and block_size; the T queries are the last T tokens of each of its
+    sequences (cache.lens counts them: append them first). The same from raw arrays: k, v [B, TK, H, D] may
+    hold longer sequences than q; the T queries are the last T tokens of sequence b, which has kv_lens[b]
+    tokens (int [B], default TK; its keys past them are never read). k_cmp [B, NC, H, Dk] and
+    v_cmp [B, NC, H, Dv], the cache's compressed keys and values (NC = ceil(TK / block_size), as `compress`
+    gives them), replace `compress(k)`, `compress(v)`; given with TK > T they need kv_lens; gradients then
+    flow to them instead of through the compression to k and v.
     """
+    if cache is not None:
+        k, v, k_cmp, v_cmp, kv_lens, block_size = _from_cache(
+            cache, block_size, dict(k=k, v=v, k_cmp=k_cmp, v_cmp=v_cmp, kv_lens=kv_lens))
+    elif k is None or v is None:
+        raise TypeError("attention needs the keys and values: k and v, or cache= (an nsa.KVCache)")
     B, T, HQ, H = _checks.qkv(q, k, v)
     for name, g in (("g_cmp", g_cmp), ("g_slc", g_slc), ("g_swa", g_swa)):
         _checks.gate(name, g, B, T, HQ)
-    block_size = _checks.positive_int("block_size", block_size)
+    block_size = _checks.positive_int("block_size", 64 if block_size is None else block_size)
     window_size = _checks.non_negative_int("window_size", window_size)
+    if g_swa is not None and window_size == 0:
+        raise ValueError("g_swa was given with window_size = 0: the sliding-window branch it weighs is off; pass "
+                         "window_size > 0 to turn it on, or leave g_swa out")
     cu_seqlens = _checks.cu_seqlens(cu_seqlens, B, T)
-    kv_lens = _key_lens(kv_lens, q, k, cu_seqlens)
-    _given_compressed(k_cmp, v_cmp, q, k, v, block_size, needs_values=g_cmp is not None)
+    _given_compressed(k_cmp, v_cmp, q, k, v, block_size, cu_seqlens, kv_lens, needs_values=g_cmp is not None)
+    kv_lens = _key_lens(kv_lens, q, k, cu_seqlens, "cache.lens" if cache is not None else "kv_lens")
     if block_counts is None and block_indices is None:
         raise ValueError("block_counts=None (use every slot of block_indices) needs block_indices")
     if block_counts is not None:

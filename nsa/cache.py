@@ -1,6 +1,8 @@
-"""A KV cache for serving NSA: a NamedTuple of arrays, and pure functions that fill it.
+"""A KV cache for serving NSA: a dataclass of arrays with its compression as static metadata (a pytree), and
+pure functions that fill it.
 
-The cache holds, for B sequences of up to N tokens (its capacity):
+The cache holds, for B sequences of up to N tokens (its capacity), made with one compression block size
+`block_size` (static: the cache's pytree structure, not an array):
 
 - k [B, N, H, Dk], v [B, N, H, Dv]: the keys and values, token t of sequence b at row t;
 - k_cmp [B, ceil(N / block_size), H, Dk], v_cmp [B, ceil(N / block_size), H, Dv]: the compressed keys and
@@ -10,17 +12,18 @@ The cache holds, for B sequences of up to N tokens (its capacity):
 
 Rows past a sequence's length (and compressed rows of blocks not yet complete) hold whatever was there;
 `nsa.attention` never reads them. A decode or chunked-prefill step appends the new tokens' keys and values
-with `append_to_cache`, then attends with the cache:
+with `append_to_cache`, then attends with the cache, which brings its keys, compressed rows, lengths and
+block size along (so none can be mismatched or forgotten):
 
-    cache = nsa.append_to_cache(cache, k_new, v_new, block_size=64)        # k_new [B, TN, H, Dk]
-    o = nsa.attention(q_new, cache.k, cache.v, k_cmp=cache.k_cmp, v_cmp=cache.v_cmp, kv_lens=cache.lens, ...)
+    cache = nsa.append_to_cache(cache, k_new, v_new)        # k_new [B, TN, H, Dk]
+    o = nsa.attention(q_new, cache=cache, g_cmp=..., ...)   # q_new [B, TN, HQ, Dk]
 
 Both are pure: under `jax.jit(step, donate_argnums=...)` with the cache donated, XLA writes the new rows in
 place (scatters into the donated buffers), and the step compiles once for every length, since the lengths
 are data.
 """
 
-from typing import NamedTuple
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -31,14 +34,25 @@ from nsa._varlen import cdiv, concrete
 from nsa.api import compress
 
 
-class KVCache(NamedTuple):
-    """The arrays of a KV cache (a pytree); see the module docstring."""
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    """A KV cache: its arrays (a pytree's leaves) and the compression it was made with (static metadata, part
+    of the pytree's structure: jit compiles once per block_size, and a step never mistakes it). See the module
+    docstring; `cache.replace(lens=...)` is a copy with some fields changed."""
 
     k: jax.Array  # [B, N, H, Dk]
     v: jax.Array  # [B, N, H, Dv]
     k_cmp: jax.Array  # [B, ceil(N / block_size), H, Dk]
     v_cmp: jax.Array  # [B, ceil(N / block_size), H, Dv]
     lens: jax.Array  # int32 [B]
+    block_size: int  # the compression block: k_cmp's row c is the mean of tokens [c * block_size, (c + 1) * block_size)
+
+    def replace(self, **changes):
+        return dataclasses.replace(self, **changes)
+
+
+ARRAYS = ("k", "v", "k_cmp", "v_cmp", "lens")
+jax.tree_util.register_dataclass(KVCache, data_fields=list(ARRAYS), meta_fields=["block_size"])
 
 
 def empty_cache(batch_size, capacity, num_kv_heads, head_dim, *, block_size, head_dim_v=None,
@@ -49,15 +63,22 @@ def empty_cache(batch_size, capacity, num_kv_heads, head_dim, *, block_size, hea
     H = _checks.positive_int("num_kv_heads", num_kv_heads)
     Dk = _checks.positive_int("head_dim", head_dim)
     Dv = Dk if head_dim_v is None else _checks.positive_int("head_dim_v", head_dim_v)
-    NC = cdiv(N, _checks.positive_int("block_size", block_size))
+    block_size = _checks.positive_int("block_size", block_size)
+    NC = cdiv(N, block_size)
     zeros = lambda rows, d: jnp.zeros((B, rows, H, d), dtype)
-    return KVCache(zeros(N, Dk), zeros(N, Dv), zeros(NC, Dk), zeros(NC, Dv), jnp.zeros((B,), jnp.int32))
+    return KVCache(zeros(N, Dk), zeros(N, Dv), zeros(NC, Dk), zeros(NC, Dv), jnp.zeros((B,), jnp.int32), block_size)
 
 
-def check_cache(cache, block_size):
-    """Checks that `cache` is a KVCache whose arrays agree with each other and with `block_size`."""
+def check_cache(cache, block_size=None):
+    """Checks that `cache` is a KVCache whose arrays agree with each other and with its block_size, and that a
+    given `block_size` (an op's argument) is the cache's; returns the cache's block_size."""
     if not isinstance(cache, KVCache):
         raise TypeError(f"cache must be an nsa.KVCache, got {type(cache).__name__}")
+    own = _checks.positive_int("cache.block_size", cache.block_size)
+    if block_size is not None and _checks.positive_int("block_size", block_size) != own:
+        raise ValueError(f"block_size = {block_size} was given, but the cache was made with block_size = {own}: its "
+                         f"compressed rows are means of {own} tokens; leave block_size out (the cache carries its own)")
+    block_size = own
     _checks.array("cache.k", cache.k, 4)
     B, N, H, Dk = cache.k.shape
     _checks.array("cache.v", cache.v, 4, dtypes=None)
@@ -73,6 +94,7 @@ def check_cache(cache, block_size):
         _checks.shape(name, x, (B, NC, H, d), f"[B, ceil(N / block_size), H, D] (block_size = {block_size})")
     _checks.integer_array("cache.lens", cache.lens, 1)
     _checks.shape("cache.lens", cache.lens, (B,), "[B]")
+    return block_size
 
 
 def _new_tokens(cache, k, v):
@@ -108,20 +130,20 @@ def _write(cache, k, v, start, lens, block_size):
         means = compress(x_all[b, tokens], block_size=block_size)  # [B, R, H, D], the block means
         return x_cmp.at[b, target].set(means, mode="drop")
 
-    return KVCache(k_all, v_all, compressed(k_all, cache.k_cmp), compressed(v_all, cache.v_cmp), lens)
+    return cache.replace(k=k_all, v=v_all, k_cmp=compressed(k_all, cache.k_cmp), v_cmp=compressed(v_all, cache.v_cmp),
+                         lens=lens)
 
 
-def append_to_cache(cache, k, v, *, block_size):
+def append_to_cache(cache, k, v, *, block_size=None):
     """The cache with TN new tokens appended to every sequence: k [B, TN, H, Dk], v [B, TN, H, Dv] go to the
     rows lens[b] ... lens[b] + TN - 1, lens grows by TN, and each block this completes gets its compressed
-    row (`nsa.compress`'s mean of its tokens). A pure function: jit it with the cache donated and the writes
-    happen in place.
+    row (`nsa.compress`'s mean of its tokens, bitwise). A pure function: jit it with the cache donated and the
+    writes happen in place. `block_size` may be left out: the cache carries its own (given, it must equal it).
 
     Appending past the capacity N raises ValueError when cache.lens is concrete; under jit (lens traced) the
     tokens that do not fit are dropped, lens stops at N, and nothing is written out of bounds.
     """
-    block_size = _checks.positive_int("block_size", block_size)
-    check_cache(cache, block_size)
+    block_size = check_cache(cache, block_size)
     _new_tokens(cache, k, v)
     N, TN = cache.k.shape[1], k.shape[1]
     lens = concrete(cache.lens)

@@ -70,7 +70,7 @@ def test_append_under_jit_is_in_place_and_compiles_once():
                    donate_argnums=0)
     compiled = step.lower(cache, k[:, :1], v[:, :1]).compile().as_text()
     aliased = re.findall(r"\{(\d+)\}: \((\d+), \{\}, (?:may|must)-alias\)", compiled.split("entry_computation_layout")[0])
-    assert sorted(aliased) == [(str(i), str(i)) for i in range(len(cache))], aliased
+    assert sorted(aliased) == [(str(i), str(i)) for i in range(len(jax.tree_util.tree_leaves(cache)))], aliased
     for t in range(7, 30):
         old = cache
         cache = step(cache, k[:, t:t + 1], v[:, t:t + 1])
@@ -100,15 +100,19 @@ def test_bad_caches_and_tokens_raise():
         append(cache, k.astype(jnp.bfloat16), v)
     with pytest.raises(ValueError, match=r"v must have shape \[B, TN, H, D\] .* = \(2, 16, 2, 8\), got \(2, 16, 2, 16\)"):
         append(cache, k, k)
+    with pytest.raises(ValueError, match=r"block_size = 16 was given, but the cache was made with block_size = 8"):
+        append(cache, k, v, bs=16)  # the cache carries its own block size
     with pytest.raises(ValueError, match=r"cache.k_cmp must have shape .*block_size = 16.* = \(2, 5, 2, 16\), "
                                          r"got \(2, 10, 2, 16\)"):
-        append(cache, k, v, bs=16)  # a cache made for another block size
+        append(cache.replace(block_size=16), k, v, bs=None)  # its compressed rows are of another block size
+    with pytest.raises(TypeError, match=r"cache.block_size must be an int, got float"):
+        append(cache.replace(block_size=8.0), k, v, bs=None)
     with pytest.raises(TypeError, match=r"cache.v.dtype must equal cache.k.dtype \(float32\), got bfloat16"):
-        append(cache._replace(v=cache.v.astype(jnp.bfloat16)), k, v)
+        append(cache.replace(v=cache.v.astype(jnp.bfloat16)), k, v)
     with pytest.raises(TypeError, match=r"cache must be an nsa.KVCache, got tuple"):
-        append(tuple(cache), k, v)
+        append((cache.k, cache.v, cache.k_cmp, cache.v_cmp, cache.lens), k, v)
     with pytest.raises(ValueError, match=r"cache.lens must have shape \[B\] = \(2,\), got \(3,\)"):
-        append(cache._replace(lens=jnp.zeros(3, jnp.int32)), k, v)
+        append(cache.replace(lens=jnp.zeros(3, jnp.int32)), k, v)
     with pytest.raises(ValueError, match=r"the prompts \(k.shape\[1\] = 16 tokens\) must fit .* got capacity = 8"):
         nsa.prefill_cache(k, v, block_size=BS, capacity=8)
     with pytest.raises(ValueError, match=r"lens must lie in \[0, TP = k.shape\[1\]\] = \[0, 16\], got lens\[1\] = 17"):
@@ -116,7 +120,7 @@ def test_bad_caches_and_tokens_raise():
 
 
 def test_decode_loop_under_jit_matches_a_full_recompute():
-    """Greedy-style decode over a ragged batch: a jitted step (append, then nsa.attention on the cache) in a
+    """Greedy-style decode over a ragged batch: a jitted step (append, then nsa.attention(q, cache=cache)) in a
     lax.fori_loop, the cache as carry; every step's output equals nsa.attention on the whole sequences so
     far, at each sequence's last token."""
     x = Inputs((B, 40, 6, H, DK, DV, BS), "float32", seed=5)
@@ -130,9 +134,8 @@ def test_decode_loop_under_jit_matches_a_full_recompute():
 
     def step(i, carry):
         cache, out = carry
-        cache = nsa.append_to_cache(cache, at(x.k, i), at(x.v, i), block_size=BS)
-        o = nsa.attention(at(x.q, i), cache.k, cache.v, g_cmp=at(g[0], i), g_slc=at(g[1], i), g_swa=at(g[2], i),
-                          k_cmp=cache.k_cmp, v_cmp=cache.v_cmp, kv_lens=cache.lens, **kw)
+        cache = nsa.append_to_cache(cache, at(x.k, i), at(x.v, i))
+        o = nsa.attention(at(x.q, i), cache=cache, g_cmp=at(g[0], i), g_slc=at(g[1], i), g_swa=at(g[2], i), **kw)
         return cache, out.at[i].set(o[:, 0])
 
     out = jnp.zeros((steps, B, 6, DV))
@@ -143,6 +146,60 @@ def test_decode_loop_under_jit_matches_a_full_recompute():
         one = lambda y: y[b:b + 1, :n]
         full = nsa.attention(one(x.q), one(x.k), one(x.v), g_cmp=one(g[0]), g_slc=one(g[1]), g_swa=one(g[2]), **kw)
         assert_close(out[:, b], full[0, prompt[b]:], 2e-5, f"decode outputs of sequence {b}")
+
+
+def test_attention_over_the_cache_is_the_call_with_its_arrays_and_cannot_be_mismatched():
+    """attention(q, cache=cache) is attention on the cache's arrays, kv_lens and block size, bitwise, eager and under
+    jit; a block size, keys or lengths given beside the cache raise instead of being mixed with it."""
+    x = Inputs((B, 40, 4, H, DK, DV, BS), "float32", seed=6)
+    g = [gi[0][:, -2:] for gi in x.gates]
+    cache = nsa.prefill_cache(x.k[:, :38], x.v[:, :38], block_size=BS, capacity=N, lens=[38, 17])
+    cache = nsa.append_to_cache(cache, x.k[:, 38:], x.v[:, 38:])
+    kw = dict(g_cmp=g[0], g_slc=g[1], g_swa=g[2], block_counts=3, window_size=9)
+    raw = nsa.attention(x.q[:, -2:], cache.k, cache.v, k_cmp=cache.k_cmp, v_cmp=cache.v_cmp, kv_lens=cache.lens,
+                        block_size=BS, **kw)
+    np.testing.assert_array_equal(np.asarray(nsa.attention(x.q[:, -2:], cache=cache, **kw)), np.asarray(raw))
+    jitted = jax.jit(lambda q, c: nsa.attention(q, cache=c, **kw))(x.q[:, -2:], cache)
+    assert_close(jitted, raw, 1e-6, "attention(q, cache=cache) under jit")
+    q = x.q[:, -2:]
+    with pytest.raises(ValueError, match=r"block_size = 16 was given, but the cache was made with block_size = 8"):
+        nsa.attention(q, cache=cache, block_size=16)
+    np.testing.assert_array_equal(np.asarray(nsa.attention(q, cache=cache, block_size=BS, **kw)), np.asarray(raw))
+    with pytest.raises(ValueError, match=r"cache= brings the keys, .* pass k and v or cache, not both"):
+        nsa.attention(q, cache.k, cache.v, cache=cache)
+    with pytest.raises(ValueError, match=r"pass kv_lens or cache, not both"):
+        nsa.attention(q, cache=cache, kv_lens=cache.lens)
+    with pytest.raises(ValueError, match=r"cache.lens must lie in \[T, TK = k.shape\[1\]\] = \[2, 80\].*"
+                                         r"got cache.lens\[0\] = 1"):
+        nsa.attention(q, cache=cache.replace(lens=jnp.array([1, 20], jnp.int32)))
+    with pytest.raises(TypeError, match=r"cache must be an nsa.KVCache, got dict"):
+        nsa.attention(q, cache=dict(k=cache.k))
+
+
+def test_the_cache_is_a_pytree_of_its_arrays_with_its_block_size_static():
+    """Its leaves are the five arrays; block_size is part of its structure: it survives jit, and a jitted function
+    of a cache compiles once per block size."""
+    caches = [nsa.empty_cache(B, N, H, DK, block_size=bs, dtype=jnp.float32) for bs in (BS, 2 * BS)]
+    assert [len(jax.tree_util.tree_leaves(c)) for c in caches] == [5, 5]
+    assert jax.tree_util.tree_structure(caches[0]) != jax.tree_util.tree_structure(caches[1])
+    traces = []
+    block_size = jax.jit(lambda c: traces.append(c.block_size) or c)
+    assert [block_size(c).block_size for c in caches + caches] == [BS, 2 * BS, BS, 2 * BS]
+    assert traces == [BS, 2 * BS]
+
+
+def test_compressed_rows_written_a_token_at_a_time_equal_compress_bitwise():
+    """A jitted one-token decode step writes each compressed row as its block completes: bitwise nsa.compress of
+    the whole sequences (a reduction over a block alone and inside a long sequence could round differently:
+    compress sums in one fixed order). The shapes where XLA's own reduction differed in the last bit."""
+    rng = np.random.default_rng(7)
+    k = jnp.asarray(rng.standard_normal((3, 77, 1, 32)), jnp.float32)
+    cache = nsa.prefill_cache(k[:, :1], k[:, :1], block_size=BS, capacity=128)
+    step = jax.jit(nsa.append_to_cache)
+    for t in range(1, 77):
+        cache = step(cache, k[:, t:t + 1], k[:, t:t + 1])
+    rows = 77 // BS
+    np.testing.assert_array_equal(np.asarray(cache.k_cmp[:, :rows]), np.asarray(nsa.compress(k, block_size=BS))[:, :rows])
 
 
 def test_a_decode_step_never_touches_the_whole_cache():

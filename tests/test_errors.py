@@ -46,14 +46,45 @@ CASES = {
     "kv_lens with cu_seqlens": (lambda: nsa.attention(q, k, v, kv_lens=[T], cu_seqlens=cu), ValueError,
                                 r"kv_lens .* and cu_seqlens .* cannot be given together"),
     "k_cmp too short (attention)": (lambda: nsa.attention(q, k, v, k_cmp=k_cmp[:, :3], block_size=BS), ValueError,
-                        r"k_cmp must have at least ceil\(TK / block_size\) = 4 rows .* got shape \(1, 3, 2, 8\)"),
+                                    r"k_cmp must have the rows compress\(k, block_size=8\) gives for k's TK = 32 "
+                                    r"tokens, 4 \(NC, axis 1\), got shape \(1, 3, 2, 8\)"),
+    # compressed keys of another block size (the rows of block 8 given to an attention of block 16, and back)
+    "k_cmp of a smaller block": (lambda: nsa.attention(q, k, v, g_cmp=g, k_cmp=k_cmp, v_cmp=k_cmp, block_size=2 * BS),
+                                 ValueError, r"gives for k's TK = 32 tokens, 2 \(NC, axis 1\), got shape \(1, 4, 2, 8\)"
+                                             r": compressed keys made with another block_size"),
+    "k_cmp of a larger block": (lambda: nsa.attention(q, k, v, k_cmp=nsa.compress(k, block_size=2 * BS), block_size=BS),
+                                ValueError, r"gives for k's TK = 32 tokens, 4 \(NC, axis 1\), got shape \(1, 2, 2, 8\)"),
+    "k_cmp packed, another block": (lambda: nsa.attention(q, k, v, k_cmp=nsa.compress(k, block_size=BS, cu_seqlens=cu),
+                                                          block_size=2 * BS, cu_seqlens=cu), ValueError,
+                                    r"compress\(k, block_size=16, cu_seqlens=...\) gives for k's TK = 32 tokens, 3 "
+                                    r"\(NC, axis 1\), got shape \(1, 5, 2, 8\)"),
+    "k_cmp packed under jit": (lambda: jax.jit(lambda c: nsa.attention(q, k, v, k_cmp=k_cmp[:, :3], block_size=BS,
+                                                                       cu_seqlens=c))(cu), ValueError,
+                               r"gives for k's TK = 32 tokens, between 4 and 5 \(NC, axis 1\), got shape \(1, 3, 2, 8\)"),
+    "k_cmp of a cache without kv_lens": (lambda: nsa.attention(q[:, :1], k, v, g_cmp=g[:, :1], k_cmp=k_cmp, v_cmp=k_cmp,
+                                                               block_size=BS), ValueError,
+                                         r"k_cmp was given with k longer than q \(TK = 32 > T = 1\), a KV cache's, "
+                                         r"but kv_lens was not: pass cache=cache"),
+    "k_cmp of another block (compressed_attention)": (
+        lambda: nsa.compressed_attention(q, k_cmp, k_cmp, block_size=2 * BS), ValueError,
+        r"k_cmp must have the rows compress\(k, block_size=16\) gives for q's T = 32 tokens, 2 \(NC, axis 1\), got "
+        r"shape \(1, 4, 2, 8\)"),
+    "k_cmp of another block (select_blocks)": (
+        lambda: nsa.select_blocks(q, nsa.compress(k, block_size=4), block_counts=2, block_size=BS), ValueError,
+        r"gives for q's T = 32 tokens, 4 \(NC, axis 1\), got shape \(1, 8, 2, 8\)"),
+    # a gate of a branch that is off
+    "g_swa without a window": (lambda: nsa.attention(q, k, v, g_swa=g), ValueError,
+                               r"g_swa was given with window_size = 0: the sliding-window branch it weighs is off"),
+    # attention's keys: arrays or a cache
+    "no keys": (lambda: nsa.attention(q), TypeError, r"attention needs the keys and values: k and v, or cache="),
     "k_cmp dtype": (lambda: nsa.attention(q, k, v, k_cmp=k_cmp.astype(jnp.bfloat16)), TypeError,
                     r"k_cmp.dtype must equal q.dtype \(float32\), got bfloat16"),
     "v_cmp without k_cmp": (lambda: nsa.attention(q, k, v, v_cmp=k_cmp), ValueError,
                             r"v_cmp was given without k_cmp"),
-    "k_cmp without v_cmp": (lambda: nsa.attention(q, k, v, g_cmp=g, k_cmp=k_cmp), ValueError,
+    "k_cmp without v_cmp": (lambda: nsa.attention(q, k, v, g_cmp=g, k_cmp=k_cmp, block_size=BS), ValueError,
                             r"the compressed branch \(g_cmp given\) needs v_cmp with k_cmp"),
-    "v_cmp shape": (lambda: nsa.attention(q, k, v, g_cmp=g, k_cmp=k_cmp, v_cmp=k_cmp[:, :, :1]), ValueError,
+    "v_cmp shape": (lambda: nsa.attention(q, k, v, g_cmp=g, k_cmp=k_cmp, v_cmp=k_cmp[:, :, :1], block_size=BS),
+                    ValueError,
                     r"v_cmp must have shape \[B, NC, H, Dv\] .*= \(1, 4, 2, 8\), got \(1, 4, 1, 8\)"),
     "Dk mismatch": (lambda: nsa.sliding_window_attention(q, jnp.zeros((B, T, H, D + 1)), v, window_size=4),
                     ValueError, r"k must have shape .*\(1, 32, 2, 8\), got \(1, 32, 2, 9\)"),
@@ -129,7 +160,8 @@ CASES = {
                                   r"cu_seqlens must have an integer dtype, got float64"),
     # compressed keys
     "k_cmp too short": (lambda: nsa.compressed_attention(q, k_cmp[:, :2], k_cmp[:, :2], block_size=BS), ValueError,
-                        r"k_cmp must have at least 4 compressed rows \(NC, axis 1\) for T = 32, block_size = 8, got 2"),
+                        r"k_cmp must have the rows compress\(k, block_size=8\) gives for q's T = 32 tokens, 4 "
+                        r"\(NC, axis 1\), got shape \(1, 2, 2, 8\)"),
     "v_cmp rows": (lambda: nsa.compressed_attention(q, k_cmp, k_cmp[:, :3], block_size=BS), ValueError,
                    r"v_cmp must have shape \[B, NC, H, Dv\].*\(1, 4, 2, 8\), got \(1, 3, 2, 8\)"),
     "k_cmp heads": (lambda: nsa.select_blocks(q, k_cmp[:, :, :1].repeat(3, 2), block_counts=2, block_size=BS), ValueError,

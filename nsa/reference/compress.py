@@ -4,8 +4,10 @@ Compressed row r is the mean of the tokens of one block of block_size tokens of 
 last block of a sequence is averaged over its true length. With cu_seqlens the rows of all sequences
 are packed one after the other: sequence i's block c is row sum_{j<i} ceil(len_j / bs) + c.
 
-Each row gathers its own tokens (no scatter-add), so the result is bitwise repeatable on every
-platform; the backward hands each token its row's gradient divided by the row's length.
+Each row gathers its own tokens (no scatter-add) and sums them in one fixed order (`_sum_in_order`), so a
+row is bitwise the same on every platform and whatever the shape of the array around it: a KV cache's
+compressed rows, written a block at a time, equal `compress` of the whole sequence bitwise. The backward
+hands each token its row's gradient divided by the row's length.
 """
 
 import jax.numpy as jnp
@@ -36,11 +38,23 @@ def _token_rows(T, cu_seqlens, block_size):
     return (tok.cmp_start + tok.pos // block_size)[0]
 
 
+def _sum_in_order(x, axis):
+    """The sum over `axis` as one fixed tree of elementwise additions (neighbours, then neighbouring pairs, ...).
+    XLA may group a reduction's terms differently for arrays of different shapes (a block summed inside a
+    long sequence or alone), which changes the last bit; elementwise additions it never regroups."""
+    x = jnp.moveaxis(x, axis, 0)
+    while x.shape[0] > 1:
+        if x.shape[0] % 2:
+            x = jnp.concatenate([x, jnp.zeros_like(x[:1])])
+        x = x[0::2] + x[1::2]
+    return x[0]
+
+
 def forward(x, cu_seqlens, *, block_size, num_blocks):
     """x [B, T, H, D] -> the block means [B, NC, H, D], NC = num_blocks."""
     index, used, length = _row_tokens(x.shape[1], cu_seqlens, block_size, num_blocks)
     gathered = jnp.where(used[None, :, :, None, None], x[:, index].astype(c.acc_dtype(x.dtype)), 0.0)
-    mean = jnp.sum(gathered, axis=2) / length[None, :, None, None]  # [B, NC, H, D]
+    mean = _sum_in_order(gathered, axis=2) / length[None, :, None, None]  # [B, NC, H, D]
     return mean.astype(x.dtype), (x, cu_seqlens)
 
 
