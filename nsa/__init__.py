@@ -5,8 +5,8 @@ Plain functions, arrays positional and everything else keyword-only:
     o = nsa.attention(q, k, v, g_cmp=g_cmp, g_slc=g_slc, g_swa=g_swa, block_counts=16,
                       block_size=64, window_size=512)
 
-Serving from a KV cache (`nsa.cache`): `prefill_cache`, `append_to_cache`, then `attention` with the cache's
-arrays and `kv_lens=cache.lens`.
+Serving from a KV cache (`nsa.cache`): `prefill_cache`, `append_to_cache`, then `attention(q, cache=cache, ...)`.
+Padded batches and segment ids to packed sequences (cu_seqlens) and back: `nsa.packing`.
 
 Each op has a readable XLA reference (nsa.reference) and, where they exist, Triton (GPU) and Pallas
 (TPU) kernels with the same contract; `implementation=None` picks the best for the platform.
@@ -16,6 +16,8 @@ from nsa._dispatch import implementations
 from nsa.api import (attention, check_cu_seqlens, compress, compressed_attention, select_blocks,
                      selected_attention, sliding_window_attention)
 from nsa.cache import KVCache, append_to_cache, empty_cache, prefill_cache
+from nsa.packing import (cu_seqlens_from_mask, cu_seqlens_from_segment_ids, pack, segment_ids_from_cu_seqlens,
+                         unpack)
 
 __version__ = "0.1.0"
 
@@ -26,10 +28,15 @@ __all__ = [
     "check_cu_seqlens",
     "compress",
     "compressed_attention",
+    "cu_seqlens_from_mask",
+    "cu_seqlens_from_segment_ids",
     "empty_cache",
     "implementations",
+    "pack",
     "prefill_cache",
+    "segment_ids_from_cu_seqlens",
     "select_blocks",
     "selected_attention",
     "sliding_window_attention",
+    "unpack",
 ]
