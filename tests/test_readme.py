@@ -94,3 +94,21 @@ def test_every_install_line_works_as_written(page):
                 assert wanted <= extras, f"{page.name}: pip install {target}: no extra {wanted - extras} in setup.cfg"
             elif not target.startswith("dist/"):  # a built wheel, or a requirement from PyPI
                 assert Requirement(target).name != "nsa", f"{page.name}: pip install {target}: nsa is not on PyPI"
+
+
+def _anchor(heading):
+    """GitHub's anchor of a Markdown heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[p.relative_to(ROOT).as_posix() for p in PAGES])
+def test_every_relative_link_resolves(page):
+    for link in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+        if re.match(r"[a-z]+://", link):
+            continue
+        path, _, anchor = link.partition("#")
+        target = (page.parent / path).resolve() if path else page
+        assert target.is_file(), f"{page.name} links {link}: no such file"
+        if anchor:
+            headings = re.findall(r"^#+ (.*)$", target.read_text(), re.M)
+            assert anchor in map(_anchor, headings), f"{page.name} links {link}: no such heading"
