@@ -1,8 +1,8 @@
 """The Triton flash kernels of the sliding-window and compressed branches (nsa/triton/_flash.py): what
 the shared test base does not reach, in Triton's interpreter on the CPU (the base itself runs there in
 tests/test_triton_interpreted.py, and on the GPU in tests/test_triton_gpu.py): compressed keys with rows
-no query sees, dk / dv summed over several splits of the queries, as on the GPU at long T, and queries at
-the end of a KV cache across several query and key tiles.
+no query sees (each sequence's last, partial block), dk / dv summed over several splits of the queries, as
+on the GPU at long T, and queries at the end of a KV cache across several query and key tiles.
 """
 
 import jax
@@ -58,24 +58,25 @@ class TestTritonFlashInterpreted:
     def _interpreted(self, interpreted):
         pass
 
-    # (B, T, HQ, H, Dk, Dv), block_size, extra trailing rows of k_cmp, cu_seqlens, dtype
-    @pytest.mark.parametrize("shape, block_size, extra, cu, dtype", [
-        pytest.param((2, 45, 2, 2, 16, 32), 8, 2, None, "float32", id="G1-bs8"),
-        pytest.param((1, 70, 4, 2, 16, 16), 8, 3, CU, "float32", id="G2-varlen"),
-        pytest.param((1, 70, 3, 1, 32, 16), 4, 1, None, "float16", id="G3-bs4-fp16"),
+    # (B, T, HQ, H, Dk, Dv), block_size, cu_seqlens, dtype: no length is a multiple of block_size
+    @pytest.mark.parametrize("shape, block_size, cu, dtype", [
+        pytest.param((2, 45, 2, 2, 16, 32), 8, None, "float32", id="G1-bs8"),
+        pytest.param((1, 70, 4, 2, 16, 16), 8, CU, "float32", id="G2-varlen"),
+        pytest.param((1, 70, 3, 1, 32, 16), 4, None, "float16", id="G3-bs4-fp16"),
     ])
-    def test_compressed_with_rows_no_query_sees(self, shape, block_size, extra, cu, dtype):
-        """k_cmp with trailing rows past the last one any query sees (never read)."""
+    def test_compressed_with_rows_no_query_sees(self, shape, block_size, cu, dtype):
+        """k_cmp whose last row of each sequence (a partial block) no query sees, and queries before their
+        first complete block that see no row."""
         B, T, HQ, H, Dk, Dv = shape
-        NC = num_compressed_blocks(T, block_size, cu) + extra
-        low, f32 = _inputs(B, T, HQ, H, Dk, Dv, NC, dtype)
+        low, f32 = _inputs(B, T, HQ, H, Dk, Dv, num_compressed_blocks(T, block_size, cu), dtype)
         _check(lambda impl: _compressed(impl, block_size, cu), low, f32, dtype)
-        if cu is None:  # queries before their first complete block see nothing
+        if cu is None:
             (o, lse), vjp = jax.vjp(_compressed("triton", block_size, cu), *low[:3])
             assert not np.any(np.asarray(o[:, :block_size - 1]))
             assert np.all(np.isneginf(np.asarray(lse[:, :block_size - 1])))
-            dq = vjp((low[3], jnp.ones_like(lse)))[0]
+            dq, dk_cmp, dv_cmp = vjp((low[3], jnp.ones_like(lse)))
             assert not np.any(np.asarray(dq[:, :block_size - 1]))
+            assert not np.any(np.asarray(dk_cmp[:, -1])) and not np.any(np.asarray(dv_cmp[:, -1]))
 
     @pytest.mark.parametrize("cu", [None, CU], ids=["batched", "varlen"])
     @pytest.mark.parametrize("op", ["compressed", "window"])

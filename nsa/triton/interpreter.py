@@ -100,6 +100,25 @@ def _loop_bounds_as_ints(original):
     return patch
 
 
+def _comparisons_as_int1(builder):
+    """Triton's interpreter (3.6 to 3.9 at least) gives the handle of a comparison the operands' element type
+    (int32 for `blk >= 0`) around its bool data, while the tensor is typed int1: splatting such a scalar to a
+    block (`(blk >= 0) & (j < BS)`) then makes int32 data, an int32 mask, which 3.9's load refuses ("mask has
+    unsupported dtype"; 3.6 read it as 0 / 1). Returns (builder, name, method) for each comparison method of
+    the interpreter's `builder` class, its handle typed int1 as the compiled kernel's is."""
+    from triton import language as tl
+
+    def as_int1(compare):
+        def method(self, lhs, rhs):
+            handle = compare(self, lhs, rhs)
+            return type(handle)(handle.data, tl.int1)
+
+        return method
+
+    return [(builder, name, as_int1(getattr(builder, name))) for name in dir(builder)
+            if name.startswith(("create_icmp", "create_fcmp"))]
+
+
 @contextlib.contextmanager
 def interpreted():
     """While active, implementation="triton" runs nsa's Triton kernels in Triton's interpreter (any
@@ -116,7 +135,8 @@ def interpreted():
     real_error = _dispatch.import_error
     patches = [(_launch, "_call", interpret_call),
                (_dispatch, "import_error", lambda family: None if family == "triton" else real_error(family)),
-               (interpreter, "_patch_lang_tensor", _loop_bounds_as_ints(interpreter._patch_lang_tensor))]
+               (interpreter, "_patch_lang_tensor", _loop_bounds_as_ints(interpreter._patch_lang_tensor)),
+               *_comparisons_as_int1(interpreter.InterpreterBuilder)]
     saved = [(module, name, getattr(module, name)) for module, name, _ in patches]
     for module, name, value in patches:
         setattr(module, name, value)
