@@ -10,10 +10,10 @@ step through a kernel (or print from it) on a laptop.
         o = nsa.selected_attention(q, k, v, block_indices, block_size=16, implementation="triton")
 
 Only the `triton` package is needed (CI tests Triton 3.6 and 3.9): no GPU, no torch, no jax_triton.
-`interpret_call` has jax_triton.triton_call's signature and runs the kernel on NumPy buffers inside jax.pure_callback, so it
-also works under jit; `interpreted` routes implementation="triton" to it while it is active. The
-interpreter handles float32 and float16 (not bfloat16: that dtype is tested on the GPU). Every grid
-program runs one after another on the host: exact, and slow.
+`interpret_call` has jax_triton.triton_call's signature and runs the kernel on NumPy buffers inside
+jax.pure_callback, so it also works under jit; `interpreted` routes implementation="triton" to it while it
+is active. The interpreter handles float32 and float16 (not bfloat16: that dtype is tested on the GPU).
+Every grid program runs one after another on the host: exact, and slow.
 """
 
 import contextlib
