@@ -8,13 +8,15 @@ arrays and integer arrays alike, the first one the op's main floating input, q o
 - implementation="triton" / "pallas": that kernel (Pallas: Mosaic TPU on a TPU, Mosaic GPU on a CUDA GPU,
   its TPU interpret mode on every other platform: nsa.pallas.runner), or a ValueError (it does not import
   here, or has no kernel for the op) or TypeError (it has no kernel for the dtype) that says why;
-- implementation=None: `jax.lax.platform_dependent` between the kernels that can run the op on its
+- implementation=None: `platform_dependent` (below) between the kernels that can run the op on its
   dtype and the reference everywhere else: Pallas on tpu; on cuda, per op, the family of CUDA_PREFERENCE
   that comes first and can run it (Triton needs jax-triton, Mosaic GPU jax >= 0.11 and 16-bit inputs).
   When neither can on a machine with a CUDA GPU, the reference runs there and a RuntimeWarning says so, once.
 
-platform_dependent traces every branch, so a Triton branch is only built when jax_triton imports (it
-does not on a CPU-only jaxlib). `implementations()` tells which code implementation=None runs.
+`platform_dependent` is jax's, made for programs exported for several platforms at once: each branch is
+lowered for its platform alone, and a platform's kernel is traced only when a program is lowered for that
+platform (a Triton branch is only built where jax_triton imports: it does not on a CPU-only jaxlib).
+`implementations()` tells which code implementation=None runs.
 """
 
 import functools
@@ -23,6 +25,8 @@ import warnings
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.extend import core as jex_core
+from jax.interpreters import batching, mlir
 
 from nsa import reference
 
@@ -33,6 +37,8 @@ CUDA_PREFERENCE = {"compressed": ("triton", "pallas"), "select": ("pallas", "tri
                    "selected": ("triton", "pallas"), "window": ("triton", "pallas")}
 _FAMILIES = {"tpu": lambda op: ("pallas",), "cuda": lambda op: CUDA_PREFERENCE.get(op, ("triton", "pallas"))}
 _INSTALL = {"triton": "pip install 'nsa[cuda]' (jax-triton 0.3.1, triton 3.6.0 and jax's CUDA 13 wheels)"}
+# the platforms as platform_dependent names them
+PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
 # the public name of each op
 PUBLIC_NAMES = {"compress": "compress", "compressed": "compressed_attention", "select": "select_blocks",
                 "selected": "selected_attention", "window": "sliding_window_attention"}
@@ -138,10 +144,20 @@ def implementations(platform=None, dtype=jnp.bfloat16):
     For inputs of `dtype` on `platform` ('cpu', 'cuda', 'rocm', 'tpu', or 'gpu': this machine's GPUs, CUDA
     where it has none; default: jax's default backend), in this process (with the packages it can import).
     """
-    platform = jax.default_backend() if platform is None else platform
-    if platform == "gpu":  # jax's name for both CUDA and ROCm
-        platform = "cuda" if _has_cuda_gpu() or jax.default_backend() != "gpu" else "rocm"
+    if platform is not None and platform not in PLATFORMS + ("gpu",):
+        names = ", ".join(repr(p) for p in PLATFORMS + ("gpu",))
+        raise ValueError(f"platform must be one of {names} or None (jax's default backend), got {platform!r}")
+    platform = _platform(platform)
     return {PUBLIC_NAMES[op]: _default_family(op, dtype, platform) or "xla" for op in reference.OPS}
+
+
+def _platform(name):
+    """A platform as platform_dependent names it: None is jax's default backend, and 'gpu' (jax's name for both
+    CUDA and ROCm) this machine's GPUs, CUDA where it has none."""
+    name = jax.default_backend() if name is None else name
+    if name == "gpu":
+        return "cuda" if _has_cuda_gpu() or jax.default_backend() != "gpu" else "rocm"
+    return name
 
 
 def _mapped_over_vmap(fn):
@@ -190,7 +206,7 @@ def _choose(op, phase, implementation, dtype, static):
                        f"where.")
     if not kernels:
         return ref
-    return lambda *args: lax.platform_dependent(*args, default=ref, **kernels)
+    return lambda *args: platform_dependent(*args, default=ref, **kernels)
 
 
 def _as_jax(arrays):
@@ -257,7 +273,7 @@ def decode_step(implementation, static, branches, arrays):
 
     fused = _mapped_over_vmap(lambda *a: decode.attention(*a, **dict(static)))
     choose = fused if implementation == "triton" else (
-        lambda *a: lax.platform_dependent(*a, cuda=fused, default=branches))
+        lambda *a: platform_dependent(*a, cuda=fused, default=branches))
 
     @jax.custom_vjp
     def step(*arrays):
@@ -268,3 +284,86 @@ def decode_step(implementation, static, branches, arrays):
 
     step.defvjp(step_fwd, lambda vjp, cotangent: vjp(cotangent))
     return step(*_as_jax(arrays))
+
+
+# ------------------------------------------------------------------------------------------- the platform switch
+
+def platform_dependent(*args, default, **per_platform):
+    """`jax.lax.platform_dependent(*args, default=default, **per_platform)`, made for programs lowered (exported) for
+    several platforms at once, and for the kernels' limits to apply only where they run:
+
+    - each branch is lowered for its platform alone. jax's platform_dependent (a cond) lowers the branches it keeps
+      for every platform of the program, so that a Pallas TPU kernel is also lowered for the CPU ("Only interpret
+      mode is supported on CPU backend") and for CUDA ("Compiler params for platform tpu cannot be used for gpu
+      lowering"), and Mosaic GPU's for every platform ("mpmd_map does not support multi-platform lowering");
+    - `default` is traced now (it may close over traced values): its results' shapes and dtypes are every branch's,
+      and its effects the switch's. The branches of `per_platform` are traced only when the program is lowered for
+      their platform: they must not close over traced values nor have effects, and their results must match
+      `default`'s (else lowering raises). A program lowered for the CPU never traces the TPU or GPU kernels.
+    """
+    leaves, in_tree = jax.tree_util.tree_flatten(args)
+    flat = lambda fn: lambda *xs: jax.tree_util.tree_leaves(fn(*jax.tree_util.tree_unflatten(in_tree, xs)))
+    closed, shapes = jax.make_jaxpr(default, return_shape=True)(*args)
+    outs = _switch(leaves, closed, tuple((platform, flat(fn)) for platform, fn in per_platform.items()))
+    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(shapes), outs)
+
+
+_switch_p = jex_core.Primitive("nsa_platform_dependent")
+_switch_p.multiple_results = True
+_switch_p.def_effectful_abstract_eval(lambda *avals, outputs, switch_effects, **_: (outputs, switch_effects))
+
+
+def _switch(operands, closed, branches):
+    """The switch's outputs: on `operands` and the constants of `closed` (the default branch traced on operands;
+    its constants may be traced values, hence operands too), with `branches` ((platform, fn of operands), ...)."""
+    n = len(operands)
+    default = lambda *xs: jex_core.jaxpr_as_fun(jex_core.ClosedJaxpr(closed.jaxpr, xs[n:]))(*xs[:n])
+    branches = tuple((platform, functools.partial(_first, n, fn)) for platform, fn in branches)
+    return _switch_p.bind(*operands, *closed.consts, default=default, branches=branches,
+                          outputs=tuple(closed.out_avals), switch_effects=frozenset(closed.effects))
+
+
+def _first(n, fn, *xs):
+    return fn(*xs[:n])
+
+
+def _switch_batched(args, dims, *, default, branches, **_):
+    """vmap: every branch vmapped (the kernels' own rules then apply, `_mapped_over_vmap`)."""
+    size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)  # None: not mapped
+    vmapped = lambda fn: jax.vmap(fn, in_axes=tuple(dims), axis_size=size)
+    outs = _switch(args, jax.make_jaxpr(vmapped(default))(*args),
+                   tuple((platform, vmapped(fn)) for platform, fn in branches))
+    return outs, [0] * len(outs)
+
+
+def _switch_eager(*args, default, branches, outputs, **_):
+    """Called outside jit: the branch of the platform jax runs it on (its default backend)."""
+    platform = _platform(None)
+    return _checked(platform, dict(branches).get(platform, default), outputs)(*args)
+
+
+def _switch_lowering(platform, ctx, *args, default, branches, outputs, switch_effects):
+    """The switch lowered for `platform` (None: one without a rule of its own). Each platform has its own rule, so
+    that jax, lowering a program for several, lowers each for that platform alone (mlir.lower_per_platform), and
+    what its branch holds (a kernel, another switch) with it."""
+    fn = _checked(platform, dict(branches).get(platform, default), outputs)
+    return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
+
+
+def _checked(platform, fn, outputs):
+    """fn, raising TypeError unless its results have the shapes and dtypes `outputs` (the default branch's)."""
+    def run(*xs):
+        outs = fn(*xs)
+        got, want = [(o.shape, o.dtype) for o in outs], [(a.shape, a.dtype) for a in outputs]
+        if got != want:
+            raise TypeError(f"nsa: the {platform} branch of a platform_dependent returns {got}, its default {want}")
+        return outs
+
+    return run
+
+
+_switch_p.def_impl(_switch_eager)
+batching.primitive_batchers[_switch_p] = _switch_batched
+mlir.register_lowering(_switch_p, functools.partial(_switch_lowering, None))  # the platforms without a rule
+for _platform_name in PLATFORMS:
+    mlir.register_lowering(_switch_p, functools.partial(_switch_lowering, _platform_name), platform=_platform_name)

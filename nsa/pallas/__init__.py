@@ -7,7 +7,7 @@ has the same table for its Mosaic GPU kernels (jax >= 0.11; bfloat16 and float16
 the reference on every platform.
 
 `kernel(op, phase, platform)` is the compiled kernel of one platform ('tpu' or 'cuda'); `runner(op, phase,
-dtype)` is what an explicit implementation="pallas" runs: `jax.lax.platform_dependent` between the Mosaic TPU
+dtype)` is what an explicit implementation="pallas" runs: `nsa._dispatch.platform_dependent` between the Mosaic TPU
 kernel on a TPU, the Mosaic GPU kernel on a CUDA GPU, and the TPU kernel in interpret mode on every other
 platform, chosen when the program is lowered (never by jax.default_backend(), so a program exported for TPU
 or CUDA from a CPU machine holds the Mosaic kernels). Where the GPU kernels cannot run the op (an older jax, a
@@ -20,11 +20,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental.pallas import tpu as pltpu
 from jax.extend import core as jex_core
 from jax.interpreters import mlir
 
+from nsa import _dispatch
 from nsa.pallas import compressed, select, selected, window
 
 DTYPES = tuple(jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16))
@@ -79,40 +79,47 @@ def runner(op, phase, dtype):
     """What implementation="pallas" runs for `phase` of op on `dtype` inputs (see the module docstring)."""
     tpu = kernel(op, phase, "tpu")
     why_not = gpu_unavailable(op, phase, dtype)
-    cuda = kernel(op, phase, "cuda") if why_not is None else None
+    cuda = kernel(op, phase, "cuda") if why_not is None else functools.partial(
+        _refuse, f"implementation='pallas' cannot run this op on a CUDA GPU: {why_not}; use implementation='triton', "
+                 f"'xla' or None")
 
     def run(*args, **static):
         interpreted = functools.partial(KERNELS[op][phase], interpret=pltpu.InterpretParams(**INTERPRET), **static)
-        gpu = (functools.partial(cuda, **static) if cuda is not None
-               else functools.partial(_refused, f"implementation='pallas' cannot run this op on a CUDA GPU: {why_not}; "
-                                                f"use implementation='triton', 'xla' or None", interpreted))
         if jax.default_backend() != "cpu":  # see _INTERPRETED_ONLY_ON_CPU
             interpreted = functools.partial(_refused, _INTERPRETED_ONLY_ON_CPU, interpreted)
-        return lax.platform_dependent(*args, tpu=functools.partial(tpu, **static), cuda=gpu, default=interpreted)
+        return _dispatch.platform_dependent(*args, tpu=functools.partial(tpu, **static),
+                                            cuda=functools.partial(cuda, **static), default=interpreted)
 
     return run
 
 
-# Interpret mode's host callbacks are ordered effects, and jax's lowering of platform_dependent (a cond) drops the
-# branches of other platforms but still declares their effects (jax 0.11.2: "Lowering rule for `cond` returns
-# incorrect set of output tokens", seen on the H200 when the Mosaic GPU branch was kept). So the interpret branch
-# is traced only where jax's default backend is the CPU (where it is the one that runs, and where programs are
-# exported for TPU or CUDA with the Mosaic kernels); on a TPU or GPU machine the other platforms' branch refuses.
+def _refuse(message, *args, **static):
+    """The CUDA branch of an explicit implementation="pallas" that cannot run there: traced only when a program is
+    lowered for CUDA (nsa._dispatch.platform_dependent), which it stops."""
+    raise TypeError(message)
+
+
+# Interpret mode runs a kernel's memory operations as ordered host callbacks: effects, which every program that
+# traces it then has (its runtime tokens; jax.checkpoint cannot partially evaluate them). The default branch of
+# nsa._dispatch.platform_dependent is traced with the op, so the interpret branch is traced only where jax's default
+# backend is the CPU (where it is the one that runs, and where programs are exported for TPU or CUDA with the Mosaic
+# kernels); on a TPU or GPU machine the other platforms' branch refuses, and the programs hold no callback.
 _INTERPRETED_ONLY_ON_CPU = ("implementation='pallas' runs Mosaic on a TPU or a CUDA GPU, and its TPU interpret mode "
                             "only on a machine whose default backend is the CPU")
 
 
-# A primitive whose lowering raises: the CUDA branch of an explicit implementation="pallas" that cannot run there.
+# A primitive whose lowering raises: the other platforms' branch of an explicit implementation="pallas" on a TPU or
+# GPU machine.
 _refusal = jex_core.Primitive("nsa_refused")
 _refusal.multiple_results = True
 _refusal.def_abstract_eval(lambda *args, message, outputs: outputs)
 
 
-def _refuse(ctx, *args, message, outputs):
+def _refuse_lowering(ctx, *args, message, outputs):
     raise TypeError(message)
 
 
-mlir.register_lowering(_refusal, _refuse)
+mlir.register_lowering(_refusal, _refuse_lowering)
 
 
 def _refused(message, like, *args):
