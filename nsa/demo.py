@@ -1,11 +1,15 @@
 """`python -m nsa.demo`: NSA on a built-in example, checked against dense masked attention.
 
-It runs `nsa.attention` on random q, k, v and gates, recomputes the same output densely in plain jnp
-(each branch as a softmax over all T keys under an explicit [T, T] mask, or [T, NC] for the
-compressed keys), prints the largest difference with PASS or FAIL (exit code 1 on FAIL), checks the
+It runs `nsa.attention` on random q, k, v and gates (no model, nothing trained), recomputes the same
+output densely in plain jnp (each branch as a softmax over all T keys under an explicit [T, T] mask, or
+[T, NC] for the compressed keys), prints the largest difference with PASS or FAIL (exit code 1 on FAIL), checks the
 selection against the dense compressed scores, prints how sparse the attention is, and draws which
 blocks each query selected to demo_selection.png (with matplotlib: `pip install 'nsa[demo]'`; without
-it the demo says so and skips the picture).
+it the demo says so and skips the picture). With random inputs the compressed scores carry no
+information, so the blocks picked beyond the forced ones look like noise: the picture shows which blocks
+a query may read and how few keys that is, not what a model attends to. In a trained model the picked
+blocks follow the content, e.g. a query keeps selecting the block of a fact it must retrieve (notebook 05
+shows that for a model trained on the CPU).
 """
 
 import argparse
@@ -22,6 +26,10 @@ import nsa
 
 # The example: one sequence of 2048 tokens, 16 query heads in 2 groups of 8 (GQA), as in the paper's
 # configuration scaled down: blocks of 64 tokens, 8 selected blocks per query, a 256-token window.
+# The inputs are random (`example`): what they show, and what a trained model's selection would show instead.
+RANDOM_INPUTS_NOTE = ("the inputs are random (no trained model): beyond the forced blocks the selection follows "
+                      "random scores and looks like noise; in a trained model the selected blocks follow the "
+                      "content (notebook 05: a query keeps selecting the block of the fact it retrieves)")
 B, T, HQ, H, D = 1, 2048, 16, 2, 64
 BLOCK_SIZE, BLOCK_COUNTS, WINDOW_SIZE = 64, 8, 256
 TOLERANCE = 1e-4  # max abs error allowed between nsa.attention and the dense computation (fp32)
@@ -136,9 +144,18 @@ def attended_share(block_indices):
 
 # --------------------------------------------------------------------------- picture
 def draw(block_indices, share, path, head=0):
-    """Saves, for KV head `head`, which blocks each query selected next to the share of keys read."""
+    """Saves `figure(block_indices, share, head)` to path."""
     import matplotlib
     matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig = figure(block_indices, share, head)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def figure(block_indices, share, head=0):
+    """The figure of which blocks each query of KV head `head` selected, next to the share of keys read."""
     import matplotlib.pyplot as plt
     from matplotlib.colors import ListedColormap
     from matplotlib.patches import Patch
@@ -166,7 +183,8 @@ def draw(block_indices, share, path, head=0):
     ax.set_xlabel(f"key block ({BLOCK_SIZE} tokens each)")
     ax.set_ylabel("query position t")
     ax.set_xticks(range(0, NB, 4))
-    ax.set_title(f"Blocks selected by KV head {head} ({BLOCK_COUNTS} per query)")
+    ax.set_title(f"Blocks selected by KV head {head} ({BLOCK_COUNTS} per query)\n"
+                 "on random q, k (no trained model): the free picks are noise", fontsize=10)
     ax.legend(handles=[Patch(color=colors[3], label="selected: forced (0, current, previous)"),
                        Patch(color=colors[2], label="selected: top compressed score"),
                        Patch(facecolor=colors[1], edgecolor="#999999", label="not selected"),
@@ -183,11 +201,10 @@ def draw(block_indices, share, path, head=0):
     ax2.set_ylabel("% of the causal keys (t + 1) read")
     ax2.set_title("Raw keys read: selected blocks + window")
     ax2.grid(alpha=0.3)
-    fig.suptitle(f"Native Sparse Attention, T = {T}, block_size = {BLOCK_SIZE}, block_counts = {BLOCK_COUNTS}, "
-                 f"window_size = {WINDOW_SIZE}")
+    fig.suptitle(f"Native Sparse Attention on random inputs, T = {T}, block_size = {BLOCK_SIZE}, "
+                 f"block_counts = {BLOCK_COUNTS}, window_size = {WINDOW_SIZE}")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    return fig
 
 
 # --------------------------------------------------------------------------- main
@@ -199,6 +216,7 @@ def main(argv=None):
 
     print(f"nsa {nsa.__version__}, jax {jax.__version__} on {jax.default_backend()}: B={B} T={T} HQ={HQ} "
           f"H={H} D={D} block_size={BLOCK_SIZE} block_counts={BLOCK_COUNTS} window_size={WINDOW_SIZE}")
+    print(f"inputs: random q, k, v and gates (seed {args.seed}); {RANDOM_INPUTS_NOTE}")
     q, k, v, g_cmp, g_slc, g_swa = example(args.seed)
     config = dict(block_size=BLOCK_SIZE, block_counts=BLOCK_COUNTS, window_size=WINDOW_SIZE)
 
@@ -234,7 +252,7 @@ def main(argv=None):
     else:
         path = os.path.abspath(args.output)
         draw(block_indices, share, path)
-        print(f"saved the selected blocks of KV head 0 to {path}")
+        print(f"saved the selected blocks of KV head 0 to {path} (random inputs: the free picks are noise)")
     print("PASS" if ok else "FAIL")
     return 0 if ok else 1
 
