@@ -1,0 +1,191 @@
+"""A ready-made NSA layer for Flax NNX: `NativeSparseAttention`, in the spirit of fla's.
+
+    from flax import nnx
+    from nsa.nnx import NativeSparseAttention
+
+    layer = NativeSparseAttention(hidden_size=512, num_heads=8, num_kv_heads=2, head_dim=64,
+                                  block_size=64, block_counts=16, window_size=512, rngs=nnx.Rngs(0))
+    y = layer(x)                                          # x, y [B, T, hidden_size]
+
+    y, cache = layer.prefill(prompts, capacity=N, lens=lens)  # right-padded prompts [B, TP, hidden_size]
+    y, cache = layer.step(x_new, cache)                   # x_new [B, TN, hidden_size]: TN new tokens each
+
+The layer holds the projections and calls `nsa.attention`; everything else stays in plain functions. The KV
+cache (`nsa.KVCache`) lives outside the layer: passed in and returned, so a decode step is a pure function
+that jits with the cache donated. Needs flax (`pip install 'nsa[nnx]'`); `import nsa` never imports this
+module.
+"""
+
+import functools
+import math
+import numbers
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from nsa import _checks
+from nsa.api import attention
+from nsa.cache import append_to_cache, check_cache, empty_cache, prefill_cache
+
+
+class NativeSparseAttention(nnx.Module):
+    """Native Sparse Attention (DeepSeek, arXiv 2502.11089) with its projections: [B, T, C] -> [B, T, C].
+
+    Shapes: x [B, T, C] (C = hidden_size), q [B, T, HQ, Dk], k [B, T, H, Dk], v [B, T, H, Dv], one gate
+    [B, T, HQ] per branch, attention output [B, T, HQ, Dv]; HQ = num_heads query heads share
+    H = num_kv_heads KV heads in groups of G = HQ / H (GQA), Dk = head_dim, Dv = head_dim_v.
+
+    - q, k, v = q_proj(x), k_proj(x), v_proj(x) (with a bias iff qkv_bias), split into heads; with
+      rope_theta, q and k get rotary position embeddings (the half-split layout of fla and Llama: dimension
+      i rotates with i + Dk / 2, at frequency rope_theta ** (-2 i / Dk));
+    - the gates are sigmoid(g_proj(x)), one per query head and branch (the paper's gating), g_proj's output
+      laid out [HQ, branches] as fla's: the compressed branch (g_cmp), the selected branch (g_slc, the
+      `block_counts` blocks of `block_size` tokens with the highest compressed scores) and, for
+      window_size > 0, the sliding window (g_swa);
+    - y = o_proj(nsa.attention(q, k, v, g_cmp=..., g_slc=..., g_swa=..., ...)), no bias.
+
+    Arguments (keyword-only): hidden_size; num_heads; num_kv_heads (default num_heads); head_dim (default
+    hidden_size / num_heads); head_dim_v (default head_dim); qkv_bias (False); block_size (64);
+    block_counts (16); window_size (512; 0 turns the sliding window off); rope_theta (10000.0; None: no
+    position embedding); dtype (the computation's dtype, None: from the inputs and parameters) and
+    param_dtype (float32), as nnx.Linear takes them; implementation (nsa's: None picks the best for the
+    platform, or "xla", "triton", "pallas"); rngs (nnx.Rngs, for the initial weights).
+    """
+
+    def __init__(self, *, hidden_size, num_heads, num_kv_heads=None, head_dim=None, head_dim_v=None,
+                 qkv_bias=False, block_size=64, block_counts=16, window_size=512, rope_theta=10000.0,
+                 dtype=None, param_dtype=jnp.float32, implementation=None, rngs):
+        C = self.hidden_size = _checks.positive_int("hidden_size", hidden_size)
+        HQ = self.num_heads = _checks.positive_int("num_heads", num_heads)
+        H = self.num_kv_heads = HQ if num_kv_heads is None else _checks.positive_int("num_kv_heads", num_kv_heads)
+        if HQ % H:
+            raise ValueError(f"num_heads must be a multiple of num_kv_heads (GQA), got num_heads = {HQ}, "
+                             f"num_kv_heads = {H}")
+        Dk = self.head_dim = _default_head_dim(C, HQ) if head_dim is None else _checks.positive_int("head_dim", head_dim)
+        Dv = self.head_dim_v = Dk if head_dim_v is None else _checks.positive_int("head_dim_v", head_dim_v)
+        self.block_size = _checks.positive_int("block_size", block_size)
+        self.block_counts = _checks.positive_int("block_counts", block_counts)
+        self.window_size = _checks.non_negative_int("window_size", window_size)
+        self.rope_theta = _rope_theta(rope_theta, Dk)
+        self.implementation = _checks.implementation(implementation)
+        self.dtype, self.param_dtype = dtype, param_dtype
+        self.branches = ("g_cmp", "g_slc", "g_swa") if self.window_size else ("g_cmp", "g_slc")
+        linear = functools.partial(nnx.Linear, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.q_proj = linear(C, HQ * Dk, use_bias=qkv_bias)
+        self.k_proj = linear(C, H * Dk, use_bias=qkv_bias)
+        self.v_proj = linear(C, H * Dv, use_bias=qkv_bias)
+        self.g_proj = linear(C, HQ * len(self.branches), use_bias=False)
+        self.o_proj = linear(HQ * Dv, C, use_bias=False)
+
+    def __call__(self, x, *, cu_seqlens=None, positions=None):
+        """Causal NSA over whole sequences: x [B, T, C] -> y [B, T, C].
+
+        cu_seqlens int [N + 1] (B = 1): N sequences packed along T, none seeing another. positions int
+        [B, T]: each token's position for the rotary embedding (default: its index in its sequence).
+        """
+        return self._whole(x, cu_seqlens, positions)[0]
+
+    def init_cache(self, batch_size, capacity, *, dtype=None):
+        """An empty nsa.KVCache for `batch_size` sequences of up to `capacity` tokens, in `dtype` (default:
+        the layer's dtype, else its param_dtype), which must be the dtype of the layer's k and v."""
+        return empty_cache(batch_size, capacity, self.num_kv_heads, self.head_dim, block_size=self.block_size,
+                           head_dim_v=self.head_dim_v, dtype=_first_given(dtype, self.dtype, self.param_dtype))
+
+    def prefill(self, x, *, capacity, lens=None):
+        """The prompts x [B, TP, C], right-padded (sequence b holds its first lens[b] tokens, int [B],
+        default TP), through the layer: (y [B, TP, C] as `__call__` gives it, a cache of capacity N =
+        `capacity` holding each sequence's keys and values). y past a prompt's length is padding."""
+        y, k, v = self._whole(x)
+        return y, prefill_cache(k, v, block_size=self.block_size, capacity=capacity, lens=lens)
+
+    def step(self, x, cache):
+        """TN new tokens per sequence, x [B, TN, C], at positions cache.lens[b] ... cache.lens[b] + TN - 1:
+        their keys and values are appended to the cache, and they attend to everything it holds. Returns
+        (y [B, TN, C], the cache with them). One token each is a decode step; more is chunked prefill."""
+        B, TN = self._check_input(x)
+        check_cache(cache, self.block_size)  # an nsa.KVCache made with this layer's block_size
+        q, k, v, gates = self._project(x, cache.lens[:, None] + jnp.arange(TN))
+        cache = append_to_cache(cache, k, v)
+        return self._output(attention(q, cache=cache, **gates, **self._sparsity())), cache
+
+    def _whole(self, x, cu_seqlens=None, positions=None):
+        """(y, k, v) of whole sequences x [B, T, C], as `__call__` describes them."""
+        B, T = self._check_input(x)
+        cu_seqlens = _checks.cu_seqlens(cu_seqlens, B, T)
+        if positions is None:
+            positions = _positions(B, T, cu_seqlens)
+        else:
+            _checks.integer_array("positions", positions, 2)
+            _checks.shape("positions", positions, (B, T), "[B, T] (B, T from x)")
+        q, k, v, gates = self._project(x, positions)
+        return self._output(attention(q, k, v, **gates, cu_seqlens=cu_seqlens, **self._sparsity())), k, v
+
+    def _check_input(self, x):
+        _checks.array("x", x, 3)
+        if x.shape[2] != self.hidden_size:
+            raise ValueError(f"x must have shape [B, T, hidden_size = {self.hidden_size}], got {tuple(x.shape)}")
+        return x.shape[:2]
+
+    def _project(self, x, positions):
+        """q [B, T, HQ, Dk], k [B, T, H, Dk], v [B, T, H, Dv] and the gates {name: [B, T, HQ]} of x."""
+        B, T = x.shape[:2]
+        q = self.q_proj(x).reshape(B, T, self.num_heads, self.head_dim)
+        k = self.k_proj(x).reshape(B, T, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(B, T, self.num_kv_heads, self.head_dim_v)
+        if self.rope_theta is not None:
+            q, k = rotary(q, positions, self.rope_theta), rotary(k, positions, self.rope_theta)
+        g = jax.nn.sigmoid(self.g_proj(x)).reshape(B, T, self.num_heads, len(self.branches))
+        return q, k, v, {name: g[..., i] for i, name in enumerate(self.branches)}
+
+    def _sparsity(self):
+        return dict(block_size=self.block_size, block_counts=self.block_counts, window_size=self.window_size,
+                    implementation=self.implementation)
+
+    def _output(self, o):
+        """o_proj of the attention output o [B, T, HQ, Dv]: [B, T, C]."""
+        return self.o_proj(o.reshape(*o.shape[:2], self.num_heads * self.head_dim_v))
+
+
+def rotary(x, positions, theta):
+    """Rotary position embedding of x [B, T, heads, D] at positions int [B, T]: dimension i and i + D / 2
+    rotate together by the angle position * theta ** (-2 i / D) (computed in float32, returned in x's dtype)."""
+    half = x.shape[-1] // 2
+    frequencies = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angle = positions[:, :, None, None].astype(jnp.float32) * frequencies  # [B, T, 1, D / 2]
+    cos, sin = jnp.cos(angle), jnp.sin(angle)
+    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def _positions(B, T, cu_seqlens=None):
+    """int32 [B, T]: each token's index in its sequence (packed sequences restart at cu_seqlens[i])."""
+    t = jnp.arange(T, dtype=jnp.int32)
+    if cu_seqlens is not None:
+        cu = jnp.asarray(cu_seqlens, jnp.int32)
+        t = t - cu[jnp.searchsorted(cu, t, side="right") - 1]  # the start of the sequence holding t
+    return jnp.broadcast_to(t, (B, T))
+
+
+def _first_given(*values):
+    return next(value for value in values if value is not None)
+
+
+def _default_head_dim(hidden_size, num_heads):
+    if hidden_size % num_heads:
+        raise ValueError(f"head_dim=None takes hidden_size / num_heads, which needs hidden_size a multiple of "
+                         f"num_heads, got hidden_size = {hidden_size}, num_heads = {num_heads}; pass head_dim")
+    return hidden_size // num_heads
+
+
+def _rope_theta(theta, head_dim):
+    """rope_theta as a float (None: no rotary embedding): finite, > 0, and head_dim even."""
+    if theta is None:
+        return None
+    if not isinstance(theta, numbers.Real) or isinstance(theta, bool):
+        raise TypeError(f"rope_theta must be a number or None, got {type(theta).__name__}")
+    if not math.isfinite(theta) or theta <= 0:
+        raise ValueError(f"rope_theta must be a finite number > 0 or None, got {theta}")
+    if head_dim % 2:
+        raise ValueError(f"rope_theta needs an even head_dim (dimensions rotate in pairs), got head_dim = {head_dim}")
+    return float(theta)
