@@ -8,6 +8,7 @@ known at trace time: a concrete cu_seqlens has its values checked too; a traced 
 
 import numbers
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -35,6 +36,7 @@ def array(name, x, ndim, *, dtypes=FLOAT_DTYPES, like=None):
         raise TypeError(f"{name} must be an array, got {type(x).__name__}")
     if x.ndim != ndim:
         raise ValueError(f"{name} must have {ndim} dimensions, got shape {_shape(x)}")
+    static_dims(name, x)
     if like is not None and x.dtype != like.dtype:
         raise TypeError(f"{name}.dtype must equal q.dtype ({like.dtype.name}), got {x.dtype.name}")
     if dtypes is not None and x.dtype not in [jnp.dtype(d) for d in dtypes]:
@@ -230,3 +232,23 @@ def block_counts(counts, B, T, H):
     if _integer_scalar(counts) and concrete(counts) is None:
         return counts
     return non_negative_int("block_counts", counts)
+
+
+# The dimensions of the arrays `array` checks, by the name the ops give them.
+_DIM_NAMES = {"q": ("B", "T", "HQ", "Dk"), "k": ("B", "TK", "H", "Dk"), "v": ("B", "TK", "H", "Dv"),
+              "x": ("B", "T", "H", "D"), "k_cmp": ("B", "NC", "H", "Dk"), "v_cmp": ("B", "NC", "H", "Dv"),
+              "cache.k": ("B", "N", "H", "Dk"), "cache.v": ("B", "N", "H", "Dv"), "cache.k_cmp": ("B", "NC", "H", "Dk"),
+              "cache.v_cmp": ("B", "NC", "H", "Dv")}
+
+
+def static_dims(name, x):
+    """Checks that every dimension of x but its batch (axis 0) is static. Under jax.export's shape polymorphism
+    only the batch may be a symbolic dimension: the others set the kernels' tiles and grids and nsa's block
+    arithmetic (Python ints)."""
+    for axis in range(1, x.ndim):
+        if jax.export.is_symbolic_dim(x.shape[axis]):
+            names = _DIM_NAMES.get(name, ())
+            which = f" ({names[axis]})" if len(names) == x.ndim else ""
+            raise ValueError(f"{name}.shape[{axis}]{which} must be static: under jax.export's shape polymorphism "
+                             f"only the batch (axis 0) may be symbolic, since the other dimensions set the kernels' "
+                             f"tiles and nsa's block arithmetic; got the symbolic dimension '{x.shape[axis]}'")

@@ -55,6 +55,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from nsa._varlen import query_ranges
+from nsa.pallas._batch import per_sequence
 from nsa.reference._common import kernel_delta
 
 LANES = 128  # a vreg's lanes: the minor dim of every block is a multiple of it (or the whole dim)
@@ -367,10 +368,19 @@ def attend(q, k, v, lo, hi, *, scale, key_span, interpret=False, config=None, na
     see: it sets the steps of the grid. interpret: a pltpu.InterpretParams to run in Pallas's TPU interpret
     mode (on any platform), or False. config: the tiles (None: Config()). name: the branch, which names the
     kernel (`{name}_forward`). With per-row ranges the G query heads of a KV head run as the rows of one
-    head (`_packs`): a tile of BQ rows then spans BQ / G tokens, within key_span.
+    head (`_packs`): a tile of BQ rows then spans BQ / G tokens, within key_span; and a symbolic batch runs
+    once per sequence (`_per_row_batch`).
     """
-    return packed_attend(functools.partial(_attend, scale=scale, key_span=key_span, interpret=interpret,
-                                           config=config, name=name), q, k, v, lo, hi)
+    run = functools.partial(packed_attend, functools.partial(_attend, scale=scale, key_span=key_span,
+                                                             interpret=interpret, config=config, name=name))
+    return _per_row_batch(run, lo)(q, k, v, lo, hi)
+
+
+def _per_row_batch(fn, lo):
+    """fn, run once per sequence for a symbolic batch (`per_sequence`) with per-row ranges: their SMEM bands and
+    ends are [B * ...] tables, which Pallas's TPU lowering takes only static. Ranges shared by the batch leave it
+    in the grid alone."""
+    return per_sequence(fn) if lo.ndim == 2 else fn
 
 
 def _attend(q, k, v, lo, hi, *, scale, key_span, interpret, config, name):
@@ -395,11 +405,11 @@ def attend_backward(q, k, v, lo, hi, o, lse, do, dlse=None, *, scale, key_span, 
 
     key_span as for `attend`; query_span (static) bounds how many queries see one key row: it sets the
     steps of the dk/dv grid. The kernels are named `{name}_dq` and `{name}_dkdv`. Packed as `attend` is
-    (then G times as many rows see one key row).
+    (then G times as many rows see one key row), and once per sequence as it is.
     """
-    return packed_attend_backward(functools.partial(_attend_backward, scale=scale, key_span=key_span,
-                                                    interpret=interpret, config=config, name=name),
-                                  q, k, v, lo, hi, o, lse, do, dlse, query_span=query_span)
+    run = functools.partial(packed_attend_backward, functools.partial(
+        _attend_backward, scale=scale, key_span=key_span, interpret=interpret, config=config, name=name))
+    return _per_row_batch(run, lo)(q, k, v, lo, hi, o, lse, do, dlse, query_span=query_span)
 
 
 def _attend_backward(q, k, v, lo, hi, o, lse, do, dlse, *, scale, key_span, query_span, interpret, config,

@@ -58,6 +58,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from nsa._varlen import cdiv, num_compressed_blocks, tokens
+from nsa.pallas._batch import per_sequence
 from nsa.pallas._flash import LANES, _band, _bands, _batch_row, _clamped, _dot, _view, out_struct
 from nsa.reference.select import CURRENT, FIRST, PREVIOUS
 
@@ -273,15 +274,22 @@ def _token_rows(T, tp, NC, block_size, cu_seqlens, kv_lens):
     return jnp.concatenate([rows, padding], axis=2)[..., None]
 
 
-def forward(q, k_cmp, lse, cu_seqlens, kv_lens=None, *, block_counts, block_size, scale, interpret=False, config=None):
+def forward(q, k_cmp, lse, cu_seqlens, kv_lens=None, **static):
     """Returns block_indices int32 [B, T, H, block_counts] (in-sequence block ids), as the reference.
 
     q [B, T, HQ, Dk], k_cmp [B, NC, H, Dk]; lse [B, T, HQ] float32 is compressed attention's log-sum-exp of
     the same q and k_cmp (it saves the kernel its first pass), or None; cu_seqlens None or int32 [N + 1]
     (packed sequences, B = 1); kv_lens None or int32 [B] (the queries are the last T tokens of sequences of
-    kv_lens[b] tokens, which k_cmp covers). interpret: a pltpu.InterpretParams to run in Pallas's TPU
-    interpret mode (on any platform), or False. config: a Config (None: `default_config`).
+    kv_lens[b] tokens, which k_cmp covers). Keywords: block_counts, block_size, scale; interpret (a
+    pltpu.InterpretParams to run in Pallas's TPU interpret mode on any platform, or False) and config (a Config;
+    None: `default_config`). With kv_lens the token rows are per batch row, a [B * ...] table in SMEM: a symbolic
+    batch then runs once per sequence (`per_sequence`).
     """
+    run = _forward if kv_lens is None else per_sequence(_forward)
+    return run(q, k_cmp, lse, cu_seqlens, kv_lens, **static)
+
+
+def _forward(q, k_cmp, lse, cu_seqlens, kv_lens, *, block_counts, block_size, scale, interpret=False, config=None):
     B, T, HQ, Dk = q.shape
     NC, H = k_cmp.shape[1], k_cmp.shape[2]
     G = HQ // H

@@ -78,6 +78,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from nsa._varlen import num_compressed_blocks, tokens
+from nsa.pallas._batch import per_sequence
 from nsa.pallas._flash import out_struct
 from nsa.reference._common import kernel_delta
 
@@ -562,8 +563,16 @@ def forward(q, k, v, block_indices, block_counts, cu_seqlens, kv_lens=None, *, b
     q [B, T, HQ, Dk], k [B, TK, H, Dk], v [B, TK, H, Dv]; block_indices int [B, T, H, S]; block_counts int
     [B, T, H] (or a scalar); cu_seqlens None or int32 [N + 1] (B = 1); kv_lens None (TK = T) or int32 [B]
     (a KV cache: the queries are the last T tokens of sequences of kv_lens[b] tokens). interpret: False
-    (Mosaic) or a pltpu.InterpretParams; config: a Config or None (`default_config`).
+    (Mosaic) or a pltpu.InterpretParams; config: a Config or None (`default_config`). A symbolic batch runs
+    once per sequence (`per_sequence`): the kernels' DMAs read k and v whole, from HBM.
     """
+    o, lse = per_sequence(_attention)(q, k, v, block_indices, block_counts, cu_seqlens, kv_lens,
+                                      block_size=block_size, scale=scale, interpret=interpret, config=config)
+    return o, (q, k, v, block_indices, block_counts, cu_seqlens, kv_lens, o, lse)
+
+
+def _attention(q, k, v, block_indices, block_counts, cu_seqlens, kv_lens, *, block_size, scale, interpret, config):
+    """`forward`'s o and lse."""
     _check(q, k, block_indices, block_size)
     cfg = _config(q, k, v, block_indices, block_size, cu_seqlens, config)
     lay = _layout(q, k, v, block_indices, block_size, cu_seqlens, kv_lens, cfg)
@@ -578,9 +587,7 @@ def forward(q, k, v, block_indices, block_counts, cu_seqlens, kv_lens=None, *, b
         _block_buffers(lay, k, v, 2) + [pltpu.VMEM((lay.G, lay.tb, LANES), jnp.float32)] * 2
         + [pltpu.VMEM((lay.G, lay.tb, lay.dvp), jnp.float32)],
         q=q, scale=scale, block_size=block_size, interpret=interpret, name="selected_forward")
-    o = _from_query_tiles(o, lay, v.shape[3])
-    lse = _from_query_tiles(lse, lay, 1)[..., 0]
-    return o, (q, k, v, block_indices, block_counts, cu_seqlens, kv_lens, o, lse)
+    return _from_query_tiles(o, lay, v.shape[3]), _from_query_tiles(lse, lay, 1)[..., 0]
 
 
 # ------------------------------------------------------------------------------------------ backward
@@ -670,9 +677,10 @@ def _per_key_row(sums, cu_seqlens, lay, block_size, d):
     return sums[lst, (keys.pos[0] % block_size)[None, :, None], :d]
 
 
+@per_sequence
 def backward(residuals, do, *, block_size, scale, interpret=False, config=None):
     """Gradients (dq, dk, dv, None, None, None, None) in q's, k's and v's dtypes, from `forward`'s residuals
-    and do [B, T, HQ, Dv]; interpret and config as for `forward`."""
+    and do [B, T, HQ, Dv]; interpret and config as for `forward` (and a symbolic batch once per sequence)."""
     q, k, v, block_indices, block_counts, cu_seqlens, kv_lens, o, lse = residuals
     cfg = _config(q, k, v, block_indices, block_size, cu_seqlens, config)
     lay = _layout(q, k, v, block_indices, block_size, cu_seqlens, kv_lens, cfg)

@@ -47,6 +47,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from nsa._varlen import cdiv, query_ranges
+from nsa.pallas._batch import per_sequence
 from nsa.pallas._flash import _bands, _padded as pad_to, packed_attend, packed_attend_backward
 from nsa.reference._common import kernel_delta
 
@@ -505,15 +506,18 @@ def _dkdv_parts(lay, query_span):
     return max(1, min(cdiv(DKDV_PROGRAMS, programs), steps // DKDV_MIN_STEPS))
 
 
+@per_sequence
 def attend(q, k, v, lo, hi, *, scale, key_span=None, name="flash"):
     """o [B, T, HQ, Dv] (q's dtype) and lse [B, T, HQ] float32 of query t over key rows [lo[t], hi[t]]:
     nsa/pallas/_flash.py's `attend` on Mosaic GPU. key_span is not used (each program walks its own band of
-    key tiles); name names the branch."""
+    key tiles); name names the branch. A symbolic batch runs once per sequence (`per_sequence`): no Mosaic
+    GPU grid takes a symbolic dimension, and every kernel here has the batch in its grid."""
     del key_span
     check_dtype(q.dtype, name)
     return packed_attend(functools.partial(_attend, scale=scale, name=name), q, k, v, lo, hi)
 
 
+@per_sequence
 def attend_backward(q, k, v, lo, hi, o, lse, do, dlse=None, *, scale, query_span, key_span=None, name="flash"):
     """(dq, dk, dv) of `attend`; dlse [B, T, HQ] is lse's cotangent or None. query_span (static) bounds how many
     queries see one key row: it sets how many programs share a key tile's walk (`_dkdv_parts`); key_span is not

@@ -61,6 +61,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from nsa._varlen import cdiv, tokens
+from nsa.pallas._batch import per_sequence
 from nsa.pallas.gpu._flash import DTYPES, by_row, call, iota, matmul, padded_dim, pipelined, smem_tile
 from nsa.reference.select import block_ranks, top_blocks
 
@@ -423,6 +424,7 @@ def _top_chunks(pos, B, H, block_size, num_blocks):
     return jnp.max(per_row.reshape(-1, TOP_ROWS), axis=1)
 
 
+@per_sequence
 def forward(q, k_cmp, lse, cu_seqlens, kv_lens=None, *, block_counts, block_size, scale, config=None):
     """Returns block_indices int32 [B, T, H, block_counts] (in-sequence block ids), as the reference.
 
@@ -430,6 +432,7 @@ def forward(q, k_cmp, lse, cu_seqlens, kv_lens=None, *, block_counts, block_size
     compressed attention's log-sum-exp of the same q and k_cmp (it saves the kernel its first walk), or None;
     cu_seqlens None or int32 [N + 1] (packed sequences, B = 1); kv_lens None or int32 [B] (the queries are the
     last T tokens of sequences of kv_lens[b] tokens, which k_cmp covers). config: None (no tunable tile yet).
+    A symbolic batch runs once per sequence (`per_sequence`: no Mosaic GPU grid takes one).
     """
     _check(q, k_cmp, config)
     B, T, HQ, _ = q.shape

@@ -64,6 +64,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from nsa._varlen import cdiv, num_compressed_blocks, tokens
 from nsa.pallas import selected as tpu
+from nsa.pallas._batch import per_sequence
 from nsa.pallas.gpu._flash import (COLS, LN2, LOG2E, ROWS, by_row, call, check_dtype, iota, kernel_name,
                                    key_gradients, matmul, matmul_add, pad_to, padded_dim, pipelined, smem_tile,
                                    store, tma_rows, zero_rows_past)
@@ -404,7 +405,15 @@ def _kernel(body, grid, names, outputs, scratch, *args):
 
 def forward(q, k, v, block_indices, block_counts, cu_seqlens, kv_lens=None, *, block_size, scale):
     """o [B, T, HQ, Dv] (q's dtype) and the residuals (q, k, v, block_indices, block_counts, cu_seqlens, kv_lens,
-    o, lse [B, T, HQ] float32): nsa/pallas/selected.py's `forward` on Mosaic GPU (bfloat16, float16)."""
+    o, lse [B, T, HQ] float32): nsa/pallas/selected.py's `forward` on Mosaic GPU (bfloat16, float16). A
+    symbolic batch runs once per sequence (`per_sequence`: no Mosaic GPU grid takes one)."""
+    o, lse = per_sequence(_attention)(q, k, v, block_indices, block_counts, cu_seqlens, kv_lens,
+                                      block_size=block_size, scale=scale)
+    return o, (q, k, v, block_indices, block_counts, cu_seqlens, kv_lens, o, lse)
+
+
+def _attention(q, k, v, block_indices, block_counts, cu_seqlens, kv_lens, *, block_size, scale):
+    """`forward`'s o and lse."""
     tpu._check(q, k, block_indices, block_size)
     _check(q, block_indices, block_size)
     L = _layout(q, k, v, block_indices, block_size, cu_seqlens, kv_lens)
@@ -422,8 +431,7 @@ def forward(q, k, v, block_indices, block_counts, cu_seqlens, kv_lens=None, *, b
          plgpu.Barrier(num_barriers=2)],
         *tables, _token_rows(q, L, lay.dkp), _keys(k, L, cu_seqlens, block_size, lay.dkp),
         _keys(v, L, cu_seqlens, block_size, lay.dvp))
-    o, lse = _from_token_rows(o, L, v.shape[3]), _from_tile_vector(lse_t, L)
-    return o, (q, k, v, block_indices, block_counts, cu_seqlens, kv_lens, o, lse)
+    return _from_token_rows(o, L, v.shape[3]), _from_tile_vector(lse_t, L)
 
 
 def _token_lists(block_indices, block_counts, cu_seqlens, kv_lens, L, block_size):
@@ -489,6 +497,7 @@ def _entry_vector(x, entries, bh, L, fill):
     return jnp.pad(values, [(0, lay.tb), (0, 0)], constant_values=fill).reshape(-1)
 
 
+@per_sequence
 def backward(residuals, do, *, block_size, scale):
     """Gradients (dq, dk, dv, None, None, None, None) in q's, k's and v's dtypes, from `forward`'s residuals and
     do [B, T, HQ, Dv]."""
