@@ -3,20 +3,20 @@
     python examples/generate.py                   # 2 prompts of different lengths, 24 new tokens each
     python examples/generate.py --steps 64 --implementation xla
 
-The model: token embedding, `LAYERS` pre-norm blocks (NSA attention with learned-style gates, then an
-MLP), output projection; rotary position embeddings on q and k. Random weights: it generates nonsense,
-but every step does what a real model's serving loop does:
+The model (Flax NNX, needs `pip install '.[nnx]'`): token embedding, `LAYERS` pre-norm blocks (the ready-made
+layer `nsa.nnx.NativeSparseAttention`, which holds the q/k/v/o and gate projections and the rotary embedding,
+then an MLP), output projection. Random weights: it generates nonsense, but every step does what a real
+model's serving loop does:
 
-1. **Prefill.** The prompts (right-padded to one length, `lens` the true lengths) run through the model in
-   the full-sequence mode of `nsa.attention` (causal: a token never sees the padding after it), and each
-   layer's keys and values go into its cache with `nsa.prefill_cache`.
-2. **Decode.** A `jax.lax.fori_loop` over steps, the caches in the carry: each step embeds the last token of
-   every sequence, and each layer appends its key and value (`nsa.append_to_cache`) and attends with the
-   cache (`nsa.attention(..., k_cmp=cache.k_cmp, v_cmp=cache.v_cmp, kv_lens=cache.lens)`); the position
-   of the new token (for the rotary embedding) is its sequence's length before the append. The sequences
-   have different lengths throughout (a ragged batch); the loop compiles once.
-3. **Check.** For every generated token, the whole model is run again on the whole sequence so far,
-   without a cache; its next-token logits must match the cached step's and give the same token.
+1. **Prefill.** The prompts (right-padded to one length, `lens` the true lengths) run through the model, each
+   layer's `prefill` attending over whole sequences (causal: a token never sees the padding after it) and
+   returning a KV cache (`nsa.KVCache`) that holds each prompt's keys and values.
+2. **Decode.** A `jax.lax.fori_loop` over steps, the caches in the carry (donated): each step embeds the last
+   token of every sequence, and each layer's `step` appends its key and value to its cache and attends with
+   the cache, at the position its sequence's length gives. The sequences have different lengths throughout
+   (a ragged batch); the loop compiles once.
+3. **Check.** The whole model is run again on the whole sequences, without a cache; at every generated
+   token its next-token logits must match the cached step's and give the same token.
 
 Exit code 0 and "PASS" when every step matches.
 """
@@ -28,8 +28,9 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
-import nsa
+from nsa.nnx import NativeSparseAttention
 
 VOCAB, DIM, LAYERS = 97, 64, 2
 HQ, H, D = 8, 2, 16  # G = 4 query heads share a KV head
@@ -37,104 +38,104 @@ NSA = dict(block_size=8, block_counts=3, window_size=16)
 TOLERANCE = 1e-4  # relative error allowed between cached and recomputed logits (float32)
 
 
-def init(seed=0):
-    """Random weights: a dict of arrays (a pytree)."""
-    keys = iter(jax.random.split(jax.random.PRNGKey(seed), 2 + 6 * LAYERS))
-    normal = lambda shape, fan_in: jax.random.normal(next(keys), shape, jnp.float32) / np.sqrt(fan_in)
-    layer = lambda: dict(wq=normal((DIM, HQ * D), DIM), wk=normal((DIM, H * D), DIM), wv=normal((DIM, H * D), DIM),
-                         wg=normal((DIM, 3 * HQ), DIM), wo=normal((HQ * D, DIM), HQ * D),
-                         mlp=normal((DIM, 4 * DIM), DIM))
-    return dict(embed=normal((VOCAB, DIM), 1.0), unembed=normal((DIM, VOCAB), DIM),
-                layers=[layer() for _ in range(LAYERS)])
-
-
 def rms_norm(x):
     return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6)
 
 
-def rotary(x, positions):
-    """Rotary position embedding of x [B, T, heads, D] at positions int [B, T]."""
-    freq = 1.0 / (10000.0 ** (jnp.arange(0, D, 2) / D))
-    angle = positions[:, :, None, None].astype(jnp.float32) * freq  # [B, T, 1, D / 2]
-    x1, x2 = x[..., ::2], x[..., 1::2]
-    return jnp.stack([x1 * jnp.cos(angle) - x2 * jnp.sin(angle), x1 * jnp.sin(angle) + x2 * jnp.cos(angle)],
-                     axis=-1).reshape(x.shape)
+class Block(nnx.Module):
+    """A pre-norm block on x [B, T, DIM]: x + attention(norm(x)), then x + MLP(norm(x)). The attention runs
+    over whole sequences (`__call__`), or fills a cache (`prefill`), or extends one (`step`)."""
+
+    def __init__(self, implementation, rngs):
+        self.attention = NativeSparseAttention(hidden_size=DIM, num_heads=HQ, num_kv_heads=H, head_dim=D, **NSA,
+                                               implementation=implementation, rngs=rngs)
+        self.up = nnx.Linear(DIM, 4 * DIM, use_bias=False, rngs=rngs)
+        self.down = nnx.Linear(4 * DIM, DIM, use_bias=False, rngs=rngs)
+
+    def __call__(self, x):
+        return self.mlp(x + self.attention(rms_norm(x)))
+
+    def prefill(self, x, lens, capacity):
+        y, cache = self.attention.prefill(rms_norm(x), capacity=capacity, lens=lens)
+        return self.mlp(x + y), cache
+
+    def step(self, x, cache):
+        y, cache = self.attention.step(rms_norm(x), cache)
+        return self.mlp(x + y), cache
+
+    def mlp(self, x):
+        return x + self.down(jax.nn.gelu(self.up(rms_norm(x))))
 
 
-def project(layer, x, positions):
-    """q [B, T, HQ, D], k, v [B, T, H, D] and the three gates [B, T, HQ] of a block's input x [B, T, DIM]."""
-    B, T = x.shape[:2]
-    h = rms_norm(x)
-    q = rotary((h @ layer["wq"]).reshape(B, T, HQ, D), positions)
-    k = rotary((h @ layer["wk"]).reshape(B, T, H, D), positions)
-    v = (h @ layer["wv"]).reshape(B, T, H, D)
-    gates = jax.nn.sigmoid(h @ layer["wg"]).reshape(B, T, 3, HQ)
-    return q, k, v, dict(g_cmp=gates[:, :, 0], g_slc=gates[:, :, 1], g_swa=gates[:, :, 2])
+class Model(nnx.Module):
+    """Tokens int [B, T] -> next-token logits [B, T, VOCAB]; random weights from `seed`."""
+
+    def __init__(self, implementation=None, seed=0):
+        rngs = nnx.Rngs(seed)
+        self.embed = nnx.Embed(VOCAB, DIM, rngs=rngs)
+        self.blocks = nnx.List([Block(implementation, rngs) for _ in range(LAYERS)])
+        self.unembed = nnx.Linear(DIM, VOCAB, use_bias=False, rngs=rngs)
+
+    def __call__(self, tokens):
+        """The logits of whole sequences, no cache."""
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.unembed(rms_norm(x))
+
+    def prefill(self, prompts, lens, capacity):
+        """(logits [B, TP, VOCAB], one cache per layer) of right-padded prompts int [B, TP] (lens [B] long)."""
+        x, caches = self.embed(prompts), []
+        for block in self.blocks:
+            x, cache = block.prefill(x, lens, capacity)
+            caches.append(cache)
+        return self.unembed(rms_norm(x)), caches
+
+    def step(self, tokens, caches):
+        """One new token per sequence (tokens int [B]): (logits [B, VOCAB], the caches with it appended)."""
+        x, new_caches = self.embed(tokens[:, None]), []
+        for block, cache in zip(self.blocks, caches):
+            x, cache = block.step(x, cache)
+            new_caches.append(cache)
+        return self.unembed(rms_norm(x))[:, 0], new_caches
 
 
-def finish(layer, x, o):
-    """The block's output: x + attention output projected, then + MLP."""
-    x = x + o.reshape(*o.shape[:2], HQ * D) @ layer["wo"]
-    return x + jax.nn.gelu(rms_norm(x) @ layer["mlp"]) @ layer["mlp"].T
-
-
-def forward(params, tokens, implementation):
-    """Logits [B, T, VOCAB] of the whole sequences tokens int [B, T] (no cache), and each layer's k, v."""
-    B, T = tokens.shape
-    positions = jnp.broadcast_to(jnp.arange(T), (B, T))
-    x = params["embed"][tokens]
-    kvs = []
-    for layer in params["layers"]:
-        q, k, v, gates = project(layer, x, positions)
-        x = finish(layer, x, nsa.attention(q, k, v, **gates, **NSA, implementation=implementation))
-        kvs.append((k, v))
-    return rms_norm(x) @ params["unembed"], kvs
-
-
-def decode_step(params, caches, tokens, implementation):
-    """One new token per sequence (tokens int [B]): (logits [B, VOCAB], the caches with it appended)."""
-    x = params["embed"][tokens][:, None]  # [B, 1, DIM]
-    positions = caches[0].lens[:, None]  # the new token's position: its sequence's length so far
-    new_caches = []
-    for layer, cache in zip(params["layers"], caches):
-        q, k, v, gates = project(layer, x, positions)
-        cache = nsa.append_to_cache(cache, k, v, block_size=NSA["block_size"])
-        o = nsa.attention(q, cache.k, cache.v, k_cmp=cache.k_cmp, v_cmp=cache.v_cmp, kv_lens=cache.lens, **gates,
-                          **NSA, implementation=implementation)
-        x = finish(layer, x, o)
-        new_caches.append(cache)
-    return (rms_norm(x) @ params["unembed"])[:, 0], new_caches
-
-
-def generate(params, prompts, lens, steps, capacity, implementation=None):
+def generate(model, prompts, lens, steps, capacity):
     """Greedy generation: (tokens int [B, steps], logits [steps, B, VOCAB]) after prompts int [B, TP]
-    (right-padded, true lengths lens [B]). Prefill, then a jitted fori_loop of decode steps."""
+    (right-padded, true lengths lens [B]). A jitted prefill, then a jitted fori_loop of decode steps."""
+    graphdef, state = nnx.split(model)  # jax.jit takes the weights as a pytree: nnx.merge rebuilds the model
     lens = jnp.asarray(lens, jnp.int32)
-    logits, kvs = jax.jit(forward, static_argnums=2)(params, prompts, implementation)
-    caches = [nsa.prefill_cache(k, v, block_size=NSA["block_size"], capacity=capacity, lens=lens) for k, v in kvs]
-    first = jnp.argmax(logits[jnp.arange(len(lens)), lens - 1], axis=-1)  # each prompt's last real token
+    prefill = jax.jit(lambda state, prompts, lens: nnx.merge(graphdef, state).prefill(prompts, lens, capacity))
+    logits, caches = prefill(state, prompts, lens)
+    first = jnp.argmax(logits[jnp.arange(len(lens)), lens - 1], axis=-1)  # after each prompt's last real token
 
-    def body(i, carry):
-        caches, tokens, all_logits, token = carry
-        tokens = tokens.at[:, i].set(token)
-        step_logits, caches = decode_step(params, caches, token, implementation)
-        return caches, tokens, all_logits.at[i].set(step_logits), jnp.argmax(step_logits, axis=-1)
+    def decode(state, carry):
+        model = nnx.merge(graphdef, state)
+
+        def body(i, carry):
+            caches, tokens, all_logits, token = carry
+            tokens = tokens.at[:, i].set(token)
+            step_logits, caches = model.step(token, caches)
+            return caches, tokens, all_logits.at[i].set(step_logits), jnp.argmax(step_logits, axis=-1)
+
+        return jax.lax.fori_loop(0, steps, body, carry)
 
     B = prompts.shape[0]
     carry = (caches, jnp.zeros((B, steps), jnp.int32), jnp.zeros((steps, B, VOCAB)), first.astype(jnp.int32))
-    run = jax.jit(lambda carry: jax.lax.fori_loop(0, steps, body, carry), donate_argnums=0)
-    _, tokens, all_logits, _ = run(carry)
+    _, tokens, all_logits, _ = jax.jit(decode, donate_argnums=1)(state, carry)
     return tokens, all_logits
 
 
-def check(params, prompts, lens, tokens, logits, implementation=None):
+def check(model, prompts, lens, tokens, logits):
     """The largest relative difference between the cached logits of each step and those of the whole model
-    on the whole sequence so far, and whether every generated token is the recomputed argmax."""
+    on the whole sequences (right-padded into one batch: causal, so the padding changes nothing before it),
+    and whether every generated token is the recomputed argmax."""
+    steps = tokens.shape[1]
+    sequences = jnp.stack([jnp.concatenate([prompts[b, :n], tokens[b], prompts[b, n:]]) for b, n in enumerate(lens)])
+    full = nnx.jit(lambda model, tokens: model(tokens))(model, sequences)
     worst, same = 0.0, True
     for b, n in enumerate(lens):
-        sequence = jnp.concatenate([prompts[b, :n], tokens[b]])[None]
-        full, _ = forward(params, sequence, implementation)
-        want = full[0, n:n + tokens.shape[1]]  # the logits after the prompt's last token and each new one
+        want = full[b, n:n + steps]  # the logits after each generated token: step i fed token i
         got = logits[:, b]
         worst = max(worst, float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want))))
         # token i + 1 was chosen from step i's logits; token 0 from the prompt's
@@ -148,20 +149,20 @@ def main(argv=None):
     parser.add_argument("--implementation", default=None, choices=["xla", "triton", "pallas"],
                         help="nsa's implementation (default: the best for the platform)")
     args = parser.parse_args(argv)
-    params = init()
+    model = Model(args.implementation)
     rng = np.random.default_rng(0)
     lens = [37, 13]  # a ragged batch: prompts of 37 and 13 tokens, right-padded
     prompts = jnp.asarray(rng.integers(0, VOCAB, (len(lens), max(lens))), jnp.int32)
     capacity = max(lens) + args.steps
     start = time.perf_counter()
-    tokens, logits = generate(params, prompts, lens, args.steps, capacity, args.implementation)
+    tokens, logits = generate(model, prompts, lens, args.steps, capacity)
     tokens.block_until_ready()
     print(f"generated {args.steps} tokens for {len(lens)} prompts of {list(lens)} tokens "
           f"in {time.perf_counter() - start:.1f} s (compile included)")
     for b in range(len(lens)):
         print(f"  sequence {b}: ... {np.asarray(prompts[b, lens[b] - 5:lens[b]]).tolist()} -> "
               f"{np.asarray(tokens[b]).tolist()}")
-    worst, same = check(params, prompts, lens, tokens, logits, args.implementation)
+    worst, same = check(model, prompts, lens, tokens, logits)
     ok = worst <= TOLERANCE and same
     print(f"cached vs full recompute at every step: largest relative logit difference {worst:.2e} "
           f"(tolerance {TOLERANCE:.0e}), same tokens: {same}")

@@ -51,6 +51,12 @@ class NativeSparseAttention(nnx.Module):
     position embedding); dtype (the computation's dtype, None: from the inputs and parameters) and
     param_dtype (float32), as nnx.Linear takes them; implementation (nsa's: None picks the best for the
     platform, or "xla", "triton", "pallas"); rngs (nnx.Rngs, for the initial weights).
+
+    Serving: `init_cache`, `prefill` and `step` take and return an nsa.KVCache made with this layer's
+    block_size. Jit them (an eager call dispatches nsa's ops one by one), the cache donated:
+
+        graphdef, state = nnx.split(layer)
+        step = jax.jit(lambda state, x, cache: nnx.merge(graphdef, state).step(x, cache), donate_argnums=2)
     """
 
     def __init__(self, *, hidden_size, num_heads, num_kv_heads=None, head_dim=None, head_dim_v=None,

@@ -1,5 +1,5 @@
-"""The examples run and pass their own checks: examples/generate.py generates with a KV cache and matches a
-full recompute at every step."""
+"""The examples run and pass their own checks: examples/generate.py generates with a KV cache (through the
+layer nsa.nnx.NativeSparseAttention, so it needs flax) and matches a full recompute at every step."""
 
 import importlib.util
 import pathlib
