@@ -68,11 +68,13 @@ def test_cu_seqlens_as_a_list_tuple_or_array():
 
 @pytest.mark.parametrize("name", ["compressed", "select"])
 def test_traced_cu_seqlens_asking_for_more_compressed_rows_than_given(interpreted, name):
-    """Under jit a cu_seqlens may ask for more rows of a given k_cmp than it holds: rows past its end
-    count as not there, in the reference and in the kernels (which never read past it)."""
+    """Under jit a cu_seqlens may ask for more rows of a given k_cmp than it holds (a traced cu_seqlens' k_cmp
+    holds at least the ceil(T / block_size) rows of one sequence): rows past its end count as not there, in the
+    reference and in the kernels (which never read past it)."""
     x = Inputs((B, T, HQ, H, D, D, BS), "float32")
-    cu = np.array([0, 50, 100], np.int32)  # 4 compressed rows per sequence; k_cmp holds the first one's
-    k_cmp, v_cmp = x.k[:, :4 * BS:BS], x.v[:, :4 * BS:BS]
+    cu = np.array([0, 20, 40, 60, 80, 100], np.int32)  # 2 compressed rows per sequence, 10 in all; k_cmp holds 7,
+    # so the last sequence's row 0 (which its tokens 15 to 19 see) is past its end
+    k_cmp, v_cmp = x.k[:, :T:BS], x.v[:, :T:BS]
 
     def run(impl):
         if name == "compressed":
@@ -181,11 +183,11 @@ def test_empty_inputs(interpreted, impl, batch, seq_len):
 
 
 @pytest.mark.parametrize("impl", ["xla", "triton"])
-def test_no_compressed_rows(interpreted, impl):
-    """T < block_size with k_cmp of 0 rows (all a query can see): compressed attention sees nothing,
-    and the selection still holds the query's own block 0."""
+def test_no_visible_compressed_row(interpreted, impl):
+    """T < block_size: k_cmp's one row is a partial block, which no query sees: compressed attention sees
+    nothing, and the selection still holds the query's own block 0."""
     x = Inputs((B, 10, HQ, H, D, D, BS), "float32")
-    k_cmp, v_cmp = x.k[:, :0], x.v[:, :0]
+    k_cmp, v_cmp = nsa.compress(x.k, block_size=BS), nsa.compress(x.v, block_size=BS)
     (o, lse), vjp = jax.vjp(lambda q: nsa.compressed_attention(q, k_cmp, v_cmp, block_size=BS,
                                                                implementation=impl), x.q)
     assert not np.any(np.asarray(o)) and np.all(np.isneginf(np.asarray(lse)))
@@ -254,6 +256,74 @@ def test_implementations_tells_what_runs_where(interpreted):
     on_tpu = {name: "xla" if family == "xla" else "pallas" for name, family in kernels.items()}
     assert nsa.implementations("tpu") == on_tpu
     assert set(nsa.implementations("tpu", dtype=jnp.float64).values()) == {"xla"}
+
+
+def test_implementations_of_an_unknown_platform_raises():
+    with pytest.raises(ValueError, match=r"platform must be one of 'cpu', 'cuda', 'rocm', 'tpu', 'gpu' or None "
+                                         r"\(jax's default backend\), got 'bogus'"):
+        nsa.implementations("bogus")
+
+
+def _sharded(fn):
+    """fn inside shard_map, the batch split over a mesh of one local device."""
+    mesh = jax.sharding.Mesh(np.array(jax.local_devices()[:1]), ("b",))
+    spec = jax.sharding.PartitionSpec("b")
+    return jax.shard_map(fn, mesh=mesh, in_specs=(spec,) * 4, out_specs=spec)
+
+
+def _gradient(fn, checkpoint=False):
+    loss = lambda *args: jnp.sum(fn(*args) ** 2)
+    return jax.grad(jax.checkpoint(loss) if checkpoint else loss, argnums=(0, 1, 2, 3))
+
+
+# How the platform switch of implementation=None (nsa._dispatch.platform_dependent) is run: transformations of
+# fn(q, k, v, g), each giving a function of the same arguments.
+TRANSFORMS = {
+    "eager": lambda fn: fn,
+    "jit": jax.jit,
+    "vmap": lambda fn: jax.jit(lambda *args: jax.vmap(fn)(*(x[:, None] for x in args))[:, 0]),
+    "scan": lambda fn: jax.jit(lambda *args: jax.lax.scan(lambda c, xs: (c, fn(*(x[None] for x in xs))[0]), 0,
+                                                          args)[1]),  # a loop over the batch
+    "shard_map": lambda fn: jax.jit(_sharded(fn)),
+    "eager shard_map": _sharded,
+    "grad": lambda fn: jax.jit(_gradient(fn)),
+    "grad of checkpoint": lambda fn: jax.jit(_gradient(fn, checkpoint=True)),
+    "grad of vmap": lambda fn: jax.jit(_gradient(lambda *args: jax.vmap(fn)(*(x[:, None] for x in args))[:, 0])),
+}
+
+
+@pytest.mark.parametrize("transform", TRANSFORMS)
+def test_default_dispatch_under_transformations(transform):
+    """implementation=None (the reference on the CPU, through nsa's platform switch) under each transformation
+    gives implementation="xla"'s result."""
+    x = Inputs((2, 40, HQ, H, D, D, 8), "float32")
+    args = (x.q, x.k, x.v, x.gates[0][0])
+
+    def f(implementation):
+        return lambda q, k, v, g: nsa.attention(q, k, v, g_cmp=g, g_slc=g, g_swa=g, block_counts=3, block_size=8,
+                                                window_size=9, implementation=implementation)
+
+    got, want = (TRANSFORMS[transform](f(implementation))(*args) for implementation in (None, "xla"))
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        assert_close(a, b, 1e-6, transform)
+
+
+def test_forward_mode_is_the_vjp_transposed():
+    """jax.jvp of an op raises (a custom_vjp: forward mode would cost reverse mode 11x its memory, see
+    nsa._dispatch); with implementation="xla" a JVP is the VJP transposed (jax.linear_transpose), the documented
+    way, and matches a central difference (float64)."""
+    with jax.enable_x64(True):
+        x, t = Inputs((1, 40, HQ, H, D, D, 8), "float64"), Inputs((1, 40, HQ, H, D, D, 8), "float64", seed=1)
+        primals, tangents = (x.q, x.k, x.v, x.gates[0][0]), (t.q, t.k, t.v, t.gates[0][0])
+        f = lambda q, k, v, g: nsa.attention(q, k, v, g_cmp=g, g_slc=g, g_swa=g, block_counts=3, block_size=8,
+                                             window_size=9, implementation="xla")
+        with pytest.raises(TypeError, match="can't apply forward-mode autodiff"):
+            jax.jvp(f, primals, tangents)
+        out, vjp = jax.vjp(f, *primals)
+        (jvp,) = jax.linear_transpose(vjp, out)(tangents)
+        h = 1e-6
+        shifted = lambda sign: f(*(p + sign * h * d for p, d in zip(primals, tangents)))
+        assert_close(jvp, (shifted(1) - shifted(-1)) / (2 * h), 1e-6, "jvp")
 
 
 def test_gradient_scales_are_never_zero_where_the_gradient_is():
