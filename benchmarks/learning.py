@@ -207,7 +207,7 @@ def train(variant, seed, setup, max_steps):
     """One run: the loss and accuracy of each step, the steps to each threshold and the time it took."""
     kind, cfg = settings(variant, setup)
     m = setup["model"]
-    params = init(jax.random.key(seed), m, cfg.get("gate_bias", NSA["gate_bias"]))
+    params = init(jax.random.key(seed), m, cfg.get("gate_bias", setup["nsa"]["gate_bias"]))  # unused ungated
     state = (jax.tree.map(jnp.zeros_like, params), jax.tree.map(jnp.zeros_like, params), 0)
     data_key = jax.random.key(1000 + seed)
 
@@ -230,10 +230,11 @@ def train(variant, seed, setup, max_steps):
         reached = steps_to(accuracies)[str(THRESHOLDS[-1])]
         if reached is not None and i >= reached + PATIENCE:
             break
+    # wall_s and cpu_s: the steps after the first, which compiles
     return dict(variant=variant, seed=seed, date=time.strftime("%Y-%m-%d"), kind=kind, config=cfg,
-                steps=len(losses), loss=losses,
-                accuracy=accuracies, steps_to=steps_to(accuracies), first_step_s=round(first_step_s, 1),
-                wall_s=round(time.perf_counter() - wall, 1), cpu_s=round(time.process_time() - cpu, 1))  # steps 2..
+                steps=len(losses), loss=losses, accuracy=accuracies, steps_to=steps_to(accuracies),
+                first_step_s=round(first_step_s, 1), wall_s=round(time.perf_counter() - wall, 1),
+                cpu_s=round(time.process_time() - cpu, 1))
 
 
 def steps_to(accuracies):
@@ -315,8 +316,7 @@ def main(argv=None):
     meta = dict(date=time.strftime("%Y-%m-%d"), jax=jax.__version__, jaxlib=jaxlib.__version__,
                 numpy=np.__version__, python=platform.python_version(), machine=machine(),
                 commands=commands + [command], setup=setup, thresholds=THRESHOLDS, patience=PATIENCE,
-                max_steps=args.max_steps,
-                variants={name: what for name, (_, _, what) in VARIANTS.items()})
+                max_steps=args.max_steps, variants={name: what for name, (_, _, what) in VARIANTS.items()})
     os.makedirs(args.out, exist_ok=True)
     for variant in args.variants:
         for seed in args.seeds:
