@@ -52,6 +52,8 @@ def tokens(seq_len, block_size, cu_seqlens=None, kv_lens=None):
 
 def concrete(x):
     """`x` as a NumPy array if its value is known at trace time, else None."""
+    if isinstance(x, jax.core.Tracer):  # a traced value (never convertible; asking builds an error message, which
+        return None                     # jax 0.10.2 can crash on when the trace mixes IO effects)
     try:
         return np.asarray(x)
     except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
