@@ -71,7 +71,7 @@ def gpu_rows(args):
         useful = useful_flops(case, T)
         for impl in args.impls:
             if (impl == "xla" and T > args.xla_max_seq_len) or (impl == "auto" and case == "selection"):
-                continue  # auto on one op is the row of the family CUDA_PREFERENCE puts first
+                continue  # auto on one op is the row of the family nsa._families.PREFERENCE puts first
             fwd, fwd_bwd = nsa_fns(case, implementation_of(impl), T, idx)
             args_ = (q, k, v, gates, do)
             yield measure(dict(case=case, T=T, impl=f"nsa-{impl}", useful_tflop_fwd=useful / 1e12),
@@ -121,7 +121,7 @@ def main():
     parser.add_argument("--cases", nargs="+", default=["selection", "full"])
     parser.add_argument("--impls", nargs="*", default=["triton", "pallas", "auto", "xla"],
                         help="nsa implementations to time (pallas: the Mosaic GPU kernels; auto: "
-                             "implementation=None, the mix nsa._dispatch.CUDA_PREFERENCE picks, full case only)")
+                             "implementation=None, the mix nsa._families.PREFERENCE picks, full case only)")
     parser.add_argument("--no-dense", action="store_true", help="skip dense cuDNN attention")
     parser.add_argument("--no-fla", action="store_true", help="skip fla")
     parser.add_argument("--xla-max-seq-len", type=int, default=16384)

@@ -4,7 +4,7 @@
         [--cases selection full dense] [--impls pallas xla] [--iters 20]
     python benchmarks/tpu.py --out DIR --smoke      # the whole script on a CPU, at a tiny shape
 
-On a TPU VM with `pip install nsa` (jax[tpu]). Standard shape of benchmarks/gpu.py: B = 1, HQ = 64,
+On a TPU VM with nsa installed from a checkout (`pip install . 'jax[tpu]'`). Standard shape of benchmarks/gpu.py: B = 1, HQ = 64,
 H = 4, D = 128, bf16, block_size 64, 16 selected blocks, window 512. Cases:
   selection  selected attention with given (random) block indices: nsa.selected_attention;
   full       compression + top-k + selection + sliding window with all three gates: nsa.attention;

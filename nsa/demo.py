@@ -4,7 +4,7 @@ It runs `nsa.attention` on random q, k, v and gates (no model, nothing trained),
 output densely in plain jnp (each branch as a softmax over all T keys under an explicit [T, T] mask, or
 [T, NC] for the compressed keys), prints the largest difference with PASS or FAIL (exit code 1 on FAIL), checks the
 selection against the dense compressed scores, prints how sparse the attention is, and draws which
-blocks each query selected to demo_selection.png (with matplotlib: `pip install 'nsa[demo]'`; without
+blocks each query selected to demo_selection.png (with matplotlib: `pip install '.[demo]'` from a checkout; without
 it the demo says so and skips the picture). With random inputs the compressed scores carry no
 information, so the blocks picked beyond the forced ones look like noise: the picture shows which blocks
 a query may read and how few keys that is, not what a model attends to. In a trained model the picked
@@ -248,7 +248,7 @@ def main(argv=None):
           f"and a {WINDOW_SIZE}-token window, plus {T // BLOCK_SIZE} compressed keys at most")
 
     if importlib.util.find_spec("matplotlib") is None:
-        print("no picture of the selected blocks: it needs matplotlib (pip install 'nsa[demo]')")
+        print("no picture of the selected blocks: it needs matplotlib (from a checkout: pip install '.[demo]')")
     else:
         path = os.path.abspath(args.output)
         draw(block_indices, share, path)

@@ -12,7 +12,7 @@
 
 The layer holds the projections and calls `nsa.attention`; everything else stays in plain functions. The KV
 cache (`nsa.KVCache`) lives outside the layer: passed in and returned, so a decode step is a pure function
-that jits with the cache donated. Needs flax (`pip install 'nsa[nnx]'`); `import nsa` never imports this
+that jits with the cache donated. Needs flax (`pip install '.[nnx]'` from a checkout); `import nsa` never imports this
 module.
 """
 

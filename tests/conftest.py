@@ -33,15 +33,16 @@ def interpreted():
 
 @pytest.fixture
 def without_jax_triton(monkeypatch):
-    """A process where jax_triton does not import (a plain `pip install nsa` on a GPU, or jax[cuda] alone), with
+    """A process where jax_triton does not import (a plain `pip install .` on a GPU, or jax[cuda] alone), with
     nsa's warn-once memory cleared."""
     from nsa import _dispatch
+    from nsa.triton._launch import jax_triton_error
 
     monkeypatch.setitem(sys.modules, "jax_triton", None)  # import jax_triton raises ImportError
     monkeypatch.setattr(_dispatch, "_warned", set())
-    _dispatch.import_error.cache_clear()
+    jax_triton_error.cache_clear()
     yield
-    _dispatch.import_error.cache_clear()
+    jax_triton_error.cache_clear()
 
 
 def pytest_generate_tests(metafunc):

@@ -13,7 +13,7 @@ import pytest
 from absl.testing import parameterized
 
 import nsa
-from nsa import _dispatch, pallas
+from nsa import _dispatch, _platform, pallas
 from nsa._varlen import made_valid
 from tests import oracle
 from tests.base import MOSAIC_GPU_LOWERS, TOLERANCE, Inputs, assert_close, gradient_scales
@@ -201,12 +201,12 @@ def test_no_visible_compressed_row(interpreted, impl):
 def test_explicit_triton_without_jax_triton_raises(without_jax_triton):
     x = Inputs((B, 20, HQ, H, D, D, BS), "float32")
     with pytest.raises(ValueError, match=r"implementation='triton' cannot run sliding_window_attention here: "
-                                         r"jax-triton does not import \((ModuleNotFound|Import)Error.*pip install 'nsa\[cuda\]'"):
+                                         r"jax-triton does not import \((ModuleNotFound|Import)Error.*pip install '\.\[cuda\]'"):
         nsa.sliding_window_attention(x.q, x.k, x.v, window_size=3, implementation="triton")
 
 
 def test_default_on_a_gpu_without_jax_triton_warns_once(without_jax_triton, monkeypatch):
-    monkeypatch.setattr(_dispatch, "_has_cuda_gpu", lambda: True)
+    monkeypatch.setattr(_platform, "has_cuda_gpu", lambda: True)
     monkeypatch.setattr(_dispatch, "_warned", set())
     x = Inputs((B, 20, HQ, H, D, D, BS), "float32")
     with warnings.catch_warnings(record=True) as caught:
@@ -215,7 +215,7 @@ def test_default_on_a_gpu_without_jax_triton_warns_once(without_jax_triton, monk
         nsa.attention(x.q, x.k, x.v, block_counts=2, block_size=BS, window_size=5)
     messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
     assert len(messages) == 1, messages
-    assert "XLA reference on the GPU" in messages[0] and "pip install 'nsa[cuda]'" in messages[0]
+    assert "XLA reference on the GPU" in messages[0] and "pip install '.[cuda]'" in messages[0]
     want = nsa.attention(x.q, x.k, x.v, block_counts=2, block_size=BS, window_size=5, implementation="xla")
     np.testing.assert_array_equal(np.asarray(o), np.asarray(want))
     assert set(nsa.implementations("gpu", dtype=jnp.float32).values()) == {"xla"}
@@ -276,7 +276,7 @@ def _gradient(fn, checkpoint=False):
     return jax.grad(jax.checkpoint(loss) if checkpoint else loss, argnums=(0, 1, 2, 3))
 
 
-# How the platform switch of implementation=None (nsa._dispatch.platform_dependent) is run: transformations of
+# How the platform switch of implementation=None (nsa._platform.platform_dependent) is run: transformations of
 # fn(q, k, v, g), each giving a function of the same arguments.
 TRANSFORMS = {
     "eager": lambda fn: fn,

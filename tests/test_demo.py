@@ -1,5 +1,5 @@
 """`python -m nsa.demo` passes, says that its inputs are random, and finishes without matplotlib (a plain
-`pip install nsa`), saying how to get the picture."""
+`pip install .`), saying how to get the picture."""
 
 import sys
 

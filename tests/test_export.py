@@ -1,7 +1,7 @@
 """nsa exported with jax.export: one artifact for several platforms, and a symbolic batch.
 
 A serving stack exports one program for every platform it serves on (jax.export's `platforms`). nsa's dispatch
-(nsa._dispatch.platform_dependent) lowers each platform's branch for that platform alone, so the module holds, for
+(nsa._platform.platform_dependent) lowers each platform's branch for that platform alone, so the module holds, for
 each platform, what exporting for it alone gives: TPU's Mosaic kernels (tpu_custom_call, by kernel name), CUDA's
 Mosaic GPU kernels where this jax lowers them (jax >= 0.11, 16-bit inputs; jax_triton does not import on this
 CPU-only jaxlib, so no Triton), and the reference elsewhere; its CPU part runs here and equals the reference. A

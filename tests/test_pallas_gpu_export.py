@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import nsa
-from nsa import _dispatch, pallas
+from nsa import _dispatch, _families, pallas
 from tests.base import MOSAIC_GPU_LOWERS
 
 needs_mosaic_gpu = pytest.mark.skipif(not MOSAIC_GPU_LOWERS, reason=f"jax {jax.__version__}: Mosaic GPU lowers these "
@@ -80,11 +80,12 @@ def test_without_jax_triton_the_default_is_mosaic_gpu(without_jax_triton):
 
 def test_with_jax_triton_the_default_on_cuda_follows_the_measured_preference(interpreted):
     """With jax-triton importable, implementation=None runs each op on CUDA (bfloat16) with the first family of
-    CUDA_PREFERENCE (the faster one on the H200) that this jax can lower: Pallas needs Mosaic GPU (jax >= 0.11)."""
+    nsa._families.PREFERENCE (the faster one on the H200) that this jax can lower: Pallas needs Mosaic GPU (jax >= 0.11)."""
     runs_here = {"triton": True, "pallas": MOSAIC_GPU_LOWERS}
     chosen = nsa.implementations("cuda")
-    assert {op: chosen[_dispatch.PUBLIC_NAMES[op]] for op in _dispatch.CUDA_PREFERENCE} == {
-        op: next(family for family in order if runs_here[family]) for op, order in _dispatch.CUDA_PREFERENCE.items()}
+    ops = ("compressed", "select", "selected", "window")
+    assert {op: chosen[_dispatch.PUBLIC_NAMES[op]] for op in ops} == {
+        op: next(family for family in _families.preferred(op, "cuda") if runs_here[family]) for op in ops}
 
 
 @needs_mosaic_gpu

@@ -112,3 +112,15 @@ def test_every_relative_link_resolves(page):
         if anchor:
             headings = re.findall(r"^#+ (.*)$", target.read_text(), re.M)
             assert anchor in map(_anchor, headings), f"{page.name} links {link}: no such heading"
+
+
+SOURCES = sorted(p for folder in ("nsa", "benchmarks", "examples", "notebooks", "scripts")
+                 for p in (ROOT / folder).rglob("*") if p.suffix in (".py", ".ipynb", ".sh"))
+
+
+def test_no_message_or_docstring_installs_nsa_from_pypi():
+    """The package's own words (warnings, docstrings, notebooks) install nsa from a checkout too."""
+    from_pypi = re.compile(r"pip install\s+['\"]?nsa\b")
+    found = [f"{p.relative_to(ROOT)}:{n}" for p in SOURCES
+             for n, line in enumerate(p.read_text().splitlines(), 1) if from_pypi.search(line)]
+    assert not found, f"pip install nsa (not on PyPI) in {found}"

@@ -7,7 +7,7 @@ has the same table for its Mosaic GPU kernels (jax >= 0.11; bfloat16 and float16
 the reference on every platform.
 
 `kernel(op, phase, platform)` is the compiled kernel of one platform ('tpu' or 'cuda'); `runner(op, phase,
-dtype)` is what an explicit implementation="pallas" runs: `nsa._dispatch.platform_dependent` between the Mosaic TPU
+dtype)` is what an explicit implementation="pallas" runs: `nsa._platform.platform_dependent` between the Mosaic TPU
 kernel on a TPU, the Mosaic GPU kernel on a CUDA GPU, and the TPU kernel in interpret mode on every other
 platform, chosen when the program is lowered (never by jax.default_backend(), so a program exported for TPU
 or CUDA from a CPU machine holds the Mosaic kernels). Where the GPU kernels cannot run the op (an older jax, a
@@ -24,7 +24,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.extend import core as jex_core
 from jax.interpreters import mlir
 
-from nsa import _dispatch
+from nsa import _platform
 from nsa.pallas import compressed, select, selected, window
 
 DTYPES = tuple(jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16))
@@ -67,6 +67,21 @@ def gpu_unavailable(op, phase, dtype):
     return None
 
 
+def missing():
+    """Pallas ships in jax: the family always imports."""
+    return None
+
+
+def unavailable(op, phase, dtype, platform):
+    """Why `phase` of op cannot run on `dtype` on `platform` beyond KERNELS and DTYPES: on CUDA, the Mosaic GPU
+    kernels' reasons (gpu_unavailable); TPU and interpret mode take every op of KERNELS."""
+    return gpu_unavailable(op, phase, dtype) if platform == "cuda" else None
+
+
+def explicit(op, phase, dtype):
+    return runner(op, phase, dtype)
+
+
 def kernel(op, phase, platform):
     """`phase` (0 forward, 1 backward) of op's compiled kernel on `platform`: 'tpu' (Mosaic TPU) or 'cuda'
     (Mosaic GPU; only where gpu_unavailable is None)."""
@@ -87,7 +102,7 @@ def runner(op, phase, dtype):
         interpreted = functools.partial(KERNELS[op][phase], interpret=pltpu.InterpretParams(**INTERPRET), **static)
         if jax.default_backend() != "cpu":  # see _INTERPRETED_ONLY_ON_CPU
             interpreted = functools.partial(_refused, _INTERPRETED_ONLY_ON_CPU, interpreted)
-        return _dispatch.platform_dependent(*args, tpu=functools.partial(tpu, **static),
+        return _platform.platform_dependent(*args, tpu=functools.partial(tpu, **static),
                                             cuda=functools.partial(cuda, **static), default=interpreted)
 
     return run
@@ -95,13 +110,13 @@ def runner(op, phase, dtype):
 
 def _refuse(message, *args, **static):
     """The CUDA branch of an explicit implementation="pallas" that cannot run there: traced only when a program is
-    lowered for CUDA (nsa._dispatch.platform_dependent), which it stops."""
+    lowered for CUDA (nsa._platform.platform_dependent), which it stops."""
     raise TypeError(message)
 
 
 # Interpret mode runs a kernel's memory operations as ordered host callbacks: effects, which every program that
 # traces it then has (its runtime tokens; jax.checkpoint cannot partially evaluate them). The default branch of
-# nsa._dispatch.platform_dependent is traced with the op, so the interpret branch is traced only where jax's default
+# nsa._platform.platform_dependent is traced with the op, so the interpret branch is traced only where jax's default
 # backend is the CPU (where it is the one that runs, and where programs are exported for TPU or CUDA with the Mosaic
 # kernels); on a TPU or GPU machine the other platforms' branch refuses, and the programs hold no callback.
 _INTERPRETED_ONLY_ON_CPU = ("implementation='pallas' runs Mosaic on a TPU or a CUDA GPU, and its TPU interpret mode "

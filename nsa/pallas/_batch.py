@@ -4,6 +4,8 @@ import functools
 
 import jax
 
+from nsa._platform import map_leading
+
 
 def per_sequence(fn):
     """fn(*arrays, **static), or where the batch (axis 0 of the first array) is a symbolic dimension, fn on each
@@ -12,18 +14,12 @@ def per_sequence(fn):
     lowerings take one only in a grid, never in an array a DMA reads whole or a table prefetched into SMEM."""
     @functools.wraps(fn)
     def run(*args, **static):
-        leaves, tree = jax.tree_util.tree_flatten(args)
+        leaves = jax.tree_util.tree_leaves(args)
         batch = leaves[0].shape[0]
         if not jax.export.is_symbolic_dim(batch):
             return fn(*args, **static)
         mapped = [x.ndim > 0 and x.shape[0] == batch for x in leaves]
-
-        def one(xs):
-            xs = iter(xs)
-            sequence = [next(xs)[None] if m else x for x, m in zip(leaves, mapped)]
-            results = fn(*jax.tree_util.tree_unflatten(tree, sequence), **static)
-            return jax.tree_util.tree_map(lambda y: y[0], results)
-
-        return jax.lax.map(one, [x for x, m in zip(leaves, mapped) if m])
+        one = lambda *sequence: jax.tree_util.tree_map(lambda y: y[0], fn(*sequence, **static))
+        return map_leading(one, args, mapped, keep_axis=True)
 
     return run

@@ -6,16 +6,35 @@ Triton's interpreter (TRITON_INTERPRET=1) through jax.pure_callback: the CPU tes
 are tested in CI) and the kernels notebook.
 """
 
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 
 
-def _call(*args, **kwargs):
+def _jax_triton_call(*args, **kwargs):
     import jax_triton  # imported here: it fails to import on a CPU-only jaxlib
 
     return jax_triton.triton_call(*args, **kwargs)
+
+
+_call = _jax_triton_call  # what `launch` calls: nsa.triton.interpreter replaces it while it is active
+
+
+@functools.cache
+def jax_triton_error():
+    """Why jax_triton does not import in this process (a sentence), or None."""
+    try:
+        import jax_triton  # noqa: F401  (the GPU path's only extra dependency)
+    except Exception as e:  # ImportError, or a jax_triton that does not match this jax
+        return f"jax-triton does not import ({type(e).__name__}: {e})"
+    return None
+
+
+def missing():
+    """Why `launch` cannot run a kernel in this process, or None: always None while the interpreter launches them."""
+    return None if _call is not _jax_triton_call else jax_triton_error()
 
 
 def _varying(x):

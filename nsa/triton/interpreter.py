@@ -129,12 +129,9 @@ def interpreted():
                            f"imported (it is {os.environ.get('TRITON_INTERPRET')!r})")
     from triton.runtime import interpreter
 
-    from nsa import _dispatch
     from nsa.triton import _launch
 
-    real_error = _dispatch.import_error
     patches = [(_launch, "_call", interpret_call),
-               (_dispatch, "import_error", lambda family: None if family == "triton" else real_error(family)),
                (interpreter, "_patch_lang_tensor", _loop_bounds_as_ints(interpreter._patch_lang_tensor)),
                *_comparisons_as_int1(interpreter.InterpreterBuilder)]
     saved = [(module, name, getattr(module, name)) for module, name, _ in patches]
