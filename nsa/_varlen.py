@@ -123,3 +123,8 @@ def made_valid(cu_seqlens, seq_len):
     the first sequence, tokens after the last one the last sequence). A valid cu_seqlens is unchanged."""
     cu = jnp.clip(jax.lax.cummax(cu_seqlens.astype(jnp.int32)), 0, seq_len)
     return cu.at[0].set(0).at[-1].set(seq_len)
+
+
+def round_up(a, b):
+    """a rounded up to a multiple of b."""
+    return cdiv(a, b) * b

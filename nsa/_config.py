@@ -1,0 +1,78 @@
+"""The one convention of every kernel's tile configuration, in every family.
+
+Each kernel module has one `Config`, a NamedTuple decorated with `@validated`: a Config is checked when it is
+made (its `check` method raises ValueError naming the field, what was expected and what it got), so that no
+kernel ever runs on a config it cannot take. Each has one `default_config(shapes, dtype, device)`:
+
+- `shapes`: the `Shapes` of the call (`Shapes.of(q, k, v, ...)`),
+- `dtype`: the inputs' dtype,
+- `device`: the `nsa._device.Device` it plans for (`nsa._device.facts(platform)`),
+
+whose comment points to the measurement that chose it (a file of benchmarks/results). A kernel's forward and
+backward take `config=None` (then `default_config`'s) or a Config; what a config cannot say (whether to run the
+decode kernels) is an explicit argument of its own. The public API takes no config.
+"""
+
+from typing import NamedTuple
+
+
+class Shapes(NamedTuple):
+    """The sizes a default_config plans with: q [B, T, HQ, Dk] against k [B, TK, H, Dk] and v [B, TK, H, Dv]
+    (for the compressed branch TK is the compressed rows' count), with the op's own sizes where it has them."""
+    B: int
+    T: int
+    TK: int
+    HQ: int
+    H: int
+    Dk: int
+    Dv: int
+    block_size: int = 0  # the selection or compression block (0: none)
+    block_counts: int = 0  # S: the selected blocks per query (0: none)
+    window_size: int = 0
+    packed: bool = False  # cu_seqlens given: B = 1 holds several sequences
+
+    @property
+    def G(self):
+        return self.HQ // self.H
+
+    @classmethod
+    def of(cls, q, k, v=None, **sizes):
+        """The Shapes of q, k and v (v defaults to k), plus `sizes` (block_size, block_counts, window_size,
+        packed)."""
+        v = k if v is None else v
+        return cls(int(q.shape[0]), int(q.shape[1]), int(k.shape[1]), int(q.shape[2]), int(k.shape[2]),
+                   int(q.shape[3]), int(v.shape[3]), **sizes)
+
+
+def validated(cls):
+    """Class decorator for a kernel's Config NamedTuple: every instance, made directly, by `_make` or by
+    `_replace`, is checked by the class's `check(self)` method."""
+    new = cls.__new__
+
+    def checked(klass, *args, **kwargs):
+        config = new(klass, *args, **kwargs)
+        config.check()
+        return config
+
+    cls.__new__ = checked
+    cls._make = classmethod(lambda klass, iterable: klass(*iterable))
+    return cls
+
+
+def expect(ok, config, field, wanted):
+    """Raises ValueError saying `config`'s `field` must be `wanted`, unless ok."""
+    if not ok:
+        raise ValueError(f"{type(config).__module__}.{type(config).__name__}.{field}: expected {wanted}, got "
+                         f"{getattr(config, field)!r}")
+
+
+def positive(config, *fields):
+    for field in fields:
+        value = getattr(config, field)
+        expect(isinstance(value, int) and value > 0, config, field, "a positive int")
+
+
+def power_of_two(config, *fields):
+    for field in fields:
+        value = getattr(config, field)
+        expect(isinstance(value, int) and value > 0 and value & (value - 1) == 0, config, field, "a power of two")
