@@ -19,6 +19,7 @@ when a program is lowered for that platform. `implementations()` tells which cod
 
 import functools
 import warnings
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -79,7 +80,7 @@ def _default_family(op, dtype, platform):
     return next((name for name in _families.preferred(op, platform) if _runnable(op, name, dtype, platform)), None)
 
 
-def implementations(platform=None, dtype=jnp.bfloat16):
+def implementations(platform: Optional[str] = None, dtype: jnp.dtype = jnp.bfloat16) -> dict[str, str]:
     """Which code `implementation=None` runs for each op: {public op name: 'triton', 'pallas' or 'xla'}.
 
     For inputs of `dtype` on `platform` ('cpu', 'cuda', 'rocm', 'tpu', or 'gpu': this machine's GPUs, CUDA

@@ -7,12 +7,25 @@ cache) the queries are the last T tokens of each sequence: query i of sequence b
 kv_lens[b] - T + i (kv_lens int [B], each sequence's length in the padded cache, default TK).
 """
 
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Literal, Optional, Union
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from nsa import _checks, _dispatch
 from nsa._varlen import concrete, num_compressed_blocks
+
+if TYPE_CHECKING:  # nsa.cache builds on this module
+    from nsa.cache import KVCache
+
+# What the public ops take: arrays as jax.Array (or anything jnp.asarray takes); index arguments (cu_seqlens
+# [N + 1], kv_lens [B], block_counts [B, T, H]) as an array, a list or a tuple; `implementation` one of these
+# names or None (nsa.implementations() tells what None runs).
+Array = jax.Array
+Indices = Union[jax.typing.ArrayLike, Sequence[int]]
+Implementation = Optional[Literal["xla", "triton", "pallas"]]
 
 
 def _statics(**kwargs):
@@ -36,7 +49,7 @@ def _no_queries(x):
     return x.shape[0] * x.shape[1] == 0
 
 
-def check_cu_seqlens(cu_seqlens, seq_len):
+def check_cu_seqlens(cu_seqlens: Indices, seq_len: int) -> None:
     """Checks a concrete `cu_seqlens` (an int array [N + 1], a list or a tuple) as every op does.
 
     Every op checks a concrete cu_seqlens itself; this is the check alone, outside any op. Raises
@@ -92,7 +105,7 @@ def _compressed_rows(k_cmp, TK, tokens, block_size, cu_seqlens):
                          f"got shape {tuple(k_cmp.shape)}: compressed keys made with another block_size?")
 
 
-def compress(x, *, block_size, cu_seqlens=None):
+def compress(x: Array, *, block_size: int, cu_seqlens: Optional[Indices] = None) -> Array:
     """Mean of each block of `block_size` tokens: x [B, T, H, D] -> [B, ceil(T / block_size), H, D].
 
     The last, partial block is averaged over its true length. With cu_seqlens the blocks restart at
@@ -109,8 +122,9 @@ def compress(x, *, block_size, cu_seqlens=None):
     return _dispatch.apply("compress", None, static, (x, cu_seqlens))
 
 
-def compressed_attention(q, k_cmp, v_cmp, *, block_size, scale=None, cu_seqlens=None, kv_lens=None,
-                         implementation=None):
+def compressed_attention(q: Array, k_cmp: Array, v_cmp: Array, *, block_size: int, scale: Optional[float] = None,
+                         cu_seqlens: Optional[Indices] = None, kv_lens: Optional[Indices] = None,
+                         implementation: Implementation = None) -> tuple[Array, Array]:
     """Attention of each query to the compressed blocks wholly in its past.
 
     The query at in-sequence position t sees compressed block c iff (c + 1) * block_size - 1 <= t.
@@ -135,8 +149,9 @@ def compressed_attention(q, k_cmp, v_cmp, *, block_size, scale=None, cu_seqlens=
     return _dispatch.apply("compressed", impl, static, (q, k_cmp, v_cmp, cu_seqlens, kv_lens))
 
 
-def select_blocks(q, k_cmp, *, block_counts, block_size, scale=None, cu_seqlens=None, kv_lens=None,
-                  implementation=None):
+def select_blocks(q: Array, k_cmp: Array, *, block_counts: int, block_size: int, scale: Optional[float] = None,
+                  cu_seqlens: Optional[Indices] = None, kv_lens: Optional[Indices] = None,
+                  implementation: Implementation = None) -> Array:
     """The `block_counts` blocks each KV head attends, from the compressed attention scores.
 
     Per query head, p(c) is the softmax of the scaled q . k_cmp over the visible compressed blocks; a
@@ -170,8 +185,10 @@ def _select(q, k_cmp, lse, block_counts, block_size, scale, cu_seqlens, kv_lens,
     return _dispatch.run("select", impl, static, arrays)
 
 
-def selected_attention(q, k, v, block_indices, *, block_counts=None, block_size=64, scale=None,
-                       cu_seqlens=None, kv_lens=None, implementation=None):
+def selected_attention(q: Array, k: Array, v: Array, block_indices: Array, *,
+                       block_counts: Union[int, Indices, None] = None, block_size: int = 64,
+                       scale: Optional[float] = None, cu_seqlens: Optional[Indices] = None,
+                       kv_lens: Optional[Indices] = None, implementation: Implementation = None) -> Array:
     """Attention of each query to the raw tokens of its KV head's selected blocks.
 
     Query t of KV head h attends to the tokens at positions <= t of the blocks listed in
@@ -200,8 +217,9 @@ def selected_attention(q, k, v, block_indices, *, block_counts=None, block_size=
     return _dispatch.apply("selected", impl, static, (q, k, v, block_indices, counts, cu_seqlens, kv_lens))
 
 
-def sliding_window_attention(q, k, v, *, window_size, scale=None, cu_seqlens=None, kv_lens=None,
-                             implementation=None):
+def sliding_window_attention(q: Array, k: Array, v: Array, *, window_size: int, scale: Optional[float] = None,
+                             cu_seqlens: Optional[Indices] = None, kv_lens: Optional[Indices] = None,
+                             implementation: Implementation = None) -> Array:
     """Attention of query t to the keys j of its sequence with t - window_size < j <= t.
 
     k, v [B, TK, H, D] with TK > T: as `selected_attention` (kv_lens, keys past them never read).
@@ -269,9 +287,12 @@ def _from_cache(cache, block_size, given):
     return cache.k, cache.v, cache.k_cmp, cache.v_cmp, cache.lens, block_size
 
 
-def attention(q, k=None, v=None, *, g_cmp=None, g_slc=None, g_swa=None, block_indices=None, block_counts=16,
-              block_size=None, window_size=0, scale=None, cu_seqlens=None, kv_lens=None, k_cmp=None, v_cmp=None,
-              cache=None, implementation=None):
+def attention(q: Array, k: Optional[Array] = None, v: Optional[Array] = None, *, g_cmp: Optional[Array] = None,
+              g_slc: Optional[Array] = None, g_swa: Optional[Array] = None, block_indices: Optional[Array] = None,
+              block_counts: Union[int, Indices] = 16, block_size: Optional[int] = None, window_size: int = 0,
+              scale: Optional[float] = None, cu_seqlens: Optional[Indices] = None, kv_lens: Optional[Indices] = None,
+              k_cmp: Optional[Array] = None, v_cmp: Optional[Array] = None, cache: Optional["KVCache"] = None,
+              implementation: Implementation = None) -> Array:
     """Native Sparse Attention: o = g_cmp * o_cmp + g_slc * o_slc + g_swa * o_swa.
 
     - compressed branch (o_cmp, `compressed_attention` on `compress(k)`, `compress(v)`): on iff g_cmp

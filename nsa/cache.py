@@ -24,6 +24,7 @@ are data.
 """
 
 import dataclasses
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +32,7 @@ import numpy as np
 
 from nsa import _checks
 from nsa._varlen import cdiv, concrete
-from nsa.api import compress
+from nsa.api import Array, Indices, compress
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +48,7 @@ class KVCache:
     lens: jax.Array  # int32 [B]
     block_size: int  # the compression block: k_cmp's row c is the mean of tokens [c * block_size, (c + 1) * block_size)
 
-    def replace(self, **changes):
+    def replace(self, **changes) -> "KVCache":
         return dataclasses.replace(self, **changes)
 
 
@@ -55,8 +56,8 @@ ARRAYS = ("k", "v", "k_cmp", "v_cmp", "lens")
 jax.tree_util.register_dataclass(KVCache, data_fields=list(ARRAYS), meta_fields=["block_size"])
 
 
-def empty_cache(batch_size, capacity, num_kv_heads, head_dim, *, block_size, head_dim_v=None,
-                dtype=jnp.bfloat16):
+def empty_cache(batch_size: int, capacity: int, num_kv_heads: int, head_dim: int, *, block_size: int,
+                head_dim_v: Optional[int] = None, dtype: jnp.dtype = jnp.bfloat16) -> KVCache:
     """A cache of `batch_size` empty sequences of up to `capacity` tokens (zeros, lens 0)."""
     B = _checks.non_negative_int("batch_size", batch_size)
     N = _checks.non_negative_int("capacity", capacity)
@@ -69,7 +70,7 @@ def empty_cache(batch_size, capacity, num_kv_heads, head_dim, *, block_size, hea
     return KVCache(zeros(N, Dk), zeros(N, Dv), zeros(NC, Dk), zeros(NC, Dv), jnp.zeros((B,), jnp.int32), block_size)
 
 
-def check_cache(cache, block_size=None):
+def check_cache(cache: KVCache, block_size: Optional[int] = None) -> int:
     """Checks that `cache` is a KVCache whose arrays agree with each other and with its block_size, and that a
     given `block_size` (an op's argument) is the cache's; returns the cache's block_size."""
     if not isinstance(cache, KVCache):
@@ -134,7 +135,7 @@ def _write(cache, k, v, start, lens, block_size):
                          lens=lens)
 
 
-def append_to_cache(cache, k, v, *, block_size=None):
+def append_to_cache(cache: KVCache, k: Array, v: Array, *, block_size: Optional[int] = None) -> KVCache:
     """The cache with TN new tokens appended to every sequence: k [B, TN, H, Dk], v [B, TN, H, Dv] go to the
     rows lens[b] ... lens[b] + TN - 1, lens grows by TN, and each block this completes gets its compressed
     row (`nsa.compress`'s mean of its tokens, bitwise). A pure function: jit it with the cache donated and the
@@ -154,7 +155,7 @@ def append_to_cache(cache, k, v, *, block_size=None):
     return _write(cache, k, v, start, start + TN, block_size)
 
 
-def prefill_cache(k, v, *, block_size, capacity, lens=None):
+def prefill_cache(k: Array, v: Array, *, block_size: int, capacity: int, lens: Optional[Indices] = None) -> KVCache:
     """A cache of capacity N = `capacity` filled from prompts k [B, TP, H, Dk], v [B, TP, H, Dv]: sequence b
     holds the first lens[b] tokens (int [B], default TP: right-padded prompts of several lengths), with the
     compressed rows of its complete blocks."""

@@ -20,11 +20,14 @@ given) and differentiable where they move floats (pack and unpack are gathers).
     o = nsa.unpack(o, mask)                                     # [B, T, HQ, Dv]
 """
 
+from typing import Optional
+
 import jax.numpy as jnp
 import numpy as np
 
 from nsa import _checks
 from nsa._varlen import concrete
+from nsa.api import Array, Indices
 
 
 def _mask(mask):
@@ -46,7 +49,7 @@ def _tokens_first(mask):
     return jnp.argsort(jnp.where(mask.reshape(-1), index, B * T + index), stable=True).astype(jnp.int32)
 
 
-def cu_seqlens_from_mask(mask):
+def cu_seqlens_from_mask(mask: Indices) -> Array:
     """The cu_seqlens of `pack(x, mask)`: int32 [B + 2], sequence b (< B) row b's tokens, sequence B the padding of
     every row (B * T - the tokens; empty without padding).
 
@@ -67,7 +70,7 @@ def _tokens_array(name, x, mask, expected):
         raise ValueError(f"{name} must have shape {expected[0]} = {expected[1]} + (...), got {tuple(x.shape)}")
 
 
-def pack(x, mask):
+def pack(x: Array, mask: Indices) -> Array:
     """x [B, T, ...] (padded, mask bool [B, T]) -> [1, B * T, ...]: every row's tokens in order, row after row, then
     zeros for the padding; the layout `cu_seqlens_from_mask(mask)` describes."""
     mask = _mask(mask)
@@ -80,7 +83,7 @@ def pack(x, mask):
     return packed[None]
 
 
-def unpack(x, mask):
+def unpack(x: Array, mask: Indices) -> Array:
     """The inverse of `pack`: x [1, B * T, ...] (an op's output on packed inputs) -> [B, T, ...] under the padding
     mask bool [B, T], zeros at the padding."""
     mask = _mask(mask)
@@ -91,7 +94,7 @@ def unpack(x, mask):
     return jnp.where(mask.reshape((B, T) + (1,) * (x.ndim - 2)), out, jnp.zeros((), x.dtype))
 
 
-def cu_seqlens_from_segment_ids(segment_ids, *, num_segments=None):
+def cu_seqlens_from_segment_ids(segment_ids: Indices, *, num_segments: Optional[int] = None) -> Array:
     """cu_seqlens int32 [N + 1] of packed sequences given by segment_ids, int [T] or [1, T]: a sequence is a run of
     equal ids (ids need not be sorted or distinct across runs; a padding id is a sequence of its own).
 
@@ -118,7 +121,7 @@ def cu_seqlens_from_segment_ids(segment_ids, *, num_segments=None):
     return jnp.concatenate([jnp.zeros(1, jnp.int32), starts.astype(jnp.int32), jnp.full(1, T, jnp.int32)])
 
 
-def segment_ids_from_cu_seqlens(cu_seqlens, seq_len):
+def segment_ids_from_cu_seqlens(cu_seqlens: Indices, seq_len: int) -> Array:
     """int32 [T] (T = seq_len): the index i of each token's sequence, cu_seqlens[i] <= t < cu_seqlens[i + 1] (an
     empty sequence has no token). cu_seqlens is checked (or, traced, made valid) as the ops do."""
     T = _checks.non_negative_int("seq_len", seq_len)
