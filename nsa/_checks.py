@@ -12,10 +12,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from nsa import _families
 from nsa._varlen import concrete, made_valid
 
 FLOAT_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)
-IMPLEMENTATIONS = (None, "xla", "triton", "pallas")
 
 
 def _dtype_names(dtypes):
@@ -113,8 +113,10 @@ def scale(value, head_dim):
 
 
 def implementation(value):
-    if value not in IMPLEMENTATIONS:
-        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {value!r}")
+    """`value` if it names an implementation: None, 'xla', or a family of nsa._families.FAMILIES."""
+    names = (None, "xla", *_families.FAMILIES)
+    if value not in names:
+        raise ValueError(f"implementation must be one of {names}, got {value!r}")
     return value
 
 

@@ -8,17 +8,15 @@ kv_lens[b] - T + i (kv_lens int [B], each sequence's length in the padded cache,
 """
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Literal, Optional, Union
+from typing import Literal, Optional, Union
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from nsa import _checks, _dispatch
+from nsa._kvcache import KVCache, check_cache
 from nsa._varlen import concrete, num_compressed_blocks
-
-if TYPE_CHECKING:  # nsa.cache builds on this module
-    from nsa.cache import KVCache
 
 # What the public ops take: arrays as jax.Array (or anything jnp.asarray takes); index arguments (cu_seqlens
 # [N + 1], kv_lens [B], block_counts [B, T, H]) as an array, a list or a tuple; `implementation` one of these
@@ -277,7 +275,6 @@ def _from_cache(cache, block_size, given):
     """(k, v, k_cmp, v_cmp, kv_lens, block_size) of `cache` (an nsa.KVCache, checked), for attention(q, cache=cache):
     `given` maps the names of those arguments to what the call passed, which must be None (block_size may be the
     cache's own)."""
-    from nsa.cache import check_cache  # nsa.cache builds on this module
 
     block_size = check_cache(cache, block_size)
     passed = [name for name, x in given.items() if x is not None]
@@ -291,7 +288,7 @@ def attention(q: Array, k: Optional[Array] = None, v: Optional[Array] = None, *,
               g_slc: Optional[Array] = None, g_swa: Optional[Array] = None, block_indices: Optional[Array] = None,
               block_counts: Union[int, Indices] = 16, block_size: Optional[int] = None, window_size: int = 0,
               scale: Optional[float] = None, cu_seqlens: Optional[Indices] = None, kv_lens: Optional[Indices] = None,
-              k_cmp: Optional[Array] = None, v_cmp: Optional[Array] = None, cache: Optional["KVCache"] = None,
+              k_cmp: Optional[Array] = None, v_cmp: Optional[Array] = None, cache: Optional[KVCache] = None,
               implementation: Implementation = None) -> Array:
     """Native Sparse Attention: o = g_cmp * o_cmp + g_slc * o_slc + g_swa * o_swa.
 

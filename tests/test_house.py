@@ -1,0 +1,139 @@
+"""The layout of nsa/ holds: no import circle (not even a lazy one), no module importing one above it, no
+private name crossing modules, the two Pallas families siblings, no device number in kernel code, and a new
+family is one line of the registry."""
+
+import ast
+import pathlib
+import sys
+import types
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import nsa
+from nsa import _families
+
+ROOT = pathlib.Path(nsa.__file__).parent
+
+# Each module's layer: a module imports only modules of its own layer or below (a package's __init__, the family's
+# description, sits above the modules of its package).
+LAYERS = [
+    ("nsa._varlen", "nsa._device", "nsa._config", "nsa._platform", "nsa._plan"),
+    ("nsa.reference",),
+    ("nsa.triton.", "nsa.pallas."),  # the kernel modules of each family
+    ("nsa.triton", "nsa.pallas"),  # the families' descriptions
+    ("nsa._families",),
+    ("nsa._checks", "nsa._dispatch", "nsa._kvcache"),
+    ("nsa.api",),
+    ("nsa.cache", "nsa.packing"),
+    ("nsa.nnx", "nsa.demo", "nsa"),
+]
+
+
+def _name(path):
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_name(p): p for p in sorted(ROOT.rglob("*.py"))}
+
+
+def _layer(module):
+    for rank, prefixes in enumerate(LAYERS):
+        if any(module == p or (p.endswith(".") and module.startswith(p)) for p in prefixes):
+            return rank
+    for rank, prefixes in enumerate(LAYERS):  # nsa.reference.select: its package's layer
+        if any(module.startswith(p + ".") for p in prefixes if not p.endswith(".")):
+            return rank
+    raise AssertionError(f"{module} has no layer in tests/test_house.py LAYERS")
+
+
+def _imports(module):
+    """[(imported nsa module, [names taken from it])] of every import statement of `module`, at any depth."""
+    found = []
+    for node in ast.walk(ast.parse(MODULES[module].read_text())):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, []) for alias in node.names if alias.name.split(".")[0] == "nsa"]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "nsa":
+            for alias in node.names:
+                sub = f"{node.module}.{alias.name}"
+                found += [(sub, [])] if sub in MODULES else [(node.module, [alias.name])]
+    return found
+
+
+def test_no_module_imports_one_above_it():
+    upward = [f"{m} -> {target}" for m in MODULES for target, _ in _imports(m)
+              if target in MODULES and _layer(target) > _layer(m)]
+    assert not upward, upward
+
+
+def test_no_import_circle():
+    graph = {m: {t for t, _ in _imports(m) if t in MODULES and t != m} for m in MODULES}
+    state = {}
+
+    def visit(m, path):
+        if state.get(m) == "open":
+            raise AssertionError(f"import circle: {' -> '.join(path[path.index(m):] + [m])}")
+        if state.get(m) is None:
+            state[m] = "open"
+            for t in sorted(graph[m]):
+                visit(t, path + [m])
+            state[m] = "done"
+
+    for m in MODULES:
+        visit(m, [])
+
+
+def test_no_private_name_crosses_modules():
+    crossing = [f"{m} takes {target}.{name}" for m in MODULES for target, names in _imports(m) for name in names
+                if name.startswith("_")]
+    assert not crossing, crossing
+
+
+def test_the_pallas_families_are_siblings():
+    crossing = [f"{m} -> {t}" for m in MODULES for t, _ in _imports(m)
+                for a, b in (("nsa.pallas.tpu", "nsa.pallas.gpu"), ("nsa.pallas.gpu", "nsa.pallas.tpu"))
+                if m.startswith(a) and t.startswith(b)]
+    assert {"nsa.pallas.tpu", "nsa.pallas.gpu"} <= set(MODULES) and not crossing, crossing
+
+
+# An H200's SMs and shared memory per block (KiB and bytes): they come from nsa._device, never from kernel code.
+H200_NUMBERS = {132, 227, 227 * 1024, 228 * 1024}
+
+
+def test_no_device_number_in_kernel_code():
+    found = [f"{m}:{node.lineno}: {node.value}" for m in MODULES if m.startswith(("nsa.triton", "nsa.pallas"))
+             for node in ast.walk(ast.parse(MODULES[m].read_text()))
+             if isinstance(node, ast.Constant) and type(node.value) is int and node.value in H200_NUMBERS]
+    assert not found, found
+
+
+def test_a_new_family_is_one_line_of_the_registry(monkeypatch):
+    """A family that describes itself (here: the reference behind a kernel table of one op) runs as
+    implementation=<its name>, and implementation=None picks it where PREFERENCE puts it first."""
+    calls = []
+
+    def window_forward(*args, **static):
+        calls.append(static)
+        return nsa.reference.OPS["window"][0](*args, **static)
+
+    family = types.ModuleType("nsa_test_family")
+    family.DTYPES = (jnp.dtype(jnp.float32),)
+    family.KERNELS = {"window": (window_forward, nsa.reference.OPS["window"][1])}
+    family.missing = lambda: None
+    family.unavailable = lambda op, phase, dtype, platform: None
+    family.kernel = lambda op, phase, platform: family.KERNELS[op][phase]
+    family.explicit = lambda op, phase, dtype: family.KERNELS[op][phase]
+    monkeypatch.setitem(sys.modules, "nsa_test_family", family)
+    monkeypatch.setitem(_families.FAMILIES, "mine", ("nsa_test_family", "it is a test"))
+    monkeypatch.setitem(_families.PREFERENCE, "cpu", {"window": ("mine",)})
+    rng = np.random.default_rng(0)
+    q, k = (jnp.asarray(rng.standard_normal((1, 32, h, 16)), jnp.float32) for h in (4, 2))
+    want = nsa.sliding_window_attention(q, k, k, window_size=8, implementation="xla")
+    assert nsa.implementations("cpu", jnp.float32)["sliding_window_attention"] == "mine"
+    np.testing.assert_array_equal(nsa.sliding_window_attention(q, k, k, window_size=8), want)
+    assert len(calls) == 1
+    with pytest.raises(TypeError, match="implementation='mine' cannot run sliding_window_attention on bfloat16"):
+        nsa.sliding_window_attention(q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), k.astype(jnp.bfloat16),
+                                     window_size=8, implementation="mine")
