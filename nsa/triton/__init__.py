@@ -3,12 +3,32 @@
 The family's description for nsa._families: KERNELS maps an op name of nsa.reference.OPS to its (forward,
 backward) kernels, with the reference's signatures and residuals; DTYPES are the input dtypes they take
 (Triton has no float64). The kernels run on CUDA (or in Triton's interpreter: nsa.triton.interpreter); the
-fused decode step (nsa.triton.decode) is the family's serving step.
+fused decode step (nsa.triton.decode.attention) is the family's serving step.
+
+The modules, each importing only those below it:
+
+- ops (KERNELS' entry points): window.py and compressed.py (on the flash kernels of _flash.py), selected.py
+  and select.py (their kernels their own); each forward takes decode=None|True|False (None: the decode
+  kernels run for a few queries at the end of a KV cache, `_splits.decoding`) and config=None or the Config
+  of the kernels that run;
+- the flash-decoding kernels: decode.py (window, compressed and selected attention, and the fused step on a
+  `decode.Step`), decode_select.py (the block selection);
+- what several share: _flash.py (window and compressed training kernels), _topk.py (the two selections'
+  running top), _splits.py (the decode kernels' choice, splits and merged statistics), _common.py (base-2
+  constants, the online softmax, the device the heuristics plan for), _launch.py (the one launch).
+
+A kernel module has one `Config` (a `nsa._config.validated` NamedTuple) and one `default_config(shapes, dtype,
+device)` (nsa/_config.py), which plans from the device's facts (`nsa._device.facts("cuda")`, read at trace
+time) and cites the measurement that chose it. A new op: its kernel module (kernels, Config, default_config,
+forward and backward with the reference's signatures), one line of KERNELS, and a case in
+tests/test_triton_interpreted.py. A new GPU generation: its row in nsa._device.TABLE (SMs, shared memory), and
+where it changes what is fastest, a measurement behind the default_config that it changes
+(scripts/triton_launches.py shows every launch a device's facts plan).
 """
 
 import jax.numpy as jnp
 
-from nsa.triton import _launch, compressed, decode, select, selected, window
+from nsa.triton import _launch, _splits, compressed, decode, select, selected, window
 
 DTYPES = tuple(jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16))
 
@@ -38,6 +58,7 @@ def explicit(op, phase, dtype):
 
 
 def fused_step(q, k):
-    """The fused decode step (nsa.triton.decode.attention: five launches instead of the ops' ten) where it applies
-    to q [B, TQ, HQ, Dk] against the cache k (few queries: decode.applies), else None."""
-    return decode.attention if decode.applies(q, k) else None
+    """The fused decode step (nsa.triton.decode.attention: five launches instead of the ops' ten, on the arrays
+    of a `decode.Step`) where it applies to q [B, TQ, HQ, Dk] against the cache k (few queries:
+    `_splits.applies`), else None."""
+    return decode.attention if _splits.applies(q, k) else None

@@ -1,5 +1,6 @@
 """What every Triton kernel of nsa shares: the base-2 constants, the padding of tile sides, a dot with a
-float32 accumulator and the online softmax's step.
+float32 accumulator, the online softmax's step and the run count of a sorted tile; and on the host, the device
+the heuristics plan for and the one form of a wrapper's input check.
 
 The kernels keep logits in base 2 (exp2 and log2 are the GPU's native forms): a natural-log value x is
 x * LOG2E in base 2, and a base-2 value y is y * LN2 in natural log (the lse every op returns).
@@ -9,6 +10,8 @@ import math
 
 import triton
 import triton.language as tl
+
+from nsa import _device
 
 LOG2E = tl.constexpr(math.log2(math.e))
 LN2 = tl.constexpr(math.log(2.0))
@@ -41,3 +44,21 @@ def online_step(m, l_sum, acc, s, v, visible, IEEE: tl.constexpr):
     l_sum = l_sum * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + mm(p.to(v.dtype), v, IEEE)
     return m_new, l_sum, acc
+
+
+@triton.jit
+def runs(first_a, last_a, runs_a, first_b, last_b, runs_b):
+    """Combine of an associative scan: (first value, last value, number of runs of equal values) of a stretch
+    of a sequence, from those of its two halves (a sorted tile's ranks: its distinct values counted)."""
+    return first_a, last_b, runs_a + runs_b - (last_a == first_b).to(tl.int32)
+
+
+def device():
+    """The `nsa._device.Device` the default configs plan for: this process's CUDA GPU (read at trace time)."""
+    return _device.facts("cuda")
+
+
+def check(ok, argument, expected, got):
+    """Raises ValueError naming the argument, what was expected and what was received, unless ok."""
+    if not ok:
+        raise ValueError(f"{argument}: expected {expected}, got {got}")

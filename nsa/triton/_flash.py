@@ -32,10 +32,12 @@ import jax.numpy as jnp
 import triton
 import triton.language as tl
 
-from nsa import _varlen
+from nsa import _device, _varlen
+from nsa._config import expect, positive, power_of_two, validated
+from nsa._varlen import cdiv
 from nsa.reference._common import kernel_delta
 from nsa.triton import _launch
-from nsa.triton._common import LN2, LOG2E, mm, online_step, pow2
+from nsa.triton._common import LN2, LOG2E, check, mm, online_step, pow2
 
 
 # ------------------------------------------------------------------------------------------ kernels
@@ -247,74 +249,93 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, LO, HI, FIRST, LAST, DK_OUT, DV_OU
 # ------------------------------------------------------------------------------------ launches
 
 
+@validated
 class Config(NamedTuple):
-    """The launch of one flash kernel: BLOCK_M queries by BLOCK_N keys per tile, warps, pipeline stages,
-    and (backward) how many splits of the queries the dk/dv kernel sums (its grid's second axis)."""
+    """The launches of the flash kernels, forward and backward (one Config type for the three kernels, each
+    phase taking its own fields): the forward's tiles of block_m queries by block_n keys and its pipeline
+    stages; the backward's tiles (bwd_block_m x bwd_block_n, both the dq and the dk/dv kernel) and stages, and
+    how many splits of the queries the dk/dv kernel sums (its grid's second axis); the warps of every kernel."""
 
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
+    bwd_block_m: int
+    bwd_block_n: int
+    bwd_num_stages: int
     splits: int = 1
 
+    def check(self):
+        power_of_two(self, "block_m", "block_n", "bwd_block_m", "bwd_block_n", "num_warps")
+        for field in ("block_m", "block_n", "bwd_block_m", "bwd_block_n"):
+            expect(getattr(self, field) >= 16, self, field, "at least 16 (tl.dot's smallest side)")
+        positive(self, "num_stages", "bwd_num_stages", "splits")
 
-def default_config(q, k, v, *, backward=False, query_span=None):
-    """The Config of the forward (or of the backward: then query_span, the most queries that see one key
-    row, is needed) of q [B, T, HQ, Dk] against k [B, NK, H, Dk] and v [B, NK, H, Dv].
 
-    Measured on an H200 (bf16, head dim 128, benchmarks/ops.py --sweep): 64 x 64 tiles with 4 warps
-    were best forward (3 stages) and backward (2 stages). Wider heads and float32 (twice the bytes)
-    get smaller tiles or fewer stages, so that the tiles of all stages fit in shared memory.
+def default_config(shapes, dtype, device):
+    """The Config of q [B, T, HQ, Dk] against k [B, NK, H, Dk] and v [B, NK, H, Dv]: `nsa._config.Shapes.of(q, k,
+    v, window_size=...)` for the sliding window, `Shapes.of(q, k_cmp, v_cmp, block_size=...)` for the compressed
+    branch (TK = NK). The window's queries that see one key row number at most min(window_size, T), the
+    compressed rows' T (the query span `_query_splits` cuts).
+
+    64 x 64 tiles with 4 warps, forward in 3 stages and backward in 2, were the fastest on an H200 (bf16, head
+    dim 128: benchmarks/ops.py --sweep, benchmarks/results/ops-65536.json). Wider heads and float32 (twice the
+    bytes) get smaller tiles or fewer stages, so that the tiles of all stages fit in shared memory.
     """
-    B, T = q.shape[:2]
-    NK, H = k.shape[1], k.shape[2]
-    d = max(pow2(q.shape[3]), pow2(v.shape[3]))
-    wide, single = d > 128, q.dtype.itemsize > 2
-    if backward:
-        block_m, block_n = (32, 32) if wide else (32, 64) if single and d > 64 else (64, 64)
-        num_stages = 2
-    else:
-        block_m, block_n = (64, 32) if wide else (64, 64)
-        num_stages = 2 if wide or single else 3
+    d = max(pow2(shapes.Dk), pow2(shapes.Dv))
+    wide, single = d > 128, jnp.dtype(dtype).itemsize > 2
+    block_m, block_n = (64, 32) if wide else (64, 64)
+    bwd_m, bwd_n = (32, 32) if wide else (32, 64) if single and d > 64 else (64, 64)
     if single and wide:
-        block_m = max(16, block_m // 2)
-    block_m = min(block_m, pow2(T))
-    block_n = min(block_n, pow2(NK))
-    splits = _query_splits(T, triton.cdiv(NK, block_n), B * H, query_span, block_m) if backward else 1
-    return Config(block_m, block_n, 8 if wide else 4, num_stages, splits)
+        block_m, bwd_m = max(16, block_m // 2), max(16, bwd_m // 2)
+    block_m, bwd_m = min(block_m, pow2(shapes.T)), min(bwd_m, pow2(shapes.T))
+    block_n, bwd_n = min(block_n, pow2(shapes.TK)), min(bwd_n, pow2(shapes.TK))
+    span = shapes.T if shapes.block_size else min(shapes.window_size, shapes.T)
+    splits = _query_splits(shapes.T, cdiv(shapes.TK, bwd_n), shapes.B * shapes.H, span, bwd_m, device)
+    return Config(block_m, block_n, 8 if wide else 4, 2 if wide or single else 3, bwd_m, bwd_n, 2, splits)
 
 
-_DKDV_PROGRAMS = 2048  # the dk/dv grid _query_splits aims at
+# the dk/dv grid _query_splits aims at: 2048 programs on the device the measurement ran on (1024, 2048 and 4096
+# timed: benchmarks/results/ops-pipelining-ab.json, compressed attention at T = 65536), scaled to a device's SMs
+_DKDV_PROGRAMS, _MEASURED_ON = 2048, "NVIDIA H200"
 
 
-def _query_splits(T, num_key_tiles, batch_heads, query_span, block_m):
+def _query_splits(T, num_key_tiles, batch_heads, query_span, block_m, device):
     """How many splits of the queries the dk/dv kernel takes (its grid's second axis).
 
-    Enough programs to fill the GPU and balance it (about _DKDV_PROGRAMS, half of them idle where the
-    attention is causal) when few key tiles each see many queries; never splits of fewer than 256
-    queries, nor more splits than the query_span (the most queries that see one key row) needs. The
-    partial sums then take NSPLIT * B * NK * H * (Dk + Dv) * 4 bytes, bounded by about
-    _DKDV_PROGRAMS * BLOCK_N * (Dk + Dv) * 4 (134 MiB for 64 x 64 tiles, Dk = Dv = 128). Measured on an
-    H200 (compressed attention at T = 65536, fwd+bwd): 17.1 ms with 1024 programs, 16.2 with 2048,
-    15.9 with 4096.
+    Enough programs to fill the GPU and balance it (about _DKDV_PROGRAMS on _MEASURED_ON, as many per SM on
+    `device`; half of them idle where the attention is causal) when few key tiles each see many queries;
+    never splits of fewer than 256 queries, nor more splits than the query_span (the most queries that see
+    one key row) needs. The partial sums then take NSPLIT * B * NK * H * (Dk + Dv) * 4 bytes, bounded by about
+    programs * BLOCK_N * (Dk + Dv) * 4 (134 MiB for 2048 programs of 64 x 64 tiles, Dk = Dv = 128).
     """
-    wanted = -(-_DKDV_PROGRAMS // max(1, num_key_tiles * batch_heads))  # no key tile: k_cmp of 0 rows
-    return max(1, min(wanted, -(-query_span // 256), -(-T // block_m)))
+    programs = _DKDV_PROGRAMS * device.cores // _device.TABLE[_MEASURED_ON].cores
+    wanted = cdiv(programs, max(1, num_key_tiles * batch_heads))  # no key tile: k_cmp of 0 rows
+    return max(1, min(wanted, cdiv(query_span, 256), cdiv(T, block_m)))
 
 
-def _meta(q, k, v, lo, cfg, scale):
-    """The constexprs of every flash kernel; CACHE: lo per batch row (kv_lens), k and v a KV cache."""
+def _meta(q, k, v, lo, scale, cfg, backward):
+    """The constexprs of every flash kernel of one phase (its tiles and stages); CACHE: lo per batch row
+    (kv_lens), k and v a KV cache."""
     _, T, HQ, dk = q.shape
     NK, H, dv = k.shape[1], k.shape[2], v.shape[3]
-    return dict(T=T, NK=NK, HQ=HQ, H=H, DK=dk, DV=dv, BLOCK_DK=pow2(dk), BLOCK_DV=pow2(dv), BLOCK_M=cfg.block_m,
-                BLOCK_N=cfg.block_n, SCALE=float(scale), IEEE=bool(q.dtype == jnp.float32), CACHE=lo.ndim == 2,
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    tile = (cfg.bwd_block_m, cfg.bwd_block_n, cfg.bwd_num_stages) if backward else \
+        (cfg.block_m, cfg.block_n, cfg.num_stages)
+    return dict(T=T, NK=NK, HQ=HQ, H=H, DK=dk, DV=dv, BLOCK_DK=pow2(dk), BLOCK_DV=pow2(dv), BLOCK_M=tile[0],
+                BLOCK_N=tile[1], SCALE=float(scale), IEEE=bool(q.dtype == jnp.float32), CACHE=lo.ndim == 2,
+                num_warps=cfg.num_warps, num_stages=tile[2])
 
 
-def _check(q, k, v, lo):
-    B, T, HQ, _ = q.shape
-    H = k.shape[2]
-    assert HQ % H == 0 and k.shape[:3] == v.shape[:3] and k.shape[0] == B and lo.shape in ((T,), (B, T))
+def _check(q, k, v, lo, config):
+    """q [B, T, HQ, Dk] against k [B, NK, H, Dk] (H dividing HQ) and v [B, NK, H, Dv], lo [T] or [B, T], a
+    Config: a ValueError names the argument that does not fit."""
+    B, T, HQ, Dk = q.shape
+    check(k.ndim == 4 and k.shape[0] == B and k.shape[3] == Dk and HQ % k.shape[2] == 0, "k",
+          f"shape [B, NK, H, Dk] = [{B}, NK, H, {Dk}] with H dividing HQ = {HQ} (q {tuple(q.shape)})", tuple(k.shape))
+    check(v.ndim == 4 and v.shape[:3] == k.shape[:3], "v", f"shape [B, NK, H, Dv] with [B, NK, H] = "
+          f"{tuple(k.shape[:3])} (k's)", tuple(v.shape))
+    check(lo.shape in ((T,), (B, T)), "lo", f"shape [T] = ({T},) or [B, T] = ({B}, {T})", tuple(lo.shape))
+    check(isinstance(config, Config), "config", "a nsa.triton._flash.Config", type(config).__name__)
 
 
 def _per_batch(x, B):
@@ -322,44 +343,39 @@ def _per_batch(x, B):
     return jnp.broadcast_to(x, (B, x.shape[-1]))
 
 
-def attend(q, k, v, lo, hi, *, scale, config=None):
+def attend(q, k, v, lo, hi, *, scale, config):
     """o [B, T, HQ, Dv] (q's dtype) and lse [B, T, HQ] float32 of query t over key rows [lo[t], hi[t]] (lo, hi
     int32 [T] shared by the batch, or [B, T] per batch row of a KV cache k, v, whose rows past a sequence are
-    never read); config: a forward Config (None: `default_config`)."""
-    _check(q, k, v, lo)
+    never read); config: a Config (its forward fields)."""
+    _check(q, k, v, lo, config)
     B, T, HQ, _ = q.shape
-    cfg = default_config(q, k, v) if config is None else config
     return _launch.launch(
-        _fwd_kernel, grid=(triton.cdiv(T, cfg.block_m), B * HQ),
+        _fwd_kernel, grid=(cdiv(T, config.block_m), B * HQ),
         inputs=dict(Q=q, K=k, V=v, LO=_per_batch(lo, B), HI=_per_batch(hi, B)),
         outputs=dict(O=_launch.shape_dtype((B, T, HQ, v.shape[3]), q.dtype),
                      LSE=_launch.shape_dtype((B, T, HQ), jnp.float32)),
-        **_meta(q, k, v, lo, cfg, scale))
+        **_meta(q, k, v, lo, scale, config, backward=False))
 
 
-def attend_backward(q, k, v, lo, hi, o, lse, do, dlse=None, *, scale, query_span, config=None):
-    """(dq, dk, dv) of `attend`, in q's, k's and v's dtypes; dlse [B, T, HQ] is lse's cotangent or None.
-
-    query_span (static) bounds how many queries see one key row: the default backward Config
-    (config=None) splits the dk/dv kernel's queries by it (`_query_splits`).
-    """
-    _check(q, k, v, lo)
+def attend_backward(q, k, v, lo, hi, o, lse, do, dlse=None, *, scale, config):
+    """(dq, dk, dv) of `attend`, in q's, k's and v's dtypes; dlse [B, T, HQ] is lse's cotangent or None; config:
+    a Config (its backward fields: the dk/dv kernel sums config.splits splits of the queries)."""
+    _check(q, k, v, lo, config)
     B, T, HQ, _ = q.shape
     NK, H = k.shape[1], k.shape[2]
-    cfg = default_config(q, k, v, backward=True, query_span=query_span) if config is None else config
     # the pre-pass: ds = p * (dp - delta), with the lse path folded into delta
     delta = kernel_delta(o, do, q.dtype, lse, dlse)
     do = do.astype(q.dtype)
-    meta = _meta(q, k, v, lo, cfg, scale)
+    meta = _meta(q, k, v, lo, scale, config, backward=True)
     softmax = dict(Q=q, K=k, V=v, DO=do, LSE=lse, DELTA=delta, LO=_per_batch(lo, B), HI=_per_batch(hi, B))
-    [dq] = _launch.launch(_bwd_dq_kernel, grid=(triton.cdiv(T, cfg.block_m), B * HQ), inputs=softmax,
+    [dq] = _launch.launch(_bwd_dq_kernel, grid=(cdiv(T, config.bwd_block_m), B * HQ), inputs=softmax,
                           outputs=dict(DQ=_launch.shape_dtype(q.shape, q.dtype)), **meta)
     first, last = (_per_batch(x, B) for x in _varlen.query_ranges(lo, hi, NK))
-    split_m = triton.cdiv(triton.cdiv(T, cfg.splits), cfg.block_m) * cfg.block_m
-    splits = triton.cdiv(T, split_m)
+    split_m = _varlen.round_up(cdiv(T, config.splits), config.bwd_block_m)
+    splits = cdiv(T, split_m)
     part = lambda x: _launch.shape_dtype((splits,) + x.shape, x.dtype if splits == 1 else jnp.float32)
     dk, dv = _launch.launch(
-        _bwd_dkdv_kernel, grid=(triton.cdiv(NK, cfg.block_n), splits, B * H),
+        _bwd_dkdv_kernel, grid=(cdiv(NK, config.bwd_block_n), splits, B * H),
         inputs=dict(softmax, FIRST=first, LAST=last), outputs=dict(DK_OUT=part(k), DV_OUT=part(v)),
         SPLIT_M=split_m, **meta)
     # the splits summed in a fixed order: deterministic

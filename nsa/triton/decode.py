@@ -22,44 +22,48 @@ Design (flash-decoding). One program per (b * H + h, split):
   selected, the distinct blocks the TQ tokens list (each loaded once for all of them, a token that lists
   a block k times adding log2(k) to its rows' logits). The units are cut into NSPLIT even shares at run
   time (a ragged batch splits each row's own range), one per program (`default_config`: enough programs
-  to fill an H200's 132 SMs at B = 1, H = 4, never more splits than units);
+  to fill the device's SMs, never more splits than units);
 - each program runs an online softmax in float32 (base 2 inside) over its share and stores float32
   partials: acc [B, H, NSPLIT, R, Dv] (unnormalized), the running max m and the sum l [B, H, NSPLIT, R];
   `_combine_kernel` then merges the splits of each row in a fixed order (deterministic, no atomics) and
   stores o and lse. With NSPLIT = 1 (large batches) the program stores o and lse itself.
 
-The fused step (`attention`): nsa.attention's whole decode step (compressed branch on, blocks selected) in
-five launches, since launching a step's small kernels is most of its time: the compressed and window splits
-in one grid (`_cmp_window_split_kernel`), the selection (nsa/triton/select.py's decode kernels, reading the
-compressed partials' m and l, `split_stats`), the selected splits, and one combine of all three branches
-with the gates (`_attention_combine_kernel`).
+The fused step (`attention`, on a `Step` of arrays): nsa.attention's whole decode step (compressed branch on,
+blocks selected) in five launches, since launching a step's small kernels is most of its time: the compressed
+and window splits in one grid (`_cmp_window_split_kernel`), the selection (nsa/triton/decode_select.py,
+reading the compressed partials' m and l, `nsa.triton._splits.split_stats`), the selected splits, and one
+combine of all three branches with the gates (`_attention_combine_kernel`).
 
-Forward only (serving needs no gradient). `applies(q, k)` says when to use these kernels rather than the
-training ones (TQ <= 16 and tiles of <= 128 rows). Every array is row-major; row offsets are computed in
-int64 (b is int64) before they are multiplied by the head dims.
+Forward only (serving needs no gradient). `nsa.triton._splits.applies(q, k)` says when the ops run these
+kernels rather than the training ones (TQ <= 16 and tiles of <= 128 rows; an op's decode= argument decides
+explicitly). Every array is row-major; row offsets are computed in int64 (b is int64) before they are
+multiplied by the head dims.
 """
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
+import jax
 import jax.numpy as jnp
 import triton
 import triton.language as tl
 
-from nsa.triton import _launch
-from nsa.triton._common import LN2, LOG2E, online_step, pow2
+from nsa._config import Shapes, expect, positive, power_of_two, validated
+from nsa._device import KiB
+from nsa._varlen import cdiv
+from nsa.triton import _launch, _splits, decode_select
+from nsa.triton._common import LN2, LOG2E, check, device, online_step, pow2, runs
+from nsa.triton._splits import split_stats
 
-MAX_ROWS = 128  # the largest tile (TQ * G rows) these kernels take: `applies`
-MAX_TOKENS = 16  # and the most query tokens
-SMS = 132  # an H200's streaming multiprocessors: the programs `default_config` aims at
-# `default_config`'s splits aim at SMS * PROGRAMS_PER_SM programs; two measured slower than one on an H200 at
-# every shape of benchmarks/decode_tuning.py (the fused step at B = 1, 16, 64: 73.0 / 78.3 / 183.5 us against
-# 71.9 / 73.4 / 168.4; results/decode-tuning.json)
+# `default_config`'s splits aim at PROGRAMS_PER_SM programs on each SM (nsa._device.facts: its cores); two
+# measured slower than one at every shape of benchmarks/decode_tuning.py (benchmarks/results/decode-tuning.json)
 PROGRAMS_PER_SM = 1
-# the columns of Dv one combine program merges: 16 against 32 took the fused step at B = 1 from 66.1 to 56.0 us
-# at 512k (twice the programs for a combine of 33 + 16 + 8 splits) and B = 16 at 64k from 78.2 to 73.4 (the
-# per-op combine takes the same tile, not timed alone)
+# the columns of Dv one combine program merges: 16 measured faster than 32 (twice the programs for a combine of
+# many splits; benchmarks/results/decode-tuning.json, the fused step; the per-op combine takes the same tile)
 COMBINE_COLS = 16
-_SHARED = 200 * 1024  # the shared memory `default_config` plans for (an H200 block has 227 KiB)
+# what `default_config` leaves of a block's shared memory (nsa._device.facts: shared_memory) to what Triton keeps
+# there besides the stages it plans: it plans 200 KiB of an H100's or H200's 227, which compiled within the
+# limit at every shape of scripts/sm90_shared_memory.py
+SHARED_MARGIN = 27 * KiB
 _NONE = tl.constexpr(2 ** 31 - 1)  # a skipped slot of the selected kernel: above every valid int32 block id
 
 # ------------------------------------------------------------------------------------------ kernels
@@ -204,13 +208,6 @@ def _interval_split_kernel(Q, K, V, KV_LENS, ACC, M, L,
 
 
 @triton.jit
-def _runs(first_a, last_a, runs_a, first_b, last_b, runs_b):
-    """Combine of an associative scan: (first value, last value, number of runs of equal values) of a stretch
-    of a sequence, from those of its two halves."""
-    return first_a, last_b, runs_a + runs_b - (last_a == first_b).to(tl.int32)
-
-
-@triton.jit
 def _selected(Q, K, V, IDX, COUNTS, KV_LENS, bh, split, NSPLIT: tl.constexpr, TQ: tl.constexpr,
               TK: tl.constexpr, HQ: tl.constexpr, H: tl.constexpr, S: tl.constexpr, DK: tl.constexpr,
               DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr, RP: tl.constexpr, TQP: tl.constexpr,
@@ -247,7 +244,7 @@ def _selected(Q, K, V, IDX, COUNTS, KV_LENS, bh, split, NSPLIT: tl.constexpr, TQ
              & (listed <= (tl.maximum(p_tok, 0) // BS)[:, None]))
     firsts = tl.where(valid, listed, _NONE)  # [TQP, SP]
     in_order = tl.sort(tl.reshape(firsts, [TQP * SP]))
-    _, _, rank = tl.associative_scan((in_order, in_order, tl.full([TQP * SP], 1, tl.int32)), 0, _runs)
+    _, _, rank = tl.associative_scan((in_order, in_order, tl.full([TQP * SP], 1, tl.int32)), 0, runs)
     num = tl.max(tl.where(in_order < _NONE, rank, 0))
     per = (num + NSPLIT - 1) // NSPLIT
     first = split * per
@@ -312,23 +309,6 @@ def _selected_split_kernel(Q, K, V, IDX, COUNTS, KV_LENS, ACC, M, L,
 
 
 @triton.jit
-def split_stats(M, L, rows, ok, R: tl.constexpr, NSPLIT: tl.constexpr, NSP: tl.constexpr):
-    """The merged softmax statistics of the rows `rows` (int64 [N]: split 0's row of M; split s adds s * R) over
-    the NSPLIT splits of M, L [.., NSPLIT, R] (base-2 max and sum): (m_use: the max, or 0 where nothing was
-    seen; l: the sum at m_use; lse2: the base-2 log-sum-exp, -inf where nothing was seen), each [N], loaded at
-    once ([NSP, N], NSP = next_pow2(NSPLIT))."""
-    sp = tl.arange(0, NSP)
-    stat = (sp < NSPLIT)[:, None] & ok[None, :]
-    m_all = tl.load(M + rows[None, :] + sp[:, None] * R, mask=stat, other=float("-inf"))  # [NSP, N]
-    m_max = tl.max(m_all, 0)
-    m_use = tl.where(m_max == float("-inf"), 0.0, m_max)
-    l_all = tl.load(L + rows[None, :] + sp[:, None] * R, mask=stat, other=0.0)
-    l_sum = tl.sum(tl.exp2(m_all - m_use[None, :]) * l_all, 0)
-    seen = l_sum > 0
-    return m_use, l_sum, tl.where(seen, m_use + tl.log2(tl.where(seen, l_sum, 1.0)), float("-inf"))
-
-
-@triton.jit
 def _merge_splits(ACC, M, L, bh, r, ok, d, d_ok, R: tl.constexpr, DV: tl.constexpr, NSPLIT: tl.constexpr,
                   NSP: tl.constexpr, CR: tl.constexpr, CD: tl.constexpr, CS: tl.constexpr):
     """The rows r [CR] (ok) and columns d [CD] (d_ok) of KV head bh's tile merged over the splits of ACC
@@ -337,8 +317,8 @@ def _merge_splits(ACC, M, L, bh, r, ok, d, d_ok, R: tl.constexpr, DV: tl.constex
 
     The rows' max and sum come from `split_stats`, the weights exp2(m_split - max); then the acc partials in
     chunks of CS splits ([CS, CR, CD] tiles, each chunk's loads issued together rather than one split after
-    another: the loop over 16 splits took 5 us at B = 1 on an H200), chunk after chunk, each summed over its
-    splits by the same reduction tree."""
+    another, which timed slower when these kernels were written: commit 0eb76cf's docstring; no results file
+    holds it), chunk after chunk, each summed over its splits by the same reduction tree."""
     rows = bh.to(tl.int64) * NSPLIT * R + r  # split 0's partial rows; split s adds s * R
     m_use, l_sum, lse2 = split_stats(M, L, rows, ok, R=R, NSPLIT=NSPLIT, NSP=NSP)
     acc = tl.zeros([CR, CD], tl.float32)
@@ -456,12 +436,13 @@ def _attention_combine_kernel(ACC_C, M_C, L_C, ACC_S, M_S, L_S, ACC_W, M_W, L_W,
 # --------------------------------------------------------------------------------- launches
 
 
+@validated
 class Config(NamedTuple):
-    """The launches of the decode kernels: BLOCK_N keys per tile (window and compressed: a tile of key rows;
-    selected: a chunk of a block, NSUB = cdiv(block_size, BLOCK_N) chunks), NSPLIT splits of each (b, h)'s
-    work (1: no combine), the warps and pipeline stages of the attention kernels, and the combine's tile of
-    combine_rows rows by combine_cols columns of Dv, combine_splits splits loaded at once, combine_warps
-    warps."""
+    """The launches of the decode kernels (window, compressed and selected: one Config type for the three and
+    their combine): BLOCK_N keys per tile (window and compressed: a tile of key rows; selected: a chunk of a
+    block, NSUB = cdiv(block_size, BLOCK_N) chunks), NSPLIT splits of each (b, h)'s work (1: no combine), the
+    warps and pipeline stages of the attention kernels, and the combine's tile of combine_rows rows by
+    combine_cols columns of Dv, combine_splits splits loaded at once, combine_warps warps."""
 
     block_n: int
     splits: int
@@ -472,62 +453,60 @@ class Config(NamedTuple):
     combine_splits: int = 8
     combine_warps: int = 4
 
-
-def applies(q, k):
-    """Whether the decode kernels should run q [B, TQ, HQ, Dk] against k [B, TK, H, Dk] rather than the
-    training kernels (static shapes only): a few tokens (1 <= TQ <= MAX_TOKENS = 16) whose tile of all
-    G = HQ / H query heads has at most MAX_ROWS = 128 rows. Beyond, the float32 accumulator [TQ * G, Dv]
-    no longer fits in registers, the selected kernel's sort of the TQ * S slots grows, and the queries
-    are enough to fill the GPU with the training kernels' query tiles."""
-    TQ, HQ, H = q.shape[1], q.shape[2], k.shape[2]
-    return 1 <= TQ <= MAX_TOKENS and TQ * (HQ // H) <= MAX_ROWS
+    def check(self):
+        power_of_two(self, "block_n", "num_warps", "combine_rows", "combine_cols", "combine_splits", "combine_warps")
+        expect(self.block_n >= 16, self, "block_n", "at least 16 (tl.dot's smallest side)")
+        positive(self, "splits", "num_stages")
 
 
-def default_config(q, k, v, *, units, block_size=None):
-    """The Config of q [B, TQ, HQ, Dk] against k [B, NK, H, Dk] and v [B, NK, H, Dv].
+def _units(shapes):
+    """(units, block_size): the most work units one (b, h) can have and, for the selected kernel, the block's
+    keys (None for the window and compressed kernels). `shapes` says which kernel: block_counts > 0, the
+    selected one (its units the distinct blocks the TQ tokens list at most, S each); else block_size > 0, the
+    compressed one (the NC = TK compressed rows); else the window (the key rows its tokens see at most)."""
+    if shapes.block_counts > 0:
+        return max(1, min(shapes.T * shapes.block_counts, cdiv(shapes.TK, shapes.block_size))), shapes.block_size
+    if shapes.block_size > 0:
+        return max(1, shapes.TK), None
+    return max(1, min(min(shapes.window_size, shapes.TK) + shapes.T - 1, shapes.TK)), None
 
-    units: the most work units a (b, h) can have (static): window and compressed, the key rows its tokens
-    see at most (then block_size=None); selected, the distinct blocks its tokens list at most, of
-    block_size keys.
+
+def default_config(shapes, dtype, device):
+    """The Config of q [B, TQ, HQ, Dk] against the keys k [B, NK, H, Dk] and values [B, NK, H, Dv], for the
+    kernel its `nsa._config.Shapes` names: `Shapes.of(q, k, v, window_size=...)` (window),
+    `Shapes.of(q, k_cmp, v_cmp, block_size=...)` (compressed) or `Shapes.of(q, k, v, block_size=...,
+    block_counts=S)` (selected).
 
     - BLOCK_N: 64 key rows, or fewer while BLOCK_N * (DKP + DVP) elements take more than 64 KiB (float32 at
       Dk = Dv = 256), and no more than the keys there are (window and compressed); selected: a block in one
       chunk of pow2(block_size) keys under the same 64 KiB, else in chunks.
-    - NSPLIT (the heuristic): enough programs to fill the H200's 132 SMs, cdiv(132, B * H) splits (33 at
-      B = 1, H = 4: window 512 gives 8 tiles of 64 keys, so 8; selected, 16 blocks, 16; compressed at
-      TK = 65536, 1024 rows, 16), never more than the work units (tiles or blocks), and 1 from B * H >= 132
-      (B = 64, H = 4), where no combine runs. More splits than units would only add empty programs.
-      Measured on an H200 (bf16, standard shape, TK = 65536, all sequences full; device time per call from a
-      profiler trace, the splits and the combine together), TQ = 1: at B = 1, window 5.4 us (one split:
-      9.1; the training kernel _flash.attend on the same keys, one query head per program: 8.8), compressed
-      6.4 us (one split 16.5, training 15.7), selected 6.9 us (8 splits 6.9, one 18.4); the combine takes
-      2.5 to 3.4 us of these. B = 16 (3 splits): 9.1, 13.1, 14.1 us. B = 64 (one split): 19.4, 34.5,
-      37.0 us, 3.5 to 3.9 TB/s of keys and values (8 splits there: selected 51.6 us). TQ = 4, B = 1: 7.7,
-      7.9, 14.8 us.
+    - NSPLIT: enough programs to fill the device, cdiv(device.cores * PROGRAMS_PER_SM, B * H) splits, never
+      more than the work units (`_units`: tiles or blocks), and 1 (no combine) from B * H >= cores. More
+      splits than units would only add empty programs. Measured on an H200 (benchmarks/decode.py: the ops and
+      the fused step, benchmarks/results/decode.json and decode-fused-tuned.json); the per-kernel times behind
+      this heuristic, against one split and against the training kernels, are in commit 0eb76cf (its message
+      and this docstring there), which added these kernels: no results file holds them.
     - Warps: 4, 8 once a tile side passes 128. Stages: as many key tiles (selected: whole blocks, all their
-      chunks) in flight, up to 3, as fit in 200 KiB of shared memory next to the query tile and twice the
-      probability tile [RP, BLOCK_N]. Compiled for sm_90 (scripts/sm90_shared_memory.py), these take 70 KiB
-      at the standard shape (TQ = 1, three stages), 160 KiB at TQ = 8, and at most 192 KiB over the
-      script's wide and float32 configs; counting only the key tiles gave 368 KiB (selected, float32,
-      Dv = 256, block 128 in 4 chunks, 3 stages).
+      chunks) in flight, up to 3, as fit in the device's shared memory less SHARED_MARGIN next to the query
+      tile and twice the probability tile [RP, BLOCK_N] (scripts/sm90_shared_memory.py compiles every decode
+      launch for sm_90 and checks what they take).
     """
-    B, TQ, HQ, Dk = q.shape
-    H, Dv = k.shape[2], v.shape[3]
-    itemsize = jnp.dtype(q.dtype).itemsize
-    dkp, dvp, rp = pow2(Dk), pow2(Dv), pow2(TQ * (HQ // H))
+    units, block_size = _units(shapes)
+    itemsize = jnp.dtype(dtype).itemsize
+    dkp, dvp, rp = pow2(shapes.Dk), pow2(shapes.Dv), pow2(shapes.T * shapes.G)
     fit = max(16, triton.next_power_of_2(65536 // (itemsize * (dkp + dvp)) + 1) // 2)
     if block_size is None:
         block_n = min(64, fit, pow2(units))
-        tiles, stage = -(-units // block_n), block_n
+        tiles, stage = cdiv(units, block_n), block_n
     else:
         block_n = min(pow2(block_size), fit)
-        tiles, stage = units, triton.cdiv(block_size, block_n) * block_n  # a stage holds a whole block
+        tiles, stage = units, cdiv(block_size, block_n) * block_n  # a stage holds a whole block
     stage *= (dkp + dvp) * itemsize
     fixed = rp * (dkp + 2 * block_n) * itemsize  # the query tile, the probabilities (and as much again)
-    stages = max(1, min(3, (_SHARED - fixed) // stage))
-    splits = max(1, min(tiles, -(-SMS * PROGRAMS_PER_SM // max(1, B * H))))
-    return Config(block_n=block_n, splits=splits, num_warps=8 if max(dkp, dvp, rp, block_n) > 128 else 4,
-                  num_stages=int(stages))
+    stages = max(1, min(3, (device.shared_memory - SHARED_MARGIN - fixed) // stage))
+    return Config(block_n=block_n, splits=_splits.splits(tiles, shapes.B * shapes.H, PROGRAMS_PER_SM, device),
+                  num_warps=8 if max(dkp, dvp, rp, block_n) > 128 else 4, num_stages=int(stages),
+                  combine_cols=COMBINE_COLS)
 
 
 def _meta(q, k, v, scale, cfg):
@@ -536,6 +515,18 @@ def _meta(q, k, v, scale, cfg):
     H, Dv = k.shape[2], v.shape[3]
     return dict(TQ=TQ, HQ=HQ, H=H, DK=Dk, DV=Dv, DKP=pow2(Dk), DVP=pow2(Dv), RP=pow2(TQ * (HQ // H)),
                 SCALE=float(scale), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def _partials(B, H, splits, R, Dv):
+    """The float32 partials of `splits` splits: acc [B * H, splits, R, Dv], m and l [B * H, splits, R]."""
+    return dict(ACC=_launch.shape_dtype((B * H, splits, R, Dv), jnp.float32),
+                M=_launch.shape_dtype((B * H, splits, R), jnp.float32),
+                L=_launch.shape_dtype((B * H, splits, R), jnp.float32))
+
+
+def _combine_tile(cfg, R, Dv):
+    """(CR, CD): the combine's tile, cfg's rows and columns, no larger than R rows by Dv columns padded."""
+    return min(cfg.combine_rows, pow2(R)), min(cfg.combine_cols, pow2(Dv))
 
 
 def _run(kernel, split_kernel, q, v, inputs, cfg, meta):
@@ -549,25 +540,26 @@ def _run(kernel, split_kernel, q, v, inputs, cfg, meta):
     if cfg.splits == 1:
         return _launch.launch(kernel, grid=(B * H,), inputs=inputs, outputs=outputs, **meta)
     R = TQ * (HQ // H)
-    acc, m, l_sum = _launch.launch(
-        split_kernel, grid=(B * H, cfg.splits), inputs=inputs,
-        outputs=dict(ACC=_launch.shape_dtype((B * H, cfg.splits, R, Dv), jnp.float32),
-                     M=_launch.shape_dtype((B * H, cfg.splits, R), jnp.float32),
-                     L=_launch.shape_dtype((B * H, cfg.splits, R), jnp.float32)),
-        NSPLIT=cfg.splits, **meta)
-    cr, cd = min(cfg.combine_rows, pow2(R)), min(cfg.combine_cols, pow2(Dv))
+    acc, m, l_sum = _launch.launch(split_kernel, grid=(B * H, cfg.splits), inputs=inputs,
+                                   outputs=_partials(B, H, cfg.splits, R, Dv), NSPLIT=cfg.splits, **meta)
+    cr, cd = _combine_tile(cfg, R, Dv)
     nsp = triton.next_power_of_2(cfg.splits)
     return _launch.launch(
-        _combine_kernel, grid=(B * H, triton.cdiv(R, cr), triton.cdiv(Dv, cd)),
+        _combine_kernel, grid=(B * H, cdiv(R, cr), cdiv(Dv, cd)),
         inputs=dict(ACC=acc, M=m, L=l_sum), outputs=outputs, TQ=TQ, HQ=HQ, H=H, DV=Dv, NSPLIT=cfg.splits, NSP=nsp,
         CR=cr, CD=cd, CS=min(cfg.combine_splits, nsp), num_warps=cfg.combine_warps, num_stages=1)
 
 
-def _check(q, k, v, kv_lens):
+def _check(q, k, v, kv_lens, names=("k", "v")):
+    """q [B, TQ, HQ, Dk] against keys k [B, TK, H, Dk] (H dividing HQ), values v [B, TK, H, Dv] and kv_lens [B]
+    (names: how the caller calls k and v); a ValueError names the argument that does not fit."""
     B, TQ, HQ, Dk = q.shape
-    if not (k.ndim == v.ndim == 4 and k.shape[:3] == v.shape[:3] and k.shape[0] == B and k.shape[3] == Dk
-            and HQ % k.shape[2] == 0 and kv_lens.shape == (B,)):
-        raise ValueError(f"decode kernels: q {q.shape}, keys {k.shape}, values {v.shape}, kv_lens {kv_lens.shape}")
+    check(k.ndim == 4 and k.shape[0] == B and k.shape[3] == Dk and HQ % k.shape[2] == 0, names[0],
+          f"shape [B, TK, H, Dk] = [{B}, TK, H, {Dk}] with H dividing HQ = {HQ} (q {tuple(q.shape)})",
+          tuple(k.shape))
+    check(v.ndim == 4 and v.shape[:3] == k.shape[:3], names[1],
+          f"shape [B, TK, H, Dv] with [B, TK, H] = {tuple(k.shape[:3])} ({names[0]}'s)", tuple(v.shape))
+    check(kv_lens.shape == (B,), "kv_lens", f"shape [B] = ({B},)", tuple(kv_lens.shape))
 
 
 def window(q, k, v, kv_lens, *, window_size, scale, config=None):
@@ -575,10 +567,9 @@ def window(q, k, v, kv_lens, *, window_size, scale, config=None):
     v [B, TK, H, Dv] (kv_lens int [B]): key j is visible to the query at p iff p - window_size < j <= p.
     Returns (o [B, TQ, HQ, Dv] in q's dtype, lse [B, TQ, HQ] float32); config: a Config (None: default)."""
     _check(q, k, v, kv_lens)
-    TQ, TK = q.shape[1], k.shape[1]
-    W = min(int(window_size), TK)  # a wider window sees the same keys
-    cfg = default_config(q, k, v, units=max(1, min(W + TQ - 1, TK))) if config is None else config
-    meta = dict(_meta(q, k, v, scale, cfg), NK=TK, BLOCK_N=cfg.block_n, COMPRESSED=False, WINDOW=W, BS=1)
+    W = min(int(window_size), k.shape[1])  # a wider window sees the same keys
+    cfg = default_config(Shapes.of(q, k, v, window_size=W), q.dtype, device()) if config is None else config
+    meta = dict(_meta(q, k, v, scale, cfg), NK=k.shape[1], BLOCK_N=cfg.block_n, COMPRESSED=False, WINDOW=W, BS=1)
     return _run(_interval_kernel, _interval_split_kernel, q, v,
                 dict(Q=q, K=k, V=v, KV_LENS=kv_lens.astype(jnp.int32)), cfg, meta)
 
@@ -587,11 +578,11 @@ def compressed(q, k_cmp, v_cmp, kv_lens, *, block_size, scale, config=None):
     """Compressed attention of the queries q [B, TQ, HQ, Dk] at the end of sequences of kv_lens int [B] tokens
     over k_cmp [B, NC, H, Dk], v_cmp [B, NC, H, Dv]: row c is visible to the query at p iff
     (c + 1) * block_size - 1 <= p. Returns (o, lse) as `window`; config: a Config (None: default)."""
-    _check(q, k_cmp, v_cmp, kv_lens)
-    NC = k_cmp.shape[1]
-    cfg = default_config(q, k_cmp, v_cmp, units=max(1, NC)) if config is None else config
-    meta = dict(_meta(q, k_cmp, v_cmp, scale, cfg), NK=NC, BLOCK_N=cfg.block_n, COMPRESSED=True, WINDOW=0,
-                BS=int(block_size))
+    _check(q, k_cmp, v_cmp, kv_lens, ("k_cmp", "v_cmp"))
+    shapes = Shapes.of(q, k_cmp, v_cmp, block_size=int(block_size))
+    cfg = default_config(shapes, q.dtype, device()) if config is None else config
+    meta = dict(_meta(q, k_cmp, v_cmp, scale, cfg), NK=k_cmp.shape[1], BLOCK_N=cfg.block_n, COMPRESSED=True,
+                WINDOW=0, BS=int(block_size))
     return _run(_interval_kernel, _interval_split_kernel, q, v_cmp,
                 dict(Q=q, K=k_cmp, V=v_cmp, KV_LENS=kv_lens.astype(jnp.int32)), cfg, meta)
 
@@ -612,81 +603,92 @@ def _selected_launch(q, k, v, block_indices, block_counts, kv_lens, *, block_siz
     _check(q, k, v, kv_lens)
     B, TQ, _, _ = q.shape
     TK, H, S = k.shape[1], k.shape[2], block_indices.shape[-1]
-    if block_indices.shape != (B, TQ, H, S) or block_counts.shape != (B, TQ, H):
-        raise ValueError(f"decode.selected: block_indices {block_indices.shape}, block_counts {block_counts.shape} "
-                         f"for q {q.shape} and k {k.shape}")
+    check(block_indices.shape == (B, TQ, H, S), "block_indices", f"shape [B, TQ, H, S] = ({B}, {TQ}, {H}, S)",
+          tuple(block_indices.shape))
+    check(block_counts.shape == (B, TQ, H), "block_counts", f"shape [B, TQ, H] = ({B}, {TQ}, {H})",
+          tuple(block_counts.shape))
     bs = int(block_size)
-    blocks = max(1, min(TQ * S, triton.cdiv(TK, bs)))  # the most distinct blocks of one (b, h)
-    cfg = default_config(q, k, v, units=blocks, block_size=bs) if config is None else config
+    shapes = Shapes.of(q, k, v, block_size=bs, block_counts=S)
+    cfg = default_config(shapes, q.dtype, device()) if config is None else config
     idx = block_indices  # int32 ids past p // bs are skipped whatever their size; wider ones are clipped first
     if idx.dtype != jnp.int32:
         idx = jnp.clip(idx, -1, TK // bs + 1).astype(jnp.int32)  # the same validity
     tqp = triton.next_power_of_2(TQ)
     meta = dict(_meta(q, k, v, scale, cfg), TK=TK, S=S, TQP=tqp, SP=max(triton.next_power_of_2(S), 16 // tqp),
-                BS=bs, BSP=cfg.block_n, NSUB=triton.cdiv(bs, cfg.block_n))
+                BS=bs, BSP=cfg.block_n, NSUB=cdiv(bs, cfg.block_n))
     inputs = dict(Q=q, K=k, V=v, IDX=idx, COUNTS=block_counts.astype(jnp.int32), KV_LENS=kv_lens.astype(jnp.int32))
     return inputs, cfg, meta
 
 
-def _partials(B, H, splits, R, Dv):
-    """The float32 partials of `splits` splits: acc [B * H, splits, R, Dv], m and l [B * H, splits, R]."""
-    return dict(ACC=_launch.shape_dtype((B * H, splits, R, Dv), jnp.float32),
-                M=_launch.shape_dtype((B * H, splits, R), jnp.float32),
-                L=_launch.shape_dtype((B * H, splits, R), jnp.float32))
+class Step(NamedTuple):
+    """The arrays of one serving step of nsa.attention, as the fused step (`attention`) takes them: the queries
+    q [B, TQ, HQ, Dk] at the end of the cache k [B, TK, H, Dk], v [B, TK, H, Dv], its compressed rows k_cmp
+    [B, NC, H, Dk] and v_cmp [B, NC, H, Dv], the gates [B, TQ, HQ] (None: weight 1) and kv_lens int [B]."""
+
+    q: jax.Array
+    k: jax.Array
+    v: jax.Array
+    k_cmp: jax.Array
+    v_cmp: jax.Array
+    g_cmp: Optional[jax.Array]
+    g_slc: Optional[jax.Array]
+    g_swa: Optional[jax.Array]
+    kv_lens: jax.Array
 
 
-def attention(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, kv_lens, *, block_counts, block_size, window_size, scale):
+def attention(*arrays, block_counts, block_size, window_size, scale):
     """One NSA decode step, fused: nsa.attention's output with the compressed branch on and the blocks
-    selected, for the queries q [B, TQ, HQ, Dk] at the end of the cache k, v [B, TK, H, D] with its
-    compressed rows k_cmp, v_cmp [B, NC, H, D] (kv_lens int [B]); gates [B, TQ, HQ] or None (weight 1),
-    window_size 0 for no window. Returns o [B, TQ, HQ, Dv] in q's dtype.
+    selected, for the `Step` of arrays (positional, in its order); window_size 0 for no window. Returns
+    o [B, TQ, HQ, Dv] in q's dtype.
 
     Five launches instead of the ops' ten (and XLA's gating): a step's kernels take a few microseconds each,
     so launching them is most of its time. (1) `_cmp_window_split_kernel`: the compressed rows' and the
-    window's splits, float32 partials; (2, 3) the selection (nsa/triton/select.py, `decode_forward`) reading
-    compressed attention's lse from those partials; (4) `_selected_split_kernel`; (5)
-    `_attention_combine_kernel`: every branch's splits merged, rounded to q's dtype and gated, as nsa.attention
-    sums them. Each split count and tile is its op's `default_config`; the first launch takes the larger warps
-    and the fewer stages of its two branches.
+    window's splits, float32 partials; (2, 3) the selection (nsa/triton/decode_select.py) reading compressed
+    attention's lse from those partials; (4) `_selected_split_kernel`; (5) `_attention_combine_kernel`: every
+    branch's splits merged, rounded to q's dtype and gated, as nsa.attention sums them. Each split count and
+    tile is its op's `default_config`; the first launch takes the larger warps and the fewer stages of its two
+    branches.
     """
-    from nsa.triton import select  # it imports this module
-
-    _check(q, k, v, kv_lens)
-    _check(q, k_cmp, v_cmp, kv_lens)
+    step = Step(*arrays)
+    q, k, v, k_cmp, v_cmp = step.q, step.k, step.v, step.k_cmp, step.v_cmp
+    _check(q, k, v, step.kv_lens)
+    _check(q, k_cmp, v_cmp, step.kv_lens, ("k_cmp", "v_cmp"))
     B, TQ, HQ, _ = q.shape
     TK, NC, H, Dv = k.shape[1], k_cmp.shape[1], k.shape[2], v.shape[3]
     R = TQ * (HQ // H)
-    kv_lens = kv_lens.astype(jnp.int32)
+    kv_lens = step.kv_lens.astype(jnp.int32)
     W = min(int(window_size), TK)
-    cfg_c = default_config(q, k_cmp, v_cmp, units=max(1, NC))
-    cfg_w = default_config(q, k, v, units=max(1, min(W + TQ - 1, TK))) if W > 0 else cfg_c._replace(splits=0)
-    cmp_parts, win_parts = _partials(B, H, cfg_c.splits, R, Dv), _partials(B, H, max(1, cfg_w.splits), R, Dv)
+    facts = device()
+    cfg_c = default_config(Shapes.of(q, k_cmp, v_cmp, block_size=int(block_size)), q.dtype, facts)
+    cfg_w = default_config(Shapes.of(q, k, v, window_size=W), q.dtype, facts) if W > 0 else cfg_c
+    ns_w = cfg_w.splits if W > 0 else 0  # no window: no window programs, its (unread) partials of one split
+    cmp_parts, win_parts = _partials(B, H, cfg_c.splits, R, Dv), _partials(B, H, max(1, ns_w), R, Dv)
     acc_c, m_c, l_c, acc_w, m_w, l_w = _launch.launch(
-        _cmp_window_split_kernel, grid=(B * H, cfg_c.splits + cfg_w.splits),
+        _cmp_window_split_kernel, grid=(B * H, cfg_c.splits + ns_w),
         inputs=dict(Q=q, K=k, V=v, K_CMP=k_cmp, V_CMP=v_cmp, KV_LENS=kv_lens),
         outputs={f"{name}_{branch}": shape for branch, parts in (("C", cmp_parts), ("W", win_parts))
                  for name, shape in parts.items()},
         **dict(_meta(q, k, v, scale, cfg_c), num_warps=max(cfg_c.num_warps, cfg_w.num_warps),
                num_stages=min(cfg_c.num_stages, cfg_w.num_stages)),
         TK=TK, NC=NC, BLOCK_C=cfg_c.block_n, BLOCK_W=cfg_w.block_n, WINDOW=W, BS=int(block_size), NS_C=cfg_c.splits,
-        NS_W=cfg_w.splits)
-    idx = select.decode_forward(q, k_cmp, None, kv_lens, block_counts=block_counts, block_size=block_size,
+        NS_W=ns_w)
+    idx = decode_select.forward(q, k_cmp, None, kv_lens, block_counts=block_counts, block_size=block_size,
                                 scale=scale, lse_parts=(m_c, l_c))
     counts = jnp.full(idx.shape[:3], idx.shape[3], jnp.int32)  # every slot (unused ones are -1)
     inputs, cfg_s, meta = _selected_launch(q, k, v, idx, counts, kv_lens, block_size=block_size, scale=scale,
                                            config=None)
     acc_s, m_s, l_s = _launch.launch(_selected_split_kernel, grid=(B * H, cfg_s.splits), inputs=inputs,
                                      outputs=_partials(B, H, cfg_s.splits, R, Dv), NSPLIT=cfg_s.splits, **meta)
-    gates = dict(G_CMP=g_cmp, G_SLC=g_slc, G_SWA=g_swa)
-    cr, cd = min(cfg_c.combine_rows, pow2(R)), min(cfg_c.combine_cols, pow2(Dv))
-    nsp = {branch: triton.next_power_of_2(max(1, cfg.splits)) for branch, cfg in zip("CSW", (cfg_c, cfg_s, cfg_w))}
+    gates = dict(G_CMP=step.g_cmp, G_SLC=step.g_slc, G_SWA=step.g_swa)
+    cr, cd = _combine_tile(cfg_c, R, Dv)
+    nsp = {branch: triton.next_power_of_2(max(1, n)) for branch, n in zip("CSW", (cfg_c.splits, cfg_s.splits, ns_w))}
     [o] = _launch.launch(
-        _attention_combine_kernel, grid=(B * H, triton.cdiv(R, cr), triton.cdiv(Dv, cd)),
+        _attention_combine_kernel, grid=(B * H, cdiv(R, cr), cdiv(Dv, cd)),
         inputs=dict(ACC_C=acc_c, M_C=m_c, L_C=l_c, ACC_S=acc_s, M_S=m_s, L_S=l_s, ACC_W=acc_w, M_W=m_w, L_W=l_w,
                     **{name: jnp.zeros((1,), q.dtype) if g is None else g for name, g in gates.items()}),
         outputs=dict(O=_launch.shape_dtype((B, TQ, HQ, Dv), q.dtype)), TQ=TQ, HQ=HQ, H=H, DV=Dv,
-        NS_C=cfg_c.splits, NS_S=cfg_s.splits, NS_W=cfg_w.splits, CR=cr, CD=cd,
+        NS_C=cfg_c.splits, NS_S=cfg_s.splits, NS_W=ns_w, CR=cr, CD=cd,
         **{f"NSP_{b}": n for b, n in nsp.items()}, **{f"CS_{b}": min(cfg_c.combine_splits, n) for b, n in nsp.items()},
-        GATED_C=g_cmp is not None, GATED_S=g_slc is not None, GATED_W=g_swa is not None,
+        GATED_C=step.g_cmp is not None, GATED_S=step.g_slc is not None, GATED_W=step.g_swa is not None,
         num_warps=cfg_c.combine_warps, num_stages=1)
     return o

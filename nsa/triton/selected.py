@@ -51,10 +51,13 @@ import jax.numpy as jnp
 import triton
 import triton.language as tl
 
-from nsa._varlen import num_compressed_blocks, tokens
+from nsa._config import Shapes, expect, positive, power_of_two, validated
+from nsa._device import KiB
+from nsa._varlen import cdiv, num_compressed_blocks, tokens
 from nsa.reference import _common
-from nsa.triton import _launch, decode
-from nsa.triton._common import LN2, LOG2E, online_step, pow2
+from nsa.triton import _launch, _splits
+from nsa.triton import decode as flash_decoding
+from nsa.triton._common import LN2, LOG2E, device, online_step, pow2, runs
 
 # ------------------------------------------------------------------------------------------ kernels
 
@@ -74,13 +77,6 @@ def _tile_rows(b, h, T: tl.constexpr, H: tl.constexpr, G: tl.constexpr, GR: tl.c
 def _per_row(x, TB: tl.constexpr, GR: tl.constexpr):
     """A value per token of the tile, x [TB], as a value per row [TB * GR] (row i: token i // GR)."""
     return tl.reshape(tl.broadcast_to(x[:, None], [TB, GR]), [TB * GR])
-
-
-@triton.jit
-def _runs(first_a, last_a, runs_a, first_b, last_b, runs_b):
-    """Combine of an associative scan: (first value, last value, number of runs of equal values) of a stretch
-    of a sequence, from those of its two halves."""
-    return first_a, last_b, runs_a + runs_b - (last_a == first_b).to(tl.int32)
 
 
 @triton.jit
@@ -124,7 +120,7 @@ def _tile_blocks(block_idx, block_counts, pos, start, b, h, T: tl.constexpr, TK:
     blk = _valid_blocks(block_idx, block_counts, ((b * T + t) * H + h)[:, None], (p // BS)[:, None], S=S, SP=SP)
     firsts = tl.where(blk >= 0, seq[:, None] + blk * BS, TK)
     in_order = tl.sort(tl.reshape(firsts, [TB * SP]))
-    _, _, rank = tl.associative_scan((in_order, in_order, tl.full([TB * SP], 1, tl.int32)), 0, _runs)
+    _, _, rank = tl.associative_scan((in_order, in_order, tl.full([TB * SP], 1, tl.int32)), 0, runs)
     return (p, seq, firsts, in_order, rank), tl.max(tl.where(in_order < TK, rank, 0))
 
 
@@ -343,7 +339,7 @@ def _dkv_partial_kernel(q, k, v, do, lse, delta, row_start, row_end, seg_list, s
     twice). The segments past the real ones are empty: they store zeros that are never reduced.
     Tile: BQ queries at a time, each with its G heads padded to GR = next_pow2(G) rows, so BQ * GR rows
     (>= 16), in a for loop that Triton software-pipelines (two stages: the next BQ entries' q and do load
-    while these are computed; on an H200 selected attention's fwd+bwd at T = 65536 went 49.6 -> 47.0 ms).
+    while these are computed: faster than one, benchmarks/results/ops-pipelining-ab.json).
     Loads the key block k [B, TK, H, DK] (BSP x DKP) and the value block v [B, TK, H, DV] once, up to the
     key row of the batch row's last query (rows past a cache's length read as 0), then per step of BQ
     entries q [B, T, HQ, DK], do [B, T, HQ, DV], lse and delta [B, T, HQ].
@@ -440,6 +436,7 @@ def _dkv_reduce_kernel(dk_part, dv_part, row_start, row_end, seg_offsets, dk_out
 # --------------------------------------------------------------------------------- launches
 
 
+@validated
 class Config(NamedTuple):
     """The launches of the selected-attention kernels: BSP keys of a block loaded at once (a block is
     NSUB = ceil(block_size / BSP) chunks), TB query tokens per forward and dq program, the warps of every
@@ -453,36 +450,47 @@ class Config(NamedTuple):
     dkv_entries: int
     segment: int
 
+    def check(self):
+        power_of_two(self, "block_keys", "tokens", "num_warps", "dkv_entries")
+        expect(self.block_keys >= 16, self, "block_keys", "at least 16 (tl.dot's smallest side)")
+        positive(self, "num_stages", "segment")
 
-def default_config(q, k, v, block_indices, *, block_size, cu_seqlens=None):
-    """The Config for q [B, T, HQ, Dk], k [B, TK, H, Dk], v [B, TK, H, Dv] and block_indices [B, T, H, S].
+
+# what `default_config` leaves of a block's shared memory (nsa._device.facts: shared_memory) beyond one stage of
+# a key + value block and the q and do tiles, where it plans two stages: 160 KiB of an H100's or H200's 227 (two
+# stages everywhere reached 330 KiB compiled for sm_90, scripts/sm90_shared_memory.py)
+SHARED_MARGIN = 67 * KiB
+
+
+def default_config(shapes, dtype, device):
+    """The Config for q [B, T, HQ, Dk], k [B, TK, H, Dk], v [B, TK, H, Dv] and block_indices [B, T, H, S]:
+    `nsa._config.Shapes.of(q, k, v, block_size=..., block_counts=S, packed=...)`.
 
     - BSP: the block in one chunk when BSP * (DKP + DVP) elements take at most 64 KiB (shared memory:
-      float32 at Dk = Dv = 256 and block_size 128 does not fit in one chunk on an H200).
+      float32 at Dk = Dv = 256 and block_size 128 takes two chunks).
     - TB = 16 / GR query tokens per program when a group has fewer than 16 rows (TB * GR = 16 rows),
       else 1.
     - Warps: 4 for small tiles, 8 once a tile side passes 128.
     - Stages: two (the next block's keys load while this one is computed) where a whole key + value block
-      and the q and do tiles take at most 160 KiB together, one beyond. Checked by compiling for sm_90
-      (scripts/sm90_shared_memory.py): two stages everywhere reached 330 KiB, past an H200's 227 KiB.
+      and the q and do tiles take at most the device's shared memory less SHARED_MARGIN together, one beyond.
     - BQ: BQ * GR = 64 rows (32 for wide heads), or GR when one group is larger.
     - L: the mean list length rounded up to a power of two, within [256, 1024] (a multiple of every BQ).
       The longest dk/dv program then walks no more than about a mean list, and the segments number at
-      most twice the lists once L reaches the mean.
+      most twice the lists once L reaches the mean. The lists are those of ceil(TK / block_size) block rows
+      (packed sequences have up to one more per sequence: their mean is at most this one).
     """
-    B, T, HQ, Dk = q.shape
-    H, S = k.shape[2], block_indices.shape[-1]
-    itemsize = jnp.dtype(q.dtype).itemsize
-    gr, dkp, dvp = triton.next_power_of_2(HQ // H), pow2(Dk), pow2(v.shape[3])
+    itemsize = jnp.dtype(dtype).itemsize
+    gr, dkp, dvp = triton.next_power_of_2(shapes.G), pow2(shapes.Dk), pow2(shapes.Dv)
     fit = max(16, triton.next_power_of_2(65536 // (itemsize * (dkp + dvp)) + 1) // 2)
-    bsp = min(pow2(block_size), fit)
+    bsp = min(pow2(shapes.block_size), fit)
     tb = max(1, 16 // gr)
-    block_bytes = triton.cdiv(block_size, bsp) * bsp * (dkp + dvp) * itemsize
+    block_bytes = cdiv(shapes.block_size, bsp) * bsp * (dkp + dvp) * itemsize
     tile_bytes = tb * gr * (dkp + dvp) * itemsize
-    entries, lists = B * T * H * S, B * H * num_compressed_blocks(k.shape[1], block_size, cu_seqlens)
-    segment = min(1024, max(256, triton.next_power_of_2(-(-entries // max(lists, 1)))))
+    entries = shapes.B * shapes.T * shapes.H * shapes.block_counts
+    lists = shapes.B * shapes.H * cdiv(shapes.TK, shapes.block_size)
+    segment = min(1024, max(256, triton.next_power_of_2(cdiv(entries, max(lists, 1)))))
     return Config(block_keys=bsp, tokens=tb, num_warps=8 if max(dkp, dvp, bsp) > 128 else 4,
-                  num_stages=2 if block_bytes + tile_bytes <= 160 * 1024 else 1,
+                  num_stages=2 if block_bytes + tile_bytes <= device.shared_memory - SHARED_MARGIN else 1,
                   dkv_entries=max(1, (32 if max(dkp, dvp) > 128 else 64) // gr), segment=segment)
 
 
@@ -494,7 +502,7 @@ def _meta(q, k, v, block_size, scale, cfg):
     Dk = q.shape[3]
     TK, H, Dv = k.shape[1], k.shape[2], v.shape[3]
     return dict(TK=TK, H=H, DK=Dk, DV=Dv, BS=block_size, SCALE=float(scale), DKP=pow2(Dk), DVP=pow2(Dv),
-                BSP=cfg.block_keys, NSUB=triton.cdiv(block_size, cfg.block_keys), num_warps=cfg.num_warps)
+                BSP=cfg.block_keys, NSUB=cdiv(block_size, cfg.block_keys), num_warps=cfg.num_warps)
 
 
 def _per_token(q, k, block_indices, cfg):
@@ -502,7 +510,7 @@ def _per_token(q, k, block_indices, cfg):
     padded to a power of two, G and GR, TB tokens per program."""
     B, T, HQ, _ = q.shape
     H, S = k.shape[2], block_indices.shape[-1]
-    return dict(grid=(triton.cdiv(T, cfg.tokens), B * H), num_stages=cfg.num_stages, T=T, S=S,
+    return dict(grid=(cdiv(T, cfg.tokens), B * H), num_stages=cfg.num_stages, T=T, S=S,
                 SP=triton.next_power_of_2(S), G=HQ // H, GR=triton.next_power_of_2(HQ // H), TB=cfg.tokens)
 
 
@@ -528,17 +536,22 @@ def _query_row0(q, kv_lens):
 
 
 def _config(q, k, v, block_indices, block_size, cu_seqlens, config):
-    return default_config(q, k, v, block_indices, block_size=block_size, cu_seqlens=cu_seqlens) \
-        if config is None else config
+    """config, or `default_config`'s."""
+    shapes = Shapes.of(q, k, v, block_size=int(block_size), block_counts=block_indices.shape[-1],
+                       packed=cu_seqlens is not None)
+    return default_config(shapes, q.dtype, device()) if config is None else config
 
 
-def forward(q, k, v, block_indices, block_counts, cu_seqlens, kv_lens=None, *, block_size, scale, config=None):
+def forward(q, k, v, block_indices, block_counts, cu_seqlens, kv_lens=None, *, block_size, scale, config=None,
+            decode=None):
     """Returns o [B, T, HQ, Dv] and the reference's residuals (inputs, o, lse [B, T, HQ] float32); kv_lens int
     [B] or None places the queries at the end of longer sequences of keys k, v [B, TK, H, D]
-    (`nsa._varlen.tokens`): a few of them (`decode.applies`; config None) run the flash-decoding forward of
-    nsa/triton/decode.py. config: a Config (None: `default_config`)."""
-    if kv_lens is not None and config is None and decode.applies(q, k):
-        o, lse = decode.selected(q, k, v, block_indices, block_counts, kv_lens, block_size=block_size, scale=scale)
+    (`nsa._varlen.tokens`). decode: whether the flash-decoding forward of nsa/triton/decode.py runs instead
+    (None: where it applies, a few queries at the end of a cache: `nsa.triton._splits.decoding`). config: the
+    Config of the kernels that run (a decode.Config for the decode forward; None: its `default_config`)."""
+    if _splits.decoding(decode, q, k, kv_lens, config, (Config, flash_decoding.Config)):
+        o, lse = flash_decoding.selected(q, k, v, block_indices, block_counts, kv_lens, block_size=block_size,
+                                         scale=scale, config=config)
         return o, (q, k, v, block_indices, block_counts, cu_seqlens, kv_lens, o, lse)
     cfg = _config(q, k, v, block_indices, block_size, cu_seqlens, config)
     tok = _tokens(q, block_size, cu_seqlens, kv_lens)
@@ -565,7 +578,7 @@ def _block_rows(T, block_size, cu_seqlens):
     if cu_seqlens is None:
         return NR, r * block_size, jnp.full((NR,), T, jnp.int32)
     cu = cu_seqlens.astype(jnp.int32)
-    blocks = -(-(cu[1:] - cu[:-1]) // block_size)
+    blocks = cdiv(cu[1:] - cu[:-1], block_size)
     ends = jnp.cumsum(blocks)  # one past the last row of each sequence
     seq = jnp.searchsorted(ends, r, side="right")  # skips empty sequences
     real = seq < blocks.shape[0]
@@ -605,9 +618,9 @@ def _segments(offsets, num_entries, seg_len):
     past the real ones get an empty range of list 0 (never reduced).
     """
     NL = offsets.shape[0] - 1
-    counts = -(-(offsets[1:] - offsets[:-1]) // seg_len)
+    counts = cdiv(offsets[1:] - offsets[:-1], seg_len)
     seg_offsets = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(counts).astype(jnp.int32)])
-    s = jnp.arange(NL + -(-num_entries // seg_len), dtype=jnp.int32)
+    s = jnp.arange(NL + cdiv(num_entries, seg_len), dtype=jnp.int32)
     seg_list = jnp.searchsorted(seg_offsets[1:], s, side="right").astype(jnp.int32)
     real = seg_list < NL
     seg_list = jnp.where(real, seg_list, 0)
