@@ -1,5 +1,5 @@
 """Compiles every Triton launch of nsa for sm_90 (H100 / H200) on any machine, no GPU needed, and
-checks its shared memory against the H200's 227 KiB per block.
+checks its shared memory against an H200 block's (nsa._device.TABLE: 227 KiB).
 
     python scripts/sm90_shared_memory.py            # bf16 / fp16 configs (a few minutes)
     python scripts/sm90_shared_memory.py --float32  # also the float32 ones (FMA dots: slow to compile)
@@ -10,8 +10,9 @@ A kernel whose pipelined tiles do not fit compiles here but fails at launch on t
 the shapes that reach it (wide heads, large groups, float32): this finds them without device time.
 It runs nsa.attention forward and backward with implementation="triton" on the CPU, with the kernel
 launch (nsa.triton._launch._call) replaced by a compile for sm_90 that records the launch's shared
-memory and returns zeros, so every launch uses the library's own heuristics (tiles, warps, stages);
-select_blocks also at T = 256 blocks, where its launch pipelines.
+memory and returns zeros, so every launch uses the library's own heuristics (tiles, warps, stages), planned
+for the H200's facts (nsa._device.facts replaced by its row of the table); select_blocks also at T = 256
+blocks, where its launch pipelines.
 Needs triton (its bundled ptxas); exits 1 if a launch needs more than the limit.
 """
 
@@ -30,10 +31,11 @@ from triton.compiler import ASTSource  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import nsa  # noqa: E402
-from nsa.triton import _launch  # noqa: E402
-from nsa.triton import _launch, select  # noqa: E402
+from nsa import _device  # noqa: E402
+from nsa.triton import _launch, _splits, decode, select  # noqa: E402
 
-LIMIT = 227 * 1024  # an H100 / H200 block's shared memory
+DEVICE = _device.TABLE["NVIDIA H200"]  # the heuristics plan for it; sm_90 is its architecture
+LIMIT = DEVICE.shared_memory  # a block's shared memory
 _TYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "int32": "i32"}
 
 # (G, dtype, Dk, Dv, block_size): the widest tiles of the contract, and the benchmarked shape
@@ -93,7 +95,7 @@ def check(config, records):
 
 
 def check_long_select(config, records):
-    """select at T = 256 blocks, where its launch takes two pipeline stages (select._stages), with and
+    """select at T = 256 blocks, where its launch takes two pipeline stages (select.default_config), with and
     without compressed attention's lse: traced only (jax.eval_shape), so no T-long array is made."""
     G, dtype, dk, _, bs = config
     T = 256 * bs
@@ -108,16 +110,15 @@ def check_long_select(config, records):
 
 def check_decode(args):
     """The decode kernels (nsa/triton/decode.py: window, compressed, selected, their split and combine
-    launches, and the fused step with select's decode kernels) at the standard serving shape (HQ = 64,
-    H = 4, D = 128, bf16, block 64, 16 slots, window 512, TK = 65536) for B = 1 (splits and the combine) and B = 64 (one split), TQ = 1 and 8 (TQ * G = 128 rows,
-    the largest tile decode.applies takes); then each config of CONFIGS (FLOAT32_CONFIGS with --float32) at
-    its largest such tile, TQ = min(16, 128 // G). Traced only (jax.eval_shape): no cache-sized array is
-    made. Prints each launch; returns the largest shared memory."""
-    from nsa.triton import decode
-
+    launches, and the fused step with the decode select, nsa/triton/decode_select.py) at the standard serving
+    shape (HQ = 64, H = 4, D = 128, bf16, block 64, 16 slots, window 512, TK = 65536) for B = 1 (splits and the
+    combine) and B = 64 (one split), TQ = 1 and 8 (TQ * G = 128 rows, the largest tile nsa.triton._splits.applies
+    takes); then each config of CONFIGS (FLOAT32_CONFIGS with --float32) at its largest such tile,
+    TQ = min(16, 128 // G). Traced only (jax.eval_shape): no cache-sized array is made. Prints each launch;
+    returns the largest shared memory."""
     shapes = [(B, TQ, 16, "bfloat16", 128, 128, 64) for B in (1, 64) for TQ in (1, 8)]
     for c in CONFIGS + (FLOAT32_CONFIGS if args.float32 else []):
-        shapes.append((1, max(1, min(decode.MAX_TOKENS, decode.MAX_ROWS // c[0])), *c))
+        shapes.append((1, max(1, min(_splits.MAX_TOKENS, _splits.MAX_ROWS // c[0])), *c))
     worst = 0
     for B, TQ, G, dtype, dk, dv, bs in shapes:
         H, TK, S = 4, 65536, 16
@@ -134,8 +135,9 @@ def check_decode(args):
         jax.eval_shape(lambda q, k, v, idx, counts, lens: decode.selected(q, k, v, idx, counts, lens, block_size=bs,
                                                                            **kw), q, k, v, idx, counts, lens)
         gate = arg(B, TQ, H * G)
+        step = decode.Step(q, k, v, k_cmp, v_cmp, g_cmp=gate, g_slc=gate, g_swa=gate, kv_lens=lens)
         jax.eval_shape(lambda *a: decode.attention(*a, block_counts=S, block_size=bs, window_size=512, **kw),
-                       q, k, v, k_cmp, v_cmp, gate, gate, gate, lens)  # the fused step, the decode select with it
+                       *step)  # the fused step, the decode select with it
         for i, (name, shared, warps, stages, ptx) in enumerate(records):
             worst = max(worst, shared)
             if args.ptx_dir:
@@ -155,6 +157,7 @@ def main():
     parser.add_argument("--ptx-dir", help="write each launch's PTX here, one file per config and launch")
     args = parser.parse_args()
     _launch.jax_triton_error = lambda: None  # the kernels only compile here: no jax_triton needed
+    _device.facts = lambda platform="cuda": DEVICE
     worst = 0
     for config in CONFIGS + (FLOAT32_CONFIGS if args.float32 else []):
         records = []

@@ -20,11 +20,13 @@ import numpy as np
 import pytest
 
 import nsa
-from nsa import _dispatch
+import nsa.triton
+from nsa._config import Shapes
+from nsa._device import TABLE
 from nsa.reference import compressed as ref_compressed
 from nsa.reference import selected as ref_selected
 from nsa.reference import window as ref_window
-from nsa.triton import decode
+from nsa.triton import _splits, decode
 from tests.base import TOLERANCE, assert_close
 from tests.conftest import ON_GPU
 
@@ -214,11 +216,12 @@ def test_fused_step_equals_the_ops(group, TQ, gated, window_size, monkeypatch):
                              implementation=implementation)
 
     calls = []
-    monkeypatch.setattr(decode, "attention", lambda *a, **kw: calls.append(1) or FUSED(*a, **kw))
+    monkeypatch.setattr(decode, "attention", lambda *a, **kw: calls.append(decode.Step(*a)) or FUSED(*a, **kw))
     got = step(x.q, k_cmp)
     assert calls, "the fused kernels did not run"
+    assert calls[0].kv_lens is not None and (calls[0].g_swa is None) == (gated != "every")
     with monkeypatch.context() as m:
-        m.setattr(_dispatch, "_fuses_decode", lambda *a: False)
+        m.setattr(nsa.triton, "fused_step", lambda q, k: None)  # the family has no fused step: the ops run
         ops = step(x.q, k_cmp)
         loss = lambda q, kc: jnp.sum(step(q, kc) ** 2)
         grads_ops = jax.grad(loss, (0, 1))(x.q, k_cmp)
@@ -235,19 +238,54 @@ def test_fused_step_equals_the_ops(group, TQ, gated, window_size, monkeypatch):
 
 def test_default_config_and_applies():
     """The heuristic at the standard serving shape (HQ = 64, H = 4, D = 128, bf16, block 64, 16 slots,
-    window 512, TK = 65536): 33 splits wanted at B = 1 (132 SMs / 4 heads), capped by the work units; one
-    split (no combine) at B = 64. applies: TQ <= 16 and TQ * G <= 128 rows."""
+    window 512, TK = 65536) on an H200: 33 splits wanted at B = 1 (132 SMs / 4 heads), capped by the work
+    units; one split (no combine) at B = 64; on an H100 PCIe (114 SMs) 29 at most. Stages within the device's
+    shared memory. applies: TQ <= 16 and TQ * G <= 128 rows."""
     shape = lambda B, T, heads, D: jax.ShapeDtypeStruct((B, T, heads, D), jnp.bfloat16)
-    for B, splits in ((1, (8, 16, 16)), (64, (1, 1, 1))):
-        q, k = shape(B, 1, 64, 128), shape(B, 65536, 4, 128)
-        window = decode.default_config(q, k, k, units=512)
-        compressed = decode.default_config(q, k, k, units=65536 // 64)
-        selected = decode.default_config(q, k, k, units=16, block_size=64)
+    h200, pcie = TABLE["NVIDIA H200"], TABLE["NVIDIA H100 PCIe"]
+    for B, splits, device in ((1, (8, 16, 16), h200), (64, (1, 1, 1), h200), (1, (8, 16, 16), pcie)):
+        q, k, k_cmp = shape(B, 1, 64, 128), shape(B, 65536, 4, 128), shape(B, 65536 // 64, 4, 128)
+        window = decode.default_config(Shapes.of(q, k, window_size=512), jnp.bfloat16, device)
+        compressed = decode.default_config(Shapes.of(q, k_cmp, block_size=64), jnp.bfloat16, device)
+        selected = decode.default_config(Shapes.of(q, k, block_size=64, block_counts=16), jnp.bfloat16, device)
         assert (window.splits, compressed.splits, selected.splits) == splits
         assert window.block_n == compressed.block_n == selected.block_n == 64
+    long = Shapes.of(shape(1, 1, 64, 128), shape(1, 524288 // 64, 4, 128), block_size=64)
+    assert [decode.default_config(long, jnp.bfloat16, d).splits for d in (h200, pcie)] == [33, 29]
+    # TQ = 8 (128 rows): three stages fit an H200's 227 KiB (160 KiB compiled for sm_90), two an A100's 163
+    tall = Shapes.of(shape(1, 8, 64, 128), shape(1, 65536, 4, 128), window_size=512)
+    stages = [decode.default_config(tall, jnp.bfloat16, TABLE[d]).num_stages for d in ("NVIDIA A100-SXM4-80GB",
+                                                                                        "NVIDIA H200")]
+    assert stages == [2, 3]
     k = shape(1, 65536, 4, 128)
-    assert decode.applies(shape(1, 8, 64, 128), k) and not decode.applies(shape(1, 9, 64, 128), k)
-    assert decode.applies(shape(1, 16, 4, 128), k) and not decode.applies(shape(1, 17, 4, 128), k)
+    assert _splits.applies(shape(1, 8, 64, 128), k) and not _splits.applies(shape(1, 9, 64, 128), k)
+    assert _splits.applies(shape(1, 16, 4, 128), k) and not _splits.applies(shape(1, 17, 4, 128), k)
+
+
+def test_decoding_is_an_explicit_choice():
+    """An op's forward runs the decode kernels where decode=None finds few queries at the end of a cache, or
+    where decode=True says so; a pinned Config of the other kernels raises rather than switching decode off,
+    and decode=False runs the training kernels on it. The Configs check their fields when made."""
+    from nsa.triton import _flash, window
+
+    x = Cache("G3", 1, "float32")
+    lens = jnp.asarray(x.lens)
+    kw = dict(window_size=24, scale=x.scale)
+    training = _flash.default_config(Shapes.of(x.q, x.k, x.v, window_size=24), x.q.dtype, TABLE["NVIDIA H200"])
+    with pytest.raises(ValueError, match="config: expected None or a nsa.triton.decode.Config.*decode=False"):
+        window.forward(x.q, x.k, x.v, None, lens, config=training, **kw)
+    with pytest.raises(ValueError, match="decode: expected None or False without kv_lens"):
+        window.forward(x.q, x.k, x.v, None, None, decode=True, **kw)
+    ref = _reference(ref_window.forward, x.q64, x.k64, x.v64, None, x.lens, **kw)
+    for config, decode_arg in ((SPLIT, None), (training, False), (None, True)):
+        o, res = window.forward(x.q, x.k, x.v, None, lens, config=config, decode=decode_arg, **kw)
+        _check((o, res[-1]), ref, x)
+    with pytest.raises(ValueError, match=r"nsa.triton.decode.Config.splits: expected a positive int, got 0"):
+        SPLIT._replace(splits=0)
+    with pytest.raises(ValueError, match=r"block_n: expected a power of two, got 24"):
+        decode.Config(block_n=24, splits=1, num_warps=4, num_stages=1)
+    with pytest.raises(ValueError, match=r"kv_lens: expected shape \[B\] = \(2,\), got \(3,\)"):
+        decode.window(x.q, x.k, x.v, jnp.zeros(3, jnp.int32), **kw)
 
 
 # ---------------------------------------------------------------------------------------- GPU

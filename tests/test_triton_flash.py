@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 
 import nsa
+from nsa._config import Shapes
+from nsa._device import TABLE
 from nsa._varlen import num_compressed_blocks
 from tests.base import GRAD_TOLERANCE, TOLERANCE, assert_close, gradient_scales
 
@@ -90,7 +92,8 @@ class TestTritonFlashInterpreted:
         (q, k, v, do), _ = _inputs(1, 70, 3, 1, 16, 16, NK, "float32")
         cu_j = None if cu is None else jnp.asarray(cu)
         # 16-query tiles in 3 splits of 32 queries (splits are whole tiles)
-        config = _flash.default_config(q, k, v, backward=True, query_span=70)._replace(block_m=16, splits=3)
+        shapes = Shapes.of(q, k, v, **static)
+        config = _flash.default_config(shapes, q.dtype, TABLE["NVIDIA H200"])._replace(bwd_block_m=16, splits=3)
         out, res = module.forward(q, k, v, cu_j, scale=0.25, **static)
         dlse = jnp.where(jnp.isfinite(out[1]), 1.0, 0.0) if op == "compressed" else None
         grads = module.backward(res, do if dlse is None else (do, dlse), scale=0.25, config=config, **static)[:3]
@@ -116,12 +119,12 @@ class TestTritonFlashInterpreted:
         (q, k, v, do), _ = _inputs(2, TQ, 3, 1, 16, 16, NK, "float32")
         past = np.arange(NK)[None, :, None, None] >= used[:, None, None, None]
         kv_lens = jnp.asarray(lens)
-        fwd = _flash.default_config(q, k, v)._replace(block_m=16, block_n=16)
-        bwd = _flash.default_config(q, k, v, backward=True, query_span=TQ)._replace(block_m=16, block_n=16, splits=3)
+        config = _flash.default_config(Shapes.of(q, k, v, **static), q.dtype, TABLE["NVIDIA H200"])._replace(
+            block_m=16, block_n=16, bwd_block_m=16, bwd_block_n=16, splits=3)
         out, res = module.forward(q, *(jnp.where(past, jnp.nan, x) for x in (k, v)), None, kv_lens, scale=0.25,
-                                  config=fwd, **static)
+                                  config=config, **static)
         cotangent = (do, jnp.where(jnp.isfinite(out[1]), 1.0, 0.0)) if op == "compressed" else do
-        grads = module.backward(res, cotangent, scale=0.25, config=bwd, **static)[:3]
+        grads = module.backward(res, cotangent, scale=0.25, config=config, **static)[:3]
         zero_k, zero_v = (jnp.where(past, 0.0, x) for x in (k, v))
         out_ref, vjp = jax.vjp(lambda q, k, v: public(q, k, v, scale=0.25, kv_lens=kv_lens, implementation="xla",
                                                       **static), q, zero_k, zero_v)

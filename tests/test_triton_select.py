@@ -15,9 +15,12 @@ import numpy as np
 import pytest
 
 import nsa
+from nsa._config import Shapes
+from nsa._device import TABLE
 from nsa._varlen import num_compressed_blocks, tokens
 from nsa.api import _select as select_with_lse
 from nsa.reference import select as reference
+from nsa.triton import decode_select
 from nsa.triton import select as triton_select
 from tests.conftest import ON_GPU
 
@@ -100,7 +103,8 @@ def test_given_lse_packed_tiles_across_sequences(interpreted):
     B, T, HQ, H, Dk, bs = 1, 70, 10, 2, 16, 4
     cu = jnp.asarray(CU)
     q, k_cmp = _inputs(B, T, HQ, H, Dk, bs, "float32", CU, seed=1)
-    tb = triton_select.default_config(q, k_cmp, block_counts=5, block_size=bs).tokens
+    shapes = Shapes.of(q, k_cmp, block_size=bs, block_counts=5, packed=True)
+    tb = triton_select.default_config(shapes, q.dtype, H200).tokens
     assert tb > 1 and any(c % tb for c in CU[1:-1]), "no program spans two sequences"  # tokens c - 1 and c
     lse = nsa.compressed_attention(q, k_cmp, k_cmp, block_size=bs, cu_seqlens=cu, implementation="xla")[1]
     assert np.any(np.isneginf(np.asarray(lse)))
@@ -120,30 +124,33 @@ def test_cached_queries_over_several_chunks(interpreted, HQ, tq):
     _, k_cmp = _inputs(B, TK, HQ, H, Dk, bs, "float32")
     past = np.arange(TK // bs)[None, :, None, None] >= (lens // bs)[:, None, None, None]
     k_zero, kv_lens = jnp.where(past, 0.0, k_cmp), jnp.asarray(lens)
-    config = triton_select.default_config(q, k_cmp, block_counts=5, block_size=bs, kv_lens=kv_lens)._replace(chunk=16)
+    shapes = Shapes.of(q, k_cmp, block_size=bs, block_counts=5)
+    config = triton_select.default_config(shapes, q.dtype, H200)._replace(chunk=16)
     lse = nsa.compressed_attention(q, k_zero, k_zero, block_size=bs, kv_lens=kv_lens, implementation="xla")[1]
     ref = nsa.select_blocks(q, k_zero, block_counts=5, block_size=bs, kv_lens=kv_lens, implementation="xla")
     for given in (None, lse):
         got = triton_select.forward(q, jnp.where(past, jnp.nan, k_cmp), given, None, kv_lens, block_counts=5,
-                                    block_size=bs, scale=Dk ** -0.5, config=config)
+                                    block_size=bs, scale=Dk ** -0.5, config=config, decode=False)
         np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
 
 
-DECODE_CONFIGS = {"3-splits": triton_select.DecodeConfig(chunk=16, splits=3, num_warps=4, num_stages=2),
-                  "1-split": triton_select.DecodeConfig(chunk=16, splits=1, num_warps=4, num_stages=1),
-                  "64-splits": triton_select.DecodeConfig(chunk=16, splits=64, num_warps=4, num_stages=1),
+H200 = TABLE["NVIDIA H200"]
+DECODE_CONFIGS = {"3-splits": decode_select.Config(chunk=16, splits=3, num_warps=4, num_stages=2),
+                  "1-split": decode_select.Config(chunk=16, splits=1, num_warps=4, num_stages=1),
+                  "64-splits": decode_select.Config(chunk=16, splits=64, num_warps=4, num_stages=1),
                   "default": None}
 
 
 @pytest.mark.parametrize("config", DECODE_CONFIGS.values(), ids=DECODE_CONFIGS.keys())
 @pytest.mark.parametrize("HQ, tq", [(16, 1), (3, 5)], ids=["G16-decode", "G3-5-tokens"])
 def test_decode_kernel_matches_reference_exactly(interpreted, HQ, tq, config):
-    """The decode select (`decode_forward`: a few queries at the end of a cache, the candidate blocks split
-    over programs and merged) returns exactly the reference's ids in rank order: the last tq tokens of
-    sequences of 200 and 61 tokens in a cache of 50 compressed rows (block 4), NaN past each sequence's
-    complete blocks (never read), walked in chunks of 16 rows split over 3 programs (one without rows), 64
-    (most without: the merge takes 64 tops) or one, or the default config, with and without compressed attention's lse; two rows of k_cmp in
-    different splits are equal, so their blocks tie and the lower id must come first."""
+    """The decode select (nsa/triton/decode_select.py, forward(decode=True): a few queries at the end of a cache,
+    the candidate blocks split over programs and merged) returns exactly the reference's ids in rank order: the
+    last tq tokens of sequences of 200 and 61 tokens in a cache of 50 compressed rows (block 4), NaN past each
+    sequence's complete blocks (never read), walked in chunks of 16 rows split over 3 programs (one without
+    rows), 64 (most without: the merge takes 64 tops) or one, or the default config, with and without
+    compressed attention's lse; two rows of k_cmp in different splits are equal, so their blocks tie and the
+    lower id must come first."""
     B, TK, H, Dk, bs = 2, 200, 1, 16, 4
     lens = np.array([200, 61], np.int32)
     q, _ = _inputs(B, tq, HQ, H, Dk, bs, "float32", seed=2)
@@ -157,25 +164,23 @@ def test_decode_kernel_matches_reference_exactly(interpreted, HQ, tq, config):
                                        implementation="xla"))
     assert np.any(np.all(np.isin([3, 40], ref[0]), -1)), "the tied blocks are not both selected"
     for given in (None, lse):
-        got = triton_select.decode_forward(q, jnp.where(past, jnp.nan, k_cmp), given, kv_lens, block_counts=5,
-                                           block_size=bs, scale=Dk ** -0.5, config=config)
+        got = triton_select.forward(q, jnp.where(past, jnp.nan, k_cmp), given, None, kv_lens, block_counts=5,
+                                    block_size=bs, scale=Dk ** -0.5, config=config, decode=True)
         np.testing.assert_array_equal(np.asarray(got), ref)
 
 
 def test_default_decode_config():
-    """Splits for four programs per SM (528 on an H200), never more than the chunks of blocks (NC + 1
-    candidates) nor MAX_DECODE_SPLITS (64): at B = 1 every chunk its own program up to 64, at B = 64 three
-    splits, at B * H >= 528 one (no merge)."""
-    q = jnp.zeros((1, 1, 64, 128), jnp.bfloat16)
+    """Splits for four programs per SM (528 on an H200, 456 on an H100 PCIe), never more than the chunks of
+    blocks (NC + 1 candidates) nor MAX_SPLITS (64): at B = 1 every chunk its own program up to 64, at B = 64
+    three splits (two on the H100 PCIe), at B * H >= 528 one (no merge)."""
+    shape = lambda B, T, heads: jax.ShapeDtypeStruct((B, T, heads, 128), jnp.bfloat16)
+    config = lambda B, NC, device: decode_select.default_config(
+        Shapes.of(shape(B, 1, 64), shape(B, NC, 4), block_size=64, block_counts=16), jnp.bfloat16, TABLE[device])
     for NC, splits in ((1024, 17), (8192, 64), (3, 1)):
-        k_cmp = jnp.zeros((1, NC, 4, 128), jnp.bfloat16)
-        cfg = triton_select.default_decode_config(q, k_cmp, block_counts=16, block_size=64)
+        cfg = config(1, NC, "NVIDIA H200")
         assert (cfg.chunk, cfg.splits) == (min(64, max(16, 1 << (NC - 1).bit_length())), splits)
-    for B, splits in ((64, 3), (132, 1)):
-        cfg = triton_select.default_decode_config(jnp.zeros((B, 1, 64, 128), jnp.bfloat16),
-                                                  jnp.zeros((B, 1024, 4, 128), jnp.bfloat16), block_counts=16,
-                                                  block_size=64)
-        assert cfg.splits == splits
+    for B, splits, device in ((64, 3, "NVIDIA H200"), (132, 1, "NVIDIA H200"), (64, 2, "NVIDIA H100 PCIe")):
+        assert config(B, 1024, device).splits == splits
 
 
 # ---------------------------------------------------------------------------------------- GPU

@@ -16,6 +16,8 @@ import numpy as np
 import pytest
 
 import nsa
+from nsa._config import Shapes
+from nsa._device import TABLE
 from nsa._varlen import tokens
 from nsa.reference import selected as reference
 from tests.base import GRAD_TOLERANCE, TOLERANCE, Inputs, assert_close, gradient_scales
@@ -289,7 +291,8 @@ def test_long_lists_split_into_segments(interpreted, shape, seg_len, cu):
     rand = np.random.default_rng(3).integers(-1, cur + 2)  # -1, a visible block or the next (invalid)
     idx = np.broadcast_to(np.stack([0 * cur, cur, cur, rand], -1)[None, :, None], (B, T, H, 4)).astype(np.int32)
     counts = jnp.full((B, T, H), 4, jnp.int32)
-    config = kernels.default_config(x.q, x.k, x.v, idx, block_size=bs, cu_seqlens=cu_j)._replace(segment=seg_len)
+    shapes = Shapes.of(x.q, x.k, x.v, block_size=bs, block_counts=idx.shape[-1], packed=cu is not None)
+    config = kernels.default_config(shapes, x.q.dtype, TABLE["NVIDIA H200"])._replace(segment=seg_len)
     _, res = kernels.forward(x.q, x.k, x.v, jnp.asarray(idx), counts, cu_j, block_size=bs, scale=scale)
     backward = jax.jit(lambda res, do: kernels.backward(res, do, block_size=bs, scale=scale, config=config)[:3])
     first, second = backward(res, x.do), backward(res, x.do)

@@ -524,7 +524,7 @@ def _partials(B, H, splits, R, Dv):
                 L=_launch.shape_dtype((B * H, splits, R), jnp.float32))
 
 
-def _combine_tile(cfg, R, Dv):
+def _combine_block(cfg, R, Dv):
     """(CR, CD): the combine's tile, cfg's rows and columns, no larger than R rows by Dv columns padded."""
     return min(cfg.combine_rows, pow2(R)), min(cfg.combine_cols, pow2(Dv))
 
@@ -542,7 +542,7 @@ def _run(kernel, split_kernel, q, v, inputs, cfg, meta):
     R = TQ * (HQ // H)
     acc, m, l_sum = _launch.launch(split_kernel, grid=(B * H, cfg.splits), inputs=inputs,
                                    outputs=_partials(B, H, cfg.splits, R, Dv), NSPLIT=cfg.splits, **meta)
-    cr, cd = _combine_tile(cfg, R, Dv)
+    cr, cd = _combine_block(cfg, R, Dv)
     nsp = triton.next_power_of_2(cfg.splits)
     return _launch.launch(
         _combine_kernel, grid=(B * H, cdiv(R, cr), cdiv(Dv, cd)),
@@ -680,7 +680,7 @@ def attention(*arrays, block_counts, block_size, window_size, scale):
     acc_s, m_s, l_s = _launch.launch(_selected_split_kernel, grid=(B * H, cfg_s.splits), inputs=inputs,
                                      outputs=_partials(B, H, cfg_s.splits, R, Dv), NSPLIT=cfg_s.splits, **meta)
     gates = dict(G_CMP=step.g_cmp, G_SLC=step.g_slc, G_SWA=step.g_swa)
-    cr, cd = _combine_tile(cfg_c, R, Dv)
+    cr, cd = _combine_block(cfg_c, R, Dv)
     nsp = {branch: triton.next_power_of_2(max(1, n)) for branch, n in zip("CSW", (cfg_c.splits, cfg_s.splits, ns_w))}
     [o] = _launch.launch(
         _attention_combine_kernel, grid=(B * H, cdiv(R, cr), cdiv(Dv, cd)),
