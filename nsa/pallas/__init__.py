@@ -1,10 +1,18 @@
-"""Pallas kernels: Mosaic TPU on TPUs, Mosaic GPU on NVIDIA GPUs (nsa/pallas/gpu), and Pallas's TPU interpret
-mode everywhere else.
+"""The "pallas" kernel family (nsa._families): Mosaic TPU kernels on TPUs (nsa/pallas/tpu), Mosaic GPU kernels on
+NVIDIA GPUs (nsa/pallas/gpu), and the TPU kernels in Pallas's TPU interpret mode everywhere else.
 
-KERNELS maps an op name of nsa.reference.OPS to its (forward, backward) TPU kernels, with the reference's
-signatures and residuals plus the keyword `interpret`; DTYPES are the input dtypes they take. nsa.pallas.gpu
-has the same table for its Mosaic GPU kernels (jax >= 0.11; bfloat16 and float16). An op missing here runs
-the reference on every platform.
+Layout. nsa/pallas/tpu and nsa/pallas/gpu are sibling families of kernels, each with its own flash kernels
+(`_flash.py`, run by `window.py` and `compressed.py`), `select.py`, `selected.py` and the building blocks they
+share (`_common.py`); neither imports the other. What both build around their kernels in XLA (names of blocks,
+tile unions, selections inverted into per-block lists, segments, bands, packed heads, the backward's pre-pass)
+is nsa/_plan.py, shared with every family; `_batch.py` runs a kernel once per sequence of a symbolic batch. Each
+kernel module has one `Config` and one `default_config(shapes, dtype, device)` (nsa/_config.py), and reads the
+device's numbers from nsa._device.facts when it is traced.
+
+This module describes the family to the registry. KERNELS maps an op name of nsa.reference.OPS to its (forward,
+backward) TPU kernels (nsa.pallas.tpu.KERNELS: the reference's signatures and residuals plus the keywords
+`interpret` and `config`); DTYPES are the input dtypes they take. nsa.pallas.gpu has the same table for its
+Mosaic GPU kernels (jax >= 0.11; bfloat16 and float16). An op missing here runs the reference on every platform.
 
 `kernel(op, phase, platform)` is the compiled kernel of one platform ('tpu' or 'cuda'); `runner(op, phase,
 dtype)` is what an explicit implementation="pallas" runs: `nsa._platform.platform_dependent` between the Mosaic TPU
@@ -14,6 +22,16 @@ or CUDA from a CPU machine holds the Mosaic kernels). Where the GPU kernels cann
 float32 input), lowering for CUDA raises and says why: an explicitly requested kernel never falls back.
 Interpret mode runs the kernel's every grid step as plain JAX on the host: exact, slow, and a way to step
 through a kernel on a laptop.
+
+Where things go.
+- A new op: its reference in nsa/reference (nsa.reference.OPS), then a kernel module in tpu/ and, where it has
+  one, in gpu/, each with its Config and default_config and an entry of its package's KERNELS; index work that
+  is not the kernel's own goes to nsa/_plan.py.
+- A new GPU generation: a row of nsa._device.TABLE (its SMs, shared memory, ...): the kernels plan with it; and,
+  where a measurement on it shows other tiles are faster, a branch of the kernel's default_config, with its
+  comment pointing to the benchmarks/results file.
+- A new platform's family: a sibling package (nsa/pallas/<platform>/, or its own family under nsa/ with a line of
+  nsa._families.FAMILIES), its branch in `runner` and `kernel` here, and its row in nsa._families.PREFERENCE.
 """
 
 import functools
@@ -25,16 +43,10 @@ from jax.extend import core as jex_core
 from jax.interpreters import mlir
 
 from nsa import _platform
-from nsa.pallas import compressed, select, selected, window
+from nsa.pallas import tpu
 
-DTYPES = tuple(jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16))
-
-KERNELS = {
-    "window": (window.forward, window.backward),
-    "compressed": (compressed.forward, compressed.backward),
-    "selected": (selected.forward, selected.backward),
-    "select": (select.forward, None),
-}
+DTYPES = tpu.DTYPES
+KERNELS = tpu.KERNELS
 
 # The interpret-mode settings off TPU (the tests turn race detection on).
 INTERPRET = {"detect_races": False}

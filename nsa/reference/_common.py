@@ -66,26 +66,6 @@ def delta(o, do):
     return jnp.sum(o.astype(acc) * do.astype(acc), axis=-1)
 
 
-def rounded(x, dtype):
-    """x as float32, rounded to the precision of `dtype` (no-op for 32-bit and wider dtypes) even where XLA may
-    keep more: with xla_allow_excess_precision (on by default on GPUs) a bfloat16 value that XLA computes and then
-    reads back in float32 may skip its rounding, while a kernel always reads it rounded."""
-    info = jnp.finfo(dtype)
-    x = x.astype(jnp.float32)
-    return x if info.bits >= 32 else lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
-
-
-def kernel_delta(o, do, dtype, lse=None, dlse=None):
-    """The pre-pass of a kernel's backward: sum(o * do) [B, T, HQ] float32 over o and do as the kernel reads them
-    (in `dtype`), so that it cancels the kernel's do . v where it should (a query that sees one key has
-    ds = p * (do . v - delta) = 0 only if delta uses the same rounded do); with lse's cotangent dlse, the lse
-    path folded in: minus dlse where lse is finite (ds = p * (dp - delta + dlse))."""
-    delta = jnp.sum(rounded(o, dtype) * rounded(do, dtype), axis=-1)
-    if dlse is not None:
-        delta = delta - jnp.where(jnp.isfinite(lse), dlse.astype(jnp.float32), 0.0)
-    return delta
-
-
 def chunk_size(seq_len, bytes_per_query):
     """A power-of-two number of queries per chunk that keeps a chunk under CHUNK_BYTES."""
     fit = max(1, CHUNK_BYTES // max(1, bytes_per_query))

@@ -34,8 +34,8 @@ import triton.language as tl
 
 from nsa import _device, _varlen
 from nsa._config import expect, positive, power_of_two, validated
+from nsa._plan import kernel_delta
 from nsa._varlen import cdiv
-from nsa.reference._common import kernel_delta
 from nsa.triton import _launch
 from nsa.triton._common import LN2, LOG2E, check, mm, online_step, pow2
 

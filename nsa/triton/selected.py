@@ -53,8 +53,8 @@ import triton.language as tl
 
 from nsa._config import Shapes, expect, positive, power_of_two, validated
 from nsa._device import KiB
+from nsa._plan import kernel_delta
 from nsa._varlen import cdiv, num_compressed_blocks, tokens
-from nsa.reference import _common
 from nsa.triton import _launch, _splits
 from nsa.triton import decode as flash_decoding
 from nsa.triton._common import LN2, LOG2E, device, online_step, pow2, runs
@@ -638,7 +638,7 @@ def backward(residuals, do, *, block_size, scale, config=None):
     cfg = _config(q, k, v, block_indices, block_size, cu_seqlens, config)
     meta = _meta(q, k, v, block_size, scale, cfg)
     tok = _tokens(q, block_size, cu_seqlens, kv_lens)
-    delta = _common.kernel_delta(o, do, q.dtype)
+    delta = kernel_delta(o, do, q.dtype)
     do = do.astype(q.dtype)
     idx = _clipped(block_indices, k.shape[1], block_size)
     counts = block_counts.astype(jnp.int32)

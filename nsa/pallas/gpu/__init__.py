@@ -1,21 +1,20 @@
-"""Pallas kernels for NVIDIA GPUs (Mosaic GPU, jax >= 0.11): the TPU kernels' contract with nothing but jax[cuda].
+"""Pallas kernels for NVIDIA GPUs (Mosaic GPU, jax >= 0.11, Hopper): the TPU kernels' contract with nothing but
+jax[cuda].
 
 KERNELS maps an op name of nsa.reference.OPS to its (forward, backward) kernels, with the reference's
-signatures and residuals; DTYPES are the input dtypes they take (bfloat16 and float16: wgmma on float32 is
-TF32). The sliding-window and compressed branches are nsa/pallas/window.py and compressed.py on this
-package's flash kernels (`_flash.py`); selected attention and block selection have their own (`selected.py`,
-`select.py`).
+signatures and residuals (and the keyword `config`); DTYPES are the input dtypes they take (bfloat16 and
+float16: wgmma on float32 is TF32). The sliding-window and compressed branches (`window.py`, `compressed.py`)
+run this package's flash kernels (`_flash.py`); selected attention and block selection have their own
+(`selected.py`, `select.py`); `_common.py` holds their shared building blocks. The index planning around the
+kernels is nsa._plan's.
 """
 
-import functools
-
-from nsa.pallas import compressed, window
-from nsa.pallas.gpu import select, selected
-from nsa.pallas.gpu._flash import DTYPES
+from nsa.pallas.gpu import compressed, select, selected, window
+from nsa.pallas.gpu._common import DTYPES
 
 KERNELS = {
-    "window": (functools.partial(window.forward, gpu=True), functools.partial(window.backward, gpu=True)),
-    "compressed": (functools.partial(compressed.forward, gpu=True), functools.partial(compressed.backward, gpu=True)),
+    "window": (window.forward, window.backward),
+    "compressed": (compressed.forward, compressed.backward),
     "selected": (selected.forward, selected.backward),
     "select": (select.forward, None),
 }

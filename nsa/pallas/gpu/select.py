@@ -2,7 +2,7 @@
 compressed-attention scores (`scores`), then the top-k of their ranks (`top_k`), with the ranks built in XLA
 between them.
 
-The contract is nsa.reference.select's (nsa/pallas/select.py is the TPU version of the same op, with the
+The contract is nsa.reference.select's (nsa/pallas/tpu/select.py is the TPU version of the same op, with the
 details spelled out). Query t of KV head h, at in-sequence position p (t, or with a KV cache kv_lens[b] - T + t),
 sees the compressed rows first <= r < end = min(first + (p + 1) // block_size, NC) of k_cmp (first = its
 sequence's cmp_start, 0 with a cache); each of its G = HQ / H query heads takes the softmax
@@ -42,10 +42,9 @@ Memory: the output scores [B, H, TP, NCP] float32 (TP = NT * TB) is B * H * TP *
 B * H * T * NC * 4: 16 MiB at the standard shape (B = 1, T = 8192, H = 4, bs = 64: NC = 128 rows). XLA then
 builds the [B, T, H, NB] ranks from a transposed copy (NB = cdiv(T, bs), or with kv_lens max(cdiv(T, bs), NC)),
 which `top_k` reads once: a few times that in all, growing as T^2 / bs (1 GiB of scores at T = 64k). The top-k
-is its own kernel rather than XLA's lax.top_k, which took 24.6 of select's 32.1 ms at T = 64k on the H200; the
-kernel takes 1.2 ms there, and select 8.0 ms in all: scores 6.3, top_k 1.2, XLA's ranks 0.5 (2026-12-01,
-benchmarks/results/trace-65536-pallas.json). Fusing the top-k into the scores kernel would also keep the scores
-on chip.
+is its own kernel rather than XLA's lax.top_k, which took most of select's time at T = 64k on the H200; the
+kernel, its share and that of the scores and XLA's ranks: benchmarks/results/trace-65536-pallas.json. Fusing the
+top-k into the scores kernel would also keep the scores on chip.
 
 SMEM per program: q [64, Dp] and one chunk of k_cmp [64, Dp] in the input dtype, p [64, 64] and the scores
 [TB, 64] float32, the row ranges and lse: about 50 KiB at Dp = 128. Every copy is waited for before its use (no
@@ -53,6 +52,7 @@ pipelining yet: exactness first). Dtypes: bfloat16 and float16 (the wgmma operan
 """
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -60,42 +60,57 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from nsa._varlen import cdiv, tokens
+from nsa._config import Shapes, expect, validated
+from nsa._device import facts
+from nsa._plan import num_candidates
+from nsa._varlen import cdiv, round_up, tokens
 from nsa.pallas._batch import per_sequence
-from nsa.pallas.gpu._flash import DTYPES, by_row, call, iota, matmul, padded_dim, pipelined, smem_tile
+from nsa.pallas.gpu._common import by_row, call, check_dtype, iota, matmul, padded_dim, pipelined, smem_tile
 from nsa.reference.select import block_ranks, top_blocks
 
 ROWS = 64  # the tile: wgmma's M
-CHUNK = 64  # BC: compressed rows per step (wgmma's N)
+CHUNK = ROWS  # BC: compressed rows per step (wgmma's N): a row of a chunk's p is read as a per-row vector of a tile
+TOP_ROWS = 64  # rows (token, KV head) per top-k program: the wgmma layout's tile
 
 
-def _round_up(x, m):
-    return cdiv(x, m) * m
+@validated
+class Config(NamedTuple):
+    """The top-k kernel's ranks per step: a [64, top_chunk] float32 tile (32 KiB of shared memory per buffer at
+    128, two buffers)."""
+
+    top_chunk: int = 128
+
+    def check(self):
+        expect(self.top_chunk > 0 and self.top_chunk % 64 == 0, self, "top_chunk", "a positive multiple of 64")
+
+
+def default_config(shapes: Shapes, dtype, device) -> Config:
+    """The Config of q [B, T, HQ, Dk] against k_cmp [B, NC, H, Dk] (`Shapes.of(q, k_cmp, block_size=...,
+    block_counts=...)`) in `dtype` on `device`: chunks of 128 ranks at every shape (measured on an H200 at T = 65536,
+    select's top-k kernel: benchmarks/results/trace-65536-pallas.json)."""
+    del shapes, dtype, device
+    return Config()
 
 
 def _head_slots(G):
     """GR: the G query heads of a KV head rounded up to a multiple of 8 rows (TMA copies whole SMEM tiles)."""
-    return _round_up(G, 8)
+    return round_up(G, 8)
 
 
-def _check(q, k_cmp, config):
+def _check(q, k_cmp):
     B, T, HQ, Dk = q.shape
     if k_cmp.ndim != 4 or k_cmp.shape[0] != B or k_cmp.shape[3] != Dk:
         raise ValueError(f"k_cmp: expected [B={B}, NC, H, Dk={Dk}], got {k_cmp.shape}")
     H = k_cmp.shape[2]
     if H == 0 or HQ % H:
-        raise ValueError(f"k_cmp: its {H} KV heads must divide q's {HQ} query heads")
+        raise ValueError(f"k_cmp: expected KV heads H dividing q's {HQ} query heads, got H = {H}")
     if HQ // H > ROWS:
-        raise ValueError(f"q: G = HQ / H = {HQ // H} query heads per KV head; the Mosaic GPU kernel takes at most "
-                         f"{ROWS} (one 64-row tile)")
+        raise ValueError(f"q: G = HQ / H = {HQ // H} query heads per KV head; expected at most {ROWS} (the Mosaic GPU "
+                         f"kernel's one 64-row tile)")
     for name, x in (("q", q), ("k_cmp", k_cmp)):
-        if x.dtype not in DTYPES:
-            raise TypeError(f"{name}: dtype {x.dtype} is not supported by the Mosaic GPU kernel (bfloat16 or "
-                            f"float16: wgmma on float32 runs as TF32)")
+        check_dtype(x.dtype, name)
     if k_cmp.dtype != q.dtype:
-        raise TypeError(f"k_cmp: dtype {k_cmp.dtype} differs from q's {q.dtype}")
-    if config is not None:
-        raise ValueError(f"config: the Mosaic GPU kernel has no tunable tile yet, expected None, got {config!r}")
+        raise TypeError(f"k_cmp: expected q's dtype {q.dtype}, got {k_cmp.dtype}")
 
 
 # ------------------------------------------------------------------------------------------ XLA side
@@ -150,19 +165,13 @@ def _padded_inputs(q, k_cmp, H):
     B, T, HQ, Dk = q.shape
     NC = k_cmp.shape[1]
     G = HQ // H
-    GR, Dp, NCP = _head_slots(G), padded_dim(Dk, q.dtype), _round_up(NC, CHUNK)
+    GR, Dp, NCP = _head_slots(G), padded_dim(Dk, q.dtype), round_up(NC, CHUNK)
     q5 = q.reshape(B, T, H, G, Dk)
     if GR != G or Dp != Dk:
         q5 = jnp.pad(q5, [(0, 0)] * 3 + [(0, GR - G), (0, Dp - Dk)])
     if Dp != Dk or NCP != NC:
         k_cmp = jnp.pad(k_cmp, [(0, 0), (0, NCP - NC), (0, 0), (0, Dp - Dk)])
     return q5, k_cmp
-
-
-def num_blocks(T, NC, block_size, kv_lens):
-    """NB, the in-sequence blocks a token may have (as the reference): cdiv(T, bs), or with kv_lens (the queries
-    end longer sequences, which k_cmp covers) max(cdiv(T, bs), NC)."""
-    return cdiv(T, block_size) if kv_lens is None else max(cdiv(T, block_size), NC)
 
 
 def ranks_from_scores(by_row, cu_seqlens, kv_lens=None, *, block_size, num_blocks):
@@ -324,8 +333,6 @@ def scores(q, k_cmp, lse, cu_seqlens, kv_lens=None, *, block_size, scale):
 
 # ------------------------------------------------------------------------------------------ top-k kernel
 
-TOP_ROWS = 64  # rows (token, KV head) per top-k program: the wgmma layout's tile
-TOP_CHUNK = 128  # ranks per step: a [64, 128] float32 tile, 32 KiB of shared memory per buffer (two buffers)
 NO_ID = float(1 << 23)  # ids travel as float32, exact below 2^24: block ids are below NO_ID, fillers above it
 
 
@@ -342,20 +349,20 @@ def _insert(best, m, at):
     return jnp.where(replace, by_row(m, values.shape), values), jnp.where(replace, by_row(at, ids.shape), ids)
 
 
-def _top_k_kernel(chunks_ref, x_ref, out_ref, x_smem, out_smem, barrier, *, k, slots):
-    """Tile i: rows 64 i .. 64 i + 63 of x [RP, NP], its first chunks_ref[i] chunks of TOP_CHUNK columns."""
+def _top_k_kernel(chunks_ref, x_ref, out_ref, x_smem, out_smem, barrier, *, k, slots, top_chunk):
+    """Tile i: rows 64 i .. 64 i + 63 of x [RP, NP], its first chunks_ref[i] chunks of top_chunk columns."""
     i = lax.axis_index("tile")
     rows = pl.ds(pl.multiple_of(i * TOP_ROWS, TOP_ROWS), TOP_ROWS)
 
     def fetch(c, slot):
-        cols = pl.ds(c * TOP_CHUNK, TOP_CHUNK)
+        cols = pl.ds(c * top_chunk, top_chunk)
         plgpu.copy_gmem_to_smem(x_ref.at[rows, cols], x_smem.at[slot], barrier.at[slot])
 
     def step(c, slot, best):
         plgpu.barrier_wait(barrier.at[slot])
         x = plgpu.load(x_smem.at[slot], layout=plgpu.Layout.WGMMA)
         plgpu.commit_smem()  # every thread has read the slot before the next copy into it is issued
-        col = (iota(x.shape, 1) + c * TOP_CHUNK).astype(jnp.float32)
+        col = (iota(x.shape, 1) + c * top_chunk).astype(jnp.float32)
 
         def extract(_, carry):  # the chunk's best left: its value m and lowest column, then out of the chunk
             x, best = carry
@@ -364,7 +371,7 @@ def _top_k_kernel(chunks_ref, x_ref, out_ref, x_smem, out_smem, barrier, *, k, s
             x = jnp.where(col == by_row(at, x.shape), -jnp.inf, x)
             return x, _insert(best, m, at)
 
-        return lax.fori_loop(0, min(k, TOP_CHUNK), extract, (x, best))[1]
+        return lax.fori_loop(0, min(k, top_chunk), extract, (x, best))[1]
 
     slot_id = iota((TOP_ROWS, slots), 1)
     init = (jnp.where(slot_id < k, -jnp.inf, jnp.inf),  # slots past k: never the worst, never reported
@@ -384,43 +391,44 @@ def _top_k_kernel(chunks_ref, x_ref, out_ref, x_smem, out_smem, barrier, *, k, s
     plgpu.wait_smem_to_gmem(0)
 
 
-def top_k(x, k, chunks, *, interpret=None):
+def top_k(x, k, chunks, *, config=None, interpret=None):
     """The k best columns of each row of x float32 [R, N] in rank order, int32 [R, k]: value descending, ties to
     the lower column, -1 for -inf (nsa.reference.select's `top_blocks`; x must hold no NaN). chunks int32
-    [cdiv(R, 64)]: how many chunks of TOP_CHUNK columns each tile of 64 rows walks (the columns past them must
-    be -inf in all its rows; causally, about half the chunks).
+    [cdiv(R, 64)]: how many chunks of `config.top_chunk` columns (a Config; None: Config()) each tile of 64 rows
+    walks (the columns past them must be -inf in all its rows; causally, about half the chunks).
 
-    Grid (cdiv(R, 64),), one warpgroup per program. A program walks its chunks, each a TMA copy of x [64, 128]
-    into shared memory (double-buffered), loaded as one wgmma-layout tile: k times the chunk's best entry is
-    taken out (a row max, then the row min of the columns that hold it) and offered to the row's running top,
-    k (value, id) pairs in registers [64, SP] (SP = k rounded up to 8), which replaces its worst. At the end the
-    top is reported in rank order into an int32 [SP, 64] tile of shared memory, one TMA copy out. Cost: about
-    k x 6 passes over each walked chunk in registers; exact, deterministic. interpret: None, or a
+    Grid (cdiv(R, 64),), one warpgroup per program. A program walks its chunks, each a TMA copy of x [64, 128] (at
+    the default top_chunk) into shared memory (double-buffered), loaded as one wgmma-layout tile: k times the
+    chunk's best entry is taken out (a row max, then the row min of the columns that hold it) and offered to the
+    row's running top, k (value, id) pairs in registers [64, SP] (SP = k rounded up to 8), which replaces its worst.
+    At the end the top is reported in rank order into an int32 [SP, 64] tile of shared memory, one TMA copy out.
+    Cost: about k x 6 passes over each walked chunk in registers; exact, deterministic. interpret: None, or a
     plgpu.InterpretGPUParams to run it in Mosaic GPU's interpret mode (on the CPU: the tests)."""
     R, N = x.shape
     if N >= NO_ID:
-        raise ValueError(f"x: the top-k kernel carries column ids in float32, for fewer than {int(NO_ID)} columns, "
-                         f"got {N}")
-    slots = _round_up(max(k, 1), 8)
-    RP, NP = _round_up(R, TOP_ROWS), _round_up(N, TOP_CHUNK)
+        raise ValueError(f"x: expected fewer than {int(NO_ID)} columns (the top-k kernel carries column ids in "
+                         f"float32), got {N}")
+    top_chunk = (config or Config()).top_chunk
+    slots = round_up(max(k, 1), 8)
+    RP, NP = round_up(R, TOP_ROWS), round_up(N, top_chunk)
     x = jnp.pad(x.astype(jnp.float32), [(0, RP - R), (0, NP - N)], constant_values=-jnp.inf)
     nt = RP // TOP_ROWS
-    out = call(functools.partial(_top_k_kernel, k=k, slots=slots),
+    out = call(functools.partial(_top_k_kernel, k=k, slots=slots, top_chunk=top_chunk),
                jax.ShapeDtypeStruct((nt, slots, TOP_ROWS), jnp.int32), chunks.astype(jnp.int32), x,
                grid=(nt,), grid_names=("tile",),
-               scratch_types=[plgpu.SMEM((2, TOP_ROWS, TOP_CHUNK), jnp.float32),
+               scratch_types=[plgpu.SMEM((2, TOP_ROWS, top_chunk), jnp.float32),
                               plgpu.SMEM((slots, TOP_ROWS), jnp.int32), plgpu.Barrier(num_barriers=2)],
                kernel_name="select_top_k_kernel", interpret=interpret)
     return jnp.transpose(out, (0, 2, 1)).reshape(RP, slots)[:R, :k]
 
 
-def _top_chunks(pos, B, H, block_size, num_blocks):
-    """int32 [cdiv(B * T * H, 64)]: the chunks of ranks each top-k tile walks, rows (b, t, h) in order: a token's
-    blocks past its current one, pos // block_size, rank -inf."""
-    last = jnp.minimum(pos // block_size, num_blocks - 1) // TOP_CHUNK + 1  # [R_tok, T]
+def _top_chunks(pos, B, H, block_size, num_blocks, top_chunk):
+    """int32 [cdiv(B * T * H, 64)]: the chunks of top_chunk ranks each top-k tile walks, rows (b, t, h) in order:
+    a token's blocks past its current one, pos // block_size, rank -inf."""
+    last = jnp.minimum(pos // block_size, num_blocks - 1) // top_chunk + 1  # [R_tok, T]
     T = pos.shape[1]
     per_row = jnp.broadcast_to(last[:, :, None], (B, T, H)).reshape(-1)
-    per_row = jnp.pad(per_row, [(0, _round_up(per_row.shape[0], TOP_ROWS) - per_row.shape[0])])
+    per_row = jnp.pad(per_row, [(0, round_up(per_row.shape[0], TOP_ROWS) - per_row.shape[0])])
     return jnp.max(per_row.reshape(-1, TOP_ROWS), axis=1)
 
 
@@ -431,13 +439,16 @@ def forward(q, k_cmp, lse, cu_seqlens, kv_lens=None, *, block_counts, block_size
     q [B, T, HQ, Dk], k_cmp [B, NC, H, Dk] (bfloat16 or float16, the same); lse [B, T, HQ] float32 is
     compressed attention's log-sum-exp of the same q and k_cmp (it saves the kernel its first walk), or None;
     cu_seqlens None or int32 [N + 1] (packed sequences, B = 1); kv_lens None or int32 [B] (the queries are the
-    last T tokens of sequences of kv_lens[b] tokens, which k_cmp covers). config: None (no tunable tile yet).
-    A symbolic batch runs once per sequence (`per_sequence`: no Mosaic GPU grid takes one).
+    last T tokens of sequences of kv_lens[b] tokens, which k_cmp covers). config: a Config (None:
+    `default_config`). A symbolic batch runs once per sequence (`per_sequence`: no Mosaic GPU grid takes one).
     """
-    _check(q, k_cmp, config)
+    _check(q, k_cmp)
     B, T, HQ, _ = q.shape
     NC, H = k_cmp.shape[1], k_cmp.shape[2]
-    nb = num_blocks(T, NC, block_size, kv_lens)
+    if config is None:
+        shapes = Shapes.of(q, k_cmp, block_size=block_size, block_counts=block_counts)
+        config = default_config(shapes, q.dtype, facts("cuda"))
+    nb = num_candidates(T, NC, block_size, kv_lens)
     if B * T * H == 0:
         return jnp.zeros((B, T, H, block_counts), jnp.int32)
     tok = tokens(T, block_size, cu_seqlens, kv_lens)
@@ -451,5 +462,6 @@ def forward(q, k_cmp, lse, cu_seqlens, kv_lens=None, *, block_counts, block_size
         # a tile writes only its chunks (`_chunk_bands`): the rows a token does not see read as 0
         by_row = jnp.where((row >= first) & (row < end), jnp.transpose(out[:, :, :T, :NC], (0, 2, 1, 3)), 0.0)
     ranks = ranks_from_scores(by_row, cu_seqlens, kv_lens, block_size=block_size, num_blocks=nb)
-    ids = top_k(ranks.reshape(B * T * H, nb), block_counts, _top_chunks(tok.pos, B, H, block_size, nb))
+    ids = top_k(ranks.reshape(B * T * H, nb), block_counts,
+                _top_chunks(tok.pos, B, H, block_size, nb, config.top_chunk), config=config)
     return ids.reshape(B, T, H, block_counts)

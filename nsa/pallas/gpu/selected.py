@@ -1,11 +1,10 @@
-"""Selected attention (the fine-grained branch) as Pallas Mosaic GPU kernels: forward, dq and a deterministic
-dk/dv.
+"""Selected attention (the fine-grained branch) as Pallas Mosaic GPU kernels: forward, dq and a deterministic dk/dv.
 
-The contract is nsa.reference.selected's, and the index work of the forward and dq is nsa/pallas/selected.py's
-(the TPU kernels), reused as it is: each slot names its block by the block's first global key row (`_names`),
-and each tile of TB tokens gets the union of the blocks its tokens list (`_tile_blocks`). dk/dv inverts the
-selection per token instead (`_token_lists`): one list of (token, times) entries per block row, cut into
-segments (`_segments`), so that a step computes the TB * GR rows of TB tokens that all list its block.
+The contract is nsa.reference.selected's, and the index work is nsa._plan's, as for the TPU kernels
+(nsa/pallas/tpu/selected.py): each slot names its block by the block's first global key row (`block_names`),
+and each tile of TB tokens gets the union of the blocks its tokens list (`tile_unions`). dk/dv inverts the
+selection per token instead (`token_lists`): one list of (token, times) entries per block row, cut into
+segments (`segments`), so that a step computes the TB * GR rows of TB tokens that all list its block.
 
 Tiles. A tile is TB consecutive query tokens of one KV head with their G query heads: 64 rows (wgmma's M),
 row j * GR + g for token j and head g, the heads padded to GR = the next power of 2 >= max(G, 8) (so that
@@ -32,25 +31,25 @@ of block x iff token j lists it (m > 0 times: log m is added to its logits, so a
 twice), c < block_size and x + c <= the token's key row t0 + j. Online softmax in base 2, float32.
 
 Backward. delta = sum(o * do) in XLA. `_dq_kernel` walks the forward's tiles and unions, recomputing p from lse.
-dk/dv: each of the B * T * H * S slots is keyed by its list (b * H + h) * NR + block row, a token's slots naming
-one block merged into one entry (times = how many), and all stably sorted: list i is the entries offsets[i] :
-offsets[i + 1] (E = B * T * H * min(S, NR) bounds them), its tokens increasing, and is cut into segments of at
-most SEGMENT entries. `_dkdv_kernel`, grid (NSEG,), owns a segment of one block's list: it copies the block once,
-then walks its entries TB at a time (double-buffered): step e takes entries lo + e * TB + j (j < TB), one TMA copy
-per token of q [GR, Dkp] and do [GR, Dvp] into rows j * GR ..., and one copy each of the TB * GR floats of lse and
-delta at (lo + e * TB) * GR (the entry order of `_entry_vector`: TMA needs aligned shared memory, not an aligned
-global offset). Row (j, g) sees key x + c iff c < block_size and x + c <= the key row of entry j's token (log m
-added to its logits); in a segment's last step the rows of entries past the segment see nothing (their tokens,
-those of the next entries or of the tables' padding, are still valid rows to copy). k and v are not zeroed: a NaN
-key row (a cache's past its sequence) is masked for every row, and reaches only its own row of s^T and dp^T, which
-the jnp.where set to 0 in p^T and ds^T. The kernel writes float32 partial dk and dv [BK, Dp] of its block;
-`_reduce_kernel`, grid (NL,), adds a list's partials in segment order; XLA gathers each key row's sum. No atomics,
-a fixed order: dk and dv are bitwise repeatable.
+dk/dv: each of the B * T * H * S slots is keyed by its list (b * H + h) * NR + block row, a token's slots naming one
+block merged into one entry (times = how many), and all stably sorted: list i is the entries
+offsets[i] : offsets[i + 1] (E = B * T * H * min(S, NR) bounds them), its tokens increasing, and is cut into
+segments of at most L = `Config.segment` entries. `_dkdv_kernel`, grid (NSEG,), owns a segment of one block's list:
+it copies the block once, then walks its entries TB at a time (double-buffered): step e takes entries lo + e * TB +
+j (j < TB), one TMA copy per token of q [GR, Dkp] and do [GR, Dvp] into rows j * GR ..., and one copy each of the TB
+* GR floats of lse and delta at (lo + e * TB) * GR (the entry order of `_entry_vector`: TMA needs aligned shared
+memory, not an aligned global offset). Row (j, g) sees key x + c iff c < block_size and x + c <= the key row of
+entry j's token (log m added to its logits); in a segment's last step the rows of entries past the segment see
+nothing (their tokens, those of the next entries or of the tables' padding, are still valid rows to copy). k and v
+are not zeroed: a NaN key row (a cache's past its sequence) is masked for every row, and reaches only its own row of
+s^T and dp^T, which the jnp.where set to 0 in p^T and ds^T. The kernel writes float32 partial dk and dv [BK, Dp] of
+its block; `_reduce_kernel`, grid (NL,), adds a list's partials in segment order; XLA gathers each key row's sum. No
+atomics, a fixed order: dk and dv are bitwise repeatable.
 
 Shared memory per program (the largest, dq): q, do [64, Dp], two k and two v [BK, Dp] buffers, small vectors:
 80 KiB at Dk = Dv = 128, block 64, bfloat16. Global memory: dk/dv's tables take E * (8 + 8 * GR) bytes (the
 entries; lse and delta in entry order), 544 MiB at T = 64k on the standard shape (H = 4, S = 16, GR = 16), beside
-the float32 partials, (NL + E / SEGMENT) x [BK, Dkp + Dvp].
+the float32 partials, (NL + E / L) x [BK, Dkp + Dvp].
 """
 
 import functools
@@ -62,18 +61,38 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from nsa._config import Shapes, positive, validated
+from nsa._device import facts
+from nsa._plan import (NONE, PAST, block_names, check_selected, kernel_delta, key_blocks, padded, per_key_row,
+                       row_offsets, segments, tile_names, tile_starts, tile_unions, token_lists)
 from nsa._varlen import cdiv, num_compressed_blocks, tokens
-from nsa.pallas import selected as tpu
 from nsa.pallas._batch import per_sequence
-from nsa.pallas.gpu._flash import (COLS, LN2, LOG2E, ROWS, by_row, call, check_dtype, iota, kernel_name,
-                                   key_gradients, matmul, matmul_add, pad_to, padded_dim, pipelined, smem_tile,
-                                   store, tma_rows, zero_rows_past)
-from nsa.reference._common import kernel_delta
+from nsa.pallas.gpu._common import (COLS, LN2, LOG2E, ROWS, by_row, call, check_dtype, iota, kernel_name,
+                                    key_gradients, matmul, matmul_add, padded_dim, pipelined, smem_tile, store,
+                                    tma_rows, zero_rows_past)
 
 ROWS_PER_TILE = 64  # wgmma's M
 MAX_BLOCK = 256  # the rows of one TMA copy
-SEGMENT = 1024  # L: the most entries (tokens) of one dk/dv segment; the float32 partials are (NL + E / L) x [BK, Dp]
 MAX_SLOTS = 255  # S at most: `times` counts up to 255 listings of a block by one token
+
+
+@validated
+class Config(NamedTuple):
+    """L = segment: the most entries (tokens) of one dk/dv segment; the float32 partials are (NL + E / L) x
+    [BK, Dp]."""
+
+    segment: int = 1024
+
+    def check(self):
+        positive(self, "segment")
+
+
+def default_config(shapes: Shapes, dtype, device) -> Config:
+    """The Config of q [B, T, HQ, Dk] against k [B, TK, H, Dk] (`Shapes.of(q, k, v, block_size=...,
+    block_counts=S)`) in `dtype` on `device`: segments of 1024 entries at every shape, as measured on an H200
+    (selected attention at T = 65536: benchmarks/results/ops-65536-pallas.json)."""
+    del shapes, dtype, device
+    return Config()
 
 
 def _head_rows(G):
@@ -86,15 +105,27 @@ def _head_rows(G):
 class _Layout(NamedTuple):
     """The static sizes of one call (see the module docstring)."""
 
-    tpu: tpu._Layout  # the sizes nsa/pallas/selected.py's index functions read
+    B: int
+    T: int
+    TK: int  # key rows: T, or a cache's
+    H: int
+    G: int
+    S: int
+    tb: int  # TB = 64 / GR tokens per tile
+    nt: int  # NT = Tp / TB
+    dkp: int
+    dvp: int
+    num_rows: int  # NR, block rows per (batch row, KV head) of the TK keys: a static bound on the distinct blocks
+    union: int  # U, the most distinct blocks of one tile: min(tokens of a tile * S, NR)
     gr: int  # GR
     rows: int  # TB * GR
     bits: int  # per token in `times`: 4 (counts to 15) when S <= 15, else 8 (counts to 255; then TB <= 4)
     bk: int  # BK
     direct: bool  # the blocks are read from k and v themselves (else from `_block_rows`)
+    segment: int  # L
 
 
-def _layout(q, k, v, block_indices, block_size, cu_seqlens, kv_lens):
+def _layout(q, k, v, block_indices, block_size, cu_seqlens, kv_lens, config):
     B, T, HQ, Dk = q.shape
     TK, H, S = k.shape[1], k.shape[2], block_indices.shape[3]
     G = HQ // H
@@ -104,72 +135,68 @@ def _layout(q, k, v, block_indices, block_size, cu_seqlens, kv_lens):
     nt = cdiv(T, tb)
     num_rows = num_compressed_blocks(TK, block_size, cu_seqlens)
     bk = cdiv(block_size, 64) * 64
-    lay = tpu._Layout(B, T, TK, H, G, S, tb, nt, bk, bk, padded_dim(Dk, q.dtype), padded_dim(v.shape[3], v.dtype),
-                      num_rows, min(min(T, tb) * S, num_rows), False)
-    return _Layout(lay, gr, tb * gr, bits, bk, cu_seqlens is None and block_size % 8 == 0)
+    return _Layout(B, T, TK, H, G, S, tb, nt, padded_dim(Dk, q.dtype), padded_dim(v.shape[3], v.dtype), num_rows,
+                   min(min(T, tb) * S, num_rows), gr, tb * gr, bits, bk, cu_seqlens is None and block_size % 8 == 0,
+                   config.segment)
 
 
-def _check(q, block_indices, block_size):
-    check_dtype(q.dtype, "selected_attention")
+def _check(q, k, block_indices, block_size):
+    check_selected(q, k, block_indices, block_size)
+    check_dtype(q.dtype, "q")
     if block_indices.shape[3] > MAX_SLOTS:
-        raise ValueError(f"block_indices: the Mosaic GPU kernels take at most {MAX_SLOTS} slots per query, got "
-                         f"{block_indices.shape[3]}")
+        raise ValueError(f"block_indices: expected at most {MAX_SLOTS} slots per query (S; the Mosaic GPU kernels "
+                         f"count a token's listings of a block in 8 bits), got S = {block_indices.shape[3]}")
     if int(block_size) > MAX_BLOCK:
-        raise ValueError(f"block_size: the Mosaic GPU kernels copy a block in one TMA copy of at most {MAX_BLOCK} "
-                         f"rows, got {block_size}")
+        raise ValueError(f"block_size: expected at most {MAX_BLOCK} (the Mosaic GPU kernels copy a block in one TMA "
+                         f"copy), got {block_size}")
 
 
 def _token_rows(x, L, d, fill=0.0):
     """[B, T, HQ, ...] -> [B, Tp, H, GR, ...] (the trailing dim, if any, zero-padded to d; the padded heads and
     tokens filled with `fill`)."""
-    lay = L.tpu
-    x = x.reshape((lay.B, lay.T, lay.H, lay.G) + x.shape[3:])
+    x = x.reshape((L.B, L.T, L.H, L.G) + x.shape[3:])
     if x.ndim == 5:
-        x = pad_to(x, 4, d)
-    pads = [(0, 0), (0, lay.nt * lay.tb - lay.T), (0, 0), (0, L.gr - lay.G)] + [(0, 0)] * (x.ndim - 4)
+        x = padded(x, 4, d)
+    pads = [(0, 0), (0, L.nt * L.tb - L.T), (0, 0), (0, L.gr - L.G)] + [(0, 0)] * (x.ndim - 4)
     return x if not any(p for _, p in pads) else jnp.pad(x, pads, constant_values=fill)
 
 
 def _from_token_rows(x, L, d):
     """[B, Tp, H, GR, ...] -> [B, T, HQ, ...] (the trailing dim cut to d)."""
-    lay = L.tpu
-    x = x[:, :lay.T, :, :lay.G]
+    x = x[:, :L.T, :, :L.G]
     if x.ndim == 5:
         x = x[..., :d]
-    return x.reshape((lay.B, lay.T, lay.H * lay.G) + x.shape[4:])
+    return x.reshape((L.B, L.T, L.H * L.G) + x.shape[4:])
 
 
 def _tile_vector(x, L, fill):
     """[B, T, HQ] -> [B, H, NT, TB * GR] float32 (a tile's rows, contiguous: one TMA copy), padded with `fill`."""
-    lay = L.tpu
-    x = _token_rows(x.astype(jnp.float32), L, None, fill=fill).reshape(lay.B, lay.nt, lay.tb, lay.H, L.gr)
-    return jnp.transpose(x, (0, 3, 1, 2, 4)).reshape(lay.B, lay.H, lay.nt, L.rows)
+    x = _token_rows(x.astype(jnp.float32), L, None, fill=fill).reshape(L.B, L.nt, L.tb, L.H, L.gr)
+    return jnp.transpose(x, (0, 3, 1, 2, 4)).reshape(L.B, L.H, L.nt, L.rows)
 
 
 def _from_tile_vector(x, L):
     """`_tile_vector`'s inverse: [B, H, NT, TB * GR] -> [B, T, HQ]."""
-    lay = L.tpu
-    x = jnp.transpose(x.reshape(lay.B, lay.H, lay.nt, lay.tb, L.gr), (0, 2, 3, 1, 4))
-    return _from_token_rows(x.reshape(lay.B, lay.nt * lay.tb, lay.H, L.gr), L, None)
+    x = jnp.transpose(x.reshape(L.B, L.H, L.nt, L.tb, L.gr), (0, 2, 3, 1, 4))
+    return _from_token_rows(x.reshape(L.B, L.nt * L.tb, L.H, L.gr), L, None)
 
 
 def _block_rows(x, L, cu_seqlens, block_size, d):
     """[B, TK, H, D] -> [B, NR * BK, H, d]: block row r of each (b, h) at rows r * BK, zero-padded (for
     blocks that do not start on 8-row boundaries: packed sequences, or a block_size not a multiple of 8)."""
-    lay = L.tpu
-    keys = tokens(lay.TK, block_size, cu_seqlens)
-    dest = (keys.cmp_start[0] + keys.pos[0] // block_size) * L.bk + keys.pos[0] % block_size  # [TK], unique
-    out = jnp.zeros((lay.B, lay.num_rows * L.bk, lay.H, d), x.dtype)
-    return out.at[:, dest].set(pad_to(x, 3, d), unique_indices=True)
+    keys = tokens(L.TK, block_size, cu_seqlens)
+    dest = key_blocks(keys, block_size) * L.bk + keys.pos[0] % block_size  # [TK], unique
+    out = jnp.zeros((L.B, L.num_rows * L.bk, L.H, d), x.dtype)
+    return out.at[:, dest].set(padded(x, 3, d), unique_indices=True)
 
 
 def _source_rows(names, L, cu_seqlens, block_size):
-    """The row of the kernels' k each block named `names` (a first key row; _PAST for none) is copied from."""
+    """The row of the kernels' k each block named `names` (a first key row; PAST for none) is copied from."""
     if L.direct:
         return names
-    keys = tokens(L.tpu.TK, block_size, cu_seqlens)
-    x = jnp.where(names == tpu._PAST, 0, names)
-    return (keys.cmp_start[0][x] + keys.pos[0][x] // block_size) * L.bk
+    keys = tokens(L.TK, block_size, cu_seqlens)
+    x = jnp.where(names == PAST, 0, names)
+    return key_blocks(keys, block_size, x) * L.bk
 
 
 def _times(tile_names, union, bits):
@@ -184,11 +211,10 @@ def _tables(block_indices, block_counts, cu_seqlens, kv_lens, L, block_size):
     """What the forward and dq kernels read per tile: (count [B, H, NT], t0 [B, H, NT], union [B, H, NT, U], the
     source rows, times and last [B, H, NT, U]: the key row of the last token of the tile that lists each block;
     rows past it are zeroed when copied, as no token of the tile sees them)."""
-    lay = L.tpu
-    offsets = tpu._row_offsets(kv_lens, lay)
-    names = tpu._tile_names(tpu._names(block_indices, block_counts, cu_seqlens, kv_lens, lay, block_size), lay)
-    union, last, count = tpu._tile_blocks(names, offsets, lay)
-    return (count, tpu._tile_starts(offsets, lay), union, _source_rows(union, L, cu_seqlens, block_size),
+    offsets = row_offsets(kv_lens, L.T)
+    names = tile_names(block_names(block_indices, block_counts, cu_seqlens, kv_lens, block_size=block_size), L.tb)
+    union, last, count = tile_unions(names, offsets, L.union)
+    return (count, tile_starts(offsets, (L.B, L.H, L.nt), L.tb), union, _source_rows(union, L, cu_seqlens, block_size),
             _times(names, union, L.bits), last)
 
 
@@ -218,7 +244,7 @@ def _tile_barriers(copies, num_barriers=1):
 def _forward_kernel(count_ref, t0_ref, union_ref, source_ref, times_ref, last_ref, q_ref, k_ref, v_ref, o_ref, lse_ref,
                     q_smem, k_smem, v_smem, o_smem, lse_smem, q_bar, k_bar, v_bar, *, L, block_size, scale):
     i, h, b = lax.axis_index("tile"), lax.axis_index("head"), lax.axis_index("batch")
-    tb, gr = L.tpu.tb, L.gr
+    tb, gr = L.tb, L.gr
     tokens_of_tile = i * tb
     _copy_tile_rows(q_ref, q_smem, b, h, tokens_of_tile, q_bar.at[0], tb=tb, gr=gr)
     n, t0 = count_ref[b, h, i], t0_ref[b, h, i]
@@ -247,7 +273,7 @@ def _forward_kernel(count_ref, t0_ref, union_ref, source_ref, times_ref, last_re
         zero_rows_past(v_smem.at[slot], x, last_ref[b, h, i, u])
         return matmul_add(acc, p.astype(q_smem.dtype), v_smem.at[slot]), m_new, l
 
-    init = (plgpu.layout_cast(jnp.zeros((L.rows, L.tpu.dvp), jnp.float32), plgpu.Layout.WGMMA),
+    init = (plgpu.layout_cast(jnp.zeros((L.rows, L.dvp), jnp.float32), plgpu.Layout.WGMMA),
             plgpu.layout_cast(jnp.full((L.rows,), -jnp.inf, jnp.float32), ROWS),
             plgpu.layout_cast(jnp.zeros((L.rows,), jnp.float32), ROWS))
     acc, m, l = pipelined(n, fetch, step, init)
@@ -266,7 +292,7 @@ def _dq_kernel(count_ref, t0_ref, union_ref, source_ref, times_ref, last_ref, q_
                k_ref, v_ref, dq_ref, q_smem, do_smem, stats, k_smem, v_smem, q_bar, k_bar, v_bar, *, L, block_size,
                scale):
     i, h, b = lax.axis_index("tile"), lax.axis_index("head"), lax.axis_index("batch")
-    tb, gr = L.tpu.tb, L.gr
+    tb, gr = L.tb, L.gr
     tokens_of_tile = i * tb
     for src, dst in ((q_ref, q_smem), (do_ref, do_smem)):
         _copy_tile_rows(src, dst, b, h, tokens_of_tile, q_bar.at[0], tb=tb, gr=gr)
@@ -299,7 +325,7 @@ def _dq_kernel(count_ref, t0_ref, union_ref, source_ref, times_ref, last_ref, q_
         ds = jnp.where(visible, p * (dp - by_row(delta, shape)), 0.0)
         return matmul_add(acc, ds.astype(q_smem.dtype), k_smem.at[slot])
 
-    acc = pipelined(n, fetch, step, plgpu.layout_cast(jnp.zeros((L.rows, L.tpu.dkp), jnp.float32),
+    acc = pipelined(n, fetch, step, plgpu.layout_cast(jnp.zeros((L.rows, L.dkp), jnp.float32),
                                                       plgpu.Layout.WGMMA))
     q_smem[...] = (acc * scale).astype(q_smem.dtype)
     plgpu.commit_smem()
@@ -331,7 +357,7 @@ def _dkdv_kernel(seg_ref, entry_ref, q_ref, do_ref, lse_ref, delta_ref, k_ref, v
     memory to copy) but their rows see nothing."""
     s = lax.axis_index("segment")
     b, h, x, source, lo, hi, offset = (seg_ref[s, c] for c in range(7))
-    tb, gr = L.tpu.tb, L.gr
+    tb, gr = L.tb, L.gr
     rows = pl.ds(pl.multiple_of(source, 8), L.bk)
     plgpu.copy_gmem_to_smem(k_ref.at[b, rows, h], k_smem, k_bar.at[0])
     plgpu.copy_gmem_to_smem(v_ref.at[b, rows, h], v_smem, k_bar.at[1])
@@ -363,9 +389,9 @@ def _dkdv_kernel(seg_ref, entry_ref, q_ref, do_ref, lse_ref, delta_ref, k_ref, v
     plgpu.barrier_wait(k_bar.at[1])
     zeros = lambda d: plgpu.layout_cast(jnp.zeros((L.bk, d), jnp.float32), plgpu.Layout.WGMMA)
     steps = lax.div(hi - lo + (tb - 1), tb)
-    dk, dv = pipelined(steps, fetch, step, (zeros(L.tpu.dkp), zeros(L.tpu.dvp)))
-    pl.run_scoped(lambda out: store(dk, out, dk_ref.at[s]), plgpu.SMEM((L.bk, L.tpu.dkp), jnp.float32))
-    pl.run_scoped(lambda out: store(dv, out, dv_ref.at[s]), plgpu.SMEM((L.bk, L.tpu.dvp), jnp.float32))
+    dk, dv = pipelined(steps, fetch, step, (zeros(L.dkp), zeros(L.dvp)))
+    pl.run_scoped(lambda out: store(dk, out, dk_ref.at[s]), plgpu.SMEM((L.bk, L.dkp), jnp.float32))
+    pl.run_scoped(lambda out: store(dv, out, dv_ref.at[s]), plgpu.SMEM((L.bk, L.dvp), jnp.float32))
 
 
 def _reduce_kernel(list_ref, dk_ref, dv_ref, dk_out, dv_out, dk_smem, dv_smem, bar):
@@ -394,7 +420,7 @@ def _keys(x, L, cu_seqlens, block_size, d):
     """What the kernels read as k or v: x itself (D padded) when its blocks start on 8-row boundaries, else
     `_block_rows`."""
     if L.direct:
-        return tma_rows(pad_to(x, 3, d), L.bk)
+        return tma_rows(padded(x, 3, d), L.bk)
     return _block_rows(x, L, cu_seqlens, block_size, d)
 
 
@@ -403,67 +429,42 @@ def _kernel(body, grid, names, outputs, scratch, *args):
                 kernel_name=kernel_name("selected", body))
 
 
-def forward(q, k, v, block_indices, block_counts, cu_seqlens, kv_lens=None, *, block_size, scale):
+def forward(q, k, v, block_indices, block_counts, cu_seqlens, kv_lens=None, *, block_size, scale, config=None):
     """o [B, T, HQ, Dv] (q's dtype) and the residuals (q, k, v, block_indices, block_counts, cu_seqlens, kv_lens,
-    o, lse [B, T, HQ] float32): nsa/pallas/selected.py's `forward` on Mosaic GPU (bfloat16, float16). A
-    symbolic batch runs once per sequence (`per_sequence`: no Mosaic GPU grid takes one)."""
+    o, lse [B, T, HQ] float32): nsa/pallas/tpu/selected.py's `forward` on Mosaic GPU (bfloat16, float16).
+    config: a Config (None: `default_config`). A symbolic batch runs once per sequence (`per_sequence`: no Mosaic
+    GPU grid takes one)."""
     o, lse = per_sequence(_attention)(q, k, v, block_indices, block_counts, cu_seqlens, kv_lens,
-                                      block_size=block_size, scale=scale)
+                                      block_size=block_size, scale=scale, config=config)
     return o, (q, k, v, block_indices, block_counts, cu_seqlens, kv_lens, o, lse)
 
 
-def _attention(q, k, v, block_indices, block_counts, cu_seqlens, kv_lens, *, block_size, scale):
+def _config(config, q, k, v, block_indices, block_size):
+    if config is not None:
+        return config
+    shapes = Shapes.of(q, k, v, block_size=block_size, block_counts=block_indices.shape[3])
+    return default_config(shapes, q.dtype, facts("cuda"))
+
+
+def _attention(q, k, v, block_indices, block_counts, cu_seqlens, kv_lens, *, block_size, scale, config):
     """`forward`'s o and lse."""
-    tpu._check(q, k, block_indices, block_size)
-    _check(q, block_indices, block_size)
-    L = _layout(q, k, v, block_indices, block_size, cu_seqlens, kv_lens)
-    lay = L.tpu
+    _check(q, k, block_indices, block_size)
+    L = _layout(q, k, v, block_indices, block_size, cu_seqlens, kv_lens,
+                _config(config, q, k, v, block_indices, block_size))
     tables = _tables(block_indices, block_counts, cu_seqlens, kv_lens, L, block_size)
-    tile = (lay.B, lay.nt * lay.tb, lay.H, L.gr)
+    tile = (L.B, L.nt * L.tb, L.H, L.gr)
     o, lse_t = _kernel(
-        functools.partial(_forward_kernel, L=L, block_size=block_size, scale=float(scale)), (lay.nt, lay.H, lay.B),
+        functools.partial(_forward_kernel, L=L, block_size=block_size, scale=float(scale)), (L.nt, L.H, L.B),
         ("tile", "head", "batch"),
-        (jax.ShapeDtypeStruct(tile + (lay.dvp,), q.dtype),
-         jax.ShapeDtypeStruct((lay.B, lay.H, lay.nt, L.rows), jnp.float32)),
-        [smem_tile((L.rows, lay.dkp), q.dtype), smem_tile((2, L.bk, lay.dkp), k.dtype),
-         smem_tile((2, L.bk, lay.dvp), v.dtype), smem_tile((L.rows, lay.dvp), q.dtype),
-         plgpu.SMEM((L.rows,), jnp.float32), _tile_barriers(lay.tb), plgpu.Barrier(num_barriers=2),
+        (jax.ShapeDtypeStruct(tile + (L.dvp,), q.dtype),
+         jax.ShapeDtypeStruct((L.B, L.H, L.nt, L.rows), jnp.float32)),
+        [smem_tile((L.rows, L.dkp), q.dtype), smem_tile((2, L.bk, L.dkp), k.dtype),
+         smem_tile((2, L.bk, L.dvp), v.dtype), smem_tile((L.rows, L.dvp), q.dtype),
+         plgpu.SMEM((L.rows,), jnp.float32), _tile_barriers(L.tb), plgpu.Barrier(num_barriers=2),
          plgpu.Barrier(num_barriers=2)],
-        *tables, _token_rows(q, L, lay.dkp), _keys(k, L, cu_seqlens, block_size, lay.dkp),
-        _keys(v, L, cu_seqlens, block_size, lay.dvp))
+        *tables, _token_rows(q, L, L.dkp), _keys(k, L, cu_seqlens, block_size, L.dkp),
+        _keys(v, L, cu_seqlens, block_size, L.dvp))
     return _from_token_rows(o, L, v.shape[3]), _from_tile_vector(lse_t, L)
-
-
-def _token_lists(block_indices, block_counts, cu_seqlens, kv_lens, L, block_size):
-    """The selections inverted per token: each slot's block keyed by its list (b * H + h) * NR + block row, the
-    slots of one token naming one block merged into one entry (`times`: how many), and all B * T * H * S slots
-    stably sorted by list, so that a list's tokens increase. Returns (offsets [NL + 1]: list i is the entries
-    offsets[i] : offsets[i + 1]; per entry [E = B * T * H * min(S, NR)], those past offsets[NL] unused:
-    bh = b * H + h (clamped below B * H), token (< T, every one), times, name)."""
-    lay = L.tpu
-    names = tpu._names(block_indices, block_counts, cu_seqlens, kv_lens, lay, block_size)  # [B, T, H, S]
-    name = jnp.sort(jnp.where(names == tpu._NONE, tpu._PAST, names), axis=3)
-    s = lax.broadcasted_iota(jnp.int32, name.shape, 3)
-    differs = name[..., 1:] != name[..., :-1]
-    edge = jnp.ones_like(name[..., :1], bool)
-    run_start = lax.cummax(jnp.where(jnp.concatenate([edge, differs], -1), s, 0), axis=3)
-    valid = jnp.concatenate([differs, edge], -1) & (name != tpu._PAST)  # a run's last slot: one per (token, block)
-    keys = tokens(lay.TK, block_size, cu_seqlens)  # of the key rows: x itself is a block's first row
-    x = jnp.where(valid, name, 0)
-    row = keys.cmp_start[0][x] + keys.pos[0][x] // block_size  # the block's row among its (b, h)'s NR rows
-    bh = jnp.arange(lay.B, dtype=jnp.int32)[:, None, None, None] * lay.H + jnp.arange(lay.H, dtype=jnp.int32)[:, None]
-    num_lists = lay.B * lay.H * lay.num_rows
-    key = jnp.where(valid, bh * lay.num_rows + row, num_lists)
-    # one (key, slot) pair sort (a stable radix sort on a GPU), the rest gathered; a token lists at most NR distinct
-    # blocks: the entries (sorted first) fit E = B * T * H * min(S, NR)
-    key, slot = lax.sort((key.reshape(-1).astype(jnp.int32), jnp.arange(key.size, dtype=jnp.int32)), num_keys=1,
-                         is_stable=True)
-    E = lay.B * lay.T * lay.H * min(lay.S, lay.num_rows)
-    key, slot = key[:E], slot[:E]
-    token = slot // (lay.H * lay.S) % lay.T
-    times, x = ((s + 1 - run_start).reshape(-1)[slot], x.reshape(-1)[slot])
-    offsets = jnp.searchsorted(key, jnp.arange(num_lists + 1, dtype=jnp.int32), side="left").astype(jnp.int32)
-    return offsets, jnp.minimum(key // lay.num_rows, lay.B * lay.H - 1), token, times.astype(jnp.int32), x
 
 
 def _dkdv_tables(block_indices, block_counts, cu_seqlens, kv_lens, L, block_size):
@@ -471,18 +472,18 @@ def _dkdv_tables(block_indices, block_counts, cu_seqlens, kv_lens, L, block_size
     lo, hi, the key row offset of b; entries [E + TB, 2] int32: token, times, then TB rows (0, 0), so that a step
     reads TB entries from any lo + TB * step < hi in bounds; lists [NL, 2]: each list's first segment and how
     many; bh [E]: b * H + h of each entry, for `_entry_vector`)."""
-    lay = L.tpu
-    offsets, bh, token, times, name = _token_lists(block_indices, block_counts, cu_seqlens, kv_lens, L, block_size)
-    if (token.shape[0] + lay.tb) * L.gr >= 2 ** 31:
-        raise ValueError(f"selected_attention: the Mosaic GPU dk/dv kernel indexes its {token.shape[0]} entries' lse "
-                         f"and delta ({L.gr} each) with int32 offsets: B * T * H * min(S, block rows) is too large")
-    seg_offsets, seg_list, lo, hi = tpu._segments(offsets, token.shape[0], SEGMENT)
-    per_b = lay.H * lay.num_rows
+    names = block_names(block_indices, block_counts, cu_seqlens, kv_lens, block_size=block_size)  # [B, T, H, S]
+    offsets, bh, token, times, name = token_lists(names, cu_seqlens, num_keys=L.TK, block_size=block_size)
+    if (token.shape[0] + L.tb) * L.gr >= 2 ** 31:
+        raise ValueError(f"block_indices: expected B * T * H * min(S, block rows) entries whose lse and delta ({L.gr} "
+                         f"each) the Mosaic GPU dk/dv kernel indexes with int32 offsets, got {token.shape[0]}")
+    seg_offsets, seg_list, lo, hi = segments(offsets, token.shape[0], L.segment)
+    per_b = L.H * L.num_rows
     b = seg_list // per_b
-    row_offset = jnp.broadcast_to(tpu._row_offsets(kv_lens, lay), (lay.B,))  # the key row of each batch row's token 0
-    seg = jnp.stack([b, seg_list % per_b // lay.num_rows, name[lo], _source_rows(name[lo], L, cu_seqlens, block_size),
+    row_offset = jnp.broadcast_to(row_offsets(kv_lens, L.T), (L.B,))  # the key row of each batch row's token 0
+    seg = jnp.stack([b, seg_list % per_b // L.num_rows, name[lo], _source_rows(name[lo], L, cu_seqlens, block_size),
                      lo, hi, row_offset[b]], axis=1).astype(jnp.int32)
-    entries = jnp.pad(jnp.stack([token, times], axis=1), [(0, lay.tb), (0, 0)])
+    entries = jnp.pad(jnp.stack([token, times], axis=1), [(0, L.tb), (0, 0)])
     lists = jnp.stack([seg_offsets[:-1], seg_offsets[1:] - seg_offsets[:-1]], axis=1).astype(jnp.int32)
     return seg, entries.astype(jnp.int32), lists, bh
 
@@ -491,31 +492,30 @@ def _entry_vector(x, entries, bh, L, fill):
     """[B, T, HQ] -> float32 [(E + TB) * GR]: the GR values of entry e (its token's query heads of its KV head,
     the padded heads `fill`) at e * GR, so that a dk/dv step's TB entries are TB * GR contiguous floats (one TMA copy
     into 128-byte-aligned shared memory, from any offset); the TB padding entries `fill`."""
-    lay = L.tpu
     rows = _token_rows(x.astype(jnp.float32), L, None, fill=fill)  # [B, Tp, H, GR]
-    values = rows[bh // lay.H, entries[:bh.shape[0], 0], bh % lay.H]  # [E, GR]
-    return jnp.pad(values, [(0, lay.tb), (0, 0)], constant_values=fill).reshape(-1)
+    values = rows[bh // L.H, entries[:bh.shape[0], 0], bh % L.H]  # [E, GR]
+    return jnp.pad(values, [(0, L.tb), (0, 0)], constant_values=fill).reshape(-1)
 
 
 @per_sequence
-def backward(residuals, do, *, block_size, scale):
+def backward(residuals, do, *, block_size, scale, config=None):
     """Gradients (dq, dk, dv, None, None, None, None) in q's, k's and v's dtypes, from `forward`'s residuals and
-    do [B, T, HQ, Dv]."""
+    do [B, T, HQ, Dv]; config as for `forward`."""
     q, k, v, block_indices, block_counts, cu_seqlens, kv_lens, o, lse = residuals
-    L = _layout(q, k, v, block_indices, block_size, cu_seqlens, kv_lens)
-    lay = L.tpu
+    L = _layout(q, k, v, block_indices, block_size, cu_seqlens, kv_lens,
+                _config(config, q, k, v, block_indices, block_size))
     tables = _tables(block_indices, block_counts, cu_seqlens, kv_lens, L, block_size)
     delta = kernel_delta(o, do, q.dtype)
-    tiled = (_token_rows(q, L, lay.dkp), _token_rows(do.astype(q.dtype), L, lay.dvp),
+    tiled = (_token_rows(q, L, L.dkp), _token_rows(do.astype(q.dtype), L, L.dvp),
              _tile_vector(lse, L, -jnp.inf), _tile_vector(delta, L, 0.0))
-    k_rows, v_rows = _keys(k, L, cu_seqlens, block_size, lay.dkp), _keys(v, L, cu_seqlens, block_size, lay.dvp)
+    k_rows, v_rows = _keys(k, L, cu_seqlens, block_size, L.dkp), _keys(v, L, cu_seqlens, block_size, L.dvp)
     common = dict(L=L, block_size=block_size, scale=float(scale))
     dq = _kernel(
-        functools.partial(_dq_kernel, **common), (lay.nt, lay.H, lay.B), ("tile", "head", "batch"),
+        functools.partial(_dq_kernel, **common), (L.nt, L.H, L.B), ("tile", "head", "batch"),
         jax.ShapeDtypeStruct(tiled[0].shape, q.dtype),
-        [smem_tile((L.rows, lay.dkp), q.dtype), smem_tile((L.rows, lay.dvp), q.dtype),
-         plgpu.SMEM((2, L.rows), jnp.float32), smem_tile((2, L.bk, lay.dkp), k.dtype),
-         smem_tile((2, L.bk, lay.dvp), v.dtype), _tile_barriers(2 * lay.tb + 2),
+        [smem_tile((L.rows, L.dkp), q.dtype), smem_tile((L.rows, L.dvp), q.dtype),
+         plgpu.SMEM((2, L.rows), jnp.float32), smem_tile((2, L.bk, L.dkp), k.dtype),
+         smem_tile((2, L.bk, L.dvp), v.dtype), _tile_barriers(2 * L.tb + 2),
          plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=2)],
         *tables, *tiled, k_rows, v_rows)
 
@@ -524,20 +524,20 @@ def backward(residuals, do, *, block_size, scale):
     nseg, num_lists = seg.shape[0], lists.shape[0]
     dk_part, dv_part = _kernel(
         functools.partial(_dkdv_kernel, **common), (nseg,), ("segment",),
-        (jax.ShapeDtypeStruct((nseg, L.bk, lay.dkp), jnp.float32),
-         jax.ShapeDtypeStruct((nseg, L.bk, lay.dvp), jnp.float32)),
-        [smem_tile((L.bk, lay.dkp), k.dtype), smem_tile((L.bk, lay.dvp), v.dtype),
-         smem_tile((2, L.rows, lay.dkp), q.dtype), smem_tile((2, L.rows, lay.dvp), q.dtype),
+        (jax.ShapeDtypeStruct((nseg, L.bk, L.dkp), jnp.float32),
+         jax.ShapeDtypeStruct((nseg, L.bk, L.dvp), jnp.float32)),
+        [smem_tile((L.bk, L.dkp), k.dtype), smem_tile((L.bk, L.dvp), v.dtype),
+         smem_tile((2, L.rows, L.dkp), q.dtype), smem_tile((2, L.rows, L.dvp), q.dtype),
          plgpu.SMEM((2, 2, L.rows), jnp.float32), plgpu.Barrier(num_barriers=2),
-         _tile_barriers(2 * lay.tb + 2, 2)],
+         _tile_barriers(2 * L.tb + 2, 2)],
         seg, entries, *tiled[:2], *vectors, k_rows, v_rows)
     dk_sum, dv_sum = _kernel(
         _reduce_kernel, (num_lists,), ("list",),
-        (jax.ShapeDtypeStruct((num_lists, L.bk, lay.dkp), jnp.float32),
-         jax.ShapeDtypeStruct((num_lists, L.bk, lay.dvp), jnp.float32)),
-        [plgpu.SMEM((L.bk, lay.dkp), jnp.float32), plgpu.SMEM((L.bk, lay.dvp), jnp.float32),
+        (jax.ShapeDtypeStruct((num_lists, L.bk, L.dkp), jnp.float32),
+         jax.ShapeDtypeStruct((num_lists, L.bk, L.dvp), jnp.float32)),
+        [plgpu.SMEM((L.bk, L.dkp), jnp.float32), plgpu.SMEM((L.bk, L.dvp), jnp.float32),
          plgpu.Barrier(num_barriers=2)],
         lists, dk_part, dv_part)
-    dk = tpu._per_key_row(dk_sum, cu_seqlens, lay, block_size, k.shape[3]) * scale
-    dv = tpu._per_key_row(dv_sum, cu_seqlens, lay, block_size, v.shape[3])
+    dk = per_key_row(dk_sum, k.shape, cu_seqlens, block_size=block_size) * scale
+    dv = per_key_row(dv_sum, v.shape, cu_seqlens, block_size=block_size)
     return (_from_token_rows(dq, L, q.shape[3]), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, None)

@@ -8,7 +8,8 @@ past row NC - 1); each of its G = HQ / H query heads takes the softmax p_g(r) of
 them, and block c (row first + c) scores mean_g p_g(first + c) (0 for a row it does not see). Blocks 0,
 p // bs - 1 and p // bs are forced (ranks FIRST, PREVIOUS, CURRENT of nsa.reference.select, above any score),
 blocks after p // bs are never candidates; the block_counts best are kept in rank order, ties going to the
-lower block id, unused slots -1. nsa/triton/select.py is the GPU version of the same op.
+lower block id, unused slots -1. nsa/pallas/gpu/select.py and nsa/triton/select.py are GPU versions of the same
+op.
 
 Layouts. The kernel reads q as a [B, T, HQ * Dp] view and k_cmp as a [B, R, H * Dp] view (Dp = Dk padded to a
 multiple of 128 lanes inside the op, T padded to a multiple of TB, R = the rows any token's current block may
@@ -27,7 +28,7 @@ reference's: no token has more candidates), returned as [B, T, H, block_counts] 
 Grid: (B, H, T / TB, PASSES * STEPS). One program owns the TB tokens of one token tile and one KV head, with
 their G query heads, and walks the chunks of BC compressed rows its tokens may name, from the first to the
 last (both scalar-prefetched into SMEM per token tile, and per batch row with kv_lens, as one flat int32
-array: nsa/pallas/_flash.py's `_bands`; a step past the last re-maps to it, so no new DMA is issued, and is
+array: `nsa._plan.bands`; a step past the last re-maps to it, so no new DMA is issued, and is
 skipped). Without lse (PASSES = 2) the first walk computes each query row's softmax maximum and sum online, in
 the (TB, G) float32 scratch m and l; the last walk (the only one when lse is given) recomputes the logits of
 each head, turns them into probabilities, averages them over the G heads and stores the chunk's ranks (forced
@@ -40,54 +41,59 @@ lowest row holding that maximum (ties to the lower id); a token whose maximum is
 left and gets -1. Row ids are float32 in these passes (exact below 2^24 rows) so that every reduction is
 a float one.
 
+Tiles: `Config` (TB tokens, BC compressed rows per step), `default_config`'s unless given.
+
 VMEM per step (`vmem_bytes`; the pipeline double-buffers each block): q (TB, G * Dp) and k_cmp (BC, Dp) in
 the input dtype, the token rows (3, TB, 1), lse (TB, G) and the ids (TB, S) (each padded to 128 lanes), plus
 the float32 scratch: ranks [R / BC, TB, BC] and m, l (TB, G). `default_config` halves TB until that is
-within 12 MiB (Mosaic's default scoped VMEM limit is 16 MiB): at the standard shape (T = 8192, block_size
-64, G = 16, TB = 128) it is 1.9 MiB in bfloat16 at Dk = 128 and 5.1 MiB in float32 at Dk = 256. The ranks
-grow with R (T / block_size, or a cache's NC): TB = 128 holds R up to about 16k rows in 8 MiB.
+within `vmem_budget` (three quarters of the device's scoped VMEM limit: 12 MiB of Mosaic's default 16 MiB):
+at the standard shape (T = 8192, block_size 64, G = 16, TB = 128) it is 1.9 MiB in bfloat16 at Dk = 128 and
+5.1 MiB in float32 at Dk = 256. The ranks grow with R (T / block_size, or a cache's NC): TB = 128 holds R up
+to about 16k rows in 8 MiB.
 """
 
 import functools
 from typing import NamedTuple
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from nsa._varlen import cdiv, num_compressed_blocks, tokens
+from nsa._config import Shapes, expect, positive, validated
+from nsa._device import facts
+from nsa._plan import band, bands, num_candidates
+from nsa._varlen import cdiv, num_compressed_blocks, round_up, tokens
 from nsa.pallas._batch import per_sequence
-from nsa.pallas._flash import LANES, _band, _bands, _batch_row, _clamped, _dot, _view, out_struct
+from nsa.pallas.tpu._common import batch_row, clamped, dot, lane_padded, lanes, out_struct, sublanes, view
 from nsa.reference.select import CURRENT, FIRST, PREVIOUS
 
-VMEM_BUDGET = 12 * 2 ** 20  # what default_config lets one step hold: Mosaic's default scoped limit is 16 MiB
 MAX_TOKENS = 128  # TB at most: 128 rows fill the MXU's M and make a chunk's ranks (TB, 128) 16 vregs
 
 
+@validated
 class Config(NamedTuple):
-    """The tiles: TB tokens per program (a multiple of 8, 16 for 2-byte inputs), BC compressed rows per step
-    (a multiple of 128)."""
+    """The tiles: TB tokens per program (a multiple of the sublane tile: 8, 16 for 2-byte inputs), BC
+    compressed rows per step (a multiple of the lanes, 128)."""
 
     tokens: int
     chunk: int
 
+    def check(self):
+        positive(self, "tokens", "chunk")
+        expect(self.tokens % facts("tpu").sublanes == 0, self, "tokens", "a positive multiple of the sublanes (8)")
+        expect(self.chunk % lanes() == 0, self, "chunk", f"a positive multiple of {lanes()}")
 
-def _round_up(x, m):
-    return cdiv(x, m) * m
 
-
-def _sublanes(dtype):
-    """The rows of one vreg tile of `dtype`: 8 for 4-byte types, 16 for 2-byte ones (packed)."""
-    return 8 * 4 // jnp.dtype(dtype).itemsize
+def vmem_budget(device):
+    """The VMEM `default_config` lets one grid step hold: three quarters of the device's scoped limit, the rest
+    left to Mosaic's own temporaries (12 MiB of the default 16 MiB)."""
+    return device.scoped_vmem * 12 // 16
 
 
 def _slots(T, NC, block_counts, block_size, kv_lens):
-    """S: the slots the kernel fills, as many as a token may have candidates: cdiv(T, block_size), or with
-    kv_lens (the queries end longer sequences, which k_cmp covers) max(cdiv(T, block_size), NC)."""
-    blocks = cdiv(T, block_size) if kv_lens is None else max(cdiv(T, block_size), NC)
-    return min(block_counts, blocks)
+    """S: the slots the kernel fills, as many as a token may have candidates (`nsa._plan.num_candidates`)."""
+    return min(block_counts, num_candidates(T, NC, block_size, kv_lens))
 
 
 def _num_rows(T, NC, block_size, cu_seqlens):
@@ -97,39 +103,50 @@ def _num_rows(T, NC, block_size, cu_seqlens):
 
 
 def vmem_bytes(G, dk, itemsize, num_rows, slots, config):
-    """The VMEM one grid step holds: every block double-buffered (int32 and float32 blocks padded to 128
+    """The VMEM one grid step holds: every block double-buffered (int32 and float32 blocks padded to the
     lanes), plus the float32 scratch (ranks of every chunk of `num_rows` rows, m and l)."""
     tb, bc = config
-    dkp = _round_up(dk, LANES)
-    lanes = lambda n: _round_up(n, LANES)
-    blocks = (tb * G * dkp + bc * dkp) * itemsize + tb * (3 * LANES + lanes(G) + lanes(slots)) * 4
-    return 2 * blocks + (_round_up(num_rows, bc) * tb + 2 * tb * lanes(G)) * 4
+    lane = lanes()
+    dkp = lane_padded(dk)
+    padded_lanes = lambda n: round_up(n, lane)
+    blocks = (tb * G * dkp + bc * dkp) * itemsize + tb * (3 * lane + padded_lanes(G) + padded_lanes(slots)) * 4
+    return 2 * blocks + (round_up(num_rows, bc) * tb + 2 * tb * padded_lanes(G)) * 4
 
 
-def default_config(q, k_cmp, cu_seqlens=None, kv_lens=None, *, block_counts, block_size):
-    """The Config for q [B, T, HQ, Dk] against k_cmp [B, NC, H, Dk] (kv_lens: None or int32 [B]).
+def default_config(shapes: Shapes, dtype, device) -> Config:
+    """The Config of a call of `shapes` (TK: R, the rows of k_cmp a token may see or name, `_num_rows`) in
+    `dtype` on `device`.
 
-    BC = 128: one chunk's ranks (TB, 128) are lane-dense and its logits one MXU pass of N = 128. TB =
+    BC = the lanes (128): one chunk's ranks (TB, 128) are lane-dense and its logits one MXU pass of N = 128. TB =
     MAX_TOKENS (no more than T, rounded up to the dtype's sublanes), halved while a step would hold more than
-    VMEM_BUDGET (`vmem_bytes`: wide heads of a large group, or many compressed rows), down to the sublanes.
+    `vmem_budget` (`vmem_bytes`: wide heads of a large group, or many compressed rows), down to the sublanes.
+    Not measured on a TPU yet (none here): benchmarks/tpu_roofline.py models the kernel at these tiles.
     """
-    T, HQ, Dk = q.shape[1], q.shape[2], q.shape[3]
-    G = HQ // k_cmp.shape[2]
-    rows = _num_rows(T, k_cmp.shape[1], block_size, cu_seqlens)
-    slots = _slots(T, k_cmp.shape[1], block_counts, block_size, kv_lens)
-    sub = _sublanes(q.dtype)
-    tb = min(MAX_TOKENS, _round_up(T, sub))
-    while tb > sub and vmem_bytes(G, Dk, q.dtype.itemsize, rows, slots, Config(tb, LANES)) > VMEM_BUDGET:
-        tb = max(sub, _round_up(tb // 2, sub))
-    return Config(tb, LANES)
+    rows = shapes.TK
+    # the slots a token may fill: with a KV cache as many as rows, else cdiv(T, bs), bounded by both here
+    slots = min(shapes.block_counts, max(cdiv(shapes.T, shapes.block_size), rows))
+    sub = sublanes(dtype)
+    lane = lanes()
+    tb = min(MAX_TOKENS, round_up(shapes.T, sub))
+    while tb > sub and vmem_bytes(shapes.G, shapes.Dk, jnp.dtype(dtype).itemsize, rows, slots, Config(tb, lane)) \
+            > vmem_budget(device):
+        tb = max(sub, round_up(tb // 2, sub))
+    return Config(tb, lane)
 
 
-def _check_config(config, dtype):
-    tb, bc = config
-    if tb <= 0 or tb % _sublanes(dtype):
-        raise ValueError(f"config.tokens: expected a positive multiple of {_sublanes(dtype)} for {dtype}, got {tb}")
-    if bc <= 0 or bc % LANES:
-        raise ValueError(f"config.chunk: expected a positive multiple of {LANES}, got {bc}")
+def _config(config, q, k_cmp, cu_seqlens, *, block_counts, block_size):
+    """config (its tokens checked against q's dtype), or the default_config of q [B, T, HQ, Dk] against k_cmp
+    [B, NC, H, Dk] (B may be symbolic)."""
+    if config is None:
+        T = q.shape[1]
+        rows = _num_rows(T, k_cmp.shape[1], block_size, cu_seqlens)
+        shapes = Shapes(q.shape[0], T, rows, q.shape[2], k_cmp.shape[2], q.shape[3], q.shape[3],
+                        block_size=block_size, block_counts=block_counts)
+        return default_config(shapes, q.dtype, facts("tpu"))
+    sub = sublanes(q.dtype)
+    if config.tokens % sub:
+        raise ValueError(f"config.tokens: expected a positive multiple of {sub} for {q.dtype}, got {config.tokens}")
+    return config
 
 
 # ------------------------------------------------------------------------------------------ kernel
@@ -140,7 +157,7 @@ def _logits(q_ref, k, g, visible, *, scale, dkp, precision):
     q = q_ref[0, :, g * dkp:(g + 1) * dkp]
     if q.dtype == jnp.float16:  # the MXU takes no float16: float32 is exact for it
         q, k = q.astype(jnp.float32), k.astype(jnp.float32)
-    return jnp.where(visible, _dot(q, k, precision, transpose_b=True) * scale, -jnp.inf)
+    return jnp.where(visible, dot(q, k, precision, transpose_b=True) * scale, -jnp.inf)
 
 
 def _pick(x, g):
@@ -231,7 +248,7 @@ def _kernel(band_ref, rows_ref, q_ref, k_ref, *refs, scale, dkp, steps, has_lse,
     out_ref, rank_scr, m_scr, l_scr = refs[1:] if has_lse else refs
     i, j = pl.program_id(2), pl.program_id(3)
     last_pass = 0 if has_lse else 1
-    lo, hi = _band(band_ref, _batch_row(pl.program_id(0), per_row), i, pl.num_programs(2))
+    lo, hi = band(band_ref, batch_row(pl.program_id(0), per_row), i, pl.num_programs(2))
     chunk = lo + lax.rem(j, steps)
     tb, bc = rank_scr.shape[1], rank_scr.shape[2]
     first, end, cur = rows_ref[0], rows_ref[1], rows_ref[2]  # [TB, 1] each
@@ -296,26 +313,24 @@ def _forward(q, k_cmp, lse, cu_seqlens, kv_lens, *, block_counts, block_size, sc
     slots = _slots(T, NC, block_counts, block_size, kv_lens)
     if B * T * slots == 0:
         return jnp.full((B, T, H, block_counts), -1, jnp.int32)
-    config = config or default_config(q, k_cmp, cu_seqlens, kv_lens, block_counts=block_counts,
-                                      block_size=block_size)
-    _check_config(config, q.dtype)
+    config = _config(config, q, k_cmp, cu_seqlens, block_counts=block_counts, block_size=block_size)
     tb, bc = config
-    tp, dkp = _round_up(T, tb), _round_up(Dk, LANES)
-    rp = _round_up(_num_rows(T, NC, block_size, cu_seqlens), bc)
+    tp, dkp = round_up(T, tb), lane_padded(Dk)
+    rp = round_up(_num_rows(T, NC, block_size, cu_seqlens), bc)
     nt, steps = tp // tb, rp // bc
     rows = _token_rows(T, tp, NC, block_size, cu_seqlens, kv_lens)
-    band = jnp.minimum(_bands(rows[:, 0, :, 0], rows[:, 2, :, 0], nt, bc), steps - 1)  # first, last chunk per tile
+    table = jnp.minimum(bands(rows[:, 0, :, 0], rows[:, 2, :, 0], nt, bc), steps - 1)  # first, last chunk per tile
     passes = 1 if lse is not None else 2
     per_row = kv_lens is not None
 
-    def chunk_map(b, h, i, j, band):  # the clamped chunk: a skipped step re-maps to the last one
-        return b, _clamped(*_band(band, _batch_row(b, per_row), i, nt), lax.rem(j, steps)), h
+    def chunk_map(b, h, i, j, table):  # the clamped chunk: a skipped step re-maps to the last one
+        return b, clamped(*band(table, batch_row(b, per_row), i, nt), lax.rem(j, steps)), h
 
-    tile_map = lambda b, h, i, j, band: (b, h, i, 0)
-    in_specs = [pl.BlockSpec((None, 3, tb, 1), lambda b, h, i, j, band: (_batch_row(b, per_row), 0, i, 0)),
-                pl.BlockSpec((1, tb, G * dkp), lambda b, h, i, j, band: (b, i, h)),
+    tile_map = lambda b, h, i, j, table: (b, h, i, 0)
+    in_specs = [pl.BlockSpec((None, 3, tb, 1), lambda b, h, i, j, table: (batch_row(b, per_row), 0, i, 0)),
+                pl.BlockSpec((1, tb, G * dkp), lambda b, h, i, j, table: (b, i, h)),
                 pl.BlockSpec((1, bc, dkp), chunk_map)]
-    args = [band, rows, _view(q, tp, dkp), _view(k_cmp, rp, dkp)]
+    args = [table, rows, view(q, tp, dkp), view(k_cmp, rp, dkp)]
     if lse is not None:
         in_specs.append(pl.BlockSpec((1, 1, tb, G), tile_map))
         lse_by_head = jnp.transpose(lse.astype(jnp.float32).reshape(B, T, H, G), (0, 2, 1, 3))

@@ -12,8 +12,8 @@ when loaded, in every kernel: a probability of 0 times a NaN key or value would 
 
 `attend` is the forward, `attend_backward` the backward (dq, dk, dv; the lse cotangent folds into delta).
 With per-row ranges (a KV cache: a decode step's one or few queries per sequence) both first pack the G
-query heads of each KV head as G consecutive rows of one head (`_packs`): the grid then has H heads, a
-query tile holds the group's rows of BQ / G tokens, and each KV head's keys are read once per tile
+query heads of each KV head as G consecutive rows of one head (`nsa._plan.packs`): the grid then has H heads,
+a query tile holds the group's rows of BQ / G tokens, and each KV head's keys are read once per tile
 instead of once per query head (G times); o, lse and the gradients are unpacked after.
 
 Layouts. The kernel reads q as a [B, T, HQ * Dp] view and k, v as [B, NK, H * Dp] ones (Dp = the head dim
@@ -26,16 +26,19 @@ lo and hi travel as one int32 [1 or B, T, 2] array, read as (BQ, 2) blocks; lse 
 float32 (a (BQ, 1) block is tile-legal: its minor dim is the whole dim), returned as [B, T, HQ].
 
 Grid: (B, HQ, T / BQ, STEPS). One program owns the BQ queries of one query tile of one head hq, against
-KV head hq // G: it walks STEPS key tiles of BK rows from the first one any of its queries sees. Scalar
-prefetch into SMEM: both ends of each query tile's band of key tiles (`_bands`: one flat int32 array, per
-batch row with per-row ranges) and `ends` (int32 [1 or B]); a step past the tile's last key tile re-maps
-to it (so no new DMA is issued) and is skipped. Online softmax in float32 (natural exp on TPU).
+KV head hq // G: it walks STEPS key tiles of BK rows from the first one any of its queries sees (STEPS from
+key_span, the most key rows one query sees). Scalar prefetch into SMEM: both ends of each query tile's band
+of key tiles (`nsa._plan.bands`: one flat int32 array, per batch row with per-row ranges) and `ends` (int32
+[1 or B]); a step past the tile's last key tile re-maps to it (so no new DMA is issued) and is skipped.
+Online softmax in float32 (natural exp on TPU).
 
 Backward. `_dq_kernel` runs on the forward's grid and tiles, recomputing p from lse. `_dkdv_kernel` runs on
 (B, H, NK / BK, G, QSTEPS): one program owns a key tile of one KV head and walks, for each of its G query
 heads, the query tiles that see it (the query interval of each key row follows from lo and hi, which
 are non-decreasing: `query_ranges`; per batch row with per-row ranges), accumulating dk and dv in float32
 VMEM scratch in a fixed order (deterministic, no atomics), stored at its last step.
+
+Tiles: `Config` (BQ = block_q queries, BK = block_k key rows), `default_config`'s unless given.
 
 VMEM per step (`vmem_bytes`, the largest of the three kernels; the pipeline double-buffers each block):
 the dk/dv kernel's q, k [., Dkp], v, do [., Dvp] in the input dtype, lo/hi [BQ, 2] int32 and lse, delta
@@ -54,57 +57,41 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from nsa._varlen import query_ranges
+from nsa._config import Shapes, expect, positive, validated
+from nsa._device import facts
+from nsa._plan import band, bands, kernel_delta, packed_attend, packed_attend_backward, padded, padded_ranges
+from nsa._varlen import cdiv, query_ranges
 from nsa.pallas._batch import per_sequence
-from nsa.reference._common import kernel_delta
-
-LANES = 128  # a vreg's lanes: the minor dim of every block is a multiple of it (or the whole dim)
+from nsa.pallas.tpu._common import batch_row, clamped, dot, lane_padded, lanes, out_struct, params, view
 
 
+@validated
 class Config(NamedTuple):
     """The tiles: BQ queries and BK key rows."""
 
     block_q: int = 128
     block_k: int = 128
 
-
-def out_struct(shape, dtype, like):
-    """The out_shape of a pallas_call output: jax.ShapeDtypeStruct(shape, dtype) varying over the mesh axes
-    the array `like` varies over inside shard_map (pallas_call asks for it when shard_map checks them)."""
-    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=jax.typeof(like).manual_axis_type)
-
-
-def _cdiv(a, b):
-    return -(-a // b)
+    def check(self):
+        positive(self, "block_q", "block_k")
+        expect(self.block_q % facts("tpu").sublanes == 0, self, "block_q", "a multiple of the sublanes (8)")
+        expect(self.block_k % lanes() == 0, self, "block_k", "a multiple of the lanes (128): the logits' minor dim")
 
 
-def _padded(x, axis, size):
-    """x zero-padded along `axis` to `size` (x itself when it already has that size)."""
-    missing = size - x.shape[axis]
-    return x if missing == 0 else jnp.pad(x, [(0, missing if a == axis else 0) for a in range(x.ndim)])
+def default_config(shapes: Shapes, dtype, device) -> Config:
+    """The tiles for `shapes` on `device`: 128 x 128 at every shape, one MXU pass of M = N = 128 per matmul. Not
+    measured on a TPU yet (none here): benchmarks/tpu_roofline.py models these kernels at these tiles."""
+    del shapes, dtype, device
+    return Config()
 
 
-def _dot(a, b, precision, *, transpose_b=False):
-    """a @ b, or a @ b.T, with float32 accumulation."""
-    dims = (((1,), (1,)), ((), ())) if transpose_b else (((1,), (0,)), ((), ()))
-    return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
-
-
-def _batch_row(b, per_row):
-    """The row of the bands, ends and ranges that batch row b reads: b with per-row ranges, else the shared 0."""
-    return b if per_row else 0
-
-
-def _band(band, row, tile, num_tiles):
-    """(first, last): the ends of the band of tile `tile` (of num_tiles) in row `row` of the flat bands
-    (`_bands`)."""
-    base = row * 2 * num_tiles
-    return band[base + tile], band[base + num_tiles + tile]
-
-
-def _clamped(first, last, step):
-    """The tile of step `step` of the band [first, last]: a step past its last tile re-maps to it (no DMA)."""
-    return jnp.minimum(first + step, jnp.maximum(last, first))
+def _config(config, q, k, v):
+    """config, or the default_config of q [B, T, HQ, Dk], k [B, NK, H, Dk], v [B, NK, H, Dv] (B may be
+    symbolic)."""
+    if config is not None:
+        return config
+    shapes = Shapes(q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3], v.shape[3])
+    return default_config(shapes, q.dtype, facts("tpu"))
 
 
 def _seen_keys(k, v, key_tile, block_k, end):
@@ -118,8 +105,8 @@ def _seen_keys(k, v, key_tile, block_k, end):
 
 def _kernel(band_ref, end_ref, range_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_scr, l_scr, acc_scr, *, scale,
             block_k, steps, per_row, precision):
-    row, i, j = _batch_row(pl.program_id(0), per_row), pl.program_id(2), pl.program_id(3)
-    first, last = _band(band_ref, row, i, pl.num_programs(2))
+    row, i, j = batch_row(pl.program_id(0), per_row), pl.program_id(2), pl.program_id(3)
+    first, last = band(band_ref, row, i, pl.num_programs(2))
 
     @pl.when(j == 0)
     def _init():
@@ -132,7 +119,7 @@ def _kernel(band_ref, end_ref, range_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m
     @pl.when(key_tile <= last)
     def _step():
         k, v = _seen_keys(k_ref[0], v_ref[0], key_tile, block_k, end_ref[row])  # [BK, Dkp], [BK, Dvp]
-        s = _dot(q_ref[0], k, precision, transpose_b=True) * scale  # [BQ, BK]
+        s = dot(q_ref[0], k, precision, transpose_b=True) * scale  # [BQ, BK]
         rows = range_ref[0]  # [BQ, 2]: lo, hi
         key = key_tile * block_k + lax.broadcasted_iota(jnp.int32, s.shape, 1)
         s = jnp.where((key >= rows[:, :1]) & (key <= rows[:, 1:]), s, -jnp.inf)
@@ -142,7 +129,7 @@ def _kernel(band_ref, end_ref, range_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m
         alpha = jnp.exp(m_prev - m_use)
         p = jnp.exp(s - m_use)
         l_new = l_scr[...][:, :1] * alpha + jnp.sum(p, axis=1, keepdims=True)
-        acc_scr[...] = acc_scr[...] * alpha + _dot(p.astype(v.dtype), v, precision)
+        acc_scr[...] = acc_scr[...] * alpha + dot(p.astype(v.dtype), v, precision)
         m_scr[...] = jnp.broadcast_to(m_new, m_scr.shape)
         l_scr[...] = jnp.broadcast_to(l_new, l_scr.shape)
 
@@ -159,18 +146,18 @@ def _grad_logits(q, k, v, do, rows, key_tile, lse, delta, *, scale, block_k, pre
     """p and ds = p * (do v^T - delta), [BQ, BK] float32, of the query tile q [BQ, Dkp] (with do [BQ, Dvp],
     lse and delta [BQ, 1]) against the key tile k [BK, Dkp], v [BK, Dvp]: p recomputed from lse, 0 where a
     query sees nothing or the key row is outside its [lo, hi] (rows [BQ, 2])."""
-    s = _dot(q, k, precision, transpose_b=True) * scale
+    s = dot(q, k, precision, transpose_b=True) * scale
     key = key_tile * block_k + lax.broadcasted_iota(jnp.int32, s.shape, 1)
     seen = lse > -jnp.inf
     visible = (key >= rows[:, :1]) & (key <= rows[:, 1:]) & seen
     p = jnp.where(visible, jnp.exp(s - jnp.where(seen, lse, 0.0)), 0.0)
-    return p, p * (_dot(do, v, precision, transpose_b=True) - delta)
+    return p, p * (dot(do, v, precision, transpose_b=True) - delta)
 
 
 def _dq_kernel(band_ref, end_ref, range_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, acc_scr, *,
                scale, block_k, steps, per_row, precision):
-    row, i, j = _batch_row(pl.program_id(0), per_row), pl.program_id(2), pl.program_id(3)
-    first, last = _band(band_ref, row, i, pl.num_programs(2))
+    row, i, j = batch_row(pl.program_id(0), per_row), pl.program_id(2), pl.program_id(3)
+    first, last = band(band_ref, row, i, pl.num_programs(2))
 
     @pl.when(j == 0)
     def _init():
@@ -183,7 +170,7 @@ def _dq_kernel(band_ref, end_ref, range_ref, q_ref, k_ref, v_ref, do_ref, lse_re
         k, v = _seen_keys(k_ref[0], v_ref[0], key_tile, block_k, end_ref[row])
         _, ds = _grad_logits(q_ref[0], k, v, do_ref[0], range_ref[0], key_tile, lse_ref[0, 0], delta_ref[0, 0],
                              scale=scale, block_k=block_k, precision=precision)
-        acc_scr[...] += _dot(ds.astype(k.dtype), k, precision)
+        acc_scr[...] += dot(ds.astype(k.dtype), k, precision)
 
     @pl.when(j == steps - 1)
     def _store():
@@ -192,8 +179,8 @@ def _dq_kernel(band_ref, end_ref, range_ref, q_ref, k_ref, v_ref, do_ref, lse_re
 
 def _dkdv_kernel(band_ref, end_ref, range_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
                  dk_scr, dv_scr, *, scale, block_k, steps, per_row, precision):
-    row, n, g, s = _batch_row(pl.program_id(0), per_row), pl.program_id(2), pl.program_id(3), pl.program_id(4)
-    first, last = _band(band_ref, row, n, pl.num_programs(2))
+    row, n, g, s = batch_row(pl.program_id(0), per_row), pl.program_id(2), pl.program_id(3), pl.program_id(4)
+    first, last = band(band_ref, row, n, pl.num_programs(2))
 
     @pl.when((g == 0) & (s == 0))
     def _init():
@@ -206,8 +193,8 @@ def _dkdv_kernel(band_ref, end_ref, range_ref, q_ref, k_ref, v_ref, do_ref, lse_
         k, v = _seen_keys(k_ref[0], v_ref[0], n, block_k, end_ref[row])
         p, ds = _grad_logits(q, k, v, do, range_ref[0], n, lse_ref[0, 0], delta_ref[0, 0], scale=scale,
                              block_k=block_k, precision=precision)  # [BQ, BK]
-        dv_scr[...] += _dot(p.T.astype(do.dtype), do, precision)
-        dk_scr[...] += _dot(ds.T.astype(q.dtype), q, precision)
+        dv_scr[...] += dot(p.T.astype(do.dtype), do, precision)
+        dk_scr[...] += dot(ds.T.astype(q.dtype), q, precision)
 
     @pl.when((g == pl.num_programs(3) - 1) & (s == steps - 1))
     def _store():
@@ -215,25 +202,14 @@ def _dkdv_kernel(band_ref, end_ref, range_ref, q_ref, k_ref, v_ref, do_ref, lse_
         dv_ref[0] = dv_scr[...].astype(dv_ref.dtype)
 
 
-def _bands(first, last, num_tiles, tile):
-    """int32 [R * 2 * num_tiles], flat (SMEM pads a 2-D array's minor dim to 128 words): for each row r of
-    first, last [R, N] (per row of one side, the first and last row of the other side it sees), the first
-    tile of the other side that any row of each of its num_tiles tiles of `tile` rows sees, then the last
-    (`_band` reads them); 0 and -1 for a tile whose rows see nothing."""
-    seen = (first <= last).reshape(first.shape[0], num_tiles, -1)
-    lo = jnp.min(jnp.where(seen, first.reshape(seen.shape), jnp.iinfo(jnp.int32).max), axis=2)
-    hi = jnp.max(jnp.where(seen, last.reshape(seen.shape), -1), axis=2)
-    any_seen = jnp.any(seen, axis=2)
-    bands = jnp.concatenate([jnp.where(any_seen, lo // tile, 0), jnp.where(any_seen, hi // tile, -1)], axis=1)
-    return bands.astype(jnp.int32).reshape(-1)
-
-
-def vmem_bytes(dk, dv, itemsize, config=Config()):
+def vmem_bytes(dk, dv, itemsize, config=None):
     """The VMEM one grid step of the dk/dv kernel (the largest) holds: every block double-buffered (int32
-    and (BQ, 1) float32 blocks padded to 128 lanes), plus the float32 scratch. T and NK do not enter it."""
-    bq, bk = config.block_q, config.block_k
-    dkp, dvp = _cdiv(dk, LANES) * LANES, _cdiv(dv, LANES) * LANES
-    blocks = (bq * dkp + bk * dkp + bk * dvp + bq * dvp + bk * dkp + bk * dvp) * itemsize + 3 * bq * LANES * 4
+    and (BQ, 1) float32 blocks padded to the lanes), plus the float32 scratch. T and NK do not enter it.
+    config: the tiles (None: `Config()`)."""
+    bq, bk = config or Config()
+    lane = lanes()
+    dkp, dvp = lane_padded(dk), lane_padded(dv)
+    blocks = (bq * dkp + bk * dkp + bk * dvp + bq * dvp + bk * dkp + bk * dvp) * itemsize + 3 * bq * lane * 4
     return 2 * blocks + (bk * dkp + bk * dvp) * 4
 
 
@@ -254,29 +230,18 @@ class _Layout(NamedTuple):
 
 def _layout(q, k, v, lo, hi, config):
     T, NK = q.shape[1], k.shape[1]
-    tp, nkp = _cdiv(T, config.block_q) * config.block_q, max(1, _cdiv(NK, config.block_k)) * config.block_k
+    tp, nkp = cdiv(T, config.block_q) * config.block_q, max(1, cdiv(NK, config.block_k)) * config.block_k
     nkv = max(NK, config.block_k)
     per_row = lo.ndim == 2
     lo, hi = (x.astype(jnp.int32).reshape(-1, T) for x in (lo, hi))
-    padding = jnp.arange(tp) >= T
-    rows = jnp.stack([jnp.where(padding, 1, _padded(lo, 1, tp)), jnp.where(padding, 0, _padded(hi, 1, tp))], axis=2)
-    return _Layout(tp, nkp, nkv, _cdiv(q.shape[3], LANES) * LANES, _cdiv(v.shape[3], LANES) * LANES, per_row, lo, hi,
-                   rows, jnp.max(hi, axis=1))
-
-
-def _view(x, rows, dim):
-    """x [B, R, H, D] as the kernels read it: [B, rows, H * dim], zero-padded."""
-    return _padded(_padded(x, 3, dim), 1, rows).reshape(x.shape[0], rows, x.shape[2] * dim)
+    rows = jnp.stack(padded_ranges(lo, hi, tp), axis=2)
+    return _Layout(tp, nkp, nkv, lane_padded(q.shape[3]), lane_padded(v.shape[3]), per_row, lo, hi, rows,
+                   jnp.max(hi, axis=1))
 
 
 def _by_head(x, tp):
     """[B, T, HQ] float32 -> [B, HQ, tp, 1], the layout of lse and delta in the kernels."""
-    return _padded(jnp.transpose(x.astype(jnp.float32), (0, 2, 1)), 2, tp)[..., None]
-
-
-def _params(q, interpret, semantics):
-    return dict(compiler_params=pltpu.CompilerParams(dimension_semantics=semantics), interpret=interpret), dict(
-        precision=lax.Precision.HIGHEST if q.dtype == jnp.float32 else None)
+    return padded(jnp.transpose(x.astype(jnp.float32), (0, 2, 1)), 2, tp)[..., None]
 
 
 def _query_grid(kernel, q, k, v, lay, extra, outputs, scratch, *, scale, key_span, interpret, config, name):
@@ -290,86 +255,41 @@ def _query_grid(kernel, q, k, v, lay, extra, outputs, scratch, *, scale, key_spa
     G = HQ // k.shape[2]
     bq, bk = config
     nq = lay.tp // bq
-    steps = min(_cdiv(key_span, bk) + 1, lay.nkp // bk)
-    band = _bands(lay.rows[..., 0], lay.rows[..., 1], nq, bk)
+    steps = min(cdiv(bq + key_span - 1, bk) + 1, lay.nkp // bk)  # a tile's queries see bq + key_span - 1 rows
+    table = bands(lay.rows[..., 0], lay.rows[..., 1], nq, bk)
 
-    def key_map(b, h, i, j, band, ends):
-        return b, _clamped(*_band(band, _batch_row(b, lay.per_row), i, nq), j), lax.div(h, G)
+    def key_map(b, h, i, j, table, ends):
+        return b, clamped(*band(table, batch_row(b, lay.per_row), i, nq), j), lax.div(h, G)
 
     def spec(width):
         if width:
             return pl.BlockSpec((1, bq, width), lambda b, h, i, j, *_: (b, i, h))
         return pl.BlockSpec((1, 1, bq, 1), lambda b, h, i, j, *_: (b, h, i, 0))
 
-    compiler, dots = _params(q, interpret, ("parallel", "parallel", "parallel", "arbitrary"))
+    compiler, dots = params(q, interpret, ("parallel", "parallel", "parallel", "arbitrary"))
     return pl.pallas_call(
         functools.partial(kernel, scale=float(scale), block_k=bk, steps=steps, per_row=lay.per_row, **dots),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2, grid=(B, HQ, nq, steps),
-            in_specs=[pl.BlockSpec((1, bq, 2), lambda b, h, i, j, *_: (_batch_row(b, lay.per_row), i, 0)),
+            in_specs=[pl.BlockSpec((1, bq, 2), lambda b, h, i, j, *_: (batch_row(b, lay.per_row), i, 0)),
                       spec(lay.dkp), pl.BlockSpec((1, bk, lay.dkp), key_map), pl.BlockSpec((1, bk, lay.dvp), key_map)]
             + [spec(width) for _, width in extra],
             out_specs=[spec(width) for _, width in outputs], scratch_shapes=scratch),
         out_shape=[shape for shape, _ in outputs], name=name, **compiler,
-    )(band, lay.ends, lay.rows, _view(q, lay.tp, lay.dkp), _view(k, lay.nkv, lay.dkp), _view(v, lay.nkv, lay.dvp),
+    )(table, lay.ends, lay.rows, view(q, lay.tp, lay.dkp), view(k, lay.nkv, lay.dkp), view(v, lay.nkv, lay.dvp),
       *[x for x, _ in extra])
-
-
-def _packed(x, G):
-    """[B, T, H * G, ...] -> [B, T * G, H, ...]: the G query heads of each KV head as G consecutive rows of
-    one head (row t * G + g is token t, head h * G + g)."""
-    B, T, HQ = x.shape[:3]
-    x = x.reshape((B, T, HQ // G, G) + x.shape[3:])
-    return jnp.swapaxes(x, 2, 3).reshape((B, T * G, HQ // G) + x.shape[4:])
-
-
-def _unpacked(x, G):
-    """`_packed`'s inverse: [B, T * G, H, ...] -> [B, T, H * G, ...]."""
-    B, TG, H = x.shape[:3]
-    x = x.reshape((B, TG // G, G, H) + x.shape[3:])
-    return jnp.swapaxes(x, 2, 3).reshape((B, TG // G, H * G) + x.shape[4:])
-
-
-def _packs(q, k, lo):
-    """G when the query heads of a KV head are packed as rows (`_packed`): with per-row ranges (a KV cache:
-    few queries per sequence, where one query tile per head would hold a row or two and each of the G heads
-    would read its KV head's keys again), else 1."""
-    G = q.shape[2] // k.shape[2]
-    return G if lo.ndim == 2 and G > 1 else 1
-
-
-def packed_attend(attend_fn, q, k, v, lo, hi):
-    """attend_fn(q, k, v, lo, hi) -> (o, lse), run on the packed heads when `_packs` (then unpacked)."""
-    G = _packs(q, k, lo)
-    if G == 1:
-        return attend_fn(q, k, v, lo, hi)
-    rows = lambda x: jnp.repeat(x, G, axis=-1)
-    o, lse = attend_fn(_packed(q, G), k, v, rows(lo), rows(hi))
-    return _unpacked(o, G), _unpacked(lse, G)
-
-
-def packed_attend_backward(backward_fn, q, k, v, lo, hi, o, lse, do, dlse, query_span):
-    """backward_fn(q, k, v, lo, hi, o, lse, do, dlse, query_span=...) -> (dq, dk, dv), run on the packed heads
-    when `_packs` (then G times as many rows see one key row: query_span is scaled by G)."""
-    G = _packs(q, k, lo)
-    if G == 1:
-        return backward_fn(q, k, v, lo, hi, o, lse, do, dlse, query_span=query_span)
-    rows = lambda x: jnp.repeat(x, G, axis=-1)
-    dq, dk, dv = backward_fn(_packed(q, G), k, v, rows(lo), rows(hi), _packed(o, G), _packed(lse, G),
-                             _packed(do, G), None if dlse is None else _packed(dlse, G), query_span=query_span * G)
-    return _unpacked(dq, G), dk, dv
 
 
 def attend(q, k, v, lo, hi, *, scale, key_span, interpret=False, config=None, name="flash"):
     """o [B, T, HQ, Dv] (q's dtype) and lse [B, T, HQ] float32 of query t over key rows [lo[t], hi[t]].
 
     q [B, T, HQ, Dk], k [B, NK, H, Dk], v [B, NK, H, Dv]; lo, hi int32 [T] (shared by the batch) or [B, T]
-    (per batch row), non-decreasing in t. key_span (static) bounds the key rows one tile of BQ queries can
-    see: it sets the steps of the grid. interpret: a pltpu.InterpretParams to run in Pallas's TPU interpret
-    mode (on any platform), or False. config: the tiles (None: Config()). name: the branch, which names the
-    kernel (`{name}_forward`). With per-row ranges the G query heads of a KV head run as the rows of one
-    head (`_packs`): a tile of BQ rows then spans BQ / G tokens, within key_span; and a symbolic batch runs
-    once per sequence (`_per_row_batch`).
+    (per batch row), non-decreasing in t. key_span (static) bounds the key rows one query sees (a tile of BQ
+    queries sees at most BQ + key_span - 1): it sets the steps of the grid. interpret: a pltpu.InterpretParams
+    to run in Pallas's TPU interpret mode (on any platform), or False. config: a Config (None: `default_config`).
+    name: the branch, which names the kernel (`{name}_forward`). With per-row ranges the G query heads of a KV
+    head run as the rows of one head (`nsa._plan.packs`): a tile of BQ rows then spans BQ / G tokens, within
+    the bound; and a symbolic batch runs once per sequence (`_per_row_batch`).
     """
     run = functools.partial(packed_attend, functools.partial(_attend, scale=scale, key_span=key_span,
                                                              interpret=interpret, config=config, name=name))
@@ -384,7 +304,7 @@ def _per_row_batch(fn, lo):
 
 
 def _attend(q, k, v, lo, hi, *, scale, key_span, interpret, config, name):
-    config = config or Config()
+    config = _config(config, q, k, v)
     B, T, HQ, _ = q.shape
     dv = v.shape[3]
     lay = _layout(q, k, v, lo, hi, config)
@@ -393,7 +313,7 @@ def _attend(q, k, v, lo, hi, *, scale, key_span, interpret, config, name):
         _kernel, q, k, v, lay, [],
         [(out_struct((B, lay.tp, HQ * lay.dvp), q.dtype, q), lay.dvp),
          (out_struct((B, HQ, lay.tp, 1), jnp.float32, q), 0)],
-        [pltpu.VMEM((bq, LANES), jnp.float32), pltpu.VMEM((bq, LANES), jnp.float32),
+        [pltpu.VMEM((bq, lanes()), jnp.float32), pltpu.VMEM((bq, lanes()), jnp.float32),
          pltpu.VMEM((bq, lay.dvp), jnp.float32)],
         scale=scale, key_span=key_span, interpret=interpret, config=config, name=f"{name}_forward")
     return o.reshape(B, lay.tp, HQ, lay.dvp)[:, :T, :, :dv], jnp.transpose(lse[:, :, :T, 0], (0, 2, 1))
@@ -414,7 +334,7 @@ def attend_backward(q, k, v, lo, hi, o, lse, do, dlse=None, *, scale, key_span, 
 
 def _attend_backward(q, k, v, lo, hi, o, lse, do, dlse, *, scale, key_span, query_span, interpret, config,
                      name):
-    config = config or Config()
+    config = _config(config, q, k, v)
     B, T, HQ, dk_dim = q.shape
     NK, H, dv_dim = k.shape[1], k.shape[2], v.shape[3]
     G = HQ // H
@@ -423,7 +343,7 @@ def _attend_backward(q, k, v, lo, hi, o, lse, do, dlse, *, scale, key_span, quer
     # the pre-pass: ds = p * (dp - delta), with the lse path folded into delta
     delta = kernel_delta(o, do, q.dtype, lse, dlse)
     do = do.astype(q.dtype)
-    lse_h, delta_h, do_v = _by_head(lse, lay.tp), _by_head(delta, lay.tp), _view(do, lay.tp, lay.dvp)
+    lse_h, delta_h, do_v = _by_head(lse, lay.tp), _by_head(delta, lay.tp), view(do, lay.tp, lay.dvp)
     [dq] = _query_grid(
         _dq_kernel, q, k, v, lay, [(do_v, lay.dvp), (lse_h, 0), (delta_h, 0)],
         [(out_struct((B, lay.tp, HQ * lay.dkp), q.dtype, q), lay.dkp)],
@@ -433,17 +353,17 @@ def _attend_backward(q, k, v, lo, hi, o, lse, do, dlse, *, scale, key_span, quer
     # the queries that see each key row: an interval, since lo and hi are non-decreasing
     first, last = query_ranges(lay.lo, lay.hi, lay.nkp)
     nk = lay.nkp // bk
-    band = _bands(first, last, nk, bq)
-    steps = min(_cdiv(query_span + bk - 1, bq) + 1, lay.tp // bq)
+    table = bands(first, last, nk, bq)
+    steps = min(cdiv(query_span + bk - 1, bq) + 1, lay.tp // bq)
 
-    def query_tile(b, n, s, band):  # the clamped query tile of step s
-        return _clamped(*_band(band, _batch_row(b, lay.per_row), n, nk), s)
+    def query_tile(b, n, s, table):  # the clamped query tile of step s
+        return clamped(*band(table, batch_row(b, lay.per_row), n, nk), s)
 
-    query_map = lambda b, h, n, g, s, band, ends: (b, query_tile(b, n, s, band), h * G + g)
-    head_map = lambda b, h, n, g, s, band, ends: (b, h * G + g, query_tile(b, n, s, band), 0)
-    rows_map = lambda b, h, n, g, s, band, ends: (_batch_row(b, lay.per_row), query_tile(b, n, s, band), 0)
+    query_map = lambda b, h, n, g, s, table, ends: (b, query_tile(b, n, s, table), h * G + g)
+    head_map = lambda b, h, n, g, s, table, ends: (b, h * G + g, query_tile(b, n, s, table), 0)
+    rows_map = lambda b, h, n, g, s, table, ends: (batch_row(b, lay.per_row), query_tile(b, n, s, table), 0)
     key_map = lambda b, h, n, *_: (b, n, h)
-    compiler, dots = _params(q, interpret, ("parallel", "parallel", "parallel", "arbitrary", "arbitrary"))
+    compiler, dots = params(q, interpret, ("parallel", "parallel", "parallel", "arbitrary", "arbitrary"))
     dk, dv = pl.pallas_call(
         functools.partial(_dkdv_kernel, scale=float(scale), block_k=bk, steps=steps, per_row=lay.per_row, **dots),
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -456,19 +376,8 @@ def _attend_backward(q, k, v, lo, hi, o, lse, do, dlse, *, scale, key_span, quer
             scratch_shapes=[pltpu.VMEM((bk, lay.dkp), jnp.float32), pltpu.VMEM((bk, lay.dvp), jnp.float32)]),
         out_shape=[out_struct((B, lay.nkv, H * lay.dkp), k.dtype, q),
                    out_struct((B, lay.nkv, H * lay.dvp), v.dtype, q)], name=f"{name}_dkdv", **compiler,
-    )(band, lay.ends, lay.rows, _view(q, lay.tp, lay.dkp), _view(k, lay.nkv, lay.dkp), _view(v, lay.nkv, lay.dvp),
+    )(table, lay.ends, lay.rows, view(q, lay.tp, lay.dkp), view(k, lay.nkv, lay.dkp), view(v, lay.nkv, lay.dvp),
       do_v, lse_h, delta_h)
     return (dq.reshape(B, lay.tp, HQ, lay.dkp)[:, :T, :, :dk_dim],
             dk.reshape(B, lay.nkv, H, lay.dkp)[:, :NK, :, :dk_dim],
             dv.reshape(B, lay.nkv, H, lay.dvp)[:, :NK, :, :dv_dim])
-
-
-def kernels(interpret=False, config=None, gpu=False):
-    """(attend, attend_backward) of a target: with `gpu` the Mosaic GPU kernels (nsa/pallas/gpu/_flash.py,
-    which take no interpret or config), else these Mosaic TPU ones with interpret and config bound."""
-    if gpu:
-        from nsa.pallas.gpu import _flash as gpu_flash  # it imports this module
-
-        return gpu_flash.attend, gpu_flash.attend_backward
-    return (functools.partial(attend, interpret=interpret, config=config),
-            functools.partial(attend_backward, interpret=interpret, config=config))

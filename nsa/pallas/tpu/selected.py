@@ -72,22 +72,22 @@ import math
 from typing import NamedTuple
 
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from nsa._varlen import num_compressed_blocks, tokens
+from nsa._config import Shapes, expect, positive, validated
+from nsa._device import facts
+from nsa._plan import (PAST, block_names, check_selected, kernel_delta, padded, per_key_row, row_offsets,
+                       segments, tile_lists, tile_names, tile_starts, tile_unions)
+from nsa._varlen import cdiv, num_compressed_blocks, round_up
 from nsa.pallas._batch import per_sequence
-from nsa.pallas._flash import out_struct
-from nsa.reference._common import kernel_delta
+from nsa.pallas.tpu._common import dot, lane_padded, lanes, out_struct, params, sublanes
 
-LANES = 128  # a vreg's lanes: head dims are padded to a multiple of it
 MXU_ROWS = 128  # a tile's rows (the G heads of TB tokens) are a multiple of one MXU pass
-_NONE = -1  # the name of a skipped slot
-_PAST = np.iinfo(np.int32).max  # sorts after every name
 
 
+@validated
 class Config(NamedTuple):
     """TB query tokens per tile (forward, dq, and the dk/dv entries) and L, the most entries (tiles) of
     one dk/dv segment. TB must be a multiple of the sublane tile (8, or 16 in 16-bit dtypes), and on a
@@ -96,22 +96,13 @@ class Config(NamedTuple):
     tokens: int
     segment: int
 
-
-def _cdiv(a, b):
-    return -(-a // b)
-
-
-def _round_up(a, b):
-    return _cdiv(a, b) * b
+    def check(self):
+        positive(self, "tokens", "segment")
+        expect(self.tokens % facts("tpu").sublanes == 0, self, "tokens", "a multiple of the sublanes (8)")
 
 
-def _sublanes(dtype):
-    """Rows of one (sublane) tile: 8 for 32-bit dtypes, 16 for 16-bit ones (packed two per sublane)."""
-    return 32 // jnp.dtype(dtype).itemsize
-
-
-def default_config(q, k, v, block_indices, *, block_size, cu_seqlens=None):
-    """The Config for q [B, T, HQ, Dk], k [B, TK, H, Dk], v [B, TK, H, Dv], block_indices [B, T, H, S].
+def default_config(shapes: Shapes, dtype, device) -> Config:
+    """The Config of a call of `shapes` (q [B, T, HQ, Dk] against k [B, TK, H, Dk]) in `dtype` on `device`.
 
     - TB: the fewest tokens whose G heads make R = G * TB rows a multiple of MXU_ROWS = 128, rounded up
       to the sublane tile of q's dtype (8 rows in float32, 16 in 16-bit) so that the (G, TB, Dp) tile
@@ -123,18 +114,11 @@ def default_config(q, k, v, block_indices, *, block_size, cu_seqlens=None):
       each a grid step long enough to hide its block's copy, while the float32 partials stay small
       (NL + E / L of them, [BR, Dp] each: about 50 MiB for dk at the standard shape with random
       selections, where a tile's union holds every block).
+    Not measured on a TPU yet (none here): benchmarks/tpu_roofline.py models the kernels at these tiles.
     """
-    del v, block_indices, cu_seqlens
-    T, HQ = q.shape[1], q.shape[2]
-    G = HQ // k.shape[2]
-    tb = _round_up(MXU_ROWS // math.gcd(G, MXU_ROWS), _sublanes(q.dtype))
-    return Config(tokens=tb, segment=max(1, min(256, _cdiv(T, tb))))
-
-
-def _dot(a, b, precision, *, transpose_b=False):
-    """a @ b, or a @ b.T, with float32 accumulation."""
-    dims = (((1,), (1,)), ((), ())) if transpose_b else (((1,), (0,)), ((), ()))
-    return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
+    del device
+    tb = round_up(MXU_ROWS // math.gcd(shapes.G, MXU_ROWS), sublanes(dtype))
+    return Config(tokens=tb, segment=max(1, min(256, cdiv(shapes.T, tb))))
 
 
 # ------------------------------------------------------------------------------------------ kernels
@@ -168,7 +152,7 @@ def _pipelined(n, copies, body):
 def _copied_rows(block_size, dtype):
     """BR: the rows copied per block, block_size rounded up to the sublane tile of `dtype` (an aligned
     copy destination)."""
-    return _round_up(block_size, _sublanes(dtype))
+    return round_up(block_size, sublanes(dtype))
 
 
 def _block_copies(k_hbm, v_hbm, k_buf, v_buf, sems, b, h, x, slot, block_size):
@@ -206,7 +190,7 @@ def _block(k_buf, v_buf, slot, x, last, block_size):
 def _logits(q, k, bias, scale, precision):
     """The logits of the tile q [G * TB, Dkp] against one block k [BK, Dkp] with its bias [TB, BK], as
     [G, TB, BK] float32."""
-    s = _dot(q, k, precision, transpose_b=True) * scale
+    s = dot(q, k, precision, transpose_b=True) * scale
     return s.reshape(q.shape[0] // bias.shape[0], *bias.shape) + bias[None]
 
 
@@ -244,7 +228,7 @@ def _fwd_kernel(blocks_ref, q_ref, names_ref, k_hbm, v_hbm, o_ref, lse_ref, k_bu
         p = jnp.exp(s - m_use)
         l_scr[...] = jnp.broadcast_to(l_scr[...][:, :, :1] * alpha + jnp.sum(p, axis=2, keepdims=True), l_scr.shape)
         m_scr[...] = jnp.broadcast_to(m_new, m_scr.shape)
-        pv = _dot(p.reshape(G * TB, p.shape[2]).astype(v.dtype), v, precision).reshape(acc_scr.shape)
+        pv = dot(p.reshape(G * TB, p.shape[2]).astype(v.dtype), v, precision).reshape(acc_scr.shape)
         acc_scr[...] = acc_scr[...] * alpha + pv
 
     _walk_union(blocks_ref, names_ref[...], k_hbm, v_hbm, k_buf, v_buf, sems, attend, block_size=block_size)
@@ -264,7 +248,7 @@ def _probabilities(q, k, bias, lse, scale, precision):
 def _dlogits(p, do, v, delta, precision):
     """ds = p * (do v^T - delta), [G * TB, BK] float32, for p [G, TB, BK], do [G * TB, Dvp], v [BK, Dvp],
     delta [G, TB, 1]."""
-    dp = _dot(do, v, precision, transpose_b=True).reshape(p.shape)
+    dp = dot(do, v, precision, transpose_b=True).reshape(p.shape)
     return (p * (dp - delta)).reshape(do.shape[0], p.shape[2])
 
 
@@ -279,7 +263,7 @@ def _dq_kernel(blocks_ref, q_ref, names_ref, do_ref, lse_ref, delta_ref, k_hbm, 
     def step(k, v, bias):
         p = _probabilities(q, k, bias, lse, scale, precision)
         ds = _dlogits(p, do, v, delta, precision)
-        acc_scr[...] += _dot(ds.astype(k.dtype), k, precision)
+        acc_scr[...] += dot(ds.astype(k.dtype), k, precision)
 
     _walk_union(blocks_ref, names_ref[...], k_hbm, v_hbm, k_buf, v_buf, sems, step, block_size=block_size)
     dq_ref[...] = (acc_scr[...] * scale).reshape(dq_ref.shape).astype(dq_ref.dtype)
@@ -319,8 +303,8 @@ def _dkdv_kernel(seg_ref, k_hbm, v_hbm, q_hbm, do_hbm, lse_hbm, delta_hbm, names
         p = _probabilities(q, k, bias, lse_buf[slot], scale, precision)
         ds = _dlogits(p, do, v, delta_buf[slot], precision)
         rows = dk_ref.shape[0]  # BR of the BK rows: those of the block
-        dv_ref[...] += _dot(p.reshape(G * TB, p.shape[2]).T.astype(do.dtype), do, precision)[:rows]
-        dk_ref[...] += _dot(ds.T.astype(q.dtype), q, precision)[:rows]
+        dv_ref[...] += dot(p.reshape(G * TB, p.shape[2]).T.astype(do.dtype), do, precision)[:rows]
+        dk_ref[...] += dot(ds.T.astype(q.dtype), q, precision)[:rows]
 
     _pipelined(n, copies, step)
 
@@ -369,22 +353,17 @@ class _Layout(NamedTuple):
 def _layout(q, k, v, block_indices, block_size, cu_seqlens, kv_lens, cfg):
     B, T, HQ, Dk = q.shape
     TK, H, S = k.shape[1], k.shape[2], block_indices.shape[3]
-    nt, br, num_rows = _cdiv(T, cfg.tokens), _copied_rows(block_size, k.dtype), num_compressed_blocks(
+    nt, br, num_rows = cdiv(T, cfg.tokens), _copied_rows(block_size, k.dtype), num_compressed_blocks(
         TK, block_size, cu_seqlens)
     union = min(min(T, cfg.tokens) * S, num_rows)
-    return _Layout(B, T, TK, H, HQ // H, S, cfg.tokens, nt, br, _round_up(block_size, LANES), _round_up(Dk, LANES),
-                   _round_up(v.shape[3], LANES), num_rows, union,
+    return _Layout(B, T, TK, H, HQ // H, S, cfg.tokens, nt, br, round_up(block_size, lanes()), lane_padded(Dk),
+                   lane_padded(v.shape[3]), num_rows, union,
                    kv_lens is not None and 0 < nt * union * br < TK)
-
-
-def _pad_to(x, axis, size):
-    missing = size - x.shape[axis]
-    return x if missing == 0 else jnp.pad(x, [(0, missing if a == axis else 0) for a in range(x.ndim)])
 
 
 def _query_tiles(x, lay, dp):
     """[B, T, HQ, D] -> [B, H, NT, G, TB, dp], zero-padded."""
-    x = _pad_to(_pad_to(x, 3, dp), 1, lay.nt * lay.tb)
+    x = padded(padded(x, 3, dp), 1, lay.nt * lay.tb)
     x = x.reshape(lay.B, lay.nt, lay.tb, lay.H, lay.G, dp)
     return jnp.transpose(x, (0, 3, 1, 4, 2, 5))
 
@@ -404,18 +383,18 @@ def _row_tiles(x, lay, fill):
 def _key_rows(x, lay, dp):
     """[B, TK, H, D] -> [B, H, TK + BR, dp], zero-padded: a copy of BR rows from any block start x < TK
     stays in bounds."""
-    return jnp.transpose(_pad_to(_pad_to(x, 3, dp), 1, lay.TK + lay.br), (0, 2, 1, 3))
+    return jnp.transpose(padded(padded(x, 3, dp), 1, lay.TK + lay.br), (0, 2, 1, 3))
 
 
 def _gathered_rows(x, union, lay, dp):
     """[B, TK, H, D] -> [B, H, NT * U * BR, dp]: the BR rows from each union block's first row, tile after
     tile (rows past TK clamped to it: `_block` zeroes them), zero-padded to dp. With a KV cache the forward
     gathers these rows, O(T * S * block_size) per KV head, and never copies or transposes the cache."""
-    rows = jnp.where(union == _PAST, 0, union)[..., None] + jnp.arange(lay.br, dtype=jnp.int32)
+    rows = jnp.where(union == PAST, 0, union)[..., None] + jnp.arange(lay.br, dtype=jnp.int32)
     b = jnp.arange(lay.B)[:, None, None, None, None]
     h = jnp.arange(lay.H)[None, :, None, None, None]
     blocks = x[b, jnp.minimum(rows, lay.TK - 1), h]  # [B, H, NT, U, BR, D]
-    return _pad_to(blocks, 5, dp).reshape(lay.B, lay.H, lay.nt * lay.union * lay.br, dp)
+    return padded(blocks, 5, dp).reshape(lay.B, lay.H, lay.nt * lay.union * lay.br, dp)
 
 
 def _source_rows(union, lay, gathered):
@@ -427,49 +406,6 @@ def _source_rows(union, lay, gathered):
     return jnp.broadcast_to(place * lay.br, union.shape)
 
 
-def _row_offsets(kv_lens, lay):
-    """int32 [1 or B]: the key row of each batch row's query 0 (query t is key row t + offset): kv_lens[b] - T
-    with a cache, else 0."""
-    return jnp.zeros((1,), jnp.int32) if kv_lens is None else kv_lens.astype(jnp.int32) - lay.T
-
-
-def _names(block_indices, block_counts, cu_seqlens, kv_lens, lay, block_size):
-    """int32 [B, T, H, S]: each slot's block named by its first token's global row, _NONE where skipped."""
-    tok = tokens(lay.T, block_size, cu_seqlens, kv_lens)
-    pos, start = tok.pos[:, :, None, None], tok.start[:, :, None, None]
-    blk = block_indices.astype(jnp.int32)
-    counts = jnp.broadcast_to(jnp.asarray(block_counts, jnp.int32), block_indices.shape[:3])
-    valid = (jnp.arange(lay.S) < counts[..., None]) & (blk >= 0) & (blk <= pos // block_size)
-    return jnp.where(valid, start + jnp.where(valid, blk, 0) * block_size, _NONE)
-
-
-def _tile_names(names, lay):
-    """[B, T, H, S] -> [B, H, NT, TB, S], padded tokens listing nothing."""
-    names = jnp.pad(names, [(0, 0), (0, lay.nt * lay.tb - lay.T), (0, 0), (0, 0)], constant_values=_NONE)
-    return jnp.transpose(names.reshape(lay.B, lay.nt, lay.tb, lay.H, lay.S), (0, 3, 1, 2, 4))
-
-
-def _tile_blocks(tile_names, offsets, lay):
-    """The union of each tile: (union [B, H, NT, U] int32: the distinct names its tokens list, increasing,
-    then _PAST; last [B, H, NT, U]: the key row of the last token of the tile that lists each; count
-    [B, H, NT]: how many), from the names [B, H, NT, TB, S] and the `_row_offsets`."""
-    shape = (lay.B, lay.H, lay.nt, lay.tb * lay.S)
-    flat = tile_names.reshape(shape)
-    t = lax.broadcasted_iota(jnp.int32, shape, 2) * lay.tb + lax.broadcasted_iota(jnp.int32, shape, 3) // lay.S
-    token = offsets[:, None, None, None] + t
-    name, token = lax.sort((jnp.where(flat == _NONE, _PAST, flat), token), num_keys=2)
-    run_end = jnp.concatenate([name[..., 1:] != name[..., :-1], jnp.ones_like(name[..., :1], bool)], -1)
-    union, last = lax.sort((jnp.where(run_end, name, _PAST), token), num_keys=1)
-    U = lay.union
-    return union[..., :U], last[..., :U], jnp.sum(union[..., :U] != _PAST, axis=-1).astype(jnp.int32)
-
-
-def _tile_starts(offsets, lay):
-    """int32 [B, H, NT]: t0, the key row of each tile's first token."""
-    t0 = offsets[:, None, None] + jnp.arange(lay.nt, dtype=jnp.int32) * lay.tb
-    return jnp.broadcast_to(t0, (lay.B, lay.H, lay.nt))
-
-
 def _smem_rows(*columns):
     """Per-step SMEM tables: [..., 1, W] int32 from leading columns [...] and trailing tables [..., n]."""
     cols = [c[..., None] if c.ndim == columns[0].ndim else c for c in columns]
@@ -477,19 +413,15 @@ def _smem_rows(*columns):
 
 
 def _tiles(block_indices, block_counts, cu_seqlens, kv_lens, lay, block_size, gathered):
-    """What the forward and the backward both build: (names [B, H, NT, TB, S]; the tiles' SMEM rows
+    """What the forward and the backward both build (nsa._plan): (names [B, H, NT, TB, S]; the tiles' SMEM rows
     [B, H, NT, 1, 2 + 3U]: count, t0, union, last, source rows (`_source_rows`); union and last [B, H, NT, U];
-    the `_row_offsets`)."""
-    row_offsets = _row_offsets(kv_lens, lay)
-    names = _tile_names(_names(block_indices, block_counts, cu_seqlens, kv_lens, lay, block_size), lay)
-    union, last, count = _tile_blocks(names, row_offsets, lay)
-    blocks = _smem_rows(count, _tile_starts(row_offsets, lay), union, last, _source_rows(union, lay, gathered))
-    return names, blocks, union, last, row_offsets
-
-
-def _params(q, interpret, semantics):
-    return dict(compiler_params=pltpu.CompilerParams(dimension_semantics=semantics), interpret=interpret), dict(
-        precision=lax.Precision.HIGHEST if q.dtype == jnp.float32 else None)
+    the `row_offsets`)."""
+    offsets = row_offsets(kv_lens, lay.T)
+    names = tile_names(block_names(block_indices, block_counts, cu_seqlens, kv_lens, block_size=block_size), lay.tb)
+    union, last, count = tile_unions(names, offsets, lay.union)
+    blocks = _smem_rows(count, tile_starts(offsets, (lay.B, lay.H, lay.nt), lay.tb), union, last,
+                        _source_rows(union, lay, gathered))
+    return names, blocks, union, last, offsets
 
 
 def _block_buffers(lay, k, v, copies):
@@ -505,7 +437,7 @@ def _query_grid(kernel, lay, blocks, tiled, k_rows, v_rows, outputs, scratch, *,
     def tile_spec(shape):
         return pl.BlockSpec((None, None, None) + shape[3:], lambda b, h, i: (b, h, i) + (0,) * (len(shape) - 3))
 
-    compiler, dots = _params(q, interpret, ("parallel", "parallel", "parallel"))
+    compiler, dots = params(q, interpret, ("parallel", "parallel", "parallel"))
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     return pl.pallas_call(
         functools.partial(kernel, scale=float(scale), block_size=block_size, **dots),
@@ -520,39 +452,31 @@ def _query_grid(kernel, lay, blocks, tiled, k_rows, v_rows, outputs, scratch, *,
 
 def vmem_bytes(G, dk, dv, itemsize, block_size, num_slots, config):
     """The VMEM one grid step holds, the largest over the four kernels: BlockSpec blocks double-buffered
-    (1-wide and int32 blocks padded to 128 lanes), the DMA buffers and the float32 scratch."""
-    tb, lanes = config.tokens, LANES
+    (1-wide and int32 blocks padded to the lanes), the DMA buffers and the float32 scratch."""
+    tb, lane = config.tokens, lanes()
     R = G * tb
-    br, bk = _round_up(block_size, 32 // itemsize), _round_up(block_size, lanes)
-    dkp, dvp = _round_up(dk, lanes), _round_up(dv, lanes)
-    slots = _round_up(num_slots, lanes)
-    tile = (R * dkp + R * dvp) * itemsize + 2 * R * lanes * 4 + tb * slots * 4  # q, do, lse, delta, names
+    br, bk = round_up(block_size, facts("tpu").sublanes * 4 // itemsize), round_up(block_size, lane)
+    dkp, dvp = lane_padded(dk), lane_padded(dv)
+    slots = round_up(num_slots, lane)
+    tile = (R * dkp + R * dvp) * itemsize + 2 * R * lane * 4 + tb * slots * 4  # q, do, lse, delta, names
     block = bk * (dkp + dvp) * itemsize
-    forward = 2 * (R * dkp * itemsize + tb * slots * 4 + R * dvp * itemsize + R * lanes * 4) + 2 * block \
-        + (2 * R * lanes + R * dvp) * 4
+    forward = 2 * (R * dkp * itemsize + tb * slots * 4 + R * dvp * itemsize + R * lane * 4) + 2 * block \
+        + (2 * R * lane + R * dvp) * 4
     dq = 2 * (tile + R * dkp * itemsize) + 2 * block + R * dkp * 4
     dkdv = 2 * tile + block + 2 * br * (dkp + dvp) * 4
     reduce = 4 * br * (dkp + dvp) * 4
     return max(forward, dq, dkdv, reduce)
 
 
-def _config(q, k, v, block_indices, block_size, cu_seqlens, config):
+def _config(config, q, k, v, block_indices, block_size):
+    """config, or the default_config of q [B, T, HQ, Dk] against k [B, TK, H, Dk], v [B, TK, H, Dv]."""
     if config is not None:
         return config
-    return default_config(q, k, v, block_indices, block_size=block_size, cu_seqlens=cu_seqlens)
+    shapes = Shapes.of(q, k, v, block_size=block_size, block_counts=block_indices.shape[3])
+    return default_config(shapes, q.dtype, facts("tpu"))
 
 
 # ------------------------------------------------------------------------------------------ forward
-
-
-def _check(q, k, block_indices, block_size):
-    if q.shape[2] % k.shape[2]:
-        raise ValueError(f"q: expected a multiple of k's {k.shape[2]} KV heads, got {q.shape[2]} heads")
-    if block_indices.shape[:3] != (q.shape[0], q.shape[1], k.shape[2]):
-        raise ValueError(f"block_indices: expected shape [B, T, H, S] = {q.shape[:2] + k.shape[2:3]} + [S], "
-                         f"got {block_indices.shape}")
-    if int(block_size) < 1:
-        raise ValueError(f"block_size: expected a positive int, got {block_size}")
 
 
 def forward(q, k, v, block_indices, block_counts, cu_seqlens, kv_lens=None, *, block_size, scale, interpret=False,
@@ -573,8 +497,8 @@ def forward(q, k, v, block_indices, block_counts, cu_seqlens, kv_lens=None, *, b
 
 def _attention(q, k, v, block_indices, block_counts, cu_seqlens, kv_lens, *, block_size, scale, interpret, config):
     """`forward`'s o and lse."""
-    _check(q, k, block_indices, block_size)
-    cfg = _config(q, k, v, block_indices, block_size, cu_seqlens, config)
+    check_selected(q, k, block_indices, block_size)
+    cfg = _config(config, q, k, v, block_indices, block_size)
     lay = _layout(q, k, v, block_indices, block_size, cu_seqlens, kv_lens, cfg)
     names, blocks, union, _, _ = _tiles(block_indices, block_counts, cu_seqlens, kv_lens, lay, block_size,
                                         lay.gathered)
@@ -584,7 +508,7 @@ def _attention(q, k, v, block_indices, block_counts, cu_seqlens, kv_lens, *, blo
         _fwd_kernel, lay, blocks, [_query_tiles(q, lay, lay.dkp), names],
         rows(k, lay=lay, dp=lay.dkp), rows(v, lay=lay, dp=lay.dvp),
         [out_struct(tile_shape + (lay.dvp,), q.dtype, q), out_struct(tile_shape + (1,), jnp.float32, q)],
-        _block_buffers(lay, k, v, 2) + [pltpu.VMEM((lay.G, lay.tb, LANES), jnp.float32)] * 2
+        _block_buffers(lay, k, v, 2) + [pltpu.VMEM((lay.G, lay.tb, lanes()), jnp.float32)] * 2
         + [pltpu.VMEM((lay.G, lay.tb, lay.dvp), jnp.float32)],
         q=q, scale=scale, block_size=block_size, interpret=interpret, name="selected_forward")
     return _from_query_tiles(o, lay, v.shape[3]), _from_query_tiles(lse, lay, 1)[..., 0]
@@ -593,52 +517,16 @@ def _attention(q, k, v, block_indices, block_counts, cu_seqlens, kv_lens, *, blo
 # ------------------------------------------------------------------------------------------ backward
 
 
-def _segments(offsets, num_entries, seg_len):
-    """The lists (list i: entries offsets[i] : offsets[i + 1]) cut into segments of at most seg_len entries,
-    all int32: (seg_offsets [NL + 1]: list i owns segments seg_offsets[i] : seg_offsets[i + 1], in entry
-    order; seg_list, seg_lo, seg_hi [NSEG]: the list and the entries of each segment).
-    NSEG = NL + ceil(num_entries / seg_len) bounds sum_i ceil(len_i / seg_len) statically; the segments
-    past the real ones are empty."""
-    NL = offsets.shape[0] - 1
-    counts = _cdiv(offsets[1:] - offsets[:-1], seg_len)
-    seg_offsets = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(counts).astype(jnp.int32)])
-    s = jnp.arange(NL + _cdiv(num_entries, seg_len), dtype=jnp.int32)
-    seg_list = jnp.searchsorted(seg_offsets[1:], s, side="right").astype(jnp.int32)
-    real = seg_list < NL
-    seg_list = jnp.where(real, seg_list, 0)
-    lo = jnp.where(real, offsets[seg_list] + (s - seg_offsets[seg_list]) * seg_len, 0)
-    hi = jnp.where(real, jnp.minimum(lo + seg_len, offsets[seg_list + 1]), 0)
-    return seg_offsets, seg_list, lo, hi
-
-
-def _block_lists(union, last, cu_seqlens, lay, block_size):
-    """The selections inverted: every (tile, union block) entry keyed by its list (b * H + h) * NR + block
-    row, stably sorted. Returns (offsets [NL + 1]: list i is the entries offsets[i] : offsets[i + 1];
-    tile [E]: each entry's query tile, increasing within a list; name [E]: its block's name; last [E]: the
-    key row of the last token of the tile that lists it)."""
-    keys = tokens(lay.TK, block_size, cu_seqlens)  # of the key rows: x itself is a block's first row
-    valid = union != _PAST
-    x = jnp.where(valid, union, 0)
-    row = keys.cmp_start[0][x] + keys.pos[0][x] // block_size  # the block's row among its (b, h)'s NR rows
-    bh = (jnp.arange(lay.B)[:, None] * lay.H + jnp.arange(lay.H)[None, :])[:, :, None, None]
-    num_lists = lay.B * lay.H * lay.num_rows
-    key = jnp.where(valid, bh * lay.num_rows + row, num_lists).reshape(-1)
-    tile = jnp.broadcast_to(jnp.arange(lay.nt, dtype=jnp.int32)[:, None], union.shape).reshape(-1)
-    key, tile, name, last = lax.sort((key, tile, x.reshape(-1), last.reshape(-1)), num_keys=1, is_stable=True)
-    offsets = jnp.searchsorted(key, jnp.arange(num_lists + 1, dtype=jnp.int32), side="left").astype(jnp.int32)
-    return offsets, tile, name, last
-
-
-def _dkdv_partials(lay, segments, k_rows, v_rows, tiled, *, q, k, v, scale, block_size, interpret):
+def _dkdv_partials(lay, seg_table, k_rows, v_rows, tiled, *, q, k, v, scale, block_size, interpret):
     """The dk/dv kernel on the grid (NSEG,): float32 partials [NSEG, BR, Dkp] and [NSEG, BR, Dvp]."""
-    nseg = segments.shape[0]
-    compiler, dots = _params(q, interpret, ("parallel",))
+    nseg = seg_table.shape[0]
+    compiler, dots = params(q, interpret, ("parallel",))
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     tile_buffer = lambda x: pltpu.VMEM((2,) + x.shape[3:], x.dtype)
     return pl.pallas_call(
         functools.partial(_dkdv_kernel, scale=float(scale), block_size=block_size, **dots),
         grid=(nseg,),
-        in_specs=[pl.BlockSpec((None,) + segments.shape[1:], lambda s: (s, 0, 0), memory_space=pltpu.SMEM)]
+        in_specs=[pl.BlockSpec((None,) + seg_table.shape[1:], lambda s: (s, 0, 0), memory_space=pltpu.SMEM)]
         + [any_spec] * (2 + len(tiled)),
         out_specs=[pl.BlockSpec((None, lay.br, lay.dkp), lambda s: (s, 0, 0)),
                    pl.BlockSpec((None, lay.br, lay.dvp), lambda s: (s, 0, 0))],
@@ -647,13 +535,13 @@ def _dkdv_partials(lay, segments, k_rows, v_rows, tiled, *, q, k, v, scale, bloc
         scratch_shapes=[pltpu.VMEM((1, lay.bk, lay.dkp), k.dtype), pltpu.VMEM((1, lay.bk, lay.dvp), v.dtype)]
         + [tile_buffer(x) for x in tiled] + [pltpu.SemaphoreType.DMA((2 + len(tiled), 2))], name="selected_dkdv",
         **compiler,
-    )(segments, k_rows, v_rows, *tiled)
+    )(seg_table, k_rows, v_rows, *tiled)
 
 
 def _reduced(lay, lists, dk_part, dv_part, *, interpret):
     """The reduce kernel on the grid (NL,): each list's partials summed in segment order, [NL, BR, Dp]."""
     num_lists = lists.shape[0]
-    compiler, _ = _params(dk_part, interpret, ("parallel",))
+    compiler, _ = params(dk_part, interpret, ("parallel",))
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     return pl.pallas_call(
         _reduce_kernel, grid=(num_lists,),
@@ -667,25 +555,15 @@ def _reduced(lay, lists, dk_part, dv_part, *, interpret):
     )(lists, dk_part, dv_part)
 
 
-def _per_key_row(sums, cu_seqlens, lay, block_size, d):
-    """[NL, BR, Dp] sums per (list, row in the block) -> [B, TK, H, d]: key row r of (b, h) is row
-    pos[r] % block_size of list (b * H + h) * NR + its block row."""
-    keys = tokens(lay.TK, block_size, cu_seqlens)
-    row = keys.cmp_start[0] + keys.pos[0] // block_size  # [TK]
-    lst = (jnp.arange(lay.B)[:, None, None] * lay.H + jnp.arange(lay.H)[None, None, :]) * lay.num_rows \
-        + row[None, :, None]  # [B, TK, H]
-    return sums[lst, (keys.pos[0] % block_size)[None, :, None], :d]
-
-
 @per_sequence
 def backward(residuals, do, *, block_size, scale, interpret=False, config=None):
     """Gradients (dq, dk, dv, None, None, None, None) in q's, k's and v's dtypes, from `forward`'s residuals
     and do [B, T, HQ, Dv]; interpret and config as for `forward` (and a symbolic batch once per sequence)."""
     q, k, v, block_indices, block_counts, cu_seqlens, kv_lens, o, lse = residuals
-    cfg = _config(q, k, v, block_indices, block_size, cu_seqlens, config)
+    cfg = _config(config, q, k, v, block_indices, block_size)
     lay = _layout(q, k, v, block_indices, block_size, cu_seqlens, kv_lens, cfg)
-    names, blocks, union, last, row_offsets = _tiles(block_indices, block_counts, cu_seqlens, kv_lens, lay,
-                                                     block_size, False)
+    names, blocks, union, last, offsets = _tiles(block_indices, block_counts, cu_seqlens, kv_lens, lay,
+                                                 block_size, False)
     delta = kernel_delta(o, do, q.dtype)
     do = do.astype(q.dtype)
     tiled = [_query_tiles(q, lay, lay.dkp), _query_tiles(do, lay, lay.dvp), _row_tiles(lse, lay, -jnp.inf),
@@ -699,17 +577,17 @@ def backward(residuals, do, *, block_size, scale, interpret=False, config=None):
         _block_buffers(lay, k, v, 2) + [pltpu.VMEM((lay.G * lay.tb, lay.dkp), jnp.float32)], name="selected_dq",
         **common)
 
-    offsets, tile, name, last = _block_lists(union, last, cu_seqlens, lay, block_size)
-    seg_offsets, seg_list, lo, hi = _segments(offsets, tile.shape[0], cfg.segment)
+    lists_offsets, tile, name, last = tile_lists(union, last, cu_seqlens, num_keys=lay.TK, block_size=block_size)
+    seg_offsets, seg_list, lo, hi = segments(lists_offsets, tile.shape[0], cfg.segment)
     entry = jnp.minimum(lo[:, None] + jnp.arange(cfg.segment), tile.shape[0] - 1)
     lists_per_b = lay.H * lay.num_rows
     seg_b = seg_list // lists_per_b
-    segments = _smem_rows(seg_b, seg_list % lists_per_b // lay.num_rows, name[lo], hi - lo,
-                          jnp.broadcast_to(row_offsets, (lay.B,))[seg_b], tile[entry], last[entry])
-    dk_part, dv_part = _dkdv_partials(lay, segments, k_rows, v_rows, tiled, k=k, v=v, **common)
+    seg_table = _smem_rows(seg_b, seg_list % lists_per_b // lay.num_rows, name[lo], hi - lo,
+                           jnp.broadcast_to(offsets, (lay.B,))[seg_b], tile[entry], last[entry])
+    dk_part, dv_part = _dkdv_partials(lay, seg_table, k_rows, v_rows, tiled, k=k, v=v, **common)
     lists = _smem_rows(seg_offsets[:-1], seg_offsets[1:] - seg_offsets[:-1])
     dk_sum, dv_sum = _reduced(lay, lists, dk_part, dv_part, interpret=interpret)
     dq = _from_query_tiles(dq, lay, q.shape[3])
-    dk = _per_key_row(dk_sum, cu_seqlens, lay, block_size, k.shape[3]) * scale
-    dv = _per_key_row(dv_sum, cu_seqlens, lay, block_size, v.shape[3])
+    dk = per_key_row(dk_sum, k.shape, cu_seqlens, block_size=block_size) * scale
+    dv = per_key_row(dv_sum, v.shape, cu_seqlens, block_size=block_size)
     return dq, dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, None

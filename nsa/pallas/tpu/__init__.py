@@ -1,0 +1,24 @@
+"""Pallas kernels for TPUs (Mosaic TPU), also run in Pallas's TPU interpret mode on any platform.
+
+KERNELS maps an op name of nsa.reference.OPS to its (forward, backward) kernels, with the reference's
+signatures and residuals plus the keywords `interpret` (False: Mosaic; a pltpu.InterpretParams: interpret mode)
+and `config`; DTYPES are the input dtypes they take. The sliding-window and compressed branches (`window.py`,
+`compressed.py`) run this package's flash kernels (`_flash.py`); selected attention and block selection have
+their own (`selected.py`, `select.py`); `_common.py` holds what they share. The index planning around the
+kernels is nsa._plan's.
+"""
+
+import jax.numpy as jnp
+
+from nsa.pallas.tpu import compressed, select, selected, window
+
+DTYPES = tuple(jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16))
+
+KERNELS = {
+    "window": (window.forward, window.backward),
+    "compressed": (compressed.forward, compressed.backward),
+    "selected": (selected.forward, selected.backward),
+    "select": (select.forward, None),
+}
+
+__all__ = ["DTYPES", "KERNELS"]
