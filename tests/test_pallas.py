@@ -15,7 +15,9 @@ import jax.numpy as jnp
 import pytest
 
 import nsa
-from nsa.pallas import select as pallas_select
+from nsa._config import Shapes
+from nsa._device import facts
+from nsa.pallas.tpu import select as pallas_select
 from tests.base import SHAPES, Inputs, NSATestBase
 
 
@@ -152,9 +154,10 @@ def test_serving_step_vmem_budget(B, TQ, TK):
     flash and selected kernels' `vmem_bytes` depend on neither T nor TK (tests/test_pallas_flash.py,
     tests/test_pallas_selected.py)."""
     q, _, _, kv_lens, k_cmp = _serving_args(B, TQ, TK)[:5]
-    config = pallas_select.default_config(q, k_cmp, None, kv_lens, block_counts=16, block_size=64)
+    shapes = Shapes.of(q, k_cmp, block_counts=16, block_size=64)  # TK: NC, the rows the cached tokens may see
+    config = pallas_select.default_config(shapes, q.dtype, facts("tpu"))
     used = pallas_select.vmem_bytes(16, 128, 2, k_cmp.shape[1], 16, config)
-    assert used <= pallas_select.VMEM_BUDGET <= 16 * 2 ** 20
+    assert used <= pallas_select.vmem_budget(facts("tpu")) == 12 * 2 ** 20
 
 
 def test_default_on_cpu_lowers_no_mosaic_kernel():

@@ -1,4 +1,4 @@
-"""The Pallas TPU flash kernels of the window and compressed branches (nsa/pallas/_flash.py).
+"""The Pallas TPU flash kernels of the window and compressed branches (nsa/pallas/tpu/_flash.py).
 
 On the CPU it runs in Pallas's TPU interpret mode (race detection on) against the XLA reference:
 G = 1, 3 and 16, Dv != Dk, head dims that are not a multiple of 128 lanes, T not a multiple of the tile,
@@ -7,7 +7,7 @@ sequences (ranges per batch row over several tiles, NaN keys past each length), 
 lse, and dq, dk, dv (with a cotangent on lse) against the reference's gradients. Forward and backward are
 also exported for TPU (jax.export, platforms=["tpu"]) at the standard shape and an odd one, which lowers
 them through Mosaic and so catches the layout and tiling errors that interpret mode lets through. The
-window and compressed ops run them (nsa/pallas/window.py, compressed.py), where the shared test base
+window and compressed ops run them (nsa/pallas/tpu/window.py, compressed.py), where the shared test base
 checks them too (tests/test_pallas.py).
 """
 
@@ -21,7 +21,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 import nsa
 from nsa._varlen import compressed_key_range, window_key_range
-from nsa.pallas import _flash
+from nsa.pallas.tpu import _flash
 from tests.base import GRAD_TOLERANCE, TOLERANCE, assert_close, gradient_scales
 
 CU = np.array([0, 37, 37, 150, 200], np.int32)  # lengths 37, 0, 113, 50 (T = 200)
@@ -52,8 +52,7 @@ def _branches(q, k, v, T, window_size, block_size, cu, kv_lens):
     window = lambda q, k, v: nsa.sliding_window_attention(q, k, v, window_size=window_size, **kw)
     compressed = lambda q, k, v: nsa.compressed_attention(q, k, v, block_size=block_size, **kw)
     NC = k_cmp.shape[1]
-    return [("window", k, v, *window_key_range(T, window_size, cu, kv_lens), 128 + window_size - 1, window_size,
-             window),
+    return [("window", k, v, *window_key_range(T, window_size, cu, kv_lens), window_size, window_size, window),
             ("compressed", k_cmp, v_cmp, *compressed_key_range(T, NC, block_size, cu, kv_lens), NC, T, compressed)]
 
 
@@ -128,7 +127,7 @@ def test_lowers_for_tpu(shape, dtype):
     dk/dv), window and compressed."""
     B, T, HQ, H, Dk, Dv = shape
     NC = -(-T // 64)
-    for NK, (lo, hi), key_span, query_span in [(T, window_key_range(T, 512), 128 + 511, 512),
+    for NK, (lo, hi), key_span, query_span in [(T, window_key_range(T, 512), 512, 512),
                                                (NC, compressed_key_range(T, NC, 64), NC, T)]:
         def forward_backward(q, k, v, do):
             o, lse = _flash.attend(q, k, v, lo, hi, scale=0.1, key_span=key_span)

@@ -70,6 +70,7 @@ def test_explicit_pallas_on_float32_raises():
 def test_compressed_gradients_split_over_programs():
     """The compressed branch's dk/dv with its key tiles' walks split over several programs (few compressed rows,
     many queries: nsa/pallas/gpu/_flash.py `_dkdv_parts`) equals the reference's, and repeats bitwise."""
+    from nsa import _config, _device
     from nsa.pallas.gpu import _flash
 
     B, T, HQ, H, D, bs = 1, 1024, 16, 1, 64, 16
@@ -77,7 +78,9 @@ def test_compressed_gradients_split_over_programs():
     q = jnp.asarray(rng.standard_normal((B, T, HQ, D)), jnp.bfloat16)
     k_cmp, v_cmp = (jnp.asarray(rng.standard_normal((B, T // bs, H, D)), jnp.bfloat16) for _ in range(2))
     do = jnp.asarray(rng.standard_normal((B, T, HQ, D)), jnp.float32)
-    lay = _flash._Layout(q, k_cmp, v_cmp, jnp.zeros((T,), jnp.int32), jnp.zeros((T,), jnp.int32))
+    device = _device.facts("cuda")
+    config = _flash.default_config(_config.Shapes.of(q, k_cmp, v_cmp, block_size=bs), q.dtype, device)
+    lay = _flash._Layout(q, k_cmp, v_cmp, jnp.zeros((T,), jnp.int32), jnp.zeros((T,), jnp.int32), config, device)
     assert _flash._dkdv_parts(lay, T) > 1
 
     def grads(impl, *x):

@@ -19,14 +19,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-from nsa._varlen import cdiv, num_compressed_blocks, tokens
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from nsa._plan import num_candidates
+from nsa._varlen import cdiv, num_compressed_blocks, tokens
 from nsa.pallas.gpu import select as gpu_select
 from nsa.reference import select as reference
 from nsa.reference.compressed import softmax_over_blocks
 from tests.base import MOSAIC_GPU_LOWERS
+
+TOP_CHUNK = gpu_select.Config().top_chunk
 
 CU = np.array([0, 37, 37, 150, 200], np.int32)  # lengths 37, 0, 113, 50 (T = 200)
 needs_mosaic_gpu = pytest.mark.skipif(
@@ -38,7 +40,7 @@ needs_mosaic_gpu = pytest.mark.skipif(
 def top_k_on_cpu(monkeypatch):
     """The reference's top_blocks in the place of the top-k kernel (interpreting it takes about a minute for
     forward's hundreds of rows; test_top_k_kernel_interpreted and test_forward_with_the_top_k_interpreted run it)."""
-    monkeypatch.setattr(gpu_select, "top_k", lambda x, k, chunks: reference.top_blocks(x, k))
+    monkeypatch.setattr(gpu_select, "top_k", lambda x, k, chunks, **_: reference.top_blocks(x, k))
 
 
 def _inputs(B, T, HQ, H, Dk, block_size, dtype, cu=None, num_rows=None, seed=0):
@@ -205,7 +207,7 @@ def test_indices_from_scores_is_the_reference(name):
     lse = _lse(q, k_cmp, bs, cu, kv_lens) if with_lse else None
     by_row = _reference_scores(q, k_cmp, lse, cu, kv_lens, bs)
     got = gpu_select.indices_from_scores(by_row, cu, kv_lens, block_counts=S, block_size=bs,
-                                         num_blocks=gpu_select.num_blocks(T, k_cmp.shape[1], bs, kv_lens))
+                                         num_blocks=num_candidates(T, k_cmp.shape[1], bs, kv_lens))
     np.testing.assert_array_equal(np.asarray(got), _reference(q, k_cmp, lse, cu, kv_lens, S, bs))
 
 
@@ -213,7 +215,7 @@ def test_indices_from_scores_traced_cu_seqlens():
     """Under jit with cu_seqlens an argument (traced): the same ids as with it concrete."""
     q, k_cmp = _inputs(1, 200, 4, 2, 16, 16, jnp.float32, CU)
     by_row = _reference_scores(q, k_cmp, None, CU, None, 16)
-    kw = dict(block_counts=4, block_size=16, num_blocks=gpu_select.num_blocks(200, k_cmp.shape[1], 16, None))
+    kw = dict(block_counts=4, block_size=16, num_blocks=num_candidates(200, k_cmp.shape[1], 16, None))
     traced = jax.jit(lambda s, cu: gpu_select.indices_from_scores(s, cu, None, **kw))(by_row, jnp.asarray(CU))
     np.testing.assert_array_equal(np.asarray(traced), np.asarray(gpu_select.indices_from_scores(by_row, CU, **kw)))
 
@@ -274,7 +276,7 @@ def test_top_k_kernel_interpreted(name):
     tiles = cdiv(R, gpu_select.TOP_ROWS)
     finite = np.pad(np.isfinite(x), [(0, tiles * gpu_select.TOP_ROWS - R), (0, 0)]).reshape(tiles, -1, N)
     last = np.array([np.max(np.nonzero(t.any(axis=0))[0], initial=-1) for t in finite])
-    chunks = (last // gpu_select.TOP_CHUNK + 1).astype(np.int32)
+    chunks = (last // TOP_CHUNK + 1).astype(np.int32)
     interpret = plgpu.InterpretGPUParams(detect_races=True)
     got = gpu_select.top_k(jnp.asarray(x), k, jnp.asarray(chunks), interpret=interpret)
     assert got.dtype == jnp.int32 and got.shape == (R, k)
@@ -308,14 +310,14 @@ def test_top_chunks_cover_every_finite_rank(name):
     its last finite rank."""
     B, T, H, bs, cu, kv_lens, NC = TOP_CHUNKS[name]
     kv_lens = None if kv_lens is None else jnp.asarray(kv_lens)
-    nb = gpu_select.num_blocks(T, NC, bs, kv_lens)
+    nb = num_candidates(T, NC, bs, kv_lens)
     by_row = jnp.asarray(np.random.default_rng(0).random((B, T, H, NC)), jnp.float32)
     ranks = np.asarray(gpu_select.ranks_from_scores(by_row, cu, kv_lens, block_size=bs, num_blocks=nb))
-    chunks = np.asarray(gpu_select._top_chunks(tokens(T, bs, cu, kv_lens).pos, B, H, bs, nb))
+    chunks = np.asarray(gpu_select._top_chunks(tokens(T, bs, cu, kv_lens).pos, B, H, bs, nb, TOP_CHUNK))
     rows = np.pad(ranks.reshape(B * T * H, nb), [(0, chunks.size * gpu_select.TOP_ROWS - B * T * H), (0, 0)],
                   constant_values=-np.inf).reshape(chunks.size, gpu_select.TOP_ROWS, nb)
     col = np.arange(nb)
     assert len(set(chunks.tolist())) > 1  # the cases reach several chunk counts
     for tile, n in zip(rows, chunks):
-        assert np.all(tile[:, col >= n * gpu_select.TOP_CHUNK] == -np.inf)
-        assert n == np.max(col[np.isfinite(tile).any(axis=0)]) // gpu_select.TOP_CHUNK + 1
+        assert np.all(tile[:, col >= n * TOP_CHUNK] == -np.inf)
+        assert n == np.max(col[np.isfinite(tile).any(axis=0)]) // TOP_CHUNK + 1

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import nsa
+from nsa import _plan
 from nsa.pallas.gpu import selected as gpu
 
 CU = np.array([0, 23, 23, 70, 100], np.int32)
@@ -81,23 +82,22 @@ def _mask(x, t0, times, rows, bk, *, gr, bits, bs):
     return visible, np.log(np.maximum(m, 1))
 
 
-def _emulate(q, k, v, idx, counts, cu, lens, bs, do):
+def _emulate(q, k, v, idx, counts, cu, lens, bs, do, segment):
     """What the forward and the dk/dv kernels compute from their tables, in float64: (o, dk, dv)."""
     B, T, HQ, Dk = q.shape
     qj, kj, vj = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v))  # the layouts of 16-bit inputs
-    L = gpu._layout(qj, kj, vj, jnp.asarray(idx), bs, cu, lens)
-    lay = L.tpu
+    L = gpu._layout(qj, kj, vj, jnp.asarray(idx), bs, cu, lens, gpu.Config(segment=segment))
     count, t0, union, source, times, last = (np.asarray(x) for x in gpu._tables(
         jnp.asarray(idx), jnp.asarray(counts), cu, lens, L, bs))
-    q_t = np.asarray(gpu._token_rows(jnp.asarray(q), L, lay.dkp), np.float64)
-    ks, vs = (np.asarray(gpu._keys(jnp.asarray(x), L, cu, bs, d), np.float64) for x, d in ((k, lay.dkp), (v, lay.dvp)))
-    tile_rows = lambda x, b, i, h: x[b, i * lay.tb:(i + 1) * lay.tb, h].reshape((L.rows,) + x.shape[4:])
+    q_t = np.asarray(gpu._token_rows(jnp.asarray(q), L, L.dkp), np.float64)
+    ks, vs = (np.asarray(gpu._keys(jnp.asarray(x), L, cu, bs, d), np.float64) for x, d in ((k, L.dkp), (v, L.dvp)))
+    tile_rows = lambda x, b, i, h: x[b, i * L.tb:(i + 1) * L.tb, h].reshape((L.rows,) + x.shape[4:])
     scale = Dk ** -0.5
-    o_t = np.zeros((B, lay.nt * lay.tb, lay.H, L.gr, lay.dvp))
-    lse_t = np.full((B, lay.nt * lay.tb, lay.H, L.gr), -np.inf)
+    o_t = np.zeros((B, L.nt * L.tb, L.H, L.gr, L.dvp))
+    lse_t = np.full((B, L.nt * L.tb, L.H, L.gr), -np.inf)
     for b in range(B):
-        for h in range(lay.H):
-            for i in range(lay.nt):
+        for h in range(L.H):
+            for i in range(L.nt):
                 rows = tile_rows(q_t, b, i, h)
                 logits, values = [], []
                 for u in range(count[b, h, i]):
@@ -116,24 +116,24 @@ def _emulate(q, k, v, idx, counts, cu, lens, bs, do):
                 p = np.where(seen[:, None], np.exp(s - np.where(seen[:, None], m, 0)), 0.0)
                 l = p.sum(1)
                 out = np.where(seen[:, None], p @ vals / np.where(seen, l, 1)[:, None], 0.0)
-                o_t[b, i * lay.tb:(i + 1) * lay.tb, h] = out.reshape(lay.tb, L.gr, -1)
-                lse_t[b, i * lay.tb:(i + 1) * lay.tb, h] = np.where(seen, m[:, 0] + np.log(np.where(seen, l, 1)),
-                                                                    -np.inf).reshape(lay.tb, L.gr)
+                o_t[b, i * L.tb:(i + 1) * L.tb, h] = out.reshape(L.tb, L.gr, -1)
+                lse_t[b, i * L.tb:(i + 1) * L.tb, h] = np.where(seen, m[:, 0] + np.log(np.where(seen, l, 1)),
+                                                                    -np.inf).reshape(L.tb, L.gr)
     o = np.asarray(gpu._from_token_rows(jnp.asarray(o_t), L, v.shape[3]))
     lse = np.asarray(gpu._from_token_rows(jnp.asarray(lse_t), L, None))
 
     # dk, dv: the segments of each block's list of (token, times) entries, TB entries a step, then each list's sum
     delta = np.sum(o * do, -1)
-    do_t = np.asarray(gpu._token_rows(jnp.asarray(do), L, lay.dvp), np.float64)
+    do_t = np.asarray(gpu._token_rows(jnp.asarray(do), L, L.dvp), np.float64)
     seg, entries, lists, bh = (np.asarray(x) for x in gpu._dkdv_tables(jnp.asarray(idx), jnp.asarray(counts), cu, lens,
                                                                         L, bs))
     lse_e, delta_e = (np.asarray(gpu._entry_vector(jnp.asarray(x), jnp.asarray(entries), jnp.asarray(bh), L, fill),
                                  np.float64) for x, fill in ((lse, -np.inf), (delta, 0.0)))
     assert ((entries[:, 0] >= 0) & (entries[:, 0] < T)).all()  # any entry a step reads names a token to copy
-    tb, gr = lay.tb, L.gr
+    tb, gr = L.tb, L.gr
     row_token = np.arange(L.rows) // gr  # j of row j * GR + g
-    dk_part = np.zeros((len(seg), L.bk, lay.dkp))
-    dv_part = np.zeros((len(seg), L.bk, lay.dvp))
+    dk_part = np.zeros((len(seg), L.bk, L.dkp))
+    dv_part = np.zeros((len(seg), L.bk, L.dvp))
     for s_, (b, h, x, src, lo, hi, offset) in enumerate(seg):
         kb, vb = _block(ks[b, :, h], src, L.bk), _block(vs[b, :, h], src, L.bk)
         for first in range(lo, hi, tb):  # the kernel's step: entries first ... first + TB - 1, read whole
@@ -154,21 +154,20 @@ def _emulate(q, k, v, idx, counts, cu, lens, bs, do):
                 ds_t = np.where(visible, p_t * (vb @ dor.T - delta_r[None]), 0.0)
             dk_part[s_] += ds_t @ qr
     sums = lambda part: np.stack([part[first:first + n].sum(0) for first, n in lists])
-    dk = np.asarray(gpu.tpu._per_key_row(jnp.asarray(sums(dk_part)), cu, lay, bs, k.shape[3])) * scale
-    dv = np.asarray(gpu.tpu._per_key_row(jnp.asarray(sums(dv_part)), cu, lay, bs, v.shape[3]))
+    dk = np.asarray(_plan.per_key_row(jnp.asarray(sums(dk_part)), k.shape, cu, block_size=bs)) * scale
+    dv = np.asarray(_plan.per_key_row(jnp.asarray(sums(dv_part)), v.shape, cu, block_size=bs))
     return o, dk, dv
 
 
-@pytest.mark.parametrize("segment", [gpu.SEGMENT, 5], ids=["segment", "segment5"])
+@pytest.mark.parametrize("segment", [gpu.Config().segment, 5], ids=["segment", "segment5"])
 @pytest.mark.parametrize("name", CASES)
-def test_the_kernels_tables_give_the_reference(name, segment, monkeypatch):
+def test_the_kernels_tables_give_the_reference(name, segment):
     """The emulated forward and dk/dv over the kernels' tables equal the reference's o, dk and dv; with segments
     of 5 entries too (not a multiple of TB: lists cut in many segments, most ending in a step of fewer than TB
     tokens)."""
-    monkeypatch.setattr(gpu, "SEGMENT", segment)
     case = _case(name)
     with jax.enable_x64(True):
-        o, dk, dv = _emulate(*case)
+        o, dk, dv = _emulate(*case, segment)
     o_ref, (_, dk_ref, dv_ref) = _reference(*case)
     lens = case[6]
     if lens is not None:  # keys past a sequence get no gradient; compare the rest

@@ -19,8 +19,10 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 
 import nsa
+from nsa._config import Shapes
+from nsa._device import facts
 from nsa._varlen import num_compressed_blocks, tokens
-from nsa.pallas import select as pallas_select
+from nsa.pallas.tpu import select as pallas_select
 from nsa.reference import select as reference
 
 CU = np.array([0, 37, 37, 150, 200], np.int32)  # lengths 37, 0, 113, 50 (T = 200)
@@ -148,7 +150,7 @@ def test_rejects_a_bad_config():
     kw = dict(block_counts=2, block_size=8, scale=0.25, interpret=INTERPRET)
     with pytest.raises(ValueError, match="config.tokens: expected a positive multiple of 16"):
         pallas_select.forward(q, k_cmp, None, None, config=pallas_select.Config(8, 128), **kw)
-    with pytest.raises(ValueError, match="config.chunk: expected a positive multiple of 128"):
+    with pytest.raises(ValueError, match="Config.chunk: expected a positive multiple of 128, got 64"):
         pallas_select.forward(q, k_cmp, None, None, config=pallas_select.Config(16, 64), **kw)
 
 
@@ -178,8 +180,9 @@ def test_vmem_budget(T, block_size, dk, dtype):
     default (VMEM is 64 MiB per core on v5p, 128 MiB on v5e and v6e), also with 16k compressed rows."""
     q = jax.ShapeDtypeStruct((1, T, 64, dk), dtype)
     k_cmp = jax.ShapeDtypeStruct((1, T // block_size, 4, dk), dtype)
-    config = pallas_select.default_config(q, k_cmp, block_counts=16, block_size=block_size)
+    shapes = Shapes.of(q, k_cmp, block_counts=16, block_size=block_size)  # TK: NC, every row a token may see
+    config = pallas_select.default_config(shapes, dtype, facts("tpu"))
     used = pallas_select.vmem_bytes(16, dk, jnp.dtype(dtype).itemsize, T // block_size, 16, config)
-    assert used <= pallas_select.VMEM_BUDGET <= 16 * 2 ** 20
+    assert used <= pallas_select.vmem_budget(facts("tpu")) == 12 * 2 ** 20
     if T == 8192:
         assert config.tokens == 128  # the standard shape needs no smaller tile

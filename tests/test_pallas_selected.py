@@ -1,4 +1,4 @@
-"""The Pallas TPU kernels of selected attention (nsa/pallas/selected.py).
+"""The Pallas TPU kernels of selected attention (nsa/pallas/tpu/selected.py).
 
 On the CPU they run in Pallas's TPU interpret mode (race detection on) against the XLA reference
 (nsa.reference.selected) on float32 copies of the same rounded inputs: o, lse, dq, dk and dv, on G = 1, 3
@@ -22,8 +22,10 @@ import pytest
 from jax._src.pallas.mosaic.interpret import interpret_pallas_call  # the race detector's state
 from jax.experimental.pallas import tpu as pltpu
 
+from nsa._config import Shapes
+from nsa._device import facts
 from nsa._varlen import tokens
-from nsa.pallas import selected
+from nsa.pallas.tpu import selected
 from nsa.reference import selected as reference
 from tests.base import GRAD_TOLERANCE, TOLERANCE, Inputs, assert_close, gradient_scales
 
@@ -211,8 +213,8 @@ def test_a_decode_step_gathers_its_blocks():
     x.q, x.do = (jnp.asarray(last(a)) for a in (x.q, x.do))
     idx = last(x.block_indices(3))
     counts = jnp.asarray(np.random.default_rng(2).integers(0, 5, (3, T, 2)), jnp.int32)
-    lay = selected._layout(x.q, x.k, x.v, idx, 16, None, lens, selected.default_config(x.q, x.k, x.v, idx,
-                                                                                        block_size=16))
+    config = selected.default_config(Shapes.of(x.q, x.k, x.v, block_size=16), x.q.dtype, facts("tpu"))
+    lay = selected._layout(x.q, x.k, x.v, idx, 16, None, lens, config)
     assert lay.gathered and lay.nt * lay.union * lay.br == 96
     past = (np.arange(TK)[None, :] >= lens[:, None])[..., None, None]
     keys = x.k, x.v
@@ -277,8 +279,7 @@ def test_vmem_budget(G, dk, dv, dtype, block_size):
     T, H, S = 8192, 2, 16
     q = jax.ShapeDtypeStruct((1, T, G * H, dk), dtype)
     k, v = jax.ShapeDtypeStruct((1, T, H, dk), dtype), jax.ShapeDtypeStruct((1, T, H, dv), dtype)
-    idx = jax.ShapeDtypeStruct((1, T, H, S), jnp.int32)
-    config = selected.default_config(q, k, v, idx, block_size=block_size)
+    config = selected.default_config(Shapes.of(q, k, v, block_size=block_size, block_counts=S), dtype, facts("tpu"))
     assert config.tokens * G % 128 == 0
     assert selected.vmem_bytes(G, dk, dv, jnp.dtype(dtype).itemsize, block_size, S, config) <= 16 * 2 ** 20
 
