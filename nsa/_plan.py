@@ -15,8 +15,8 @@ key rows, HQ query heads, H KV heads, G = HQ / H, S slots per query, NR block ro
 - the sliding window over a long KV cache, cut to the rows its queries' windows span: `window_keys`,
   `window_uncut`;
 - block selection: `num_candidates`;
-- selected attention: the kernels' inputs checked (`check_selected`), each slot named by its block's first key
-  row (`block_names`), the names per tile of TB
+- selected attention: the kernels' inputs checked (`check_selected`), the sizes of the tables (`Tiling`), each
+  slot named by its block's first key row (`block_names`), the names per tile of TB
   query tokens (`tile_names`, `tile_unions`, `tile_starts`, `row_offsets`), the selections inverted into one list
   per block (`key_blocks`; `tile_lists`, entries per tile, and `token_lists`, entries per token), the lists cut
   into segments (`segments`), and the lists' sums gathered back per key row (`per_key_row`).
@@ -206,6 +206,21 @@ def check_selected(q, k, block_indices, block_size):
                          f"got {block_indices.shape}")
     if int(block_size) < 1:
         raise ValueError(f"block_size: expected a positive int, got {block_size}")
+
+
+class Tiling:
+    """The sizes of selected attention's tables for q [B, T, HQ, Dk] against k [B, TK, H, Dk] (G = HQ / H) and
+    block_indices [B, T, H, S], its T queries in NT tiles of TB = `tile` tokens: NR = num_rows block rows per
+    (batch row, KV head) of the TK key rows (a static bound on the distinct blocks), U = union the most distinct
+    blocks one tile may list (min(tokens of a tile * S, NR)). A family's layout extends it with its own sizes."""
+
+    def __init__(self, q, k, block_indices, block_size, cu_seqlens, tile):
+        self.B, self.T, HQ = q.shape[:3]
+        self.TK, self.H, self.S = k.shape[1], k.shape[2], block_indices.shape[3]
+        self.G = HQ // self.H
+        self.tb, self.nt = tile, cdiv(self.T, tile)
+        self.num_rows = num_compressed_blocks(self.TK, block_size, cu_seqlens)
+        self.union = min(min(self.T, tile) * self.S, self.num_rows)
 
 
 def row_offsets(kv_lens, T):

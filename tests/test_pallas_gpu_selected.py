@@ -86,7 +86,7 @@ def _emulate(q, k, v, idx, counts, cu, lens, bs, do, segment):
     """What the forward and the dk/dv kernels compute from their tables, in float64: (o, dk, dv)."""
     B, T, HQ, Dk = q.shape
     qj, kj, vj = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v))  # the layouts of 16-bit inputs
-    L = gpu._layout(qj, kj, vj, jnp.asarray(idx), bs, cu, lens, gpu.Config(segment=segment))
+    L = gpu._Layout(qj, kj, vj, jnp.asarray(idx), bs, cu, lens, gpu.Config(segment=segment))
     count, t0, union, source, times, last = (np.asarray(x) for x in gpu._tables(
         jnp.asarray(idx), jnp.asarray(counts), cu, lens, L, bs))
     q_t = np.asarray(gpu._token_rows(jnp.asarray(q), L, L.dkp), np.float64)

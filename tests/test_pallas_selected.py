@@ -214,7 +214,7 @@ def test_a_decode_step_gathers_its_blocks():
     idx = last(x.block_indices(3))
     counts = jnp.asarray(np.random.default_rng(2).integers(0, 5, (3, T, 2)), jnp.int32)
     config = selected.default_config(Shapes.of(x.q, x.k, x.v, block_size=16), x.q.dtype, facts("tpu"))
-    lay = selected._layout(x.q, x.k, x.v, idx, 16, None, lens, config)
+    lay = selected._Layout(x.q, x.k, x.v, idx, 16, None, lens, config)
     assert lay.gathered and lay.nt * lay.union * lay.br == 96
     past = (np.arange(TK)[None, :] >= lens[:, None])[..., None, None]
     keys = x.k, x.v

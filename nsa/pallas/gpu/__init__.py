@@ -12,11 +12,8 @@ kernels is nsa._plan's.
 from nsa.pallas.gpu import compressed, select, selected, window
 from nsa.pallas.gpu._common import DTYPES
 
-KERNELS = {
-    "window": (window.forward, window.backward),
-    "compressed": (compressed.forward, compressed.backward),
-    "selected": (selected.forward, selected.backward),
-    "select": (select.forward, None),
-}
+# select has no backward: no gradient flows through the selection
+KERNELS = {op: (module.forward, getattr(module, "backward", None)) for op, module in (
+    ("window", window), ("compressed", compressed), ("selected", selected), ("select", select))}
 
 __all__ = ["DTYPES", "KERNELS"]

@@ -63,9 +63,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from nsa._config import Shapes, positive, validated
 from nsa._device import facts
-from nsa._plan import (NONE, PAST, block_names, check_selected, kernel_delta, key_blocks, padded, per_key_row,
+from nsa._plan import (PAST, Tiling, block_names, check_selected, kernel_delta, key_blocks, padded, per_key_row,
                        row_offsets, segments, tile_names, tile_starts, tile_unions, token_lists)
-from nsa._varlen import cdiv, num_compressed_blocks, tokens
+from nsa._varlen import cdiv, tokens
 from nsa.pallas._batch import per_sequence
 from nsa.pallas.gpu._common import (COLS, LN2, LOG2E, ROWS, by_row, call, check_dtype, iota, kernel_name,
                                     key_gradients, matmul, matmul_add, padded_dim, pipelined, smem_tile, store,
@@ -102,42 +102,21 @@ def _head_rows(G):
     return max(8, 1 << (G - 1).bit_length())
 
 
-class _Layout(NamedTuple):
-    """The static sizes of one call (see the module docstring)."""
+class _Layout(Tiling):
+    """The static sizes of one call (see the module docstring): nsa._plan.Tiling's for tiles of TB = 64 / GR
+    tokens, and GR, TB * GR rows, the bits of `times`, BK, Dkp, Dvp, whether the blocks are read from k and v
+    themselves (else from `_block_rows`), and L."""
 
-    B: int
-    T: int
-    TK: int  # key rows: T, or a cache's
-    H: int
-    G: int
-    S: int
-    tb: int  # TB = 64 / GR tokens per tile
-    nt: int  # NT = Tp / TB
-    dkp: int
-    dvp: int
-    num_rows: int  # NR, block rows per (batch row, KV head) of the TK keys: a static bound on the distinct blocks
-    union: int  # U, the most distinct blocks of one tile: min(tokens of a tile * S, NR)
-    gr: int  # GR
-    rows: int  # TB * GR
-    bits: int  # per token in `times`: 4 (counts to 15) when S <= 15, else 8 (counts to 255; then TB <= 4)
-    bk: int  # BK
-    direct: bool  # the blocks are read from k and v themselves (else from `_block_rows`)
-    segment: int  # L
-
-
-def _layout(q, k, v, block_indices, block_size, cu_seqlens, kv_lens, config):
-    B, T, HQ, Dk = q.shape
-    TK, H, S = k.shape[1], k.shape[2], block_indices.shape[3]
-    G = HQ // H
-    bits = 4 if S < 16 else 8
-    gr = _head_rows(G) if bits == 4 else max(16, _head_rows(G))  # 8 bits per token: at most 4 tokens per tile
-    tb = max(1, ROWS_PER_TILE // gr)
-    nt = cdiv(T, tb)
-    num_rows = num_compressed_blocks(TK, block_size, cu_seqlens)
-    bk = cdiv(block_size, 64) * 64
-    return _Layout(B, T, TK, H, G, S, tb, nt, padded_dim(Dk, q.dtype), padded_dim(v.shape[3], v.dtype), num_rows,
-                   min(min(T, tb) * S, num_rows), gr, tb * gr, bits, bk, cu_seqlens is None and block_size % 8 == 0,
-                   config.segment)
+    def __init__(self, q, k, v, block_indices, block_size, cu_seqlens, kv_lens, config):
+        G, S = q.shape[2] // k.shape[2], block_indices.shape[3]
+        self.bits = 4 if S < 16 else 8  # per token in `times`: 4 (counts to 15), else 8 (to 255; then TB <= 4)
+        self.gr = _head_rows(G) if self.bits == 4 else max(16, _head_rows(G))  # 8 bits: at most 4 tokens per tile
+        super().__init__(q, k, block_indices, block_size, cu_seqlens, max(1, ROWS_PER_TILE // self.gr))
+        self.rows = self.tb * self.gr
+        self.bk = cdiv(block_size, 64) * 64
+        self.dkp, self.dvp = padded_dim(q.shape[3], q.dtype), padded_dim(v.shape[3], v.dtype)
+        self.direct = cu_seqlens is None and block_size % 8 == 0
+        self.segment = config.segment
 
 
 def _check(q, k, block_indices, block_size):
@@ -449,7 +428,7 @@ def _config(config, q, k, v, block_indices, block_size):
 def _attention(q, k, v, block_indices, block_counts, cu_seqlens, kv_lens, *, block_size, scale, config):
     """`forward`'s o and lse."""
     _check(q, k, block_indices, block_size)
-    L = _layout(q, k, v, block_indices, block_size, cu_seqlens, kv_lens,
+    L = _Layout(q, k, v, block_indices, block_size, cu_seqlens, kv_lens,
                 _config(config, q, k, v, block_indices, block_size))
     tables = _tables(block_indices, block_counts, cu_seqlens, kv_lens, L, block_size)
     tile = (L.B, L.nt * L.tb, L.H, L.gr)
@@ -502,7 +481,7 @@ def backward(residuals, do, *, block_size, scale, config=None):
     """Gradients (dq, dk, dv, None, None, None, None) in q's, k's and v's dtypes, from `forward`'s residuals and
     do [B, T, HQ, Dv]; config as for `forward`."""
     q, k, v, block_indices, block_counts, cu_seqlens, kv_lens, o, lse = residuals
-    L = _layout(q, k, v, block_indices, block_size, cu_seqlens, kv_lens,
+    L = _Layout(q, k, v, block_indices, block_size, cu_seqlens, kv_lens,
                 _config(config, q, k, v, block_indices, block_size))
     tables = _tables(block_indices, block_counts, cu_seqlens, kv_lens, L, block_size)
     delta = kernel_delta(o, do, q.dtype)

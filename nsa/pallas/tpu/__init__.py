@@ -14,11 +14,8 @@ from nsa.pallas.tpu import compressed, select, selected, window
 
 DTYPES = tuple(jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16))
 
-KERNELS = {
-    "window": (window.forward, window.backward),
-    "compressed": (compressed.forward, compressed.backward),
-    "selected": (selected.forward, selected.backward),
-    "select": (select.forward, None),
-}
+# select has no backward: no gradient flows through the selection
+KERNELS = {op: (module.forward, getattr(module, "backward", None)) for op, module in (
+    ("window", window), ("compressed", compressed), ("selected", selected), ("select", select))}
 
 __all__ = ["DTYPES", "KERNELS"]

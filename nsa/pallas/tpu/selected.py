@@ -78,9 +78,9 @@ from jax.experimental.pallas import tpu as pltpu
 
 from nsa._config import Shapes, expect, positive, validated
 from nsa._device import facts
-from nsa._plan import (PAST, block_names, check_selected, kernel_delta, padded, per_key_row, row_offsets,
-                       segments, tile_lists, tile_names, tile_starts, tile_unions)
-from nsa._varlen import cdiv, num_compressed_blocks, round_up
+from nsa._plan import (PAST, Tiling, block_names, check_selected, kernel_delta, padded, per_key_row,
+                       row_offsets, segments, tile_lists, tile_names, tile_starts, tile_unions)
+from nsa._varlen import cdiv, round_up
 from nsa.pallas._batch import per_sequence
 from nsa.pallas.tpu._common import dot, lane_padded, lanes, out_struct, params, sublanes
 
@@ -330,35 +330,17 @@ def _reduce_kernel(list_ref, dk_hbm, dv_hbm, dk_ref, dv_ref, dk_buf, dv_buf, sem
 # ------------------------------------------------------------------------------------------ layouts
 
 
-class _Layout(NamedTuple):
-    """The static sizes of one call (see the module docstring)."""
+class _Layout(Tiling):
+    """The static sizes of one call (see the module docstring): nsa._plan.Tiling's for tiles of config.tokens
+    tokens, and BR, BK, Dkp, Dvp and whether the forward gathers its blocks."""
 
-    B: int
-    T: int
-    TK: int  # key rows: T, or a cache's
-    H: int
-    G: int
-    S: int
-    tb: int  # TB
-    nt: int  # NT = Tp / TB
-    br: int  # BR: the rows copied per block, block_size rounded up to the sublane tile
-    bk: int  # BK: the rows of a key buffer, block_size rounded up to 128
-    dkp: int
-    dvp: int
-    num_rows: int  # NR, block rows per (batch row, KV head) of the TK keys: a static bound on the distinct blocks
-    union: int  # U, the most distinct blocks of one tile: min(tokens of a tile * S, NR)
-    gathered: bool  # the forward reads the union's blocks gathered from a KV cache (`_gathered_rows`)
-
-
-def _layout(q, k, v, block_indices, block_size, cu_seqlens, kv_lens, cfg):
-    B, T, HQ, Dk = q.shape
-    TK, H, S = k.shape[1], k.shape[2], block_indices.shape[3]
-    nt, br, num_rows = cdiv(T, cfg.tokens), _copied_rows(block_size, k.dtype), num_compressed_blocks(
-        TK, block_size, cu_seqlens)
-    union = min(min(T, cfg.tokens) * S, num_rows)
-    return _Layout(B, T, TK, H, HQ // H, S, cfg.tokens, nt, br, round_up(block_size, lanes()), lane_padded(Dk),
-                   lane_padded(v.shape[3]), num_rows, union,
-                   kv_lens is not None and 0 < nt * union * br < TK)
+    def __init__(self, q, k, v, block_indices, block_size, cu_seqlens, kv_lens, cfg):
+        super().__init__(q, k, block_indices, block_size, cu_seqlens, cfg.tokens)
+        self.br = _copied_rows(block_size, k.dtype)  # the rows copied per block, block_size rounded up to the sublanes
+        self.bk = round_up(block_size, lanes())  # the rows of a key buffer, block_size rounded up to 128
+        self.dkp, self.dvp = lane_padded(q.shape[3]), lane_padded(v.shape[3])
+        # the forward reads the union's blocks gathered from a KV cache (`_gathered_rows`)
+        self.gathered = kv_lens is not None and 0 < self.nt * self.union * self.br < self.TK
 
 
 def _query_tiles(x, lay, dp):
@@ -499,7 +481,7 @@ def _attention(q, k, v, block_indices, block_counts, cu_seqlens, kv_lens, *, blo
     """`forward`'s o and lse."""
     check_selected(q, k, block_indices, block_size)
     cfg = _config(config, q, k, v, block_indices, block_size)
-    lay = _layout(q, k, v, block_indices, block_size, cu_seqlens, kv_lens, cfg)
+    lay = _Layout(q, k, v, block_indices, block_size, cu_seqlens, kv_lens, cfg)
     names, blocks, union, _, _ = _tiles(block_indices, block_counts, cu_seqlens, kv_lens, lay, block_size,
                                         lay.gathered)
     rows = functools.partial(_gathered_rows, union=union) if lay.gathered else _key_rows
@@ -561,7 +543,7 @@ def backward(residuals, do, *, block_size, scale, interpret=False, config=None):
     and do [B, T, HQ, Dv]; interpret and config as for `forward` (and a symbolic batch once per sequence)."""
     q, k, v, block_indices, block_counts, cu_seqlens, kv_lens, o, lse = residuals
     cfg = _config(config, q, k, v, block_indices, block_size)
-    lay = _layout(q, k, v, block_indices, block_size, cu_seqlens, kv_lens, cfg)
+    lay = _Layout(q, k, v, block_indices, block_size, cu_seqlens, kv_lens, cfg)
     names, blocks, union, last, offsets = _tiles(block_indices, block_counts, cu_seqlens, kv_lens, lay,
                                                  block_size, False)
     delta = kernel_delta(o, do, q.dtype)
