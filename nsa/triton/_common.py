@@ -62,3 +62,14 @@ def check(ok, argument, expected, got):
     """Raises ValueError naming the argument, what was expected and what was received, unless ok."""
     if not ok:
         raise ValueError(f"{argument}: expected {expected}, got {got}")
+
+
+def check_keys(q, k, v, names=("k", "v")):
+    """q [B, T, HQ, Dk] against keys k [B, NK, H, Dk] (H dividing HQ) and values v [B, NK, H, Dv] (names: how
+    the caller calls k and v): a ValueError names the one that does not fit."""
+    B, _, HQ, Dk = q.shape
+    check(k.ndim == 4 and k.shape[0] == B and k.shape[3] == Dk and HQ % k.shape[2] == 0, names[0],
+          f"shape [B, NK, H, Dk] = [{B}, NK, H, {Dk}] with H dividing HQ = {HQ} (q {tuple(q.shape)})",
+          tuple(k.shape))
+    check(v.ndim == 4 and v.shape[:3] == k.shape[:3], names[1],
+          f"shape [B, NK, H, Dv] with [B, NK, H] = {tuple(k.shape[:3])} ({names[0]}'s)", tuple(v.shape))

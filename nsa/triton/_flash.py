@@ -37,7 +37,7 @@ from nsa._config import expect, positive, power_of_two, validated
 from nsa._plan import kernel_delta
 from nsa._varlen import cdiv
 from nsa.triton import _launch
-from nsa.triton._common import LN2, LOG2E, check, mm, online_step, pow2
+from nsa.triton._common import LN2, LOG2E, check, check_keys, mm, online_step, pow2
 
 
 # ------------------------------------------------------------------------------------------ kernels
@@ -327,13 +327,10 @@ def _meta(q, k, v, lo, scale, cfg, backward):
 
 
 def _check(q, k, v, lo, config):
-    """q [B, T, HQ, Dk] against k [B, NK, H, Dk] (H dividing HQ) and v [B, NK, H, Dv], lo [T] or [B, T], a
-    Config: a ValueError names the argument that does not fit."""
-    B, T, HQ, Dk = q.shape
-    check(k.ndim == 4 and k.shape[0] == B and k.shape[3] == Dk and HQ % k.shape[2] == 0, "k",
-          f"shape [B, NK, H, Dk] = [{B}, NK, H, {Dk}] with H dividing HQ = {HQ} (q {tuple(q.shape)})", tuple(k.shape))
-    check(v.ndim == 4 and v.shape[:3] == k.shape[:3], "v", f"shape [B, NK, H, Dv] with [B, NK, H] = "
-          f"{tuple(k.shape[:3])} (k's)", tuple(v.shape))
+    """q, k, v as `check_keys` takes them, lo [T] or [B, T], a Config: a ValueError names the argument that does
+    not fit."""
+    B, T = q.shape[:2]
+    check_keys(q, k, v)
     check(lo.shape in ((T,), (B, T)), "lo", f"shape [T] = ({T},) or [B, T] = ({B}, {T})", tuple(lo.shape))
     check(isinstance(config, Config), "config", "a nsa.triton._flash.Config", type(config).__name__)
 

@@ -51,7 +51,7 @@ from nsa._config import Shapes, expect, positive, power_of_two, validated
 from nsa._device import KiB
 from nsa._varlen import cdiv
 from nsa.triton import _launch, _splits, decode_select
-from nsa.triton._common import LN2, LOG2E, check, device, online_step, pow2, runs
+from nsa.triton._common import LN2, LOG2E, check, check_keys, device, online_step, pow2, runs
 from nsa.triton._splits import split_stats
 
 # `default_config`'s splits aim at PROGRAMS_PER_SM programs on each SM (nsa._device.facts: its cores); two
@@ -551,15 +551,10 @@ def _run(kernel, split_kernel, q, v, inputs, cfg, meta):
 
 
 def _check(q, k, v, kv_lens, names=("k", "v")):
-    """q [B, TQ, HQ, Dk] against keys k [B, TK, H, Dk] (H dividing HQ), values v [B, TK, H, Dv] and kv_lens [B]
-    (names: how the caller calls k and v); a ValueError names the argument that does not fit."""
-    B, TQ, HQ, Dk = q.shape
-    check(k.ndim == 4 and k.shape[0] == B and k.shape[3] == Dk and HQ % k.shape[2] == 0, names[0],
-          f"shape [B, TK, H, Dk] = [{B}, TK, H, {Dk}] with H dividing HQ = {HQ} (q {tuple(q.shape)})",
-          tuple(k.shape))
-    check(v.ndim == 4 and v.shape[:3] == k.shape[:3], names[1],
-          f"shape [B, TK, H, Dv] with [B, TK, H] = {tuple(k.shape[:3])} ({names[0]}'s)", tuple(v.shape))
-    check(kv_lens.shape == (B,), "kv_lens", f"shape [B] = ({B},)", tuple(kv_lens.shape))
+    """q, k, v as `check_keys` takes them (names: how the caller calls k and v) and kv_lens [B]: a ValueError
+    names the argument that does not fit."""
+    check_keys(q, k, v, names)
+    check(kv_lens.shape == (q.shape[0],), "kv_lens", f"shape [B] = ({q.shape[0]},)", tuple(kv_lens.shape))
 
 
 def window(q, k, v, kv_lens, *, window_size, scale, config=None):
