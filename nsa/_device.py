@@ -2,9 +2,10 @@
 
 `facts(platform)` is the `Device` of this process's first device of `platform` ('cuda' or 'tpu'), looked up by
 jax's `device_kind` in `TABLE`. Where the platform has no device here (a program exported for CUDA or TPU from a
-CPU machine) or the kind is not in the table, it is `CONSERVATIVE[platform]`: the smallest value of every field
-among the table's devices of that platform, so that no plan exceeds a real device's memory; a RuntimeWarning
-says so, once per kind. No kernel module holds a device number of its own: a new GPU generation is a row here
+CPU machine), the environment variable NSA_DEVICE_KIND names the device to plan for (a kind of TABLE, e.g.
+NSA_DEVICE_KIND="NVIDIA H200" to export the kernels an H200 runs). Otherwise, or where the kind is not in the
+table, it is `CONSERVATIVE[platform]`: the smallest value of every field among the table's devices of that
+platform, so that no plan exceeds a real device's memory; a RuntimeWarning says so, once per platform and kind. No kernel module holds a device number of its own: a new GPU generation is a row here
 (and, where it changes what is fastest, a measurement behind the kernel's `default_config`).
 
 Sources. NVIDIA: the CUDA C++ Programming Guide, "Compute Capabilities" (shared memory per block with opt-in,
@@ -17,6 +18,7 @@ TensorCore, lanes, sublanes, memory bandwidth); Mosaic's default scoped VMEM lim
 and later, raised per kernel with vmem_limit_bytes).
 """
 
+import os
 import warnings
 from typing import NamedTuple
 
@@ -88,16 +90,28 @@ def _local_kind(platform):
     return devices[0].device_kind if devices else None
 
 
+def _named(kind, platform):
+    """The TABLE row NSA_DEVICE_KIND names for `platform` (only where this process has no device of it)."""
+    device = TABLE.get(ALIASES.get(kind, kind))
+    if device is None or device.platform != platform:
+        kinds = ", ".join(repr(k) for k, d in TABLE.items() if d.platform == platform)
+        raise ValueError(f"NSA_DEVICE_KIND must name a {platform} device of nsa._device.TABLE ({kinds}) to plan "
+                         f"{platform} kernels with, got {kind!r}")
+    return device
+
+
 def facts(platform: str = "cuda") -> Device:
     """The `Device` that kernels for `platform` ('cuda' or 'tpu') plan with in this process (module docstring)."""
     if platform not in CONSERVATIVE:
         raise ValueError(f"platform must be one of {sorted(CONSERVATIVE)}, got {platform!r}")
     kind = _local_kind(platform)
+    if kind is None and os.environ.get("NSA_DEVICE_KIND"):
+        return _named(os.environ["NSA_DEVICE_KIND"], platform)
     known = TABLE.get(ALIASES.get(kind, kind))
     if known is not None:
         return known
-    if kind not in _warned:
-        _warned.add(kind)
+    if (platform, kind) not in _warned:
+        _warned.add((platform, kind))
         where = f"the {platform} device {kind!r} is not in" if kind else f"this process has no {platform} device for"
         warnings.warn(f"nsa: {where} nsa._device.TABLE: its kernels plan with the smallest values of the table "
                       f"({CONSERVATIVE[platform]})", RuntimeWarning, stacklevel=2)
