@@ -146,3 +146,13 @@ def test_vmem_budget(dk, dv, itemsize):
     float32: within the 16 MiB of scoped VMEM that Mosaic gives a kernel by default on v5e, v5p and v6e
     (whose VMEM is 64 to 128 MiB)."""
     assert _flash.vmem_bytes(dk, dv, itemsize) <= 16 * 2 ** 20
+
+
+def test_config_is_checked():
+    """A Config is checked when made, naming the field; the default tiles are 128 x 128 at every shape."""
+    with pytest.raises(ValueError, match=r"Config.block_q: expected a multiple of the sublanes \(8\), got 100"):
+        _flash.Config(block_q=100)
+    with pytest.raises(ValueError, match=r"Config.block_k: expected a multiple of the lanes \(128\)"):
+        _flash.Config(block_k=64)
+    shapes = nsa._config.Shapes(1, 300, 300, 4, 2, 64, 32)
+    assert _flash.default_config(shapes, jnp.float32, nsa._device.facts("tpu")) == _flash.Config(128, 128)

@@ -106,3 +106,36 @@ def test_an_older_jax_leaves_the_mosaic_gpu_kernels_out(without_jax_triton):
     runs the reference, and an explicit "pallas" lowered for CUDA says why."""
     assert set(nsa.implementations("cuda").values()) == {"xla"}
     assert "jax >= 0.11" in pallas.gpu_unavailable("selected", 0, jnp.bfloat16)
+
+
+def test_the_gpu_plans_follow_the_device():
+    """The Mosaic GPU flash kernels plan with the device's numbers (nsa._device): on an H200 (227 KiB of shared
+    memory per block) the forward takes key tiles of 128 rows up to Dk + Dv = 256 and head dims up to 448 in all;
+    on the table's smallest device (a program exported from a CPU: 163 KiB) 64-row tiles from 256 on and at most
+    320; the dk/dv split aims at 4 programs per SM. Pure planning: no lowering, any jax."""
+    from nsa import _config, _device
+    from nsa._varlen import cdiv
+    from nsa.pallas.gpu import _flash, selected
+
+    h200, smallest = _device.TABLE["NVIDIA H200"], _device.CONSERVATIVE["cuda"]
+    plan = lambda d, device: _flash.default_config(_config.Shapes(1, 64, 64, 2, 1, d, d), jnp.bfloat16, device)
+    assert [plan(d, h200).forward_block_k for d in (64, 128, 160)] == [128, 128, 64]
+    assert [plan(d, smallest).forward_block_k for d in (64, 128)] == [128, 64]
+
+    def layout(dk, dv, device, T=64, NK=64, HQ=2, H=1):
+        q, k, v = (jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((1, T, HQ, dk), (1, NK, H, dk), (1, NK, H, dv)))
+        lo = jnp.zeros((T,), jnp.int32)
+        return _flash._Layout(q, k, v, lo, lo, plan(max(dk, dv), device)._replace(forward_block_k=64), device)
+
+    layout(256, 192, h200)
+    layout(192, 128, smallest)
+    for (dk, dv), device in (((256, 256), h200), ((192, 192), smallest)):
+        with pytest.raises(ValueError, match=f"q, v: expected head dims .* got Dk = {dk}, Dv = {dv}"):
+            layout(dk, dv, device)
+    # 32 key tiles of 16 KV heads, each seen by all 8192 queries of 8 query heads: 4 programs per SM in all
+    parts = [_flash._dkdv_parts(layout(64, 64, device, 8192, 128, 128, 16), 8192) for device in (h200, smallest)]
+    assert parts == [cdiv(4 * h200.cores, 32), cdiv(4 * smallest.cores, 32)] == [17, 14]
+    with pytest.raises(ValueError, match="Config.slots: expected at least 2, got 1"):
+        _flash.Config(slots=1)
+    with pytest.raises(ValueError, match="Config.segment: expected a positive int, got 0"):
+        selected.Config(segment=0)

@@ -1,4 +1,4 @@
-"""The Pallas TPU block-selection kernel (nsa/pallas/select.py).
+"""The Pallas TPU block-selection kernel (nsa/pallas/tpu/select.py).
 
 On the CPU it runs in Pallas's TPU interpret mode (race detection on) and must return exactly the XLA
 reference's block ids, in the reference's rank order: G = 1, 3 and 16, head dims that are not a multiple of

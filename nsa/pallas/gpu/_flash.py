@@ -89,21 +89,21 @@ class Config(NamedTuple):
             expect(value % 8 == 0 and 24 <= value <= 256, self, field, "a multiple of 8 in [24, 256] (setmaxnreg)")
 
 
-def forward_shared_memory(config, dkp, dvp, itemsize, block_k=None):
+def forward_shared_memory(config, dkp, dvp, itemsize):
     """The bytes of shared memory one program of the forward holds (the largest kernel): two q [BQ, Dkp] and two o
-    [BQ, Dvp] tiles and `slots` key [bk, Dkp] and value [bk, Dvp] buffers of itemsize bytes, the ranges [2, 2, BQ]
-    int32 and lse [2, BQ] float32, and its 4 + 4 * slots barriers (8 bytes each); bk = block_k or the config's."""
-    bq, bk = config.block_q, block_k or config.forward_block_k
+    [BQ, Dvp] tiles and `slots` key [BK, Dkp] and value [BK, Dvp] buffers of itemsize bytes (BK = forward_block_k),
+    the ranges [2, 2, BQ] int32 and lse [2, BQ] float32, and its 4 + 4 * slots barriers (8 bytes each)."""
+    bq, bk = config.block_q, config.forward_block_k
     tiles = 2 * bq * (dkp + dvp) + config.slots * bk * (dkp + dvp)
     return tiles * itemsize + (4 * bq + 2 * bq) * 4 + (4 + 4 * config.slots) * 8
 
 
 def default_config(shapes: Shapes, dtype, device) -> Config:
     """The Config of q [B, T, HQ, Dk] against k [B, NK, H, Dk], v [B, NK, H, Dv] (`Shapes.of(q, k, v)`) in `dtype`
-    on `device`: Config()'s tiles (measured on an H200: benchmarks/results/ops-65536-pallas.json and gpu-pallas.json,
-    the forward's key tiles of 128 rows), with the forward's key tiles of block_k rows where those of 128 would not
-    fit in the device's shared memory (Dk + Dv above 256 on an H200). The dk/dv split's 4 waves of SMs and parts of
-    32 steps or more: the compressed branch at T = 65536 (benchmarks/results/ops-65536-pallas.json)."""
+    on `device`: Config()'s, the tiles and split the recorded H200 runs used (benchmarks/results/gpu-pallas.json,
+    the layer, and ops-65536-pallas.json, each op at T = 65536: the dk/dv split of the compressed branch was made
+    for that run), with the forward's key tiles of block_k rows where two buffers of 128 would not fit in the
+    device's shared memory beside q and o (`forward_shared_memory`: Dk + Dv above 256 on an H200)."""
     config = Config()
     dkp, dvp = padded_dim(shapes.Dk, dtype), padded_dim(shapes.Dv, dtype)
     if forward_shared_memory(config, dkp, dvp, jnp.dtype(dtype).itemsize) > device.shared_memory:

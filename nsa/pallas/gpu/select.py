@@ -86,8 +86,8 @@ class Config(NamedTuple):
 
 def default_config(shapes: Shapes, dtype, device) -> Config:
     """The Config of q [B, T, HQ, Dk] against k_cmp [B, NC, H, Dk] (`Shapes.of(q, k_cmp, block_size=...,
-    block_counts=...)`) in `dtype` on `device`: chunks of 128 ranks at every shape (measured on an H200 at T = 65536,
-    select's top-k kernel: benchmarks/results/trace-65536-pallas.json)."""
+    block_counts=...)`) in `dtype` on `device`: Config()'s chunks of 128 ranks at every shape, those of the recorded
+    H200 run (select's kernels at T = 65536: benchmarks/results/trace-65536-pallas.json)."""
     del shapes, dtype, device
     return Config()
 

@@ -89,8 +89,8 @@ class Config(NamedTuple):
 
 def default_config(shapes: Shapes, dtype, device) -> Config:
     """The Config of q [B, T, HQ, Dk] against k [B, TK, H, Dk] (`Shapes.of(q, k, v, block_size=...,
-    block_counts=S)`) in `dtype` on `device`: segments of 1024 entries at every shape, as measured on an H200
-    (selected attention at T = 65536: benchmarks/results/ops-65536-pallas.json)."""
+    block_counts=S)`) in `dtype` on `device`: Config()'s segments of 1024 entries at every shape, those of the
+    recorded H200 run (selected attention at T = 65536: benchmarks/results/ops-65536-pallas.json)."""
     del shapes, dtype, device
     return Config()
 
