@@ -25,18 +25,16 @@ os.environ.pop("TRITON_INTERPRET", None)  # kernels must be JIT functions to be 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import nsa  # noqa: E402
 from nsa import _device  # noqa: E402
 from nsa.triton import _launch, _splits, decode, select  # noqa: E402
+from triton_launches import compile_sm90, ptx_code  # noqa: E402
 
 DEVICE = _device.TABLE["NVIDIA H200"]  # the heuristics plan for it; sm_90 is its architecture
 LIMIT = DEVICE.shared_memory  # a block's shared memory
-_TYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "int32": "i32"}
 
 # (G, dtype, Dk, Dv, block_size): the widest tiles of the contract, and the benchmarked shape
 CONFIGS = [
@@ -52,26 +50,14 @@ FLOAT32_CONFIGS = [
 ]
 
 
-def _code(ptx):
-    """The PTX without its debug lines (.loc, .file and the debug sections), which move with the source."""
-    keep = [line for line in ptx.splitlines() if not line.lstrip().startswith((".loc", ".file"))]
-    return "\n".join(keep[:next((i for i, line in enumerate(keep) if line.lstrip().startswith(".section")), len(keep))])
-
-
 def compile_launch(records):
     """A stand-in for jax_triton.triton_call that compiles the launch for sm_90 and returns zeros."""
 
     def call(*args, kernel, out_shape, grid, num_warps, num_stages, **constexprs):
         outs = list(out_shape) if isinstance(out_shape, (list, tuple)) else [out_shape]
-        pointers = iter([_TYPES[str(a.dtype)] for a in args] + [_TYPES[str(o.dtype)] for o in outs])
-        signature = {n: "constexpr" if n in constexprs else "*" + next(pointers) for n in kernel.arg_names}
-        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names) if n not in constexprs}
-        src = ASTSource(fn=kernel, signature=signature, attrs=attrs,
-                        constexprs={(kernel.arg_names.index(k),): v for k, v in constexprs.items()})
-        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                                  options=dict(num_warps=num_warps, num_stages=num_stages))
+        compiled = compile_sm90(kernel, [*args, *outs], num_warps, num_stages, constexprs)
         name = f"{kernel.fn.__module__.rsplit('.', 1)[-1]}.{kernel.fn.__name__}"
-        records.append((name, compiled.metadata.shared, num_warps, num_stages, _code(compiled.asm["ptx"])))
+        records.append((name, compiled.metadata.shared, num_warps, num_stages, ptx_code(compiled.asm["ptx"])))
         zeros = [jnp.zeros(o.shape, o.dtype) for o in outs]
         return zeros if isinstance(out_shape, (list, tuple)) else zeros[0]
 

@@ -4,6 +4,11 @@ whether a change of nsa/triton moved any launch (kernel, grid, warps, stages, co
     python scripts/triton_launches.py --out new.json                      # this checkout
     python scripts/triton_launches.py --tree /tmp/old-triton --out old.json  # another one (git worktree add)
     python scripts/triton_launches.py --compare old.json new.json          # exits 1 where they differ
+    python scripts/triton_launches.py --ptx --cases 'T8192|TK65536-bf' --out new.json  # and each one's PTX
+
+With --ptx each distinct launch is also compiled for sm_90 (the H100's and H200's architecture, by Triton's own
+compiler and ptxas: still no GPU) and its record holds the sha256 of its PTX without the lines that name the
+source (.loc, .file, the debug sections) and the shared memory it takes: the compiled code, compared too.
 
 No GPU and no jax_triton needed: the launch (nsa.triton._launch._call) is replaced by a recorder that returns
 zeros, nsa._device.facts by the table's row of --device (default the H200), and every case is traced only
@@ -16,8 +21,10 @@ queries, B = 1, 16 and 64): the fused step, the step without a window, and each 
 """
 
 import argparse
+import hashlib
 import json
 import os
+import re
 import sys
 
 
@@ -29,18 +36,53 @@ def _jsonable(value):
     return str(value)
 
 
-def recorder(records):
-    """A stand-in for jax_triton.triton_call that records the launch and returns zeros."""
+_TYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "int32": "i32"}
+
+
+def ptx_code(ptx):
+    """The PTX without its debug lines (.loc, .file and the debug sections), which move with the source."""
+    keep = [line for line in ptx.splitlines() if not line.lstrip().startswith((".loc", ".file"))]
+    return "\n".join(keep[:next((i for i, line in enumerate(keep) if line.lstrip().startswith(".section")), len(keep))])
+
+
+def compile_sm90(kernel, arrays, num_warps, num_stages, constexprs):
+    """Triton's compile of the launch of `kernel` on `arrays` (its pointer arguments, inputs then outputs: anything
+    with a dtype) for sm_90, the pointers 16-byte aligned as jax-triton passes them."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    pointers = iter(_TYPES[str(a.dtype)] for a in arrays)
+    signature = {n: "constexpr" if n in constexprs else "*" + next(pointers) for n in kernel.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names) if n not in constexprs}
+    src = ASTSource(fn=kernel, signature=signature, attrs=attrs,
+                    constexprs={(kernel.arg_names.index(k),): v for k, v in constexprs.items()})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps,
+                                                                             num_stages=num_stages))
+
+
+def recorder(records, ptx=None):
+    """A stand-in for jax_triton.triton_call that records the launch and returns zeros; with `ptx` (a dict, the
+    compiles so far) it also compiles the launch for sm_90."""
     import jax.numpy as jnp
 
     def call(*args, kernel, out_shape, grid, num_warps, num_stages, **constexprs):
         outs = list(out_shape) if isinstance(out_shape, (list, tuple)) else [out_shape]
-        records.append(dict(
+        launch = dict(
             kernel=kernel.fn.__name__, module=kernel.fn.__module__, grid=[int(g) for g in grid],
             num_warps=num_warps, num_stages=num_stages,
             constexprs={k: _jsonable(v) for k, v in sorted(constexprs.items())},
             inputs=[[list(map(int, a.shape)), str(a.dtype)] for a in args],
-            outputs=[[list(map(int, o.shape)), str(o.dtype)] for o in outs]))
+            outputs=[[list(map(int, o.shape)), str(o.dtype)] for o in outs])
+        if ptx is not None:
+            key = json.dumps([launch[k] for k in ("kernel", "num_warps", "num_stages", "constexprs")] +
+                             [str(a.dtype) for a in [*args, *outs]])
+            if key not in ptx:
+                compiled = compile_sm90(kernel, [*args, *outs], num_warps, num_stages, constexprs)
+                code = ptx_code(compiled.asm["ptx"]).encode()
+                ptx[key] = dict(ptx_sha256=hashlib.sha256(code).hexdigest(), shared=compiled.metadata.shared)
+            launch.update(ptx[key])
+        records.append(launch)
         zeros = [jnp.zeros(o.shape, o.dtype) for o in outs]
         return zeros if isinstance(out_shape, (list, tuple)) else zeros[0]
 
@@ -119,7 +161,7 @@ def cases():
     return found
 
 
-def record(tree, device):
+def record(tree, device, pattern=".", ptx=False):
     sys.path.insert(0, os.path.abspath(tree))
     os.environ.pop("TRITON_INTERPRET", None)
     import nsa
@@ -129,10 +171,12 @@ def record(tree, device):
     assert os.path.dirname(os.path.dirname(os.path.abspath(nsa.__file__))) == os.path.abspath(tree), nsa.__file__
     facts = _device.TABLE[device]
     _device.facts = lambda platform="cuda": facts
-    result = {}
+    result, compiles = {}, ({} if ptx else None)
     for name, trace in cases().items():
+        if not re.search(pattern, name):
+            continue
         records = []
-        _launch._call = recorder(records)
+        _launch._call = recorder(records, compiles)
         try:
             trace()
         except Exception as e:  # recorded: a case that no longer traces is a difference too
@@ -172,6 +216,8 @@ def main():
                         help="the checkout whose nsa is recorded (default: this one)")
     parser.add_argument("--device", default="NVIDIA H200", help="the row of nsa._device.TABLE the kernels plan for")
     parser.add_argument("--out", help="write the record here (JSON)")
+    parser.add_argument("--cases", default=".", help="only the cases whose name this regular expression finds")
+    parser.add_argument("--ptx", action="store_true", help="also compile each launch for sm_90 (slow)")
     parser.add_argument("--compare", nargs=2, metavar=("OLD", "NEW"), help="compare two records")
     args = parser.parse_args()
     if args.compare:
@@ -180,7 +226,7 @@ def main():
         launches = sum(len(v) for v in new.values())
         print("\n".join(lines) or f"the same {launches} launches in {len(new)} cases")
         return 1 if lines else 0
-    result = record(args.tree, args.device)
+    result = record(args.tree, args.device, args.cases, args.ptx)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=0, sort_keys=True)
     return 0
