@@ -14,7 +14,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from nsa._plan import padded
-from nsa._varlen import cdiv
+from nsa._varlen import round_up
 
 SUBLANES = 8  # the rows of a shared-memory tile
 LANE_BYTES = 128  # the swizzle of a shared-memory tile's rows: D is padded to a multiple of 128 bytes
@@ -40,13 +40,13 @@ def smem_tile(shape, dtype):
 def padded_dim(d, dtype):
     """d rounded up to whole 128-byte rows."""
     cols = LANE_BYTES // jnp.dtype(dtype).itemsize
-    return cdiv(d, cols) * cols
+    return round_up(d, cols)
 
 
 def tma_rows(x, tile):
     """x [B, N, heads, D] with N zero-padded to a multiple of 8 rows (a TMA copy of a tiled slice needs it) and
     to at least one tile of `tile` rows: a copy only when N is odd or short."""
-    return padded(x, 1, max(tile, cdiv(x.shape[1], SUBLANES) * SUBLANES))
+    return padded(x, 1, max(tile, round_up(x.shape[1], SUBLANES)))
 
 
 ROWS = plgpu.Layout.WGMMA.reduce(1)  # a value per row of a wgmma tile

@@ -52,7 +52,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from nsa._config import Shapes, expect, positive, validated
 from nsa._device import facts
 from nsa._plan import band, bands, kernel_delta, packed_attend, packed_attend_backward, padded, padded_ranges
-from nsa._varlen import cdiv, query_ranges
+from nsa._varlen import cdiv, query_ranges, round_up
 from nsa.pallas._batch import per_sequence
 from nsa.pallas.gpu._common import (COLS, DTYPES, LN2, LOG2E, ROWS, by_col, by_row, call, check_dtype, iota,
                                     kernel_name, key_gradients, load_vector, matmul, matmul_add, padded_dim,
@@ -304,7 +304,7 @@ class _Layout:
         self.G = self.HQ // self.H
         self.dkp, self.dvp = padded_dim(self.dk, q.dtype), padded_dim(self.dv, v.dtype)
         bq, bk = config.block_q, config.block_k
-        self.tp = cdiv(self.T, bq) * bq
+        self.tp = round_up(self.T, bq)
         self.nq, self.nk = self.tp // bq, max(1, cdiv(self.NK, bk))
         self.bk = config.forward_block_k  # the forward's key tile
         used = forward_shared_memory(config, self.dkp, self.dvp, jnp.dtype(q.dtype).itemsize)
@@ -318,7 +318,7 @@ class _Layout:
         self.lo_p, self.hi_p = padded_ranges(self.lo, self.hi, self.tp)  # padded queries see nothing: lo 1, hi 0
         self.ends = jnp.max(self.hi, axis=1)  # [R]: the last key row any query of the batch row sees
         rows = 2 * bq  # the forward's queries per program
-        self.tp_forward = cdiv(self.T, rows) * rows
+        self.tp_forward = round_up(self.T, rows)
         self.nq_forward = self.tp_forward // rows
         self.lo_forward, self.hi_forward = padded_ranges(self.lo, self.hi, self.tp_forward)
 

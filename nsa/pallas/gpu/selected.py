@@ -65,7 +65,7 @@ from nsa._config import Shapes, positive, validated
 from nsa._device import facts
 from nsa._plan import (PAST, Tiling, block_names, check_selected, kernel_delta, key_blocks, padded, per_key_row,
                        row_offsets, segments, tile_names, tile_starts, tile_unions, token_lists)
-from nsa._varlen import cdiv, tokens
+from nsa._varlen import round_up, tokens
 from nsa.pallas._batch import per_sequence
 from nsa.pallas.gpu._common import (COLS, LN2, LOG2E, ROWS, by_row, call, check_dtype, iota, kernel_name,
                                     key_gradients, matmul, matmul_add, padded_dim, pipelined, smem_tile, store,
@@ -98,7 +98,7 @@ def default_config(shapes: Shapes, dtype, device) -> Config:
 def _head_rows(G):
     """GR: the rows of one token's heads in a tile."""
     if G > ROWS_PER_TILE:
-        return cdiv(G, ROWS_PER_TILE) * ROWS_PER_TILE
+        return round_up(G, ROWS_PER_TILE)
     return max(8, 1 << (G - 1).bit_length())
 
 
@@ -113,7 +113,7 @@ class _Layout(Tiling):
         self.gr = _head_rows(G) if self.bits == 4 else max(16, _head_rows(G))  # 8 bits: at most 4 tokens per tile
         super().__init__(q, k, block_indices, block_size, cu_seqlens, max(1, ROWS_PER_TILE // self.gr))
         self.rows = self.tb * self.gr
-        self.bk = cdiv(block_size, 64) * 64
+        self.bk = round_up(block_size, 64)
         self.dkp, self.dvp = padded_dim(q.shape[3], q.dtype), padded_dim(v.shape[3], v.dtype)
         self.direct = cu_seqlens is None and block_size % 8 == 0
         self.segment = config.segment

@@ -60,7 +60,7 @@ from jax.experimental.pallas import tpu as pltpu
 from nsa._config import Shapes, expect, positive, validated
 from nsa._device import facts
 from nsa._plan import band, bands, kernel_delta, packed_attend, packed_attend_backward, padded, padded_ranges
-from nsa._varlen import cdiv, query_ranges
+from nsa._varlen import cdiv, query_ranges, round_up
 from nsa.pallas._batch import per_sequence
 from nsa.pallas.tpu._common import batch_row, clamped, dot, lane_padded, lanes, out_struct, params, view
 
@@ -230,7 +230,7 @@ class _Layout(NamedTuple):
 
 def _layout(q, k, v, lo, hi, config):
     T, NK = q.shape[1], k.shape[1]
-    tp, nkp = cdiv(T, config.block_q) * config.block_q, max(1, cdiv(NK, config.block_k)) * config.block_k
+    tp, nkp = round_up(T, config.block_q), max(1, cdiv(NK, config.block_k)) * config.block_k
     nkv = max(NK, config.block_k)
     per_row = lo.ndim == 2
     lo, hi = (x.astype(jnp.int32).reshape(-1, T) for x in (lo, hi))

@@ -123,7 +123,8 @@ def default_config(shapes: Shapes, dtype, device) -> Config:
     Not measured on a TPU yet (none here): benchmarks/tpu_roofline.py models the kernel at these tiles.
     """
     rows = shapes.TK
-    # the slots a token may fill: with a KV cache as many as rows, else cdiv(T, bs), bounded by both here
+    # the slots a token may fill (`_slots`): cdiv(T, bs), or with a KV cache up to NC; Shapes does not say whether
+    # there is one, so the larger bounds it (the same lanes, hence the same tiles, for block_counts up to 128)
     slots = min(shapes.block_counts, max(cdiv(shapes.T, shapes.block_size), rows))
     sub = sublanes(dtype)
     lane = lanes()
