@@ -105,8 +105,8 @@ def _check(q, k_cmp):
     if H == 0 or HQ % H:
         raise ValueError(f"k_cmp: expected KV heads H dividing q's {HQ} query heads, got H = {H}")
     if HQ // H > ROWS:
-        raise ValueError(f"q: G = HQ / H = {HQ // H} query heads per KV head; expected at most {ROWS} (the Mosaic GPU "
-                         f"kernel's one 64-row tile)")
+        raise ValueError(f"q: expected at most {ROWS} query heads per KV head (the Mosaic GPU kernel's one 64-row "
+                         f"tile), got G = HQ / H = {HQ // H}")
     for name, x in (("q", q), ("k_cmp", k_cmp)):
         check_dtype(x.dtype, name)
     if k_cmp.dtype != q.dtype:
