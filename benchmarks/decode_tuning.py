@@ -4,7 +4,7 @@
 
 Times nsa.attention's fused decode step (benchmarks/decode.py's chained loop, standard heads) at B = 1, 16 and 64
 over TK = 65536 and at B = 1 over 524288, for each variant of (nsa.triton.decode.PROGRAMS_PER_SM,
-nsa.triton.select.DECODE_PROGRAMS_PER_SM, nsa.triton.decode.COMBINE_COLS); prints one JSON line per time.
+nsa.triton.decode_select.PROGRAMS_PER_SM, nsa.triton.decode.COMBINE_COLS); prints one JSON line per time.
 """
 
 import argparse
@@ -17,7 +17,7 @@ if not __package__:
 
 from benchmarks.decode import STEPS, cache_arrays, chained, nsa_step  # noqa: E402
 from benchmarks.common import time_jax  # noqa: E402
-from nsa.triton import decode, select  # noqa: E402
+from nsa.triton import decode, decode_select  # noqa: E402
 
 VARIANTS = [(1, 1, 32), (1, 4, 32), (1, 4, 16), (2, 4, 16)]
 SHAPES = [(1, 65536), (16, 65536), (64, 65536), (1, 524288)]
@@ -30,7 +30,7 @@ def main():
     for B, TK in SHAPES:
         q, gates, k, v, k_cmp, v_cmp, lens = cache_arrays(B, TK, False)
         for attn, sel, cols in VARIANTS:
-            decode.PROGRAMS_PER_SM, select.DECODE_PROGRAMS_PER_SM, decode.COMBINE_COLS = attn, sel, cols
+            decode.PROGRAMS_PER_SM, decode_select.PROGRAMS_PER_SM, decode.COMBINE_COLS = attn, sel, cols
             fn = chained(nsa_step("triton"))
             us = 1e6 * time_jax(fn, (q, *gates, k, v, k_cmp, v_cmp, lens), args.iters) / STEPS
             print(json.dumps(dict(B=B, TK=TK, programs_per_sm=attn, select_programs_per_sm=sel, combine_cols=cols,

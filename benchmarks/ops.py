@@ -118,26 +118,28 @@ def _time_config(name, T, iters, fwd, fwd_bwd, inputs, do, config):
 
 def sweep(T, iters, what):
     """Times window / compressed ("flash") and selected ("selected") under candidate Configs."""
+    from nsa import _device
+    from nsa._config import Shapes
     from nsa.triton import _flash, compressed, selected, window
 
     q, k, v, _, do = jax_inputs(T)
     k_cmp, v_cmp = nsa.compress(k, block_size=BS), nsa.compress(v, block_size=BS)
     scale = q.shape[-1] ** -0.5
     rows = []
-    flash = [("window", window, dict(window_size=WINDOW), (q, k, v, None), WINDOW),
-             ("compressed", compressed, dict(block_size=BS), (q, k_cmp, v_cmp, None), T)]
+    flash = [("window", window, dict(window_size=WINDOW), (q, k, v, None)),
+             ("compressed", compressed, dict(block_size=BS), (q, k_cmp, v_cmp, None))]
+    device = _device.facts("cuda")
     for bm, bn, warps, stages in itertools.product((64, 128), (64, 128), (4, 8), (2, 3)) if "flash" in what else ():
-        for name, module, static, inputs, span in flash:
-            fwd_config = _flash.Config(bm, bn, warps, stages)
-            bwd_config = _flash.default_config(*inputs[:3], backward=True, query_span=span)._replace(
-                block_m=min(bm, 64), block_n=bn, num_warps=warps, num_stages=stages)
-            fwd, fwd_bwd, args = _entry_points(module, dict(static, scale=scale), (*inputs, do), fwd_config,
-                                               bwd_config)
-            rows.append(_time_config(name, T, iters, fwd, fwd_bwd, args, do, bwd_config._asdict()))
+        for name, module, static, inputs in flash:
+            config = _flash.default_config(Shapes.of(*inputs[:3], **static), q.dtype, device)._replace(
+                block_m=bm, block_n=bn, num_warps=warps, num_stages=stages, bwd_block_m=min(bm, 64), bwd_block_n=bn,
+                bwd_num_stages=stages)
+            fwd, fwd_bwd, args = _entry_points(module, dict(static, scale=scale), (*inputs, do), config, config)
+            rows.append(_time_config(name, T, iters, fwd, fwd_bwd, args, do, config._asdict()))
 
     idx = jax.jit(lambda q, k_cmp: nsa.select_blocks(q, k_cmp, block_counts=S, block_size=BS))(q, k_cmp)
     counts = jax.numpy.full(idx.shape[:3], S, jax.numpy.int32)
-    default = selected.default_config(q, k, v, idx, block_size=BS)
+    default = selected.default_config(Shapes.of(q, k, v, block_size=BS, block_counts=S), q.dtype, device)
     for warps, stages in itertools.product((2, 4, 8), (1, 2, 3)) if "selected" in what else ():
         config = default._replace(num_warps=warps, num_stages=stages)
         fwd, fwd_bwd, args = _entry_points(selected, dict(block_size=BS, scale=scale),
