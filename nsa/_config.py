@@ -13,7 +13,9 @@ backward take `config=None` (then `default_config`'s) or a Config; what a config
 decode kernels) is an explicit argument of its own. The public API takes no config.
 """
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional
+
+import jax
 
 
 class Shapes(NamedTuple):
@@ -42,6 +44,22 @@ class Shapes(NamedTuple):
         v = k if v is None else v
         return cls(int(q.shape[0]), int(q.shape[1]), int(k.shape[1]), int(q.shape[2]), int(k.shape[2]),
                    int(q.shape[3]), int(v.shape[3]), **sizes)
+
+
+class Step(NamedTuple):
+    """The arrays of one serving step of nsa.attention, as the fused step (`attention`) takes them: the queries
+    q [B, TQ, HQ, Dk] at the end of the cache k [B, TK, H, Dk], v [B, TK, H, Dv], its compressed rows k_cmp
+    [B, NC, H, Dk] and v_cmp [B, NC, H, Dv], the gates [B, TQ, HQ] (None: weight 1) and kv_lens int [B]."""
+
+    q: jax.Array
+    k: jax.Array
+    v: jax.Array
+    k_cmp: jax.Array
+    v_cmp: jax.Array
+    g_cmp: Optional[jax.Array]
+    g_slc: Optional[jax.Array]
+    g_swa: Optional[jax.Array]
+    kv_lens: jax.Array
 
 
 def validated(cls):

@@ -194,11 +194,9 @@ def _fused_step(implementation, q, k):
 def decode_step(implementation, static, branches, arrays):
     """nsa.attention over a KV cache with the compressed branch on and the blocks selected: `branches(*arrays)`
     (the ops one after another), or where the family that runs it has a fused serving step for this step's shape
-    (a family's `fused_step`), that step. arrays: (q, k, v, k_cmp, v_cmp,
-    g_cmp, g_slc, g_swa, kv_lens), gates None or arrays. The gradient is always that of `branches`: a fused step
-    runs only when no gradient is taken."""
-    q, k = arrays[0], arrays[1]
-    steps = _fused_step(implementation, q, k)
+    (a family's `fused_step`), that step. arrays: an nsa._config.Step, gates None or arrays. The gradient is
+    always that of `branches`: a fused step runs only when no gradient is taken."""
+    steps = _fused_step(implementation, arrays.q, arrays.k)
     if not steps:
         return branches(*arrays)
     steps = {platform: mapped_over_vmap(functools.partial(step, **dict(static))) for platform, step in steps.items()}

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from nsa import _checks, _dispatch
+from nsa._config import Step
 from nsa._kvcache import KVCache, check_cache
 from nsa._varlen import concrete, num_compressed_blocks
 
@@ -359,7 +360,7 @@ def attention(q: Array, k: Optional[Array] = None, v: Optional[Array] = None, *,
         o = sum(o_b.astype(acc) if g is None else g[..., None].astype(acc) * o_b.astype(acc) for g, o_b in gated)
         return o.astype(q.dtype)
 
-    arrays = (q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, kv_lens)
+    arrays = Step(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, kv_lens)
     if kv_lens is not None and block_indices is None and g_cmp is not None:  # a serving step: maybe fused
         static = _statics(block_counts=_slots(block_counts), block_size=block_size, window_size=window_size,
                           scale=scale)

@@ -28,7 +28,7 @@ Design (flash-decoding). One program per (b * H + h, split):
   `_combine_kernel` then merges the splits of each row in a fixed order (deterministic, no atomics) and
   stores o and lse. With NSPLIT = 1 (large batches) the program stores o and lse itself.
 
-The fused step (`attention`, on a `Step` of arrays): nsa.attention's whole decode step (compressed branch on,
+The fused step (`attention`, on a `Step` of arrays, nsa._config): nsa.attention's whole decode step (compressed branch on,
 blocks selected) in five launches, since launching a step's small kernels is most of its time: the compressed
 and window splits in one grid (`_cmp_window_split_kernel`), the selection (nsa/triton/decode_select.py,
 reading the compressed partials' m and l, `nsa.triton._splits.split_stats`), the selected splits, and one
@@ -40,14 +40,14 @@ explicitly). Every array is row-major; row offsets are computed in int64 (b is i
 multiplied by the head dims.
 """
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import triton
 import triton.language as tl
 
-from nsa._config import Shapes, expect, positive, power_of_two, validated
+from nsa._config import Shapes, Step, expect, positive, power_of_two, validated
 from nsa._device import KiB
 from nsa._varlen import cdiv
 from nsa.triton import _launch, _splits, decode_select
@@ -613,22 +613,6 @@ def _selected_launch(q, k, v, block_indices, block_counts, kv_lens, *, block_siz
                 BS=bs, BSP=cfg.block_n, NSUB=cdiv(bs, cfg.block_n))
     inputs = dict(Q=q, K=k, V=v, IDX=idx, COUNTS=block_counts.astype(jnp.int32), KV_LENS=kv_lens.astype(jnp.int32))
     return inputs, cfg, meta
-
-
-class Step(NamedTuple):
-    """The arrays of one serving step of nsa.attention, as the fused step (`attention`) takes them: the queries
-    q [B, TQ, HQ, Dk] at the end of the cache k [B, TK, H, Dk], v [B, TK, H, Dv], its compressed rows k_cmp
-    [B, NC, H, Dk] and v_cmp [B, NC, H, Dv], the gates [B, TQ, HQ] (None: weight 1) and kv_lens int [B]."""
-
-    q: jax.Array
-    k: jax.Array
-    v: jax.Array
-    k_cmp: jax.Array
-    v_cmp: jax.Array
-    g_cmp: Optional[jax.Array]
-    g_slc: Optional[jax.Array]
-    g_swa: Optional[jax.Array]
-    kv_lens: jax.Array
 
 
 def attention(*arrays, block_counts, block_size, window_size, scale):
