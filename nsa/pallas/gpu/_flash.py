@@ -1,6 +1,6 @@
 """Flash attention over one interval of key rows per query, as Pallas Mosaic GPU kernels (NVIDIA Hopper).
 
-The contract is that of nsa/pallas/tpu/_flash.py (the TPU kernels): query t sees the key rows [lo[t], hi[t]]
+The contract is that of ../tpu/_flash.py (the TPU kernels): query t sees the key rows [lo[t], hi[t]]
 of k [B, NK, H, Dk] (lo, hi int32 [T], or [B, T] per batch row with a KV cache), non-decreasing in t, and a KV
 cache's G query heads of a KV head run as G rows of one head (`nsa._plan.packs`). These are `plgpu.kernel`s
 (one warpgroup of 128 threads per 64 rows, wgmma for the matmuls, TMA copies for every tile), which lower for
@@ -420,7 +420,7 @@ def _dkdv_parts(lay, query_span):
 @per_sequence
 def attend(q, k, v, lo, hi, *, scale, config=None, name="flash"):
     """o [B, T, HQ, Dv] (q's dtype) and lse [B, T, HQ] float32 of query t over key rows [lo[t], hi[t]]:
-    nsa/pallas/tpu/_flash.py's `attend` on Mosaic GPU (bfloat16, float16). config: a Config (None:
+    ../tpu/_flash.py's `attend` on Mosaic GPU (bfloat16, float16). config: a Config (None:
     `default_config` for this process's CUDA device, nsa._device.facts("cuda")); name names the branch. A symbolic
     batch runs once per sequence (`per_sequence`): no Mosaic GPU grid takes a symbolic dimension, and every kernel
     here has the batch in its grid."""

@@ -2,7 +2,7 @@
 compressed-attention scores (`scores`), then the top-k of their ranks (`top_k`), with the ranks built in XLA
 between them.
 
-The contract is nsa.reference.select's (nsa/pallas/tpu/select.py is the TPU version of the same op, with the
+The contract is nsa.reference.select's (../tpu/select.py is the TPU version of the same op, with the
 details spelled out). Query t of KV head h, at in-sequence position p (t, or with a KV cache kv_lens[b] - T + t),
 sees the compressed rows first <= r < end = min(first + (p + 1) // block_size, NC) of k_cmp (first = its
 sequence's cmp_start, 0 with a cache); each of its G = HQ / H query heads takes the softmax

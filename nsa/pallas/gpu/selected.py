@@ -1,7 +1,7 @@
 """Selected attention (the fine-grained branch) as Pallas Mosaic GPU kernels: forward, dq and a deterministic dk/dv.
 
 The contract is nsa.reference.selected's, and the index work is nsa._plan's, as for the TPU kernels
-(nsa/pallas/tpu/selected.py): each slot names its block by the block's first global key row (`block_names`),
+(../tpu/selected.py): each slot names its block by the block's first global key row (`block_names`),
 and each tile of TB tokens gets the union of the blocks its tokens list (`tile_unions`). dk/dv inverts the
 selection per token instead (`token_lists`): one list of (token, times) entries per block row, cut into
 segments (`segments`), so that a step computes the TB * GR rows of TB tokens that all list its block.
@@ -410,7 +410,7 @@ def _kernel(body, grid, names, outputs, scratch, *args):
 
 def forward(q, k, v, block_indices, block_counts, cu_seqlens, kv_lens=None, *, block_size, scale, config=None):
     """o [B, T, HQ, Dv] (q's dtype) and the residuals (q, k, v, block_indices, block_counts, cu_seqlens, kv_lens,
-    o, lse [B, T, HQ] float32): nsa/pallas/tpu/selected.py's `forward` on Mosaic GPU (bfloat16, float16).
+    o, lse [B, T, HQ] float32): ../tpu/selected.py's `forward` on Mosaic GPU (bfloat16, float16).
     config: a Config (None: `default_config`). A symbolic batch runs once per sequence (`per_sequence`: no Mosaic
     GPU grid takes one)."""
     o, lse = per_sequence(_attention)(q, k, v, block_indices, block_counts, cu_seqlens, kv_lens,

@@ -1,6 +1,6 @@
 """Sliding-window attention on the Mosaic GPU flash kernels (nsa/pallas/gpu/_flash.py).
 
-The contract and the residuals are nsa.reference.window's, the decomposition nsa/pallas/tpu/window.py's: query t
+The contract and the residuals are nsa.reference.window's, the decomposition ../tpu/window.py's: query t
 at key row p sees the key rows [max(sequence start, p - window_size + 1), p], a key row is seen by at most W =
 min(window_size, TK) queries (the span that splits the dk/dv walk), and a long KV cache is first cut to the rows
 its queries' windows span (`nsa._plan.window_keys`); the backward scatters dk and dv back. `config` (a

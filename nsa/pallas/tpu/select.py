@@ -8,7 +8,7 @@ past row NC - 1); each of its G = HQ / H query heads takes the softmax p_g(r) of
 them, and block c (row first + c) scores mean_g p_g(first + c) (0 for a row it does not see). Blocks 0,
 p // bs - 1 and p // bs are forced (ranks FIRST, PREVIOUS, CURRENT of nsa.reference.select, above any score),
 blocks after p // bs are never candidates; the block_counts best are kept in rank order, ties going to the
-lower block id, unused slots -1. nsa/pallas/gpu/select.py and nsa/triton/select.py are GPU versions of the same
+lower block id, unused slots -1. ../gpu/select.py and nsa/triton/select.py are GPU versions of the same
 op.
 
 Layouts. The kernel reads q as a [B, T, HQ * Dp] view and k_cmp as a [B, R, H * Dp] view (Dp = Dk padded to a
