@@ -18,8 +18,8 @@ key rows, HQ query heads, H KV heads, G = HQ / H, S slots per query, NR block ro
 - selected attention: the kernels' inputs checked (`check_selected`), the sizes of the tables (`Tiling`), each
   slot named by its block's first key row (`block_names`), the names per tile of TB
   query tokens (`tile_names`, `tile_unions`, `tile_starts`, `row_offsets`), the selections inverted into one list
-  per block (`key_blocks`; `tile_lists`, entries per tile, and `token_lists`, entries per token), the lists cut
-  into segments (`segments`), and the lists' sums gathered back per key row (`per_key_row`).
+  per block (`key_blocks`; `tile_lists`, entries per tile, and `token_lists`, entries per token; Triton's
+  `block_rows` and `query_lists`, entries per slot), the lists cut into segments (`segments`), and the lists' sums gathered back per key row (`per_key_row`).
 """
 
 import functools
@@ -337,6 +337,51 @@ def token_lists(names, cu_seqlens, *, num_keys, block_size):
     token = slot // (H * S) % T
     times, x = ((s + 1 - run_start).reshape(-1)[slot], x.reshape(-1)[slot])
     return _list_offsets(key, num_lists), jnp.minimum(key // num_rows, B * H - 1), token, times.astype(jnp.int32), x
+
+
+def block_rows(T, block_size, cu_seqlens):
+    """(NR, row_start [NR], row_end [NR]): the key block rows of T keys and the key rows [start, end) of each.
+
+    Without cu_seqlens block row r is [r * bs, T) (T = TK, the rows of a KV cache, with kv_lens); packed, the
+    rows of sequence i are numbered from tokens(...).cmp_start of its tokens, so a (sequence, in-sequence
+    block) pair has one row.
+    Rows past the real ones (a traced cu_seqlens pads to a static bound) get an empty range. (nsa/triton's
+    selected attention.)
+    """
+    NR = num_compressed_blocks(T, block_size, cu_seqlens)
+    r = jnp.arange(NR, dtype=jnp.int32)
+    if cu_seqlens is None:
+        return NR, r * block_size, jnp.full((NR,), T, jnp.int32)
+    cu = cu_seqlens.astype(jnp.int32)
+    blocks = cdiv(cu[1:] - cu[:-1], block_size)
+    ends = jnp.cumsum(blocks)  # one past the last row of each sequence
+    seq = jnp.searchsorted(ends, r, side="right")  # skips empty sequences
+    real = seq < blocks.shape[0]
+    seq = jnp.minimum(seq, blocks.shape[0] - 1)
+    row_start = cu[seq] + (r - (ends[seq] - blocks[seq])) * block_size
+    return NR, jnp.where(real, row_start, 0), jnp.where(real, cu[seq + 1], 0)
+
+
+def query_lists(block_indices, block_counts, tok, B, T, H, NR, block_size):
+    """The selections inverted: (offsets [B * H * NR + 1], query_tok [B * T * H * S]), both int32.
+
+    Each valid entry (b, t, h, slot) is keyed by (b * H + h) * NR + cmp_start[b, t] + block; a stable
+    sort groups the entries of each (batch, KV head, block row) in token order, and the queries of
+    list i are query_tok[offsets[i] : offsets[i + 1]]. Invalid entries sort past every list. (nsa/triton's
+    selected attention, whose entries are (token, slot) pairs, where `token_lists` merges a token's slots.)
+    """
+    S = block_indices.shape[-1]
+    blk = block_indices.astype(jnp.int32)
+    pos, cmp_start = tok.pos[:, :, None, None], tok.cmp_start[:, :, None, None]
+    valid = ((jnp.arange(S) < block_counts[..., None]) & (block_indices >= 0)
+             & (block_indices <= (pos // block_size)))
+    bh = jnp.arange(B)[:, None, None, None] * H + jnp.arange(H)[None, None, :, None]
+    num_lists = B * H * NR
+    key = jnp.where(valid, bh * NR + cmp_start + jnp.where(valid, blk, 0), num_lists).reshape(-1)
+    t = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32)[None, :, None, None], block_indices.shape).reshape(-1)
+    key, query_tok = lax.sort((key, t), num_keys=1, is_stable=True)
+    offsets = jnp.searchsorted(key, jnp.arange(num_lists + 1, dtype=jnp.int32), side="left").astype(jnp.int32)
+    return offsets, query_tok
 
 
 def segments(offsets, num_entries, seg_len):

@@ -47,7 +47,6 @@ import base64
 import datetime
 import hashlib
 import json
-import os
 import re
 import subprocess
 import sys

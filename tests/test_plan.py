@@ -304,6 +304,37 @@ def test_segments():
     assert np.all(lo[len(want):] == hi[len(want):])
 
 
+@pytest.mark.parametrize("cu", [None, CU], ids=["cache", "packed"])
+def test_block_rows(cu):
+    """Triton's key block rows: row r of each sequence's blocks covers [its first key, the sequence's end)."""
+    TK, bs = 29, 4
+    NR, start, end = (np.asarray(x) if i else x for i, x in
+                      enumerate(_plan.block_rows(TK, bs, None if cu is None else jnp.asarray(cu))))
+    bounds = [(0, TK)] if cu is None else list(zip(cu[:-1], cu[1:]))
+    want = [(a + j * bs, b) for a, b in bounds for j in range(cdiv(b - a, bs))]
+    assert NR == len(want) and list(zip(start, end)) == want
+
+
+def test_query_lists():
+    """Triton's inverted selections: list (b * H + h) * NR + row holds the tokens t (in order, once per slot) whose
+    valid slots select that block row."""
+    B, T, TK, H, S, bs, cu, _ = SELECTIONS["packed"]
+    idx, counts = _selection(B, T, H, S, bs, cu)
+    tok = tokens(T, bs, jnp.asarray(cu))
+    NR = num_compressed_blocks(T, bs, cu)
+    offsets, query_tok = (np.asarray(x) for x in _plan.query_lists(jnp.asarray(idx), jnp.asarray(counts), tok, B, T,
+                                                                  H, NR, bs))
+    pos, start = _positions(T, cu)
+    rows = _block_rows(T, bs, cu)
+    want = [[] for _ in range(B * H * NR)]
+    for b, t, h, s in np.ndindex(idx.shape):
+        x = idx[b, t, h, s]
+        if s < counts[b, t, h] and 0 <= x <= pos[0, t] // bs:
+            want[(b * H + h) * NR + rows[start[0, t]] + x].append(t)
+    got = [query_tok[offsets[i]:offsets[i + 1]].tolist() for i in range(B * H * NR)]
+    assert got == want
+
+
 def test_under_jit_the_same():
     """The tables of a traced cu_seqlens (a static bound on the block rows) hold the same lists."""
     B, T, TK, H, S, bs, cu, _ = SELECTIONS["packed"]

@@ -255,24 +255,6 @@ def test_vmap_runs_the_kernel_per_mapped_element(interpreted):
         assert_close(dq[i], dq_i, 1e-6, "dq under vmap")
 
 
-def test_segments_tile_every_list():
-    """_segments cuts each list into consecutive segments of at most L entries, within the static bound."""
-    from nsa.triton import selected as kernels
-
-    lengths = np.array([0, 7, 1, 0, 16, 3, 0], np.int32)
-    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-    seg_len, E = 4, 40  # E: entries of the sorted array, valid or not (>= offsets[-1])
-    seg_offsets, seg_list, lo, hi = (np.asarray(a) for a in kernels._segments(jnp.asarray(offsets), E, seg_len))
-    assert seg_list.shape == (len(lengths) + E // seg_len,)
-    for i, n in enumerate(lengths):
-        segs = np.arange(seg_offsets[i], seg_offsets[i + 1])
-        assert len(segs) == -(-n // seg_len) and np.all(seg_list[segs] == i)
-        assert np.all(hi[segs] - lo[segs] <= seg_len) and np.all(hi[segs] > lo[segs])
-        bounds = np.concatenate([[offsets[i]], hi[segs]])  # consecutive, from offsets[i] to offsets[i + 1]
-        np.testing.assert_array_equal(bounds, np.concatenate([lo[segs], [offsets[i + 1]]]))
-    assert np.all(lo[seg_offsets[-1]:] == hi[seg_offsets[-1]:])  # padding segments are empty
-
-
 @pytest.mark.parametrize("shape, seg_len, cu", [
     ((2, 32, 6, 2, 16, 24, 16), 24, None),  # G = 3: steps of 16 queries, 16 then 8 per segment; b, h > 0
     ((1, 60, 2, 1, 16, 16, 16), 5, np.array([0, 13, 13, 40, 60], np.int32)),  # packed, traced under jit

@@ -42,7 +42,6 @@ multiplied by the head dims.
 
 from typing import NamedTuple
 
-import jax
 import jax.numpy as jnp
 import triton
 import triton.language as tl

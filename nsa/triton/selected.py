@@ -46,15 +46,15 @@ computed in int64 before they are multiplied by heads * D, which can pass 2^31.
 
 from typing import NamedTuple
 
-import jax
 import jax.numpy as jnp
 import triton
 import triton.language as tl
 
 from nsa._config import Shapes, expect, positive, power_of_two, validated
 from nsa._device import KiB
+from nsa import _plan
 from nsa._plan import kernel_delta
-from nsa._varlen import cdiv, num_compressed_blocks, tokens
+from nsa._varlen import cdiv, tokens
 from nsa.triton import _launch, _splits
 from nsa.triton import decode as flash_decoding
 from nsa.triton._common import LN2, LOG2E, device, online_step, pow2, runs
@@ -565,70 +565,6 @@ def forward(q, k, v, block_indices, block_counts, cu_seqlens, kv_lens=None, *, b
     return o, (q, k, v, block_indices, block_counts, cu_seqlens, kv_lens, o, lse)
 
 
-def _block_rows(T, block_size, cu_seqlens):
-    """(NR, row_start [NR], row_end [NR]): the key block rows of T keys and the key rows [start, end) of each.
-
-    Without cu_seqlens block row r is [r * bs, T) (T = TK, the rows of a KV cache, with kv_lens); packed, the
-    rows of sequence i are numbered from tokens(...).cmp_start of its tokens, so a (sequence, in-sequence
-    block) pair has one row.
-    Rows past the real ones (a traced cu_seqlens pads to a static bound) get an empty range.
-    """
-    NR = num_compressed_blocks(T, block_size, cu_seqlens)
-    r = jnp.arange(NR, dtype=jnp.int32)
-    if cu_seqlens is None:
-        return NR, r * block_size, jnp.full((NR,), T, jnp.int32)
-    cu = cu_seqlens.astype(jnp.int32)
-    blocks = cdiv(cu[1:] - cu[:-1], block_size)
-    ends = jnp.cumsum(blocks)  # one past the last row of each sequence
-    seq = jnp.searchsorted(ends, r, side="right")  # skips empty sequences
-    real = seq < blocks.shape[0]
-    seq = jnp.minimum(seq, blocks.shape[0] - 1)
-    row_start = cu[seq] + (r - (ends[seq] - blocks[seq])) * block_size
-    return NR, jnp.where(real, row_start, 0), jnp.where(real, cu[seq + 1], 0)
-
-
-def _query_lists(block_indices, block_counts, tok, B, T, H, NR, block_size):
-    """The selections inverted: (offsets [B * H * NR + 1], query_tok [B * T * H * S]), both int32.
-
-    Each valid entry (b, t, h, slot) is keyed by (b * H + h) * NR + cmp_start[b, t] + block; a stable
-    sort groups the entries of each (batch, KV head, block row) in token order, and the queries of
-    list i are query_tok[offsets[i] : offsets[i + 1]]. Invalid entries sort past every list.
-    """
-    S = block_indices.shape[-1]
-    blk = block_indices.astype(jnp.int32)
-    pos, cmp_start = tok.pos[:, :, None, None], tok.cmp_start[:, :, None, None]
-    valid = ((jnp.arange(S) < block_counts[..., None]) & (block_indices >= 0)
-             & (block_indices <= (pos // block_size)))
-    bh = jnp.arange(B)[:, None, None, None] * H + jnp.arange(H)[None, None, :, None]
-    num_lists = B * H * NR
-    key = jnp.where(valid, bh * NR + cmp_start + jnp.where(valid, blk, 0), num_lists).reshape(-1)
-    t = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32)[None, :, None, None], block_indices.shape).reshape(-1)
-    key, query_tok = jax.lax.sort((key, t), num_keys=1, is_stable=True)
-    offsets = jnp.searchsorted(key, jnp.arange(num_lists + 1, dtype=jnp.int32), side="left").astype(jnp.int32)
-    return offsets, query_tok
-
-
-def _segments(offsets, num_entries, seg_len):
-    """The query lists cut into segments of at most seg_len entries, all int32:
-    (seg_offsets [NL + 1], seg_list [NSEG], seg_lo [NSEG], seg_hi [NSEG]).
-
-    List i (entries offsets[i] : offsets[i + 1]) owns the segments seg_offsets[i] : seg_offsets[i + 1],
-    in entry order; segment s covers the entries seg_lo[s] : seg_hi[s] of list seg_list[s].
-    NSEG = NL + ceil(num_entries / seg_len) bounds sum_i ceil(len_i / seg_len) statically; the segments
-    past the real ones get an empty range of list 0 (never reduced).
-    """
-    NL = offsets.shape[0] - 1
-    counts = cdiv(offsets[1:] - offsets[:-1], seg_len)
-    seg_offsets = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(counts).astype(jnp.int32)])
-    s = jnp.arange(NL + cdiv(num_entries, seg_len), dtype=jnp.int32)
-    seg_list = jnp.searchsorted(seg_offsets[1:], s, side="right").astype(jnp.int32)
-    real = seg_list < NL
-    seg_list = jnp.where(real, seg_list, 0)
-    lo = offsets[seg_list] + jnp.where(real, s - seg_offsets[seg_list], 0) * seg_len
-    hi = jnp.minimum(lo + seg_len, offsets[seg_list + 1])
-    return seg_offsets, seg_list, jnp.where(real, lo, 0), jnp.where(real, hi, 0)
-
-
 def backward(residuals, do, *, block_size, scale, config=None):
     """Gradients (dq, dk, dv, None, None, None, None) in the input dtypes, as the reference's backward; config:
     a Config (None: `default_config`)."""
@@ -649,9 +585,9 @@ def backward(residuals, do, *, block_size, scale, config=None):
                                 do=do, lse=lse, delta=delta),
         outputs=dict(dq=_launch.shape_dtype(q.shape, q.dtype)), **_per_token(q, k, block_indices, cfg), **meta)
 
-    NR, row_start, row_end = _block_rows(k.shape[1], block_size, cu_seqlens)
-    offsets, query_tok = _query_lists(idx, counts, tok, B, T, H, NR, block_size)
-    seg_offsets, seg_list, seg_lo, seg_hi = _segments(offsets, query_tok.shape[0], cfg.segment)
+    NR, row_start, row_end = _plan.block_rows(k.shape[1], block_size, cu_seqlens)
+    offsets, query_tok = _plan.query_lists(idx, counts, tok, B, T, H, NR, block_size)
+    seg_offsets, seg_list, seg_lo, seg_hi = _plan.segments(offsets, query_tok.shape[0], cfg.segment)
     NSEG = seg_list.shape[0]
     rows = dict(row_start=row_start, row_end=row_end)
     dk_part, dv_part = _launch.launch(
