@@ -16,10 +16,11 @@ key rows, HQ query heads, H KV heads, G = HQ / H, S slots per query, NR block ro
   `window_uncut`;
 - block selection: `num_candidates`;
 - selected attention: the kernels' inputs checked (`check_selected`), the sizes of the tables (`Tiling`), each
-  slot named by its block's first key row (`block_names`), the names per tile of TB
-  query tokens (`tile_names`, `tile_unions`, `tile_starts`, `row_offsets`), the selections inverted into one list
-  per block (`key_blocks`; `tile_lists`, entries per tile, and `token_lists`, entries per token; Triton's
-  `block_rows` and `query_lists`, entries per slot), the lists cut into segments (`segments`), and the lists' sums gathered back per key row (`per_key_row`).
+  slot named by its block's first key row (`block_names`), the names per tile of TB query tokens (`tile_names`,
+  `tile_unions`, `tile_starts`, `row_offsets`), the selections inverted into one list per block (`key_blocks`;
+  `tile_lists`, entries per tile, and `token_lists`, entries per token; Triton's `block_rows` and `query_lists`,
+  entries per slot), the lists cut into segments (`segments`), and the lists' sums gathered back per key row
+  (`per_key_row`).
 """
 
 import functools
@@ -380,8 +381,7 @@ def query_lists(block_indices, block_counts, tok, B, T, H, NR, block_size):
     key = jnp.where(valid, bh * NR + cmp_start + jnp.where(valid, blk, 0), num_lists).reshape(-1)
     t = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32)[None, :, None, None], block_indices.shape).reshape(-1)
     key, query_tok = lax.sort((key, t), num_keys=1, is_stable=True)
-    offsets = jnp.searchsorted(key, jnp.arange(num_lists + 1, dtype=jnp.int32), side="left").astype(jnp.int32)
-    return offsets, query_tok
+    return _list_offsets(key, num_lists), query_tok
 
 
 def segments(offsets, num_entries, seg_len):
