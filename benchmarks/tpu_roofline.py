@@ -14,17 +14,17 @@ GRID_STEP_S (0.35 us) and DMA_ISSUE_S (50 ns) are ASSUMPTIONS, not measurements,
 bind almost every kernel: the step and DMA times scale with them. Nothing here was timed on a TPU.
 
 Kernels, all modelled as written, with the tiles of each module's default_config at the shape:
-- window / compressed forward, dq and dk/dv: nsa/pallas/_flash.py (grid (B, HQ, T / BQ, STEPS) forward
+- window / compressed forward, dq and dk/dv: nsa/pallas/tpu/_flash.py (grid (B, HQ, T / BQ, STEPS) forward
   and dq, (B, H, NK / BK, G, QSTEPS) dk/dv; BQ = BK = 128). The grid is walked in order, and a block is
   DMA'd when its block index differs from the previous step's (the Pallas pipeline keeps an unchanged
   block, and a skipped step re-maps to the last visited tile), so K/V re-reads per query tile of each
   head, and the reuse between consecutive steps, are counted exactly.
-- select: nsa/pallas/select.py (`select_kernel`), grid (B, H, T / TB, PASSES * STEPS), TB = 128 tokens x
+- select: nsa/pallas/tpu/select.py (`select_kernel`), grid (B, H, T / TB, PASSES * STEPS), TB = 128 tokens x
   G heads against chunks of BC = 128 compressed rows, walked like _flash's grid (BlockSpec pipelining).
   PASSES = 1 when compressed attention's lse is given (nsa.attention with g_cmp passes it), 2 without
   (select_blocks alone); both are rows. Its top-k (S rounds of VPU sweeps over the tile's chunk ranks) is
   VPU work, not modelled.
-- selected: nsa/pallas/selected.py (`selected_kernels`): forward and dq on grid (B, H, T / TB) (TB = 16
+- selected: nsa/pallas/tpu/selected.py (`selected_kernels`): forward and dq on grid (B, H, T / TB) (TB = 16
   tokens x G = 16 heads = 256 rows), each step walking its tile's union of blocks with a manual
   double-buffered make_async_copy loop (one block's K and V per iteration, U per tile); dk/dv on the
   static grid of segments of at most L = min(256, NT) (tile) entries of one block; the reduce kernel
@@ -61,10 +61,11 @@ if not __package__:  # run as a script (python benchmarks/tpu_roofline.py): the 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import STANDARD  # noqa: E402
-from nsa import _varlen  # noqa: E402
-from nsa.pallas import _flash  # noqa: E402
-from nsa.pallas import select as pallas_select  # noqa: E402
-from nsa.pallas import selected as pallas_selected  # noqa: E402
+from nsa import _device, _varlen  # noqa: E402
+from nsa._config import Shapes  # noqa: E402
+from nsa.pallas.tpu import _flash  # noqa: E402
+from nsa.pallas.tpu import select as pallas_select  # noqa: E402
+from nsa.pallas.tpu import selected as pallas_selected  # noqa: E402
 
 
 class Chip(NamedTuple):
@@ -138,7 +139,7 @@ def cdiv(a, b):
 def tile_bands(lo, hi, rows_per_tile, tile):
     """(first, last) tile of the other side that any of the rows of each tile of `rows_per_tile` rows sees
     (the rows see [lo, hi]; empty rows have lo > hi); (0, -1) for a tile that sees nothing
-    (as nsa/pallas/_flash.py's _bands)."""
+    (as nsa/pallas/tpu/_flash.py's _bands)."""
     n = cdiv(lo.size, rows_per_tile)
     pad = n * rows_per_tile - lo.size
     lo, hi = np.pad(lo, (0, pad), constant_values=1), np.pad(hi, (0, pad), constant_values=0)
@@ -169,7 +170,7 @@ def key(*parts):
 
 
 def flash_kernels(branch, lo, hi, NK, key_span, query_span, shape=STANDARD, bq=128, bk=128):
-    """Forward, dq and dk/dv of nsa/pallas/_flash.py for one branch (keys [B, NK, H, D] seen in [lo, hi])."""
+    """Forward, dq and dk/dv of nsa/pallas/tpu/_flash.py for one branch (keys [B, NK, H, D] seen in [lo, hi])."""
     D, G, HQ, H = shape.D, shape.HQ // shape.H, shape.HQ, shape.H
     T = lo.size
     nq, nk = cdiv(T, bq), cdiv(NK, bk)
@@ -224,19 +225,21 @@ def _structs(T, shape):
 
 
 def select_config(T, shape=STANDARD):
-    """nsa/pallas/select.py's default_config at `shape`: (TB, BC)."""
+    """nsa/pallas/tpu/select.py's default_config at `shape`: (TB, BC)."""
     q, _, k_cmp, _ = _structs(T, shape)
-    return pallas_select.default_config(q, k_cmp, block_counts=shape.blocks, block_size=shape.block_size)
+    shapes = Shapes.of(q, k_cmp, block_counts=shape.blocks, block_size=shape.block_size)  # TK: NC rows to see
+    return pallas_select.default_config(shapes, q.dtype, _device.facts("tpu"))
 
 
 def selected_config(T, shape=STANDARD):
-    """nsa/pallas/selected.py's default_config at `shape`: (TB, L)."""
+    """nsa/pallas/tpu/selected.py's default_config at `shape`: (TB, L)."""
     q, k, _, idx = _structs(T, shape)
-    return pallas_selected.default_config(q, k, k, idx, block_size=shape.block_size)
+    shapes = Shapes.of(q, k, block_counts=idx.shape[3], block_size=shape.block_size)
+    return pallas_selected.default_config(shapes, q.dtype, _device.facts("tpu"))
 
 
 def select_kernel(T, shape=STANDARD, lse=True, config=None):
-    """nsa/pallas/select.py as written. Grid (B, H, NT, PASSES * STEPS) (NT = T / TB, STEPS = R / BC chunks
+    """nsa/pallas/tpu/select.py as written. Grid (B, H, NT, PASSES * STEPS) (NT = T / TB, STEPS = R / BC chunks
     of BC compressed rows, R = NC rounded up to BC; PASSES = 1 when compressed attention's lse is given,
     as nsa.attention passes it, else 2); tile i walks the chunks 0 .. (its last token's current block) //
     BC, a step past them re-maps to the last (no DMA) and is skipped. BlockSpecs: the token rows (3, TB, 1)
@@ -287,7 +290,7 @@ def tile_unions(T, end, shape=STANDARD, tb=16):
 
 
 def selected_kernels(T, end, shape=STANDARD, config=None):
-    """nsa/pallas/selected.py as written, with each tile's union at one end ('same' or 'distinct',
+    """nsa/pallas/tpu/selected.py as written, with each tile's union at one end ('same' or 'distinct',
     `tile_unions`). A tile is R = G * TB MXU rows; a block copies BR rows (block_size rounded up to the
     sublane tile) into a key buffer of BK rows (block_size rounded up to 128), and its matmuls take all BK.
     - fwd, dq: grid (B, H, NT). BlockSpecs per step: the tile's SMEM row (1 + 2 U_max ints; U_max =

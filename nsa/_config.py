@@ -19,7 +19,8 @@ import jax
 
 
 class Shapes(NamedTuple):
-    """The sizes a default_config plans with: q [B, T, HQ, Dk] against k [B, TK, H, Dk] and v [B, TK, H, Dv]
+    """The sizes a default_config plans with (a dim may be symbolic under jax.export: B, for kernels that map over
+    it): q [B, T, HQ, Dk] against k [B, TK, H, Dk] and v [B, TK, H, Dv]
     (for the compressed branch TK is the compressed rows' count), with the op's own sizes where it has them."""
     B: int
     T: int
@@ -42,8 +43,7 @@ class Shapes(NamedTuple):
         """The Shapes of q, k and v (v defaults to k), plus `sizes` (block_size, block_counts, window_size,
         packed)."""
         v = k if v is None else v
-        return cls(int(q.shape[0]), int(q.shape[1]), int(k.shape[1]), int(q.shape[2]), int(k.shape[2]),
-                   int(q.shape[3]), int(v.shape[3]), **sizes)
+        return cls(q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3], v.shape[3], **sizes)
 
 
 class Step(NamedTuple):

@@ -5,7 +5,9 @@ jax's `device_kind` in `TABLE`. Where the platform has no device here (a program
 CPU machine), the environment variable NSA_DEVICE_KIND names the device to plan for (a kind of TABLE, e.g.
 NSA_DEVICE_KIND="NVIDIA H200" to export the kernels an H200 runs). Otherwise, or where the kind is not in the
 table, it is `CONSERVATIVE[platform]`: the smallest value of every field among the table's devices of that
-platform, so that no plan exceeds a real device's memory; a RuntimeWarning says so, once per platform and kind. No kernel module holds a device number of its own: a new GPU generation is a row here
+platform, so that no plan exceeds a real device's memory. A device of a kind the table lacks is said, with a
+RuntimeWarning, once per platform and kind; a platform with no device here is not (a program lowered for it is
+exported, or traced for its shapes only: the CPU's Pallas branches trace the TPU kernels on any machine). No kernel module holds a device number of its own: a new GPU generation is a row here
 (and, where it changes what is fastest, a measurement behind the kernel's `default_config`).
 
 Sources. NVIDIA: the CUDA C++ Programming Guide, "Compute Capabilities" (shared memory per block with opt-in,
@@ -110,9 +112,9 @@ def facts(platform: str = "cuda") -> Device:
     known = TABLE.get(ALIASES.get(kind, kind))
     if known is not None:
         return known
-    if (platform, kind) not in _warned:
+    if kind is not None and (platform, kind) not in _warned:
         _warned.add((platform, kind))
-        where = f"the {platform} device {kind!r} is not in" if kind else f"this process has no {platform} device for"
-        warnings.warn(f"nsa: {where} nsa._device.TABLE: its kernels plan with the smallest values of the table "
-                      f"({CONSERVATIVE[platform]})", RuntimeWarning, stacklevel=2)
+        warnings.warn(f"nsa: the {platform} device {kind!r} is not in nsa._device.TABLE: its kernels plan with the "
+                      f"smallest values of the table ({CONSERVATIVE[platform]}); a row of the table gives its own",
+                      RuntimeWarning, stacklevel=2)
     return CONSERVATIVE[platform]

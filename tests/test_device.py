@@ -28,15 +28,23 @@ def test_the_conservative_row_is_at_most_every_device(platform):
 
 def test_an_unknown_device_warns_once_per_platform_and_kind(monkeypatch):
     monkeypatch.setattr(_device, "_warned", set())
-    monkeypatch.setattr(_device, "_local_kind", lambda platform: None)
-    monkeypatch.delenv("NSA_DEVICE_KIND", raising=False)
+    monkeypatch.setattr(_device, "_local_kind", lambda platform: f"a new {platform} device")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(2):
             assert _device.facts("tpu") == _device.CONSERVATIVE["tpu"]
             assert _device.facts("cuda") == _device.CONSERVATIVE["cuda"]
     messages = [str(w.message) for w in caught]
-    assert len(messages) == 2 and "no tpu device" in messages[0] and "no cuda device" in messages[1], messages
+    assert len(messages) == 2 and "'a new tpu device'" in messages[0] and "'a new cuda device'" in messages[1], messages
+
+
+def test_no_device_plans_with_the_smallest_values_silently(monkeypatch):
+    """Exporting for a platform this process has no device of (or tracing its branch for shapes) warns nothing."""
+    monkeypatch.setattr(_device, "_local_kind", lambda platform: None)
+    monkeypatch.delenv("NSA_DEVICE_KIND", raising=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _device.facts("cuda") == _device.CONSERVATIVE["cuda"]
 
 
 def test_nsa_device_kind_names_the_export_target(monkeypatch):
