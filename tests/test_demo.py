@@ -12,7 +12,7 @@ def test_demo_passes_without_matplotlib(monkeypatch, tmp_path, capsys):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if it were not installed
     assert demo.main(["--output", str(tmp_path / "selection.png")]) == 0
     out = capsys.readouterr().out
-    assert "no picture of the selected blocks: it needs matplotlib (pip install 'nsa[demo]')" in out
+    assert "no picture of the selected blocks: it needs matplotlib (from a checkout: pip install '.[demo]')" in out
     assert out.rstrip().endswith("PASS") and "FAIL" not in out
     assert f"inputs: random q, k, v and gates (seed 0); {demo.RANDOM_INPUTS_NOTE}" in out
     assert not (tmp_path / "selection.png").exists()
