@@ -63,6 +63,14 @@ INTERPRETED_CASES = {
 }
 
 
+# The ops of the gradient and varlen tests. Interpreted, each branch's gradient runs on the first gradient case
+# and the whole pipeline ("attention", every kernel forward and backward) on each; the varlen tests run the
+# pipeline (every kernel packed) and the branch whose packing the pipeline shows least: select (its output is
+# indices, which selected attention then reads) forward, selected attention's backward planning for gradients.
+GRADIENT_OPS = ["compressed", "selected", "window", "attention"]
+VARLEN_OPS = {"varlen": (["compressed", "select", "selected", "window", "attention"], ["select", "attention"]),
+              "varlen_gradients": (GRADIENT_OPS, ["selected", "attention"])}
+
 # The ops of the KV-cache tests (test_cached_queries_equal_full_sequence). Interpreted kernels run the two
 # nsa.attention cases, which call every op's kernel (compressed, select, selected, window); each kernel's
 # own cache cases are in its test file.
@@ -186,18 +194,29 @@ class NSATestBase:
     @classmethod
     def case_params(cls, kind):
         """(argnames, pytest params) of a test marked @cases(kind): its (shape, dtype) cases in the dtypes
-        this implementation takes, or (for "shapes") its shapes."""
+        this implementation takes, (for "gradients") the ops with them, or (for "shapes") its shapes; the ops of
+        the "cached" and varlen tests."""
         if kind == "cached":
             return "name", INTERPRETED_CACHED_OPS if cls.interpreted else CACHED_OPS
+        if kind in VARLEN_OPS:
+            return "name", VARLEN_OPS[kind][cls.interpreted]
         if kind == "shapes":
             table = (INTERPRETED_CASES if cls.interpreted else CASES)[kind]
             return "shape", [pytest.param(SHAPES[name], id=name) for name, _ in table]
+        params = [pytest.param(SHAPES[name], dtype, id=f"{name}-{dtype}") for name, dtype in cls._shape_dtypes(kind)]
+        if kind != "gradients":
+            return "shape, dtype", params
+        return "name, shape, dtype", [pytest.param(name, *case.values, id=f"{case.id}-{name}")
+                                      for i, case in enumerate(params) for name in GRADIENT_OPS
+                                      if not cls.interpreted or i == 0 or name == "attention"]
+
+    @classmethod
+    def _shape_dtypes(cls, kind):
+        """The (shape name, dtype) cases of `kind` in the dtypes this implementation takes."""
         if cls.interpreted:
-            table = dict.fromkeys((name, dtype if dtype in cls.dtypes else cls.dtypes[0])
-                                  for name, dtype in INTERPRETED_CASES[kind])
-        else:
-            table = [(name, dtype) for name, dtype in CASES[kind] if dtype in cls.dtypes]
-        return "shape, dtype", [pytest.param(SHAPES[name], dtype, id=f"{name}-{dtype}") for name, dtype in table]
+            return list(dict.fromkeys((name, dtype if dtype in cls.dtypes else cls.dtypes[0])
+                                      for name, dtype in INTERPRETED_CASES[kind]))
+        return [(name, dtype) for name, dtype in CASES[kind] if dtype in cls.dtypes]
 
     @pytest.fixture(autouse=True)
     def _free_compiled_programs(self):
@@ -372,7 +391,7 @@ class NSATestBase:
 
         return locals()[name]
 
-    @pytest.mark.parametrize("name", ["compressed", "select", "selected", "window", "attention"])
+    @cases("varlen")
     def test_varlen_equals_each_sequence_alone(self, name):
         dtype = self.dtypes[0]
         with precision(dtype):
@@ -394,7 +413,7 @@ class NSATestBase:
                     else:
                         np.testing.assert_allclose(a, np.asarray(b), rtol=1e-5, atol=1e-6)
 
-    @pytest.mark.parametrize("name", ["compressed", "select", "selected", "window", "attention"])
+    @cases("varlen")
     def test_varlen_against_oracle(self, name):
         dtype = self.dtypes[0]
         with precision(dtype):
@@ -488,12 +507,11 @@ class NSATestBase:
             assert_close(grad, np.asarray(grad64), GRAD_TOLERANCE[x.dtype], f"{name} gradient {i}", size)
 
     @cases("gradients")
-    @pytest.mark.parametrize("name", ["compressed", "selected", "window", "attention"])
     def test_gradients(self, name, shape, dtype):
         with precision(dtype):
             self._check_grads(name, Inputs(shape, dtype))
 
-    @pytest.mark.parametrize("name", ["compressed", "selected", "window", "attention"])
+    @cases("varlen_gradients")
     def test_gradients_varlen(self, name):
         dtype = self.dtypes[0]
         with precision(dtype):
