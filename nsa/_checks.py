@@ -83,6 +83,33 @@ def positive_int(name, value):
     return value
 
 
+def stride(stride, block_size, names=("stride", "block_size")):
+    """The stride d of compression windows of l = block_size tokens (already checked), as an op takes it (None:
+    l, windows that do not overlap): a positive int that divides l. `names` are the two arguments' names."""
+    if stride is None:
+        return block_size
+    stride = positive_int(names[0], stride)
+    if block_size % stride:
+        raise ValueError(f"{names[0]} = {stride} must divide {names[1]} = {block_size}: each compressed row is "
+                         f"a window of {names[1]} tokens made of whole strides")
+    return stride
+
+
+def compression(block_size, compress_block_size, compress_stride):
+    """(l, d) of the compression under selection blocks of l' = block_size tokens (already checked): each None is
+    l'; d must divide l (`stride`) and l' (a selection block is made of whole strides)."""
+    l = block_size if compress_block_size is None else positive_int("compress_block_size", compress_block_size)
+    if compress_stride is None and l % block_size:
+        raise ValueError(f"compress_stride defaults to block_size = {block_size}, which does not divide "
+                         f"compress_block_size = {l}: pass compress_stride (e.g. {l // 2} for windows that overlap "
+                         f"by half, as the paper's l = 32, d = 16)")
+    d = stride(compress_stride, l, names=("compress_stride", "compress_block_size"))
+    if block_size % d:
+        raise ValueError(f"compress_stride = {d} must divide block_size = {block_size}: a selection block is "
+                         f"scored by the compressed rows it overlaps, in whole strides")
+    return l, d
+
+
 def non_negative_int(name, value):
     value = static_int(name, value)
     if value < 0:

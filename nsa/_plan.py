@@ -188,10 +188,12 @@ def window_uncut(k, v, dk, dv, start):
 # ------------------------------------------------------------------------------------------ block selection
 
 
-def num_candidates(T, NC, block_size, kv_lens):
-    """NB, the in-sequence blocks one of T queries may have as candidates (as the reference): cdiv(T, block_size),
-    or with kv_lens (the queries end longer sequences, which k_cmp [B, NC, H, Dk] covers) max(cdiv(T, bs), NC)."""
-    return cdiv(T, block_size) if kv_lens is None else max(cdiv(T, block_size), NC)
+def num_candidates(T, NC, block_size, kv_lens, compress_stride=None):
+    """NB, the in-sequence selection blocks one of T queries may have as candidates (as the reference):
+    cdiv(T, block_size), or with kv_lens (the queries end longer sequences, which k_cmp [B, NC, H, Dk] covers: NC
+    rows every compress_stride tokens, None: block_size) the blocks of those NC * compress_stride tokens if more."""
+    covered = NC * (block_size if compress_stride is None else compress_stride)
+    return cdiv(T, block_size) if kv_lens is None else max(cdiv(T, block_size), cdiv(covered, block_size))
 
 
 # ------------------------------------------------------------------------------------------ selected attention

@@ -61,7 +61,8 @@ def concrete(x):
 
 
 def num_compressed_blocks(seq_len, block_size, cu_seqlens=None):
-    """Rows of `compress`'s output: ceil(T / block_size), or sum_i ceil(len_i / block_size) packed.
+    """Rows of `compress`'s output: ceil(T / block_size), or sum_i ceil(len_i / block_size) packed. With
+    overlapping windows (`compress(..., stride=d)`) the rows are counted by the stride: pass block_size=d.
 
     A traced `cu_seqlens` has no known lengths: then the static upper bound over all packings of
     T tokens into N sequences, min(T, (T + N * (block_size - 1)) // block_size); the rows past the
@@ -91,13 +92,23 @@ def window_key_range(seq_len, window_size, cu_seqlens=None, kv_lens=None):
     return _per_query(jnp.maximum(tok.start, row - W + 1), kv_lens), _per_query(row, kv_lens)
 
 
-def compressed_key_range(seq_len, num_rows, block_size, cu_seqlens=None, kv_lens=None):
+def complete_rows(pos, block_size, stride=None):
+    """How many compressed rows of its sequence the query at in-sequence position `pos` sees: rows i whose window
+    [i * stride, i * stride + block_size) lies wholly in its past (i * stride + block_size <= pos + 1); stride
+    None is block_size (blocks that do not overlap: (pos + 1) // block_size)."""
+    if stride is None or stride == block_size:
+        return (pos + 1) // block_size
+    return jnp.maximum(pos + 1 - block_size + stride, 0) // stride
+
+
+def compressed_key_range(seq_len, num_rows, block_size, cu_seqlens=None, kv_lens=None, stride=None):
     """lo, hi int32 [T] ([B, T] with kv_lens): query t sees the rows [lo, hi] of k_cmp [B, num_rows, ...],
-    those of its sequence's complete blocks (empty before its first one; none past row num_rows - 1, which
-    under jit a cu_seqlens may ask for); both non-decreasing in t."""
-    tok = tokens(seq_len, block_size, cu_seqlens, kv_lens)
+    those of its sequence's complete windows of block_size tokens every `stride` (None: block_size;
+    `complete_rows`), empty before its first one; none past row num_rows - 1, which under jit a cu_seqlens may
+    ask for; both non-decreasing in t."""
+    tok = tokens(seq_len, block_size if stride is None else stride, cu_seqlens, kv_lens)
     lo = tok.cmp_start
-    hi = jnp.minimum(lo + (tok.pos + 1) // block_size - 1, num_rows - 1)
+    hi = jnp.minimum(lo + complete_rows(tok.pos, block_size, stride) - 1, num_rows - 1)
     return _per_query(lo, kv_lens), _per_query(hi, kv_lens)
 
 

@@ -18,6 +18,7 @@ from nsa import _checks, _dispatch
 from nsa._config import Step
 from nsa._kvcache import KVCache, check_cache
 from nsa._varlen import concrete, num_compressed_blocks
+from nsa.reference.compress import row_tokens
 
 # What the public ops take: arrays as jax.Array (or anything jnp.asarray takes); index arguments (cu_seqlens
 # [N + 1], kv_lens [B], block_counts [B, T, H]) as an array, a list or a tuple; `implementation` one of these
@@ -72,10 +73,10 @@ def _key_lens(kv_lens, q, k, cu_seqlens, name="kv_lens"):
     return _checks.kv_lens(kv_lens, B, T, TK, cu_seqlens, name=name)
 
 
-def _compressed_kv(q, k_cmp, v_cmp, block_size, cu_seqlens, kv_lens=None):
+def _compressed_kv(q, k_cmp, v_cmp, block_size, stride, cu_seqlens, kv_lens=None):
     """Checks k_cmp [B, NC, H, Dk] and v_cmp [B, NC, H, Dv] against q: without kv_lens, k_cmp holds the rows
-    compress gives for q's T tokens (the queries are the whole sequences); with kv_lens (`_checks.kv_lens`),
-    it covers them (kv_lens <= NC * block_size); returns kv_lens."""
+    compress(block_size, stride) gives for q's T tokens (the queries are the whole sequences); with kv_lens
+    (`_checks.kv_lens`), it covers them (kv_lens <= NC * stride); returns kv_lens."""
     _checks.array("k_cmp", k_cmp, 4, like=q)
     B, T, HQ, Dk = q.shape
     NC, H = k_cmp.shape[1], k_cmp.shape[2]
@@ -85,51 +86,81 @@ def _compressed_kv(q, k_cmp, v_cmp, block_size, cu_seqlens, kv_lens=None):
         _checks.array("v_cmp", v_cmp, 4, like=q)
         _checks.shape("v_cmp", v_cmp, (B, NC, H, v_cmp.shape[3]), "[B, NC, H, Dv] (B from q, NC, H from k_cmp)")
     if kv_lens is not None:
-        return _checks.kv_lens(kv_lens, B, T, NC * block_size, cu_seqlens,
-                               bound="NC * block_size, the tokens k_cmp covers")
-    _compressed_rows(k_cmp, T, "q's T", block_size, cu_seqlens)
+        names = "block_size" if stride == block_size else "stride"
+        return _checks.kv_lens(kv_lens, B, T, NC * stride, cu_seqlens, bound=f"NC * {names}, the tokens k_cmp covers")
+    _compressed_rows(k_cmp, T, "q's T", block_size, stride, cu_seqlens)
     return None
 
 
-def _compressed_rows(k_cmp, TK, tokens, block_size, cu_seqlens):
-    """Checks that k_cmp [B, NC, ...] has the rows `compress(k, block_size=block_size, cu_seqlens=cu_seqlens)` gives
-    for TK tokens (named `tokens`): ceil(TK / block_size), or the packing's; for a traced cu_seqlens between
-    ceil(TK / block_size) and its static bound. So compressed keys of another block size raise."""
-    NC, rows = k_cmp.shape[1], num_compressed_blocks(TK, block_size, cu_seqlens)
-    fewest = rows if cu_seqlens is None or concrete(cu_seqlens) is not None else -(-TK // block_size)
+def _compressed_rows(k_cmp, TK, tokens, block_size, stride, cu_seqlens):
+    """Checks that k_cmp [B, NC, ...] has the rows `compress(k, block_size=block_size, stride=stride,
+    cu_seqlens=cu_seqlens)` gives for TK tokens (named `tokens`): ceil(TK / stride), or the packing's; for a traced
+    cu_seqlens between ceil(TK / stride) and its static bound. So compressed keys of another stride raise."""
+    NC, rows = k_cmp.shape[1], num_compressed_blocks(TK, stride, cu_seqlens)
+    fewest = rows if cu_seqlens is None or concrete(cu_seqlens) is not None else -(-TK // stride)
     if not fewest <= NC <= rows:
-        made = f"compress(k, block_size={block_size}{', cu_seqlens=...' if cu_seqlens is not None else ''})"
+        strided = "" if stride == block_size else f", stride={stride}"
+        made = f"compress(k, block_size={block_size}{strided}{', cu_seqlens=...' if cu_seqlens is not None else ''})"
         expected = f"{rows}" if fewest == rows else f"between {fewest} and {rows}"
         raise ValueError(f"k_cmp must have the rows {made} gives for {tokens} = {TK} tokens, {expected} (NC, axis 1), "
-                         f"got shape {tuple(k_cmp.shape)}: compressed keys made with another block_size?")
+                         f"got shape {tuple(k_cmp.shape)}: compressed keys made with another block_size or stride?")
 
 
-def compress(x: Array, *, block_size: int, cu_seqlens: Optional[Indices] = None) -> Array:
-    """Mean of each block of `block_size` tokens: x [B, T, H, D] -> [B, ceil(T / block_size), H, D].
+def compress(x: Array, *, block_size: int, stride: Optional[int] = None,
+             cu_seqlens: Optional[Indices] = None) -> Array:
+    """Means of windows of l = `block_size` tokens every d = `stride` tokens (default l: blocks that do not
+    overlap): x [B, T, H, D] -> [B, ceil(T / d), H, D].
 
-    The last, partial block is averaged over its true length. With cu_seqlens the blocks restart at
-    each sequence and are packed into [1, sum_i ceil(len_i / block_size), H, D]; for a traced
-    cu_seqlens (lengths unknown at trace time) the rows are padded with zeros to a static bound.
+    Row i of a sequence is the mean of its tokens [i * d, min(i * d + l, len)): the last rows are averaged over
+    their true length. d must divide l (the paper's NSA: l = 32, d = 16). With cu_seqlens the rows restart at
+    each sequence and are packed into [1, sum_i ceil(len_i / d), H, D]; for a traced cu_seqlens (lengths
+    unknown at trace time) the rows are padded with zeros to a static bound. `compression_windows` gives each
+    row's tokens, for a learned compression.
     """
     _checks.array("x", x, 4)
     block_size = _checks.positive_int("block_size", block_size)
+    stride = _checks.stride(stride, block_size)
     cu_seqlens = _checks.cu_seqlens(cu_seqlens, x.shape[0], x.shape[1])
-    num_blocks = num_compressed_blocks(x.shape[1], block_size, cu_seqlens)
+    num_blocks = num_compressed_blocks(x.shape[1], stride, cu_seqlens)
     if _no_queries(x):
         return jnp.zeros((x.shape[0], num_blocks) + x.shape[2:], x.dtype)
-    static = _statics(block_size=block_size, num_blocks=num_blocks)
+    static = _statics(block_size=block_size, stride=stride, num_blocks=num_blocks)
     return _dispatch.apply("compress", None, static, (x, cu_seqlens))
 
 
-def compressed_attention(q: Array, k_cmp: Array, v_cmp: Array, *, block_size: int, scale: Optional[float] = None,
-                         cu_seqlens: Optional[Indices] = None, kv_lens: Optional[Indices] = None,
-                         implementation: Implementation = None) -> tuple[Array, Array]:
-    """Attention of each query to the compressed blocks wholly in its past.
+def compression_windows(x: Array, *, block_size: int, stride: Optional[int] = None,
+                        cu_seqlens: Optional[Indices] = None) -> tuple[Array, Array]:
+    """The tokens of each compressed row, for a learned compression phi (the paper's Eq. 7): windows of
+    l = `block_size` tokens every d = `stride` tokens (default l), laid out as `compress` lays out its rows.
 
-    The query at in-sequence position t sees compressed block c iff (c + 1) * block_size - 1 <= t.
-    k_cmp [B, NC, H, Dk] and v_cmp [B, NC, H, Dv] are laid out as `compress` returns them. The queries
-    are the whole sequences (position t = query index), or with kv_lens int [B] the last T tokens of
-    sequences of kv_lens[b] tokens, which k_cmp must cover (kv_lens <= NC * block_size).
+    x [B, T, H, D] -> (windows [B, NC, l, H, D] in x's dtype, mask bool [B, NC, l]): row i of a sequence holds its
+    tokens i * d ... i * d + l - 1, those past the sequence's end zeroed and False in the mask (NC = ceil(T / d),
+    or with cu_seqlens the packed rows of every sequence, as `compress`). `compress` is the masked mean over
+    axis 2. Apply phi to each window, e.g. k_cmp = phi(windows) [B, NC, H, Dk], and pass k_cmp and v_cmp to
+    `attention` with the same compress_block_size and compress_stride; gradients flow through the windows to x.
+    """
+    _checks.array("x", x, 4)
+    block_size = _checks.positive_int("block_size", block_size)
+    stride = _checks.stride(stride, block_size)
+    cu_seqlens = _checks.cu_seqlens(cu_seqlens, x.shape[0], x.shape[1])
+    rows = num_compressed_blocks(x.shape[1], stride, cu_seqlens)
+    cu = None if cu_seqlens is None else jnp.asarray(cu_seqlens)
+    index, used, _ = row_tokens(x.shape[1], cu, block_size, stride, rows)
+    windows = jnp.where(used[None, :, :, None, None], x[:, index], 0).astype(x.dtype)
+    return windows, jnp.broadcast_to(used, (x.shape[0],) + used.shape)
+
+
+def compressed_attention(q: Array, k_cmp: Array, v_cmp: Array, *, block_size: int, stride: Optional[int] = None,
+                         scale: Optional[float] = None, cu_seqlens: Optional[Indices] = None,
+                         kv_lens: Optional[Indices] = None,
+                         implementation: Implementation = None) -> tuple[Array, Array]:
+    """Attention of each query to the compressed rows whose windows lie wholly in its past.
+
+    k_cmp [B, NC, H, Dk] and v_cmp [B, NC, H, Dv] are laid out as `compress(..., block_size=l, stride=d)`
+    returns them (stride default: block_size): the query at in-sequence position t sees row i iff
+    i * d + l <= t + 1 (with d = l: block c iff (c + 1) * l - 1 <= t). The queries are the whole sequences
+    (position t = query index), or with kv_lens int [B] the last T tokens of sequences of kv_lens[b] tokens,
+    which k_cmp must cover (kv_lens <= NC * d).
 
     Returns:
       o [B, T, HQ, Dv] in q's dtype and lse [B, T, HQ] float32 (natural log); a query that sees no
@@ -137,28 +168,34 @@ def compressed_attention(q: Array, k_cmp: Array, v_cmp: Array, *, block_size: in
     """
     _checks.array("q", q, 4)
     block_size = _checks.positive_int("block_size", block_size)
+    stride = _checks.stride(stride, block_size)
     cu_seqlens = _checks.cu_seqlens(cu_seqlens, q.shape[0], q.shape[1])
-    kv_lens = _compressed_kv(q, k_cmp, v_cmp, block_size, cu_seqlens, kv_lens)
+    kv_lens = _compressed_kv(q, k_cmp, v_cmp, block_size, stride, cu_seqlens, kv_lens)
     q, scale = _scaled(q, scale)
     impl = _checks.implementation(implementation)
     if _no_queries(q):
         return (jnp.zeros(q.shape[:3] + v_cmp.shape[3:], q.dtype),
                 jnp.zeros(q.shape[:3], jnp.promote_types(q.dtype, jnp.float32)))
-    static = _statics(block_size=block_size, scale=scale)
+    static = _statics(block_size=block_size, stride=stride, scale=scale)
     return _dispatch.apply("compressed", impl, static, (q, k_cmp, v_cmp, cu_seqlens, kv_lens))
 
 
-def select_blocks(q: Array, k_cmp: Array, *, block_counts: int, block_size: int, scale: Optional[float] = None,
-                  cu_seqlens: Optional[Indices] = None, kv_lens: Optional[Indices] = None,
-                  implementation: Implementation = None) -> Array:
-    """The `block_counts` blocks each KV head attends, from the compressed attention scores.
+def select_blocks(q: Array, k_cmp: Array, *, block_counts: int, block_size: int,
+                  compress_block_size: Optional[int] = None, compress_stride: Optional[int] = None,
+                  scale: Optional[float] = None, cu_seqlens: Optional[Indices] = None,
+                  kv_lens: Optional[Indices] = None, implementation: Implementation = None) -> Array:
+    """The `block_counts` selection blocks of l' = `block_size` tokens each KV head attends, from the compressed
+    attention scores.
 
-    Per query head, p(c) is the softmax of the scaled q . k_cmp over the visible compressed blocks; a
-    block's score is the mean of p(c) over the G query heads of its group. Blocks 0, t // block_size - 1
-    and t // block_size (where >= 0) are always selected, ranked t // bs first, then t // bs - 1, then 0;
-    blocks after t // block_size never. The highest scores fill the rest; ties go to the lower block id.
-    Positions: as `compressed_attention`'s (kv_lens int [B] places the queries at the end of sequences of
-    kv_lens[b] tokens, which k_cmp must cover).
+    k_cmp was made with windows of l = compress_block_size tokens every d = compress_stride tokens (both default
+    block_size; d must divide l and l'). Per query head, p(i) is the softmax of the scaled q . k_cmp over the
+    visible compressed rows (as `compressed_attention`'s); selection block j scores the paper's Eq. 9,
+    sum over m < l' / d and n < l / d of p((l' / d) * j + m - n) (p = 0 for rows the query does not see and for
+    negative indices: each row counts by its overlap with the block, in strides); with l = d = l' that is p(j).
+    A block's score is the mean over the G query heads of its group. Blocks 0, t // l' - 1 and t // l' (where
+    >= 0) are always selected, ranked t // l' first, then t // l' - 1, then 0; blocks after t // l' never. The
+    highest scores fill the rest; ties go to the lower block id. Positions: as `compressed_attention`'s (kv_lens
+    int [B] places the queries at the end of sequences of kv_lens[b] tokens, which k_cmp must cover).
 
     Returns:
       int32 [B, T, H, block_counts] in-sequence block ids, -1 in unused slots. The order inside a row
@@ -167,19 +204,21 @@ def select_blocks(q: Array, k_cmp: Array, *, block_counts: int, block_size: int,
     _checks.array("q", q, 4)
     block_size = _checks.positive_int("block_size", block_size)
     block_counts = _checks.positive_int("block_counts", block_counts)
+    compression = _checks.compression(block_size, compress_block_size, compress_stride)
     cu_seqlens = _checks.cu_seqlens(cu_seqlens, q.shape[0], q.shape[1])
-    kv_lens = _compressed_kv(q, k_cmp, None, block_size, cu_seqlens, kv_lens)
+    kv_lens = _compressed_kv(q, k_cmp, None, *compression, cu_seqlens, kv_lens)
     q, scale = _scaled(q, scale)
-    return _select(q, k_cmp, None, block_counts, block_size, scale, cu_seqlens, kv_lens, implementation)
+    return _select(q, k_cmp, None, block_counts, block_size, compression, scale, cu_seqlens, kv_lens, implementation)
 
 
-def _select(q, k_cmp, lse, block_counts, block_size, scale, cu_seqlens, kv_lens, implementation):
-    """select_blocks after its checks (scale None or a float); lse [B, T, HQ] is compressed attention's,
-    when known (or None)."""
+def _select(q, k_cmp, lse, block_counts, block_size, compression, scale, cu_seqlens, kv_lens, implementation):
+    """select_blocks after its checks (compression (l, d) checked, scale None or a float); lse [B, T, HQ] is
+    compressed attention's, when known (or None)."""
     impl = _checks.implementation(implementation)
     if _no_queries(q):
         return jnp.zeros(q.shape[:2] + (k_cmp.shape[2], block_counts), jnp.int32)
-    static = _statics(block_counts=block_counts, block_size=block_size, scale=_checks.scale(scale, q.shape[-1]))
+    static = _statics(block_counts=block_counts, block_size=block_size, compress_block_size=compression[0],
+                      compress_stride=compression[1], scale=_checks.scale(scale, q.shape[-1]))
     arrays = tuple(None if x is None else jax.lax.stop_gradient(x) for x in (q, k_cmp, lse)) + (cu_seqlens, kv_lens)
     return _dispatch.run("select", impl, static, arrays)
 
@@ -248,10 +287,11 @@ def _slots(block_counts):
     return max(1, int(counts.max(initial=0)))
 
 
-def _given_compressed(k_cmp, v_cmp, q, k, v, block_size, cu_seqlens, kv_lens, needs_values):
+def _given_compressed(k_cmp, v_cmp, q, k, v, compression, cu_seqlens, kv_lens, needs_values):
     """Checks a precomputed k_cmp [B, NC, H, Dk] / v_cmp [B, NC, H, Dv] (a KV cache's, or a user's) against k and v
-    [B, TK, ...]: its rows are those compress(k) gives (`_compressed_rows`); k longer than q (a cache's) needs
-    kv_lens; v_cmp is needed with k_cmp when the compressed branch is on, and never without k_cmp."""
+    [B, TK, ...]: its rows are those compress(k) with compression (l, d) gives (`_compressed_rows`); k longer than
+    q (a cache's) needs kv_lens; v_cmp is needed with k_cmp when the compressed branch is on, and never without
+    k_cmp."""
     if k_cmp is None:
         if v_cmp is not None:
             raise ValueError("v_cmp was given without k_cmp; pass both (or neither: attention compresses k and v)")
@@ -259,7 +299,7 @@ def _given_compressed(k_cmp, v_cmp, q, k, v, block_size, cu_seqlens, kv_lens, ne
     B, TK, H, Dk = k.shape
     _checks.array("k_cmp", k_cmp, 4, like=q)
     _checks.shape("k_cmp", k_cmp, (B, k_cmp.shape[1], H, Dk), "[B, NC, H, Dk] (B, H, Dk from k)")
-    _compressed_rows(k_cmp, TK, "k's TK", block_size, cu_seqlens)
+    _compressed_rows(k_cmp, TK, "k's TK", *compression, cu_seqlens)
     if TK > q.shape[1] and kv_lens is None:
         raise ValueError(f"k_cmp was given with k longer than q (TK = {TK} > T = {q.shape[1]}), a KV cache's, but "
                          f"kv_lens was not: pass cache=cache (which brings its lengths), or kv_lens=cache.lens (each "
@@ -272,22 +312,23 @@ def _given_compressed(k_cmp, v_cmp, q, k, v, block_size, cu_seqlens, kv_lens, ne
     _checks.shape("v_cmp", v_cmp, k_cmp.shape[:3] + v.shape[3:], "[B, NC, H, Dv] (B, NC, H from k_cmp, Dv from v)")
 
 
-def _from_cache(cache, block_size, given):
-    """(k, v, k_cmp, v_cmp, kv_lens, block_size) of `cache` (an nsa.KVCache, checked), for attention(q, cache=cache):
-    `given` maps the names of those arguments to what the call passed, which must be None (block_size may be the
-    cache's own)."""
-
-    block_size = check_cache(cache, block_size)
+def _from_cache(cache, blocks, given):
+    """(k, v, k_cmp, v_cmp, kv_lens, (block_size, compress_block_size, compress_stride)) of `cache` (an
+    nsa.KVCache, checked), for attention(q, cache=cache): `blocks` are the call's (block_size,
+    compress_block_size, compress_stride), each None or the cache's own; `given` maps the names of the other
+    arguments to what the call passed, which must be None."""
+    blocks = check_cache(cache, *blocks)
     passed = [name for name, x in given.items() if x is not None]
     if passed:
         raise ValueError(f"cache= brings the keys, values, compressed rows and lengths of the cache: pass "
                          f"{' and '.join(passed)} or cache, not both")
-    return cache.k, cache.v, cache.k_cmp, cache.v_cmp, cache.lens, block_size
+    return cache.k, cache.v, cache.k_cmp, cache.v_cmp, cache.lens, blocks
 
 
 def attention(q: Array, k: Optional[Array] = None, v: Optional[Array] = None, *, g_cmp: Optional[Array] = None,
               g_slc: Optional[Array] = None, g_swa: Optional[Array] = None, block_indices: Optional[Array] = None,
-              block_counts: Union[int, Indices] = 16, block_size: Optional[int] = None, window_size: int = 0,
+              block_counts: Union[int, Indices] = 16, block_size: Optional[int] = None,
+              compress_block_size: Optional[int] = None, compress_stride: Optional[int] = None, window_size: int = 0,
               scale: Optional[float] = None, cu_seqlens: Optional[Indices] = None, kv_lens: Optional[Indices] = None,
               k_cmp: Optional[Array] = None, v_cmp: Optional[Array] = None, cache: Optional[KVCache] = None,
               implementation: Implementation = None) -> Array:
@@ -303,42 +344,50 @@ def attention(q: Array, k: Optional[Array] = None, v: Optional[Array] = None, *,
     So the defaults (no g_cmp, window_size = 0) run the selected branch alone, over blocks chosen from the
     mean-pooled keys; pass g_cmp and window_size for the paper's three branches. A missing gate of an active
     branch means weight 1. Gates are [B, T, HQ]; the output is [B, T, HQ, Dv] in q's dtype, with gradients for
-    q, k, v and every gate. block_size: 64, or with cache= the cache's.
+    q, k, v and every gate.
+
+    Blocks: selection blocks of l' = block_size tokens (default 64, or with cache= the cache's); compression
+    windows of l = compress_block_size tokens every d = compress_stride tokens (both default block_size: fla's
+    form, one block for both; the paper's NSA is block_size=64, compress_block_size=32, compress_stride=16). d
+    must divide l and l'. A selection block scores the compressed rows it overlaps (`select_blocks`, Eq. 9).
 
     Serving (a KV cache, `nsa.cache`): `attention(q, cache=cache, ...)` attends over an nsa.KVCache, which brings
     k, v, k_cmp, v_cmp, kv_lens (its lengths) and block_size; the T queries are the last T tokens of each of its
     sequences (cache.lens counts them: append them first). The same from raw arrays: k, v [B, TK, H, D] may
     hold longer sequences than q; the T queries are the last T tokens of sequence b, which has kv_lens[b]
     tokens (int [B], default TK; its keys past them are never read). k_cmp [B, NC, H, Dk] and
-    v_cmp [B, NC, H, Dv], the cache's compressed keys and values (NC = ceil(TK / block_size), as `compress`
-    gives them), replace `compress(k)`, `compress(v)`; given with TK > T they need kv_lens; gradients then
-    flow to them instead of through the compression to k and v.
+    v_cmp [B, NC, H, Dv], a learned compression's (`compression_windows`) or the cache's compressed keys and
+    values (NC = ceil(TK / d), as `compress` gives them), replace `compress(k)`, `compress(v)`; given with TK > T
+    they need kv_lens; gradients then flow to them instead of through the compression to k and v.
     """
     if cache is not None:
-        k, v, k_cmp, v_cmp, kv_lens, block_size = _from_cache(
-            cache, block_size, dict(k=k, v=v, k_cmp=k_cmp, v_cmp=v_cmp, kv_lens=kv_lens))
+        k, v, k_cmp, v_cmp, kv_lens, (block_size, compress_block_size, compress_stride) = _from_cache(
+            cache, (block_size, compress_block_size, compress_stride),
+            dict(k=k, v=v, k_cmp=k_cmp, v_cmp=v_cmp, kv_lens=kv_lens))
     elif k is None or v is None:
         raise TypeError("attention needs the keys and values: k and v, or cache= (an nsa.KVCache)")
     B, T, HQ, H = _checks.qkv(q, k, v)
     for name, g in (("g_cmp", g_cmp), ("g_slc", g_slc), ("g_swa", g_swa)):
         _checks.gate(name, g, B, T, HQ)
     block_size = _checks.positive_int("block_size", 64 if block_size is None else block_size)
+    compression = _checks.compression(block_size, compress_block_size, compress_stride)
     window_size = _checks.non_negative_int("window_size", window_size)
     if g_swa is not None and window_size == 0:
         raise ValueError("g_swa was given with window_size = 0: the sliding-window branch it weighs is off; pass "
                          "window_size > 0 to turn it on, or leave g_swa out")
     cu_seqlens = _checks.cu_seqlens(cu_seqlens, B, T)
-    _given_compressed(k_cmp, v_cmp, q, k, v, block_size, cu_seqlens, kv_lens, needs_values=g_cmp is not None)
+    _given_compressed(k_cmp, v_cmp, q, k, v, compression, cu_seqlens, kv_lens, needs_values=g_cmp is not None)
     kv_lens = _key_lens(kv_lens, q, k, cu_seqlens, "cache.lens" if cache is not None else "kv_lens")
     if block_counts is None and block_indices is None:
         raise ValueError("block_counts=None (use every slot of block_indices) needs block_indices")
     if block_counts is not None:
         block_counts = _checks.block_counts(block_counts, B, T, H)
     q, scale = _scaled(q, scale)  # a traced scale is folded into q once, for every branch
+    windows = dict(block_size=compression[0], stride=compression[1])
     if k_cmp is None and (g_cmp is not None or block_indices is None):
-        k_cmp = compress(k, block_size=block_size, cu_seqlens=cu_seqlens)
+        k_cmp = compress(k, **windows, cu_seqlens=cu_seqlens)
     if g_cmp is not None and v_cmp is None:
-        v_cmp = compress(v, block_size=block_size, cu_seqlens=cu_seqlens)
+        v_cmp = compress(v, **windows, cu_seqlens=cu_seqlens)
 
     def branches(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, kv_lens):
         """The output from the branches' ops, one after another."""
@@ -346,12 +395,12 @@ def attention(q: Array, k: Optional[Array] = None, v: Optional[Array] = None, *,
         gated = []
         lse_cmp = None
         if g_cmp is not None:
-            o_cmp, lse_cmp = compressed_attention(q, k_cmp, v_cmp, block_size=block_size, **common)
+            o_cmp, lse_cmp = compressed_attention(q, k_cmp, v_cmp, **windows, **common)
             gated.append((g_cmp, o_cmp))
         indices = block_indices
         if indices is None:  # the selection reuses the compressed branch's lse when it has one
-            indices = _select(q, k_cmp, lse_cmp, _slots(block_counts), block_size, scale, cu_seqlens, kv_lens,
-                              implementation)
+            indices = _select(q, k_cmp, lse_cmp, _slots(block_counts), block_size, compression, scale, cu_seqlens,
+                              kv_lens, implementation)
         o_slc = selected_attention(q, k, v, indices, block_counts=block_counts, block_size=block_size, **common)
         gated.append((g_slc, o_slc))
         if window_size > 0:
@@ -362,7 +411,7 @@ def attention(q: Array, k: Optional[Array] = None, v: Optional[Array] = None, *,
 
     arrays = Step(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, kv_lens)
     if kv_lens is not None and block_indices is None and g_cmp is not None:  # a serving step: maybe fused
-        static = _statics(block_counts=_slots(block_counts), block_size=block_size, window_size=window_size,
-                          scale=scale)
+        static = _statics(block_counts=_slots(block_counts), block_size=block_size, compress_block_size=compression[0],
+                          compress_stride=compression[1], window_size=window_size, scale=scale)
         return _dispatch.decode_step(implementation, static, branches, arrays)
     return branches(*arrays)

@@ -1,13 +1,14 @@
 """A KV cache for serving NSA: a dataclass of arrays with its compression as static metadata (a pytree), and
 pure functions that fill it.
 
-The cache holds, for B sequences of up to N tokens (its capacity), made with one compression block size
-`block_size` (static: the cache's pytree structure, not an array):
+The cache holds, for B sequences of up to N tokens (its capacity), made with one set of blocks (static: the
+cache's pytree structure, not arrays): selection blocks of l' = `block_size` tokens, compression windows of
+l = `compress_block_size` tokens every d = `compress_stride` tokens (both default block_size, as nsa.attention's):
 
 - k [B, N, H, Dk], v [B, N, H, Dv]: the keys and values, token t of sequence b at row t;
-- k_cmp [B, ceil(N / block_size), H, Dk], v_cmp [B, ceil(N / block_size), H, Dv]: the compressed keys and
-  values (`nsa.compress`'s block means), row c written once block c is complete, so a decode step never
-  compresses the cache again;
+- k_cmp [B, ceil(N / d), H, Dk], v_cmp [B, ceil(N / d), H, Dv]: the compressed keys and values
+  (`nsa.compress`'s window means), row i written once its window is complete (token i * d + l - 1 has arrived),
+  never before, so a decode step never compresses the cache again;
 - lens int32 [B]: how many tokens each sequence holds (sequences may differ: a ragged batch).
 
 Rows past a sequence's length (and compressed rows of blocks not yet complete) hold whatever was there;
@@ -36,18 +37,27 @@ from nsa.api import Array, Indices, compress
 __all__ = ["KVCache", "append_to_cache", "check_cache", "empty_cache", "prefill_cache"]
 
 
+def _blocks(block_size, compress_block_size, compress_stride):
+    """(l', l, d) checked as nsa.attention checks them."""
+    block_size = _checks.positive_int("block_size", block_size)
+    return (block_size,) + _checks.compression(block_size, compress_block_size, compress_stride)
+
+
 def empty_cache(batch_size: int, capacity: int, num_kv_heads: int, head_dim: int, *, block_size: int,
+                compress_block_size: Optional[int] = None, compress_stride: Optional[int] = None,
                 head_dim_v: Optional[int] = None, dtype: jnp.dtype = jnp.bfloat16) -> KVCache:
-    """A cache of `batch_size` empty sequences of up to `capacity` tokens (zeros, lens 0)."""
+    """A cache of `batch_size` empty sequences of up to `capacity` tokens (zeros, lens 0), with selection blocks
+    of `block_size` tokens and compression windows of `compress_block_size` tokens every `compress_stride` (both
+    default block_size)."""
     B = _checks.non_negative_int("batch_size", batch_size)
     N = _checks.non_negative_int("capacity", capacity)
     H = _checks.positive_int("num_kv_heads", num_kv_heads)
     Dk = _checks.positive_int("head_dim", head_dim)
     Dv = Dk if head_dim_v is None else _checks.positive_int("head_dim_v", head_dim_v)
-    block_size = _checks.positive_int("block_size", block_size)
-    NC = cdiv(N, block_size)
+    blocks = _blocks(block_size, compress_block_size, compress_stride)
+    NC = cdiv(N, blocks[2])
     zeros = lambda rows, d: jnp.zeros((B, rows, H, d), dtype)
-    return KVCache(zeros(N, Dk), zeros(N, Dv), zeros(NC, Dk), zeros(NC, Dv), jnp.zeros((B,), jnp.int32), block_size)
+    return KVCache(zeros(N, Dk), zeros(N, Dv), zeros(NC, Dk), zeros(NC, Dv), jnp.zeros((B,), jnp.int32), *blocks)
 
 
 def _new_tokens(cache, k, v):
@@ -60,10 +70,10 @@ def _new_tokens(cache, k, v):
         _checks.shape(name, x, (B, k.shape[1], H, y.shape[3]), f"[B, TN, H, D] (B, H, D from cache.{name})")
 
 
-def _write(cache, k, v, start, lens, block_size):
+def _write(cache, k, v, start, lens, window, stride):
     """The cache with k, v [B, TN, ...] written at the rows start[b] + i of each sequence (rows past the
-    capacity dropped), lens set to `lens` (clipped to the capacity) and the compressed row of every block
-    that `lens` completes among those the written rows touch."""
+    capacity dropped), lens set to `lens` (clipped to the capacity) and the compressed row of every window (of
+    `window` tokens every `stride`) that `lens` completes among those whose last token the written rows hold."""
     B, N = cache.k.shape[:2]
     TN = k.shape[1]
     NC = cache.k_cmp.shape[1]
@@ -72,31 +82,34 @@ def _write(cache, k, v, start, lens, block_size):
     k_all = cache.k.at[b, rows].set(k, mode="drop")  # out-of-bounds rows (past N) are dropped
     v_all = cache.v.at[b, rows].set(v, mode="drop")
     lens = jnp.minimum(lens, N)
-    # blocks start // bs ... (start + TN - 1) // bs: at most R of them
-    R = (block_size - 1 + TN) // block_size
-    blocks = start[:, None] // block_size + jnp.arange(R)  # [B, R]
-    complete = (blocks + 1) * block_size <= lens[:, None]
-    tokens = jnp.minimum(blocks[:, :, None] * block_size + jnp.arange(block_size), max(N - 1, 0)).reshape(B, -1)
-    target = jnp.where(complete, blocks, NC)  # NC: dropped
+    # the windows whose last token (row * stride + window - 1) is one of start ... start + TN - 1: at most R
+    R = cdiv(TN, stride)
+    rows = -((window - 1 - start[:, None]) // stride) + jnp.arange(R)  # [B, R], the first: cdiv(start - window + 1, d)
+    complete = (rows >= 0) & (rows * stride + window <= lens[:, None])
+    first = jnp.maximum(rows, 0)[:, :, None] * stride
+    tokens = jnp.minimum(first + jnp.arange(window), max(N - 1, 0)).reshape(B, -1)
+    target = jnp.where(complete, rows, NC)  # NC: dropped
 
     def compressed(x_all, x_cmp):
-        means = compress(x_all[b, tokens], block_size=block_size)  # [B, R, H, D], the block means
+        means = compress(x_all[b, tokens], block_size=window)  # [B, R, H, D], the window means
         return x_cmp.at[b, target].set(means, mode="drop")
 
     return cache.replace(k=k_all, v=v_all, k_cmp=compressed(k_all, cache.k_cmp), v_cmp=compressed(v_all, cache.v_cmp),
                          lens=lens)
 
 
-def append_to_cache(cache: KVCache, k: Array, v: Array, *, block_size: Optional[int] = None) -> KVCache:
+def append_to_cache(cache: KVCache, k: Array, v: Array, *, block_size: Optional[int] = None,
+                    compress_block_size: Optional[int] = None, compress_stride: Optional[int] = None) -> KVCache:
     """The cache with TN new tokens appended to every sequence: k [B, TN, H, Dk], v [B, TN, H, Dv] go to the
-    rows lens[b] ... lens[b] + TN - 1, lens grows by TN, and each block this completes gets its compressed
-    row (`nsa.compress`'s mean of its tokens, bitwise). A pure function: jit it with the cache donated and the
-    writes happen in place. `block_size` may be left out: the cache carries its own (given, it must equal it).
+    rows lens[b] ... lens[b] + TN - 1, lens grows by TN, and each compression window this completes gets its
+    compressed row (`nsa.compress`'s mean of its tokens, bitwise). A pure function: jit it with the cache donated
+    and the writes happen in place. The block arguments may be left out: the cache carries its own (given, each
+    must equal the cache's).
 
     Appending past the capacity N raises ValueError when cache.lens is concrete; under jit (lens traced) the
     tokens that do not fit are dropped, lens stops at N, and nothing is written out of bounds.
     """
-    block_size = check_cache(cache, block_size)
+    _, window, stride = check_cache(cache, block_size, compress_block_size, compress_stride)
     _new_tokens(cache, k, v)
     N, TN = cache.k.shape[1], k.shape[1]
     lens = concrete(cache.lens)
@@ -104,22 +117,24 @@ def append_to_cache(cache: KVCache, k: Array, v: Array, *, block_size: Optional[
         b = int(np.argmax(lens))
         raise ValueError(f"appending {TN} tokens past the cache's capacity N = {N}: cache.lens[{b}] = {lens[b]}")
     start = cache.lens.astype(jnp.int32)
-    return _write(cache, k, v, start, start + TN, block_size)
+    return _write(cache, k, v, start, start + TN, window, stride)
 
 
-def prefill_cache(k: Array, v: Array, *, block_size: int, capacity: int, lens: Optional[Indices] = None) -> KVCache:
+def prefill_cache(k: Array, v: Array, *, block_size: int, capacity: int, lens: Optional[Indices] = None,
+                  compress_block_size: Optional[int] = None, compress_stride: Optional[int] = None) -> KVCache:
     """A cache of capacity N = `capacity` filled from prompts k [B, TP, H, Dk], v [B, TP, H, Dv]: sequence b
     holds the first lens[b] tokens (int [B], default TP: right-padded prompts of several lengths), with the
-    compressed rows of its complete blocks."""
+    compressed rows of its complete windows. Blocks: as `empty_cache`'s."""
     _checks.array("k", k, 4)
     B, TP, H, Dk = k.shape
-    block_size = _checks.positive_int("block_size", block_size)
+    blocks = _blocks(block_size, compress_block_size, compress_stride)
     N = _checks.non_negative_int("capacity", capacity)
     if TP > N:
         raise ValueError(f"the prompts (k.shape[1] = {TP} tokens) must fit the cache's capacity, got capacity = {N}")
-    cache = empty_cache(B, N, H, Dk, block_size=block_size, head_dim_v=v.shape[-1], dtype=k.dtype)
+    cache = empty_cache(B, N, H, Dk, block_size=blocks[0], compress_block_size=blocks[1], compress_stride=blocks[2],
+                        head_dim_v=v.shape[-1], dtype=k.dtype)
     _new_tokens(cache, k, v)
-    return _write(cache, k, v, jnp.zeros((B,), jnp.int32), _prompt_lens(lens, B, TP), block_size)
+    return _write(cache, k, v, jnp.zeros((B,), jnp.int32), _prompt_lens(lens, B, TP), *blocks[1:])
 
 
 def _prompt_lens(lens, B, TP):

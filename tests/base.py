@@ -79,6 +79,20 @@ CACHED_OPS = ["compressed_attention", "select_blocks", "selected_attention", "sl
 INTERPRETED_CACHED_OPS = ["attention", "attention-given-blocks"]
 
 
+# Compression windows of l tokens every d with selection blocks of l' (the paper's NSA: 32, 16, 64), as
+# (shape (B, T, HQ, H, Dk, Dv), (l, d, l')): several selection blocks per sequence, partial ones at the end,
+# G = 2, 1 and 3, B = 2, Dv != Dk. Interpreted kernels run the overlapping ones.
+BLOCK_CASES = {
+    "l64-d64-s64": ((1, 330, 4, 2, 16, 16), (64, 64, 64)),
+    "l32-d16-s64": ((1, 330, 4, 2, 16, 16), (32, 16, 64)),
+    "l16-d8-s32": ((2, 300, 4, 4, 16, 8), (16, 8, 32)),
+    "G3-l16-d8-s32": ((1, 300, 3, 1, 16, 16), (16, 8, 32)),
+}
+INTERPRETED_BLOCK_CASES = ["l32-d16-s64", "G3-l16-d8-s32"]
+# packed sequences for the blocks' varlen test: an empty one, partial windows and blocks everywhere
+BLOCK_CU_SEQLENS = np.array([0, 260, 260, 560, 600], np.int32)
+
+
 def cases(kind):
     """Marks a test of the base to run over the cases of `kind` its subclass takes (`NSATestBase.case_params`)."""
     return pytest.mark.cases(kind)
@@ -190,6 +204,9 @@ class NSATestBase:
     implementation = None
     dtypes = ("float32", "bfloat16", "float16")
     interpreted = False
+    # whether its selection takes windows that overlap or differ from the selection block (Eq. 9's sum); if not,
+    # an explicit request for one raises
+    overlapping_select = True
 
     @classmethod
     def case_params(cls, kind):
@@ -198,6 +215,8 @@ class NSATestBase:
         the "cached" and varlen tests."""
         if kind == "cached":
             return "name", INTERPRETED_CACHED_OPS if cls.interpreted else CACHED_OPS
+        if kind == "blocks":
+            return "name", INTERPRETED_BLOCK_CASES if cls.interpreted else list(BLOCK_CASES)
         if kind in VARLEN_OPS:
             return "name", VARLEN_OPS[kind][cls.interpreted]
         if kind == "shapes":
@@ -267,7 +286,8 @@ class NSATestBase:
             x = Inputs(shape, dtype)
             k_cmp, k_cmp64, v_cmp, _ = x.compressed()
             _, lse = self.op("compressed_attention")(x.q, k_cmp, v_cmp, block_size=x.block_size)
-            idx = nsa.api._select(x.q, k_cmp, lse, 3, x.block_size, None, None, None, self.implementation)
+            idx = nsa.api._select(x.q, k_cmp, lse, 3, x.block_size, (x.block_size,) * 2, None, None, None,
+                                  self.implementation)
             ref = oracle.select_blocks(x.q64, k_cmp64, block_counts=3, block_size=x.block_size)
             assert_same_blocks(idx, ref)
 
@@ -638,6 +658,119 @@ class NSATestBase:
             dq_ref = jax.jit(jax.grad(lambda q: jnp.sum(f(q, x.k, x.v).astype(jnp.float32) ** 2)))(x.q)
             assert_close(dq, dq_ref, 1e-5, "dq inside shard_map")
 
+
+    # ---------------------------------------- compression windows of l tokens every d, selection blocks of l'
+
+    def _blocks(self, name, cu_seqlens=None, seed=0):
+        """(Inputs, l, d, l', k_cmp, k_cmp64, v_cmp, v_cmp64) of BLOCK_CASES[name], compressed by the oracle."""
+        shape, (l, d, sel) = BLOCK_CASES[name]
+        x = Inputs(shape + (sel,), self.dtypes[0], seed)
+        kw = dict(block_size=l, stride=d, cu_seqlens=cu_seqlens)
+        return (x, l, d, sel, *rounded(oracle.compress(x.k64, **kw), x.dtype), *rounded(oracle.compress(x.v64, **kw), x.dtype))
+
+    def _selects_blocks(self, l, d, sel):
+        """Whether this implementation's selection takes these blocks (else an explicit request raises)."""
+        return self.overlapping_select or l == d == sel
+
+    @cases("blocks")
+    def test_blocks_compressed_and_select(self, name):
+        """compress (Eq. 7's windows, mean phi), compressed_attention (row i seen iff i * d + l <= t + 1) and
+        select_blocks (Eq. 9: each row counts by its overlap with the selection block) against the oracle."""
+        dtype = self.dtypes[0]
+        with precision(dtype):
+            x, l, d, sel, k_cmp, k_cmp64, v_cmp, v_cmp64 = self._blocks(name)
+            assert_close(nsa.compress(x.k, block_size=l, stride=d), k_cmp64, TOLERANCE[dtype], "compress")
+            o, lse = self.op("compressed_attention")(x.q, k_cmp, v_cmp, block_size=l, stride=d)
+            o_ref, lse_ref = oracle.compressed_attention(x.q64, k_cmp64, v_cmp64, block_size=l, stride=d)
+            assert_close(o, o_ref, TOLERANCE[dtype], "o")
+            np.testing.assert_array_equal(np.asarray(lse) == -np.inf, lse_ref == -np.inf)
+            seen = np.isfinite(lse_ref)
+            assert_close(np.asarray(lse)[seen], lse_ref[seen], TOLERANCE[dtype], "lse")
+            blocks = dict(block_counts=5, block_size=sel, compress_block_size=l, compress_stride=d)
+            if not self._selects_blocks(l, d, sel):
+                with pytest.raises(ValueError, match="one compressed row per selection block"):
+                    self.op("select_blocks")(x.q, k_cmp, **blocks)
+                return
+            idx = self.op("select_blocks")(x.q, k_cmp, **blocks)
+            assert_same_blocks(idx, oracle.select_blocks(x.q64, k_cmp64, **blocks))
+            _, lse = self.op("compressed_attention")(x.q, k_cmp, v_cmp, block_size=l, stride=d)
+            reused = nsa.api._select(x.q, k_cmp, lse, 5, sel, (l, d), None, None, None, self.implementation)
+            assert_same_blocks(reused, idx)
+
+    def _blocks_attention(self, x, l, d, sel, cu_seqlens=None):
+        """(f, f64, args, args64) of nsa.attention with every branch and gate at blocks (l, d, l'), and its dense
+        float64 formulation with the oracle's selection (no gradient flows through a selection)."""
+        B, T, HQ, H = x.shape[:4]
+        scale = x.shape[4] ** -0.5
+        windows = dict(block_size=l, stride=d, cu_seqlens=cu_seqlens)
+        blocks = dict(block_size=sel, compress_block_size=l, compress_stride=d)
+        kw = dict(block_counts=5, window_size=20, cu_seqlens=cu_seqlens, **blocks)
+        k_cmp64 = oracle.compress(x.k64, **windows)
+        idx = oracle.select_blocks(x.q64, k_cmp64, block_counts=5, cu_seqlens=cu_seqlens, **blocks)
+        c_cmp = dense.compressed_counts(B, T, H, k_cmp64.shape[1], l, cu_seqlens, stride=d)
+        c_slc = dense.selected_counts(idx, None, sel, cu_seqlens)
+        c_swa = dense.window_counts(B, T, H, 20, cu_seqlens)
+
+        def f(q, k, v, g_cmp, g_slc, g_swa):
+            return self.op("attention")(q, k, v, g_cmp=g_cmp, g_slc=g_slc, g_swa=g_swa, **kw)
+
+        def f64(q, k, v, g_cmp, g_slc, g_swa):
+            k_cmp, v_cmp = (dense.compress(y, l, cu_seqlens, stride=d) for y in (k, v))
+            return (g_cmp[..., None] * dense.attend(q, k_cmp, v_cmp, c_cmp, scale)[0]
+                    + g_slc[..., None] * dense.attend(q, k, v, c_slc, scale)[0]
+                    + g_swa[..., None] * dense.attend(q, k, v, c_swa, scale)[0])
+
+        args = (x.q, x.k, x.v, *(g[0] for g in x.gates))
+        return f, f64, args, (x.q64, x.k64, x.v64, *(g[1] for g in x.gates))
+
+    @cases("blocks")
+    def test_blocks_attention_and_gradients(self, name):
+        """nsa.attention with compress_block_size, compress_stride and block_size: its output against the oracle,
+        its gradients (q, k, v, every gate: through the overlapping compression too) against the dense float64
+        formulation; packed sequences (traced cu_seqlens too) against each sequence alone."""
+        dtype = self.dtypes[0]
+        with precision(dtype):
+            x, l, d, sel = self._blocks(name)[:4]
+            f, f64, args, args64 = self._blocks_attention(x, l, d, sel)
+            if not self._selects_blocks(l, d, sel):
+                with pytest.raises(ValueError, match="one compressed row per selection block"):
+                    f(*args)
+                return
+            out, vjp = jax.vjp(jax.jit(f), *args)
+            g64 = [g[1] for g in x.gates]
+            blocks = dict(block_size=sel, compress_block_size=l, compress_stride=d)
+            ref = oracle.attention(x.q64, x.k64, x.v64, g_cmp=g64[0], g_slc=g64[1], g_swa=g64[2], block_counts=5,
+                                   window_size=20, **blocks)
+            assert_close(out, ref, TOLERANCE[dtype], "o")
+            with jax.enable_x64(True):
+                _, vjp64 = jax.vjp(f64, *args64)
+                grads64 = vjp64(x.do64)
+            scales = gradient_scales(*args64[:3], x.do64, x.shape[4] ** -0.5, num_gates=3)
+            for i, (grad, grad64, size) in enumerate(zip(jax.jit(vjp)(x.do), grads64, scales)):
+                assert_close(grad, np.asarray(grad64), GRAD_TOLERANCE[dtype], f"gradient {i}", size)
+
+    @cases("blocks")
+    def test_blocks_varlen(self, name):
+        """Packed sequences (BLOCK_CU_SEQLENS, an empty one; concrete and traced) at blocks (l, d, l'): nsa.attention
+        against the oracle."""
+        dtype = self.dtypes[0]
+        shape, (l, d, sel) = BLOCK_CASES[name]
+        with precision(dtype):
+            x = Inputs((1, 600) + shape[2:] + (sel,), dtype, seed=5)
+            f, _, args, _ = self._blocks_attention(x, l, d, sel, BLOCK_CU_SEQLENS)
+            if not self._selects_blocks(l, d, sel):
+                with pytest.raises(ValueError, match="one compressed row per selection block"):
+                    f(*args)
+                return
+            g64 = [g[1] for g in x.gates]
+            ref = oracle.attention(x.q64, x.k64, x.v64, g_cmp=g64[0], g_slc=g64[1], g_swa=g64[2], block_counts=5,
+                                   window_size=20, block_size=sel, compress_block_size=l, compress_stride=d,
+                                   cu_seqlens=BLOCK_CU_SEQLENS)
+            assert_close(f(*args), ref, TOLERANCE[dtype], "o")
+            blocks = dict(block_counts=5, window_size=20, block_size=sel, compress_block_size=l, compress_stride=d)
+            traced = jax.jit(lambda cu, *a: self.op("attention")(*a[:3], g_cmp=a[3], g_slc=a[4], g_swa=a[5],
+                                                                  cu_seqlens=cu, **blocks))
+            assert_close(traced(jnp.asarray(BLOCK_CU_SEQLENS), *args), ref, TOLERANCE[dtype], "o, traced cu_seqlens")
 
     # ------------------------------------------------- a KV cache: queries at the end of longer sequences
 

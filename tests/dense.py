@@ -41,11 +41,14 @@ def window_counts(B, T, H, window_size, cu_seqlens=None):
     return np.broadcast_to(seen[:, :, None, :], (B, T, H, T)).astype(float)
 
 
-def compressed_counts(B, T, H, NC, block_size, cu_seqlens=None):
+def compressed_counts(B, T, H, NC, block_size, cu_seqlens=None, stride=None):
+    """Row i (its window [i * d, i * d + l) in its sequence, d = stride, default l = block_size) is seen by the
+    query at in-sequence position p iff i * d + l <= p + 1."""
+    d = block_size if stride is None else stride
     pos, _ = segments(B, T, cu_seqlens)
-    first = _first_rows(cu_seqlens, T, block_size)
-    r = np.arange(NC)
-    seen = (r >= first[..., None]) & (r < first[..., None] + (pos[..., None] + 1) // block_size)
+    first = _first_rows(cu_seqlens, T, d)
+    i = np.arange(NC) - first[..., None]  # in-sequence row
+    seen = (i >= 0) & (i * d + block_size <= pos[..., None] + 1)
     return np.broadcast_to(np.broadcast_to(seen, (B, T, NC))[:, :, None, :], (B, T, H, NC)).astype(float)
 
 
@@ -82,13 +85,29 @@ def attend(q, k, v, counts, scale):
     return o, lse
 
 
-def compress(x, block_size, cu_seqlens=None):
-    """Block means as a dense averaging matrix: [B, T, H, D] -> [B, NC, H, D]."""
+def _rows_of_sequences(cu_seqlens, T, stride):
+    """[1, T]: how many compressed rows each token's sequence has, ceil(len / stride)."""
+    if cu_seqlens is None:
+        return np.full((1, T), -(-T // stride))
+    cu, rows = np.asarray(cu_seqlens), np.zeros(T, int)
+    for a, b in zip(cu[:-1], cu[1:]):
+        rows[a:b] = -(-(b - a) // stride)
+    return rows[None]
+
+
+def compress(x, block_size, cu_seqlens=None, stride=None):
+    """Window means (windows of block_size tokens every `stride`, default block_size) as a dense averaging matrix:
+    [B, T, H, D] -> [B, NC, H, D]; token p of a sequence is in its rows i with i * d <= p < i * d + l."""
+    d = block_size if stride is None else stride
     B, T = x.shape[:2]
     pos, _ = segments(B, T, cu_seqlens)
-    rows = (_first_rows(cu_seqlens, T, block_size) + pos // block_size)[0]
-    NC = -(-T // block_size) if cu_seqlens is None else int(rows.max()) + 1
+    first = _first_rows(cu_seqlens, T, d)[0]
+    NC = int((first + _rows_of_sequences(cu_seqlens, T, d)[0]).max(initial=0))
     avg = np.zeros((NC, T))
-    avg[rows, np.arange(T)] = 1
+    for t in range(T):
+        p = pos[0, t]
+        for i in range(p // d + 1):
+            if p < i * d + block_size:
+                avg[first[t] + i, t] = 1
     avg /= np.maximum(avg.sum(1, keepdims=True), 1)
     return jnp.einsum("ct,bthd->bchd", avg, x)

@@ -64,9 +64,10 @@ def _segments(B, T, cu_seqlens, block_size=None):
     Returns a list of ``(b, bos, eos, cbos)``:
       * ``b``: batch row holding the sequence,
       * ``[bos, eos)``: its token positions inside that row,
-      * ``cbos``: row of its compressed block 0 in a compressed tensor packed the
+      * ``cbos``: row of its compressed row 0 in a compressed tensor packed the
         way :func:`compress` packs it (0 without ``cu_seqlens``; ``None`` if
-        ``block_size`` is not given).
+        ``block_size`` is not given).  ``block_size`` here is the compression
+        *stride* (the rows of a sequence are ``ceil(len / stride)``).
     Without ``cu_seqlens`` every batch row is one sequence ``[0, T)``.
     """
     if cu_seqlens is None:
@@ -135,33 +136,44 @@ def _attend(q, k, v, counts, scale):
 # --------------------------------------------------------------------------- #
 # compression
 # --------------------------------------------------------------------------- #
-def compress(x, *, block_size, cu_seqlens=None):
-    """Mean-pool non-overlapping blocks of ``block_size`` tokens.
+def _check_stride(stride, block_size):
+    """The compression stride (None: block_size); it must divide block_size."""
+    d = block_size if stride is None else _check_block_size(stride)
+    if block_size % d:
+        raise ValueError(f"stride {d} must divide block_size {block_size}")
+    return d
+
+
+def compress(x, *, block_size, stride=None, cu_seqlens=None):
+    """Mean-pool windows of ``block_size`` (l) tokens every ``stride`` (d) tokens.
 
     Args:
       x: ``[B, T, H, D]``.
-      block_size: tokens per block.
+      block_size: tokens per window, l.
+      stride: tokens between window starts, d (default l: blocks that do not
+        overlap); must divide l.
       cu_seqlens: optional ``[N + 1]`` (then ``B == 1``).
 
     Returns:
-      float64 ``[B, ceil(T / block_size), H, D]`` without ``cu_seqlens``;
-      ``[1, sum_i ceil(len_i / block_size), H, D]`` with it (sequence 0's blocks
-      first, then sequence 1's, ...).  Block ``c`` of a sequence is the mean of
-      its in-sequence tokens ``[c * bs, min((c + 1) * bs, len))``; the last,
-      partial block is averaged over its true length.
+      float64 ``[B, ceil(T / d), H, D]`` without ``cu_seqlens``;
+      ``[1, sum_i ceil(len_i / d), H, D]`` with it (sequence 0's rows
+      first, then sequence 1's, ...).  Row ``i`` of a sequence is the mean of
+      its in-sequence tokens ``[i * d, min(i * d + l, len))``; the last rows
+      are averaged over their true length.
     """
     x = _f64(x)
     bs = _check_block_size(block_size)
+    d = _check_stride(stride, bs)
     B, T, H, D = x.shape
-    segs = _segments(B, T, cu_seqlens, bs)
+    segs = _segments(B, T, cu_seqlens, d)
     if cu_seqlens is None:
-        NC = _num_blocks(T, bs)
+        NC = _num_blocks(T, d)
     else:
-        NC = sum(_num_blocks(eos - bos, bs) for _, bos, eos, _ in segs)
+        NC = sum(_num_blocks(eos - bos, d) for _, bos, eos, _ in segs)
     out = np.zeros((B, NC, H, D), dtype=np.float64)
     for b, bos, eos, cbos in segs:
-        for c in range(_num_blocks(eos - bos, bs)):
-            start = bos + c * bs
+        for c in range(_num_blocks(eos - bos, d)):
+            start = bos + c * d
             stop = min(start + bs, eos)
             out[b, cbos + c] = x[b, start:stop].sum(axis=0) / (stop - start)
     return out
@@ -170,13 +182,15 @@ def compress(x, *, block_size, cu_seqlens=None):
 # --------------------------------------------------------------------------- #
 # compressed branch
 # --------------------------------------------------------------------------- #
-def _visible_cmp_blocks(tt, seq_len, bs):
-    """In-sequence compressed block ids visible to in-sequence position tt:
-    block c is visible iff it is complete at tt, i.e. (c + 1) * bs - 1 <= tt."""
-    return [c for c in range(_num_blocks(seq_len, bs)) if (c + 1) * bs - 1 <= tt]
+def _visible_cmp_blocks(tt, seq_len, bs, d=None):
+    """In-sequence compressed row ids visible to in-sequence position tt: row
+    c (the window [c * d, c * d + bs)) is visible iff the whole window is in
+    the past, c * d + bs - 1 <= tt (d = bs: (c + 1) * bs - 1 <= tt)."""
+    d = bs if d is None else d
+    return [c for c in range(_num_blocks(seq_len, d)) if c * d + bs - 1 <= tt]
 
 
-def compressed_attention(q, k_cmp, v_cmp, *, block_size, scale=None, cu_seqlens=None):
+def compressed_attention(q, k_cmp, v_cmp, *, block_size, stride=None, scale=None, cu_seqlens=None):
     """Attention of every token over the compressed (block-mean) keys/values.
 
     Args:
@@ -185,19 +199,21 @@ def compressed_attention(q, k_cmp, v_cmp, *, block_size, scale=None, cu_seqlens=
         lays them out (packed per sequence with ``cu_seqlens``).  Trailing extra
         rows are allowed and never read.
       v_cmp: ``[B, NC, H, Dv]`` compressed values.
-      block_size: compression block size.
+      block_size: compression window l.
+      stride: compression stride d (default l).
       scale: logit scale, default ``Dk ** -0.5``.
       cu_seqlens: optional ``[N + 1]`` (then ``B == 1``).
 
     Returns:
       ``o`` float64 ``[B, T, HQ, Dv]`` and ``lse`` float64 ``[B, T, HQ]``.  The
-      query at in-sequence position ``t`` sees in-sequence block ``c`` iff
-      ``(c + 1) * block_size - 1 <= t``; ``lse`` is the natural-log
+      query at in-sequence position ``t`` sees in-sequence row ``c`` iff
+      ``c * d + l - 1 <= t``; ``lse`` is the natural-log
       log-sum-exp of the scaled logits over the visible blocks.  Queries that
       see no block get ``o = 0`` and ``lse = -inf``.
     """
     q, k_cmp, v_cmp = _f64(q), _f64(k_cmp), _f64(v_cmp)
     bs = _check_block_size(block_size)
+    d = _check_stride(stride, bs)
     B, T, HQ, Dk = q.shape
     _, NC, H, _ = k_cmp.shape
     Dv = v_cmp.shape[-1]
@@ -205,11 +221,11 @@ def compressed_attention(q, k_cmp, v_cmp, *, block_size, scale=None, cu_seqlens=
     scale = _default_scale(scale, Dk)
     o = np.zeros((B, T, HQ, Dv), dtype=np.float64)
     lse = np.full((B, T, HQ), -np.inf, dtype=np.float64)
-    for b, bos, eos, cbos in _segments(B, T, cu_seqlens, bs):
+    for b, bos, eos, cbos in _segments(B, T, cu_seqlens, d):
         for t in range(bos, eos):
             tt = t - bos
             counts = np.zeros(NC, dtype=np.int64)  # dense visibility row
-            for c in _visible_cmp_blocks(tt, eos - bos, bs):
+            for c in _visible_cmp_blocks(tt, eos - bos, bs, d):
                 if cbos + c >= NC:
                     raise ValueError(
                         f"k_cmp has {NC} rows but row {cbos + c} is needed")
@@ -234,16 +250,22 @@ def _forced_blocks(cur):
     return forced
 
 
-def select_blocks(q, k_cmp, *, block_counts, block_size, scale=None, cu_seqlens=None):
+def select_blocks(q, k_cmp, *, block_counts, block_size, compress_block_size=None,
+                  compress_stride=None, scale=None, cu_seqlens=None):
     """Top-k block selection from compressed attention scores.
 
-    For query position ``t`` (in-sequence) and KV head ``h``:
+    k_cmp holds windows of ``l = compress_block_size`` tokens every
+    ``d = compress_stride`` tokens (both default ``block_size``); selection
+    blocks have ``l' = block_size`` tokens.  For query position ``t``
+    (in-sequence) and KV head ``h``:
 
     * For every query head ``j`` of the group (``j // G == h``),
       ``p_j(c) = softmax_c(scale * q[t, j] . k_cmp[c, h])`` over the visible
-      compressed blocks (``(c + 1) * block_size - 1 <= t``, as in
-      :func:`compressed_attention`).
-    * ``score(c) = mean_j p_j(c)`` (sum over the G heads, divided by G).
+      compressed rows (``c * d + l - 1 <= t``, as in
+      :func:`compressed_attention`); ``p_j(c) = 0`` for any other ``c``
+      (negative ones included).
+    * Eq. 9: ``score_j(blk) = sum_{m < l'/d} sum_{n < l/d} p_j((l'/d) * blk + m - n)``.
+    * ``score(blk) = mean_j score_j(blk)`` (sum over the G heads, divided by G).
     * With ``cur = t // block_size``: blocks ``cur``, ``cur - 1`` and ``0``
       (those >= 0) are always selected, ranked first in exactly that order;
       blocks after ``cur`` are never selected.  All remaining candidates
@@ -266,6 +288,10 @@ def select_blocks(q, k_cmp, *, block_counts, block_size, scale=None, cu_seqlens=
     """
     q, k_cmp = _f64(q), _f64(k_cmp)
     bs = _check_block_size(block_size)
+    l = bs if compress_block_size is None else _check_block_size(compress_block_size)
+    d = _check_stride(bs if compress_stride is None else compress_stride, l)
+    if bs % d:
+        raise ValueError(f"compress_stride {d} must divide block_size {bs}")
     if np.ndim(block_counts) != 0 or int(block_counts) != block_counts or block_counts < 0:
         raise ValueError(f"block_counts must be a non-negative int, got {block_counts!r}")
     S = int(block_counts)
@@ -274,19 +300,19 @@ def select_blocks(q, k_cmp, *, block_counts, block_size, scale=None, cu_seqlens=
     G = _group_size(HQ, H)
     scale = _default_scale(scale, Dk)
     out = np.full((B, T, H, S), -1, dtype=np.int32)
-    for b, bos, eos, cbos in _segments(B, T, cu_seqlens, bs):
+    for b, bos, eos, cbos in _segments(B, T, cu_seqlens, d):
         for t in range(bos, eos):
             tt = t - bos
             cur = tt // bs
-            visible = _visible_cmp_blocks(tt, eos - bos, bs)
+            visible = _visible_cmp_blocks(tt, eos - bos, l, d)
             for c in visible:
                 if cbos + c >= NC:
                     raise ValueError(
                         f"k_cmp has {NC} rows but row {cbos + c} is needed")
             forced = _forced_blocks(cur)
             for h in range(H):
-                # score[c] = mean over the group's query heads of p_j(c)
-                score = {c: 0.0 for c in visible}
+                # p[c]: the mean over the group's query heads of p_j(c)
+                p_row = {c: 0.0 for c in visible}
                 for j in range(h * G, (h + 1) * G):
                     logits = np.array(
                         [scale * np.dot(q[b, t, j], k_cmp[b, cbos + c, h]) for c in visible],
@@ -295,10 +321,12 @@ def select_blocks(q, k_cmp, *, block_counts, block_size, scale=None, cu_seqlens=
                         e = np.exp(logits - np.max(logits))
                         p = e / np.sum(e)
                         for c, pc in zip(visible, p):
-                            score[c] += pc
-                for c in visible:
-                    score[c] = score[c] / G
-                rest = [c for c in visible if c not in forced and c <= cur]
+                            p_row[c] += pc / G
+                # Eq. 9, literally: score[blk] = sum_m sum_n p[(l'/d) blk + m - n]
+                score = {blk: sum(p_row.get((bs // d) * blk + m - n, 0.0)
+                                  for m in range(bs // d) for n in range(l // d))
+                         for blk in range(cur + 1)}
+                rest = [c for c in range(cur + 1) if c not in forced]
                 rest.sort(key=lambda c: (-score[c], c))
                 ranking = forced + rest
                 for slot, c in enumerate(ranking[:S]):
@@ -422,8 +450,8 @@ def sliding_window_attention(q, k, v, *, window_size, scale=None, cu_seqlens=Non
 # full NSA
 # --------------------------------------------------------------------------- #
 def attention(q, k, v, *, g_cmp=None, g_slc=None, g_swa=None, block_indices=None,
-              block_counts=16, block_size=64, window_size=0, scale=None,
-              cu_seqlens=None):
+              block_counts=16, block_size=64, compress_block_size=None,
+              compress_stride=None, window_size=0, scale=None, cu_seqlens=None):
     """Native Sparse Attention: gated sum of the three branches.
 
     ``o = g_cmp * o_cmp + g_slc * o_slc + g_swa * o_swa`` (gates ``[B, T, HQ]``
@@ -449,7 +477,9 @@ def attention(q, k, v, *, g_cmp=None, g_slc=None, g_swa=None, block_indices=None
       g_cmp, g_slc, g_swa: optional gates ``[B, T, HQ]``.
       block_indices: optional int ``[B, T, H, S]`` (in-sequence block ids).
       block_counts: int or int array ``[B, T, H]``.
-      block_size: block size of both compression and selection.
+      block_size: selection block size l'.
+      compress_block_size, compress_stride: compression windows of l tokens
+        every d tokens (both default ``block_size``).
       window_size: sliding window size (0 = branch off).
       scale: logit scale, default ``Dk ** -0.5``.
       cu_seqlens: optional ``[N + 1]`` (then ``B == 1``).
@@ -462,14 +492,17 @@ def attention(q, k, v, *, g_cmp=None, g_slc=None, g_swa=None, block_indices=None
     B, T, HQ, Dk = q.shape
     H = k.shape[2]
 
+    l = bs if compress_block_size is None else compress_block_size
+    d = bs if compress_stride is None else compress_stride
     if block_indices is None:
-        k_cmp = compress(k, block_size=bs, cu_seqlens=cu_seqlens)
+        k_cmp = compress(k, block_size=l, stride=d, cu_seqlens=cu_seqlens)
         if np.ndim(block_counts) == 0:
             n_slots = int(block_counts)
         else:
             bc = np.asarray(block_counts)
             n_slots = int(bc.max()) if bc.size else 0
         block_indices = select_blocks(q, k_cmp, block_counts=n_slots, block_size=bs,
+                                      compress_block_size=l, compress_stride=d,
                                       scale=scale, cu_seqlens=cu_seqlens)
 
     o_slc = selected_attention(q, k, v, block_indices, block_counts=block_counts,
@@ -478,9 +511,9 @@ def attention(q, k, v, *, g_cmp=None, g_slc=None, g_swa=None, block_indices=None
     o = w_slc[..., None] * o_slc
 
     if g_cmp is not None:
-        k_cmp = compress(k, block_size=bs, cu_seqlens=cu_seqlens)
-        v_cmp = compress(v, block_size=bs, cu_seqlens=cu_seqlens)
-        o_cmp, _ = compressed_attention(q, k_cmp, v_cmp, block_size=bs, scale=scale,
+        k_cmp = compress(k, block_size=l, stride=d, cu_seqlens=cu_seqlens)
+        v_cmp = compress(v, block_size=l, stride=d, cu_seqlens=cu_seqlens)
+        o_cmp, _ = compressed_attention(q, k_cmp, v_cmp, block_size=l, stride=d, scale=scale,
                                         cu_seqlens=cu_seqlens)
         o = o + _f64(g_cmp)[..., None] * o_cmp
 

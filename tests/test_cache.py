@@ -60,6 +60,60 @@ def test_appends_hold_what_a_prefill_of_everything_holds(steps):
     _assert_holds(cache, jnp.asarray(full_k), jnp.asarray(full_v), lens)
 
 
+@pytest.mark.parametrize("steps", [[1] * 13, [5, 8, 1, 16]], ids=["decode", "chunks"])
+def test_overlapping_windows_are_written_once_complete(steps):
+    """Windows of l = 8 tokens every d = 4 (selection blocks of 16): after each prefill or append, row i of k_cmp
+    holds nsa.compress(..., block_size=8, stride=4)'s row i bitwise once token i * d + l - 1 has arrived, and is
+    still empty_cache's zeros before (a partial window is never written)."""
+    l, d, sel = 8, 4, 16
+    lens = np.array([29, 3])
+    k, v = _tokens(lens.max() + sum(steps), seed=6)
+    cache = nsa.prefill_cache(k[:, :29], v[:, :29], block_size=sel, compress_block_size=l, compress_stride=d,
+                              capacity=N, lens=lens)
+    assert (cache.block_size, cache.compress_block_size, cache.compress_stride) == (sel, l, d)
+    assert cache.k_cmp.shape == (B, N // d, H, DK)
+    full = [np.array(k[b, :n]) for b, n in enumerate(lens)], [np.array(v[b, :n]) for b, n in enumerate(lens)]
+    start = 29
+    for n in [0] + steps:
+        if n:
+            cache = nsa.append_to_cache(cache, k[:, start:start + n], v[:, start:start + n])
+            for b in range(B):
+                for seq, x in zip(full, (k, v)):
+                    seq[b] = np.concatenate([seq[b], np.asarray(x[b, start:start + n])])
+            lens, start = lens + n, start + n
+        for b, length in enumerate(lens):
+            complete = max(0, (length - l) // d + 1)  # rows i with i * d + l <= length
+            for x_cmp, seq in zip((cache.k_cmp, cache.v_cmp), full):
+                want = nsa.compress(jnp.asarray(seq[b])[None], block_size=l, stride=d)[0, :complete]
+                np.testing.assert_array_equal(np.asarray(x_cmp[b, :complete]), np.asarray(want))
+                np.testing.assert_array_equal(np.asarray(x_cmp[b, complete:]), 0.0)
+
+
+def test_attention_over_a_cache_of_overlapping_windows():
+    """nsa.attention(q, cache=cache) with windows of 8 tokens every 4 and selection blocks of 16 (the cache brings
+    all three): the last tokens' outputs of the whole sequences (the reference on each sequence alone), for a
+    decode step and a chunk; a block argument that is not the cache's raises, naming it."""
+    l, d, sel, tq = 8, 4, 16, 5
+    x = Inputs((B, 70, 4, H, DK, DV, sel), "float32", seed=7)
+    lens = [70, 44]
+    g = [gi[0] for gi in x.gates]
+    kw = dict(block_counts=3, window_size=9)
+    blocks = dict(block_size=sel, compress_block_size=l, compress_stride=d)
+    for chunk in (1, tq):
+        cache = nsa.prefill_cache(x.k, x.v, capacity=N, lens=[n - chunk for n in lens], **blocks)
+        last = lambda y: jnp.stack([y[b, n - chunk:n] for b, n in enumerate(lens)])
+        cache = nsa.append_to_cache(cache, last(x.k), last(x.v))
+        o = nsa.attention(last(x.q), cache=cache, g_cmp=last(g[0]), g_slc=last(g[1]), g_swa=last(g[2]), **kw)
+        for b, n in enumerate(lens):
+            one = lambda y: y[b:b + 1, :n]
+            want = nsa.attention(one(x.q), one(x.k), one(x.v), g_cmp=one(g[0]), g_slc=one(g[1]), g_swa=one(g[2]),
+                                 implementation="xla", **kw, **blocks)[0, n - chunk:]
+            assert_close(o[b], want, 1e-5, f"o[{b}], chunk {chunk}")
+    for name, value in (("compress_stride", 8), ("compress_block_size", 16), ("block_size", 32)):
+        with pytest.raises(ValueError, match=f"{name} = {value} was given, but the cache was made with {name} = "):
+            nsa.attention(last(x.q), cache=cache, **{name: value})
+
+
 def test_append_under_jit_is_in_place_and_compiles_once():
     """With the cache donated the compiled step aliases every cache buffer to its output (XLA writes the new
     rows in place), and one compilation serves every length."""
@@ -102,9 +156,9 @@ def test_bad_caches_and_tokens_raise():
         append(cache, k, k)
     with pytest.raises(ValueError, match=r"block_size = 16 was given, but the cache was made with block_size = 8"):
         append(cache, k, v, bs=16)  # the cache carries its own block size
-    with pytest.raises(ValueError, match=r"cache.k_cmp must have shape .*block_size = 16.* = \(2, 5, 2, 16\), "
+    with pytest.raises(ValueError, match=r"cache.k_cmp must have shape .*compress_stride = 16.* = \(2, 5, 2, 16\), "
                                          r"got \(2, 10, 2, 16\)"):
-        append(cache.replace(block_size=16), k, v, bs=None)  # its compressed rows are of another block size
+        append(cache.replace(block_size=16, compress_block_size=16, compress_stride=16), k, v, bs=None)  # other rows
     with pytest.raises(TypeError, match=r"cache.block_size must be an int, got float"):
         append(cache.replace(block_size=8.0), k, v, bs=None)
     with pytest.raises(TypeError, match=r"cache.v.dtype must equal cache.k.dtype \(float32\), got bfloat16"):

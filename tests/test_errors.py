@@ -48,10 +48,33 @@ CASES = {
     "k_cmp too short (attention)": (lambda: nsa.attention(q, k, v, k_cmp=k_cmp[:, :3], block_size=BS), ValueError,
                                     r"k_cmp must have the rows compress\(k, block_size=8\) gives for k's TK = 32 "
                                     r"tokens, 4 \(NC, axis 1\), got shape \(1, 3, 2, 8\)"),
+    # compression windows of l tokens every d, selection blocks of l': d divides l and l'
+    "stride not dividing the window": (lambda: nsa.compress(k, block_size=BS, stride=3), ValueError,
+                                       r"stride = 3 must divide block_size = 8: each compressed row is a window"),
+    "compress_stride not dividing the window": (
+        lambda: nsa.attention(q, k, v, block_size=BS, compress_block_size=12, compress_stride=8), ValueError,
+        r"compress_stride = 8 must divide compress_block_size = 12"),
+    "compress_stride not dividing the selection block": (
+        lambda: nsa.select_blocks(q, k_cmp, block_counts=2, block_size=BS, compress_block_size=12,
+                                  compress_stride=6), ValueError, r"compress_stride = 6 must divide block_size = 8"),
+    "default compress_stride not dividing the window": (
+        lambda: nsa.attention(q, k, v, block_size=BS, compress_block_size=4), ValueError,
+        r"compress_stride defaults to block_size = 8, which does not divide compress_block_size = 4: pass "
+        r"compress_stride"),
+    "k_cmp of windows that do not overlap, given to overlapping ones": (
+        lambda: nsa.attention(q, k, v, g_cmp=g, k_cmp=k_cmp, v_cmp=k_cmp, block_size=BS, compress_stride=4),
+        ValueError, r"compress\(k, block_size=8, stride=4\) gives for k's TK = 32 tokens, 8 \(NC, axis 1\), got "
+                    r"shape \(1, 4, 2, 8\): compressed keys made with another block_size or stride"),
+    "k_cmp of overlapping windows, given to a compressed attention without stride": (
+        lambda: nsa.compressed_attention(q, *[nsa.compress(k, block_size=BS, stride=4)] * 2, block_size=BS),
+        ValueError, r"gives for q's T = 32 tokens, 4 \(NC, axis 1\), got shape \(1, 8, 2, 8\)"),
+    "kv_lens past overlapping k_cmp": (
+        lambda: nsa.compressed_attention(q[:, :4], k_cmp, k_cmp, block_size=BS, stride=4, kv_lens=[17]),
+        ValueError, r"kv_lens must lie in \[T, NC \* stride, the tokens k_cmp covers\] = \[4, 16\]"),
     # compressed keys of another block size (the rows of block 8 given to an attention of block 16, and back)
     "k_cmp of a smaller block": (lambda: nsa.attention(q, k, v, g_cmp=g, k_cmp=k_cmp, v_cmp=k_cmp, block_size=2 * BS),
                                  ValueError, r"gives for k's TK = 32 tokens, 2 \(NC, axis 1\), got shape \(1, 4, 2, 8\)"
-                                             r": compressed keys made with another block_size"),
+                                             r": compressed keys made with another block_size or stride"),
     "k_cmp of a larger block": (lambda: nsa.attention(q, k, v, k_cmp=nsa.compress(k, block_size=2 * BS), block_size=BS),
                                 ValueError, r"gives for k's TK = 32 tokens, 4 \(NC, axis 1\), got shape \(1, 2, 2, 8\)"),
     "k_cmp packed, another block": (lambda: nsa.attention(q, k, v, k_cmp=nsa.compress(k, block_size=BS, cu_seqlens=cu),

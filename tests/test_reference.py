@@ -42,28 +42,33 @@ def test_check_grads_float64(name, varlen):
         check_grads(f, args, order=1, modes=["rev"], atol=1e-6, rtol=1e-6)
 
 
-@pytest.mark.parametrize("name", ["compress", "compressed", "selected", "window"])
+@pytest.mark.parametrize("name", ["compress", "compress-overlapping", "compressed", "compressed-overlapping",
+                                  "selected", "window"])
 def test_custom_backward_matches_autodiff_of_the_forward(name):
-    """The hand-written backward of each op against jax.vjp of its own reference forward."""
-    op = {"compress": "compress", "compressed": "compressed", "selected": "selected", "window": "window"}[name]
+    """The hand-written backward of each op against jax.vjp of its own reference forward; -overlapping: windows of
+    8 tokens every 2 (four rows hold each token)."""
+    op = name.split("-")[0]
     with jax.enable_x64(True):
         x = Inputs((1, 37, 4, 2, 8, 5, 8), "float64")
         forward, backward = reference.OPS[op]
         bs = x.block_size
         k_cmp, _, v_cmp, _ = x.compressed()
+        strided = [jnp.asarray(oracle.compress(y, block_size=bs, stride=2)) for y in (x.k64, x.v64)]
         counts = jnp.full((1, 37, 2), 3, jnp.int32)
         arrays, static = {
-            "compress": ((x.k,), dict(block_size=bs, num_blocks=5)),
-            "compressed": ((x.q, k_cmp, v_cmp), dict(block_size=bs, scale=0.3)),
+            "compress": ((x.k,), dict(block_size=bs, stride=bs, num_blocks=5)),
+            "compress-overlapping": ((x.k,), dict(block_size=bs, stride=2, num_blocks=19)),
+            "compressed": ((x.q, k_cmp, v_cmp), dict(block_size=bs, stride=bs, scale=0.3)),
+            "compressed-overlapping": ((x.q, *strided), dict(block_size=bs, stride=2, scale=0.3)),
             "selected": ((x.q, x.k, x.v), dict(block_size=bs, scale=0.3)),
             "window": ((x.q, x.k, x.v), dict(window_size=7, scale=0.3)),
         }[name]
         extra = {"compress": (None,), "compressed": (None,), "window": (None,),
-                 "selected": (jnp.asarray(x.block_indices(3)), counts, None)}[name]
+                 "selected": (jnp.asarray(x.block_indices(3)), counts, None)}[op]
         f = lambda *a: forward(*a, *extra, **static)[0]
         out, autodiff = jax.vjp(f, *arrays)
         ct = jax.tree_util.tree_map(lambda o: jnp.asarray(np.random.default_rng(3).standard_normal(o.shape)), out)
-        if name == "compressed":  # the lse cotangent is only meaningful where lse is finite
+        if op == "compressed":  # the lse cotangent is only meaningful where lse is finite
             ct = (ct[0], jnp.where(jnp.isfinite(out[1]), ct[1], 0.0))
         _, residuals = forward(*arrays, *extra, **static)
         hand = backward(residuals, ct, **static)

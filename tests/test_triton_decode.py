@@ -153,7 +153,7 @@ def test_compressed(group, TQ, dtype):
     (k_cmp, k_cmp64), (v_cmp, v_cmp64) = x.compressed(4)
     ref = _reference(ref_compressed.forward, x.q64, k_cmp64, v_cmp64, None, x.lens, block_size=4, scale=x.scale)
     for config in (None, SPLIT):
-        _check(decode.compressed(x.q, k_cmp, v_cmp, jnp.asarray(x.lens), block_size=4, scale=x.scale, config=config),
+        _check(decode.compressed(x.q, k_cmp, v_cmp, jnp.asarray(x.lens), block_size=4, stride=4, scale=x.scale, config=config),
                ref, x)
 
 
@@ -221,7 +221,7 @@ def test_fused_step_equals_the_ops(group, TQ, gated, window_size, monkeypatch):
     assert calls, "the fused kernels did not run"
     assert calls[0].kv_lens is not None and (calls[0].g_swa is None) == (gated != "every")
     with monkeypatch.context() as m:
-        m.setattr(nsa.triton, "fused_step", lambda q, k: None)  # the family has no fused step: the ops run
+        m.setattr(nsa.triton, "fused_step", lambda q, k, static: None)  # the family has no fused step: the ops run
         ops = step(x.q, k_cmp)
         loss = lambda q, kc: jnp.sum(step(q, kc) ** 2)
         grads_ops = jax.grad(loss, (0, 1))(x.q, k_cmp)
@@ -314,7 +314,7 @@ def test_standard_shape_on_gpu(B, TQ):
     runs = [
         (decode.window(q, k, v, lens, window_size=W, scale=scale),
          ref_window.forward(*f32(q, k, v), None, lens, window_size=W, scale=scale)),
-        (decode.compressed(q, k_cmp, v_cmp, lens, block_size=bs, scale=scale),
+        (decode.compressed(q, k_cmp, v_cmp, lens, block_size=bs, stride=bs, scale=scale),
          ref_compressed.forward(*f32(q, k_cmp, v_cmp), None, lens, block_size=bs, scale=scale)),
         (decode.selected(q, k, v, idx, counts, lens, block_size=bs, scale=scale),
          ref_selected.forward(*f32(q, k, v), idx, counts, None, lens, block_size=bs, scale=scale)),

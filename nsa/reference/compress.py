@@ -1,8 +1,9 @@
-"""Block compression by mean pooling (fla's form of the paper's Eq. 7 with block = stride).
+"""Compression by mean pooling: the paper's Eq. 7 with a mean for phi, over windows of l = block_size tokens
+every d = stride tokens (d = l: fla's blocks that do not overlap; the paper's l = 32, d = 16 overlap).
 
-Compressed row r is the mean of the tokens of one block of block_size tokens of one sequence; the
-last block of a sequence is averaged over its true length. With cu_seqlens the rows of all sequences
-are packed one after the other: sequence i's block c is row sum_{j<i} ceil(len_j / bs) + c.
+Compressed row i of a sequence is the mean of its tokens [i * d, min(i * d + l, len)), for i = 0 ..
+ceil(len / d) - 1: the last rows are averaged over their true length. With cu_seqlens the rows of all sequences
+are packed one after the other: sequence i's row c is row sum_{j<i} ceil(len_j / d) + c.
 
 Each row gathers its own tokens (no scatter-add) and sums them in one fixed order (`_sum_in_order`), so a
 row is bitwise the same on every platform and whatever the shape of the array around it: a KV cache's
@@ -16,26 +17,29 @@ from nsa._varlen import cdiv, tokens
 from nsa.reference import _common as c
 
 
-def _row_tokens(T, cu_seqlens, block_size, num_blocks):
-    """The tokens of each compressed row: index [NC, bs] (0 where unused), used [NC, bs], length [NC]."""
+def row_tokens(T, cu_seqlens, block_size, stride, num_rows):
+    """The tokens of each compressed row: index [NC, l] (0 where unused), used [NC, l], length [NC]."""
     if cu_seqlens is None:
-        starts, ends = jnp.arange(num_blocks) * block_size, jnp.full(num_blocks, T)
+        starts, ends = jnp.arange(num_rows) * stride, jnp.full(num_rows, T)
     else:
         cu = cu_seqlens.astype(jnp.int32)
-        blocks = cdiv(cu[1:] - cu[:-1], block_size)
-        first_row = jnp.cumsum(blocks) - blocks
-        seq = jnp.clip(jnp.searchsorted(first_row + blocks, jnp.arange(num_blocks), side="right"), 0, len(blocks) - 1)
-        starts = cu[seq] + (jnp.arange(num_blocks) - first_row[seq]) * block_size
-        ends = jnp.where(jnp.arange(num_blocks) < first_row[seq] + blocks[seq], cu[seq + 1], starts)  # padding rows
+        rows = cdiv(cu[1:] - cu[:-1], stride)
+        first_row = jnp.cumsum(rows) - rows
+        seq = jnp.clip(jnp.searchsorted(first_row + rows, jnp.arange(num_rows), side="right"), 0, len(rows) - 1)
+        starts = cu[seq] + (jnp.arange(num_rows) - first_row[seq]) * stride
+        ends = jnp.where(jnp.arange(num_rows) < first_row[seq] + rows[seq], cu[seq + 1], starts)  # padding rows
     index = starts[:, None] + jnp.arange(block_size)
     used = index < jnp.minimum(ends, starts + block_size)[:, None]
     return jnp.where(used, index, 0), used, jnp.maximum(jnp.sum(used, axis=1), 1)
 
 
-def _token_rows(T, cu_seqlens, block_size):
-    """The compressed row of each token [T]."""
-    tok = tokens(T, block_size, cu_seqlens)
-    return (tok.cmp_start + tok.pos // block_size)[0]
+def _token_rows(T, cu_seqlens, block_size, stride):
+    """The compressed rows whose windows hold each token, as (row [T], valid [T] bool) for each of the
+    block_size / stride windows, the latest first: token p of a sequence is in its rows p // d - j, j < l / d,
+    those >= 0."""
+    tok = tokens(T, stride, cu_seqlens)
+    own = tok.pos // stride
+    return [((tok.cmp_start + own - j)[0], (own >= j)[0]) for j in range(block_size // stride)]
 
 
 def _sum_in_order(x, axis):
@@ -50,18 +54,21 @@ def _sum_in_order(x, axis):
     return x[0]
 
 
-def forward(x, cu_seqlens, *, block_size, num_blocks):
-    """x [B, T, H, D] -> the block means [B, NC, H, D], NC = num_blocks."""
-    index, used, length = _row_tokens(x.shape[1], cu_seqlens, block_size, num_blocks)
+def forward(x, cu_seqlens, *, block_size, stride, num_blocks):
+    """x [B, T, H, D] -> the window means [B, NC, H, D], NC = num_blocks."""
+    index, used, length = row_tokens(x.shape[1], cu_seqlens, block_size, stride, num_blocks)
     gathered = jnp.where(used[None, :, :, None, None], x[:, index].astype(c.acc_dtype(x.dtype)), 0.0)
     mean = _sum_in_order(gathered, axis=2) / length[None, :, None, None]  # [B, NC, H, D]
     return mean.astype(x.dtype), (x, cu_seqlens)
 
 
-def backward(residuals, dy, *, block_size, num_blocks):
-    """Each token gets its row's gradient divided by the row's length: (dx, None)."""
+def backward(residuals, dy, *, block_size, stride, num_blocks):
+    """Each token gets the gradients of the rows that hold it, each divided by its row's length: (dx, None)."""
     x, cu_seqlens = residuals
-    _, _, length = _row_tokens(x.shape[1], cu_seqlens, block_size, num_blocks)
-    row = _token_rows(x.shape[1], cu_seqlens, block_size)
-    dx = dy.astype(c.acc_dtype(x.dtype)) / length[None, :, None, None]
-    return dx[:, row].astype(x.dtype), None
+    _, _, length = row_tokens(x.shape[1], cu_seqlens, block_size, stride, num_blocks)
+    per_row = dy.astype(c.acc_dtype(x.dtype)) / length[None, :, None, None]
+    (row, _), *earlier = _token_rows(x.shape[1], cu_seqlens, block_size, stride)
+    dx = per_row[:, row]
+    for row, valid in earlier:
+        dx = dx + jnp.where(valid[None, :, None, None], per_row[:, jnp.maximum(row, 0)], 0.0)
+    return dx.astype(x.dtype), None

@@ -28,6 +28,8 @@ where it changes what is fastest, a measurement behind the default_config that i
 
 import jax.numpy as jnp
 
+from nsa.reference.select import one_row_per_block
+
 from nsa.triton import _launch, _splits, compressed, decode, select, selected, window
 
 DTYPES = tuple(jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16))
@@ -57,8 +59,21 @@ def explicit(op, phase, dtype):
     return KERNELS[op][phase]
 
 
-def fused_step(q, k):
+def unsupported(op, static, platform):
+    """The selection kernels score one compressed row per selection block: compress_block_size = compress_stride =
+    block_size (the windows that overlap, Eq. 9's sum over rows, are the reference's and Mosaic GPU's so far)."""
+    if op == "select" and not one_row_per_block(**_blocks(static)):
+        return ("its selection kernels score one compressed row per selection block (compress_block_size = "
+                "compress_stride = block_size)")
+    return None
+
+
+def fused_step(q, k, static):
     """The fused decode step (nsa.triton.decode.attention: five launches instead of the ops' ten, on the arrays
     of a `decode.Step`) where it applies to q [B, TQ, HQ, Dk] against the cache k (few queries:
-    `_splits.applies`), else None."""
-    return decode.attention if _splits.applies(q, k) else None
+    `_splits.applies`) and its selection kernel to the blocks of `static` (`unsupported`), else None."""
+    return decode.attention if _splits.applies(q, k) and one_row_per_block(**_blocks(static)) else None
+
+
+def _blocks(static):
+    return {name: static[name] for name in ("block_size", "compress_block_size", "compress_stride")}

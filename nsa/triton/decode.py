@@ -124,11 +124,12 @@ def _store_partial(ACC, M, L, m, l_sum, acc, bh, split, r, ok, R: tl.constexpr, 
 def _interval(Q, K, V, KV_LENS, bh, split, NSPLIT: tl.constexpr, TQ: tl.constexpr, NK: tl.constexpr,
               HQ: tl.constexpr, H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexpr,
               DVP: tl.constexpr, RP: tl.constexpr, BLOCK_N: tl.constexpr, COMPRESSED: tl.constexpr,
-              WINDOW: tl.constexpr, BS: tl.constexpr, SCALE: tl.constexpr):
+              WINDOW: tl.constexpr, BS: tl.constexpr, STRIDE: tl.constexpr, SCALE: tl.constexpr):
     """The window or compressed attention of one (b * H + h = bh, split) program, as softmax state.
 
     Row r (token t at position p = kv_lens[b] - TQ + t) sees the key rows [lo, hi] of K [B, NK, H, DK]:
-    window (COMPRESSED false), [p - WINDOW + 1, p]; compressed, [0, (p + 1) // BS - 1]; both clipped to
+    window (COMPRESSED false), [p - WINDOW + 1, p]; compressed (windows of BS tokens every STRIDE), the rows i
+    with i * STRIDE + BS <= p + 1, [0, (p + 1) // BS - 1] when STRIDE = BS; both clipped to
     [0, NK - 1]. The rows any token sees, [k_lo, k_hi], are cut into tiles of BLOCK_N keys and the tiles into
     NSPLIT shares; this program walks share `split`, loading k (transposed, [DKP, BLOCK_N]) and v
     [BLOCK_N, DVP] of each tile once for all RP rows (nothing past k_hi: a window's keys end at p_last =
@@ -142,7 +143,10 @@ def _interval(Q, K, V, KV_LENS, bh, split, NSPLIT: tl.constexpr, TQ: tl.constexp
     p = tl.load(KV_LENS + b) - TQ + t
     if COMPRESSED:
         lo = tl.zeros_like(p)
-        hi = (p + 1) // BS - 1
+        if STRIDE == BS:
+            hi = (p + 1) // BS - 1
+        else:
+            hi = tl.maximum(p + 1 - BS + STRIDE, 0) // STRIDE - 1
     else:
         lo = p - WINDOW + 1
         hi = p
@@ -174,7 +178,7 @@ def _interval_kernel(Q, K, V, KV_LENS, O, LSE,
                      TQ: tl.constexpr, NK: tl.constexpr, HQ: tl.constexpr, H: tl.constexpr, DK: tl.constexpr,
                      DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr, RP: tl.constexpr,
                      BLOCK_N: tl.constexpr, COMPRESSED: tl.constexpr, WINDOW: tl.constexpr, BS: tl.constexpr,
-                     SCALE: tl.constexpr):
+                     STRIDE: tl.constexpr, SCALE: tl.constexpr):
     """Window or compressed decode attention, one split: o [B, TQ, HQ, DV] and lse [B, TQ, HQ].
 
     Grid (B * H,). Loads q [B, TQ, HQ, DK] (the tile's RP x DKP rows), kv_lens [B], then every key tile
@@ -182,7 +186,8 @@ def _interval_kernel(Q, K, V, KV_LENS, O, LSE,
     """
     m, l_sum, acc, r, ok, q_rows = _interval(Q, K, V, KV_LENS, tl.program_id(0), 0, NSPLIT=1, TQ=TQ, NK=NK, HQ=HQ,
                                              H=H, DK=DK, DV=DV, DKP=DKP, DVP=DVP, RP=RP, BLOCK_N=BLOCK_N,
-                                             COMPRESSED=COMPRESSED, WINDOW=WINDOW, BS=BS, SCALE=SCALE)
+                                             COMPRESSED=COMPRESSED, WINDOW=WINDOW, BS=BS, STRIDE=STRIDE,
+                                             SCALE=SCALE)
     _store_final(O, LSE, m, l_sum, acc, q_rows, ok, DV=DV, DVP=DVP)
 
 
@@ -191,7 +196,8 @@ def _interval_split_kernel(Q, K, V, KV_LENS, ACC, M, L,
                            TQ: tl.constexpr, NK: tl.constexpr, HQ: tl.constexpr, H: tl.constexpr,
                            DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr,
                            RP: tl.constexpr, BLOCK_N: tl.constexpr, COMPRESSED: tl.constexpr,
-                           WINDOW: tl.constexpr, BS: tl.constexpr, SCALE: tl.constexpr, NSPLIT: tl.constexpr):
+                           WINDOW: tl.constexpr, BS: tl.constexpr, STRIDE: tl.constexpr, SCALE: tl.constexpr,
+                           NSPLIT: tl.constexpr):
     """Window or compressed decode attention, NSPLIT splits: float32 partials for `_combine_kernel`.
 
     Grid (B * H, NSPLIT). Loads q (RP x DKP), kv_lens [B] and the key tiles of its share (`_interval`);
@@ -202,7 +208,7 @@ def _interval_split_kernel(Q, K, V, KV_LENS, ACC, M, L,
     split = tl.program_id(1)
     m, l_sum, acc, r, ok, _ = _interval(Q, K, V, KV_LENS, bh, split, NSPLIT=NSPLIT, TQ=TQ, NK=NK, HQ=HQ, H=H, DK=DK,
                                         DV=DV, DKP=DKP, DVP=DVP, RP=RP, BLOCK_N=BLOCK_N, COMPRESSED=COMPRESSED,
-                                        WINDOW=WINDOW, BS=BS, SCALE=SCALE)
+                                        WINDOW=WINDOW, BS=BS, STRIDE=STRIDE, SCALE=SCALE)
     _store_partial(ACC, M, L, m, l_sum, acc, bh, split, r, ok, R=TQ * (HQ // H), NSPLIT=NSPLIT, DV=DV, DVP=DVP)
 
 
@@ -368,7 +374,8 @@ def _cmp_window_split_kernel(Q, K, V, K_CMP, V_CMP, KV_LENS, ACC_C, M_C, L_C, AC
                              TQ: tl.constexpr, TK: tl.constexpr, NC: tl.constexpr, HQ: tl.constexpr,
                              H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexpr,
                              DVP: tl.constexpr, RP: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_W: tl.constexpr,
-                             WINDOW: tl.constexpr, BS: tl.constexpr, SCALE: tl.constexpr, NS_C: tl.constexpr,
+                             WINDOW: tl.constexpr, BS: tl.constexpr, STRIDE: tl.constexpr, SCALE: tl.constexpr,
+                             NS_C: tl.constexpr,
                              NS_W: tl.constexpr):
     """The fused decode step's first launch: compressed and window attention, float32 partials of each.
 
@@ -383,12 +390,12 @@ def _cmp_window_split_kernel(Q, K, V, K_CMP, V_CMP, KV_LENS, ACC_C, M_C, L_C, AC
     if split < NS_C:
         m, l_sum, acc, r, ok, _ = _interval(Q, K_CMP, V_CMP, KV_LENS, bh, split, NSPLIT=NS_C, TQ=TQ, NK=NC, HQ=HQ, H=H,
                                             DK=DK, DV=DV, DKP=DKP, DVP=DVP, RP=RP, BLOCK_N=BLOCK_C, COMPRESSED=True,
-                                            WINDOW=0, BS=BS, SCALE=SCALE)
+                                            WINDOW=0, BS=BS, STRIDE=STRIDE, SCALE=SCALE)
         _store_partial(ACC_C, M_C, L_C, m, l_sum, acc, bh, split, r, ok, R=R, NSPLIT=NS_C, DV=DV, DVP=DVP)
     else:
         m, l_sum, acc, r, ok, _ = _interval(Q, K, V, KV_LENS, bh, split - NS_C, NSPLIT=NS_W, TQ=TQ, NK=TK, HQ=HQ, H=H,
                                             DK=DK, DV=DV, DKP=DKP, DVP=DVP, RP=RP, BLOCK_N=BLOCK_W, COMPRESSED=False,
-                                            WINDOW=WINDOW, BS=1, SCALE=SCALE)
+                                            WINDOW=WINDOW, BS=1, STRIDE=1, SCALE=SCALE)
         _store_partial(ACC_W, M_W, L_W, m, l_sum, acc, bh, split - NS_C, r, ok, R=R, NSPLIT=NS_W, DV=DV, DVP=DVP)
 
 
@@ -563,20 +570,22 @@ def window(q, k, v, kv_lens, *, window_size, scale, config=None):
     _check(q, k, v, kv_lens)
     W = min(int(window_size), k.shape[1])  # a wider window sees the same keys
     cfg = default_config(Shapes.of(q, k, v, window_size=W), q.dtype, device()) if config is None else config
-    meta = dict(_meta(q, k, v, scale, cfg), NK=k.shape[1], BLOCK_N=cfg.block_n, COMPRESSED=False, WINDOW=W, BS=1)
+    meta = dict(_meta(q, k, v, scale, cfg), NK=k.shape[1], BLOCK_N=cfg.block_n, COMPRESSED=False, WINDOW=W, BS=1,
+                STRIDE=1)
     return _run(_interval_kernel, _interval_split_kernel, q, v,
                 dict(Q=q, K=k, V=v, KV_LENS=kv_lens.astype(jnp.int32)), cfg, meta)
 
 
-def compressed(q, k_cmp, v_cmp, kv_lens, *, block_size, scale, config=None):
+def compressed(q, k_cmp, v_cmp, kv_lens, *, block_size, stride, scale, config=None):
     """Compressed attention of the queries q [B, TQ, HQ, Dk] at the end of sequences of kv_lens int [B] tokens
-    over k_cmp [B, NC, H, Dk], v_cmp [B, NC, H, Dv]: row c is visible to the query at p iff
-    (c + 1) * block_size - 1 <= p. Returns (o, lse) as `window`; config: a Config (None: default)."""
+    over k_cmp [B, NC, H, Dk], v_cmp [B, NC, H, Dv] (windows of block_size tokens every `stride`): row i is
+    visible to the query at p iff i * stride + block_size <= p + 1. Returns (o, lse) as `window`; config: a Config
+    (None: default)."""
     _check(q, k_cmp, v_cmp, kv_lens, ("k_cmp", "v_cmp"))
     shapes = Shapes.of(q, k_cmp, v_cmp, block_size=int(block_size))
     cfg = default_config(shapes, q.dtype, device()) if config is None else config
     meta = dict(_meta(q, k_cmp, v_cmp, scale, cfg), NK=k_cmp.shape[1], BLOCK_N=cfg.block_n, COMPRESSED=True,
-                WINDOW=0, BS=int(block_size))
+                WINDOW=0, BS=int(block_size), STRIDE=int(stride))
     return _run(_interval_kernel, _interval_split_kernel, q, v_cmp,
                 dict(Q=q, K=k_cmp, V=v_cmp, KV_LENS=kv_lens.astype(jnp.int32)), cfg, meta)
 
@@ -614,7 +623,7 @@ def _selected_launch(q, k, v, block_indices, block_counts, kv_lens, *, block_siz
     return inputs, cfg, meta
 
 
-def attention(*arrays, block_counts, block_size, window_size, scale):
+def attention(*arrays, block_counts, block_size, compress_block_size, compress_stride, window_size, scale):
     """One NSA decode step, fused: nsa.attention's output with the compressed branch on and the blocks
     selected, for the `Step` of arrays (positional, in its order); window_size 0 for no window. Returns
     o [B, TQ, HQ, Dv] in q's dtype.
@@ -648,7 +657,8 @@ def attention(*arrays, block_counts, block_size, window_size, scale):
                  for name, shape in parts.items()},
         **dict(_meta(q, k, v, scale, cfg_c), num_warps=max(cfg_c.num_warps, cfg_w.num_warps),
                num_stages=min(cfg_c.num_stages, cfg_w.num_stages)),
-        TK=TK, NC=NC, BLOCK_C=cfg_c.block_n, BLOCK_W=cfg_w.block_n, WINDOW=W, BS=int(block_size), NS_C=cfg_c.splits,
+        TK=TK, NC=NC, BLOCK_C=cfg_c.block_n, BLOCK_W=cfg_w.block_n, WINDOW=W, BS=int(compress_block_size),
+        STRIDE=int(compress_stride), NS_C=cfg_c.splits,
         NS_W=ns_w)
     idx = decode_select.forward(q, k_cmp, None, kv_lens, block_counts=block_counts, block_size=block_size,
                                 scale=scale, lse_parts=(m_c, l_c))

@@ -37,6 +37,7 @@ import triton.language as tl
 
 from nsa._config import Shapes, positive, power_of_two, validated
 from nsa._varlen import cdiv, tokens
+from nsa.reference.select import unless_one_row_per_block
 from nsa.triton import _launch, _splits, _topk, decode_select
 from nsa.triton import decode as flash_decoding
 from nsa.triton._common import LOG2E, device
@@ -188,7 +189,8 @@ def default_config(shapes, dtype, device):
     return Config(tb, bc, 8 if largest > 16384 else 4, 2 if blocks >= 4 * bc else 1)
 
 
-def forward(q, k_cmp, lse, cu_seqlens, kv_lens=None, *, block_counts, block_size, scale, config=None, decode=None):
+def forward(q, k_cmp, lse, cu_seqlens, kv_lens=None, *, block_counts, block_size, compress_block_size,
+            compress_stride, scale, config=None, decode=None):
     """Returns block_indices int32 [B, T, H, block_counts] (in-sequence block ids), as the reference.
 
     lse [B, T, HQ] (compressed attention's of the same q and k_cmp) saves the kernel its first pass;
@@ -196,10 +198,14 @@ def forward(q, k_cmp, lse, cu_seqlens, kv_lens=None, *, block_counts, block_size
     (`nsa._varlen.tokens`), which k_cmp covers. decode: whether the decode select (nsa/triton/decode_select.py)
     runs, None where it applies (`nsa.triton._splits.decoding`: a few queries at the end of a cache; without lse,
     compressed attention's decode kernel computes it first). config: the Config of the kernel that runs (a
-    decode_select.Config for the decode select; None: its `default_config`)."""
+    decode_select.Config for the decode select; None: its `default_config`). The blocks must be
+    `one_row_per_block` (nsa.reference.select; the family's `unsupported` says so before this runs)."""
+    unless_one_row_per_block("Triton", block_size=block_size, compress_block_size=compress_block_size,
+                             compress_stride=compress_stride)
     if _splits.decoding(decode, q, k_cmp, kv_lens, config, (Config, decode_select.Config)):
         if lse is None:
-            _, lse = flash_decoding.compressed(q, k_cmp, k_cmp, kv_lens, block_size=block_size, scale=scale)
+            _, lse = flash_decoding.compressed(q, k_cmp, k_cmp, kv_lens, block_size=block_size, stride=block_size,
+                                               scale=scale)
         return decode_select.forward(q, k_cmp, lse, kv_lens, block_counts=block_counts, block_size=block_size,
                                      scale=scale, config=config)
     B, T, HQ, Dk = q.shape

@@ -4,13 +4,15 @@ between them.
 
 The contract is nsa.reference.select's (../tpu/select.py is the TPU version of the same op, with the
 details spelled out). Query t of KV head h, at in-sequence position p (t, or with a KV cache kv_lens[b] - T + t),
-sees the compressed rows first <= r < end = min(first + (p + 1) // block_size, NC) of k_cmp (first = its
-sequence's cmp_start, 0 with a cache); each of its G = HQ / H query heads takes the softmax
-p_g(r) = exp(scale * q_g . k_cmp[r] - lse_g) over them, and block c (row first + c) scores
-mean_g p_g(first + c) (0 for a row it does not see). Blocks 0, p // bs - 1 and p // bs are forced, blocks after
-p // bs are never candidates, the block_counts best are kept in rank order, ties to the lower block id, unused
-slots -1: the ranks are the reference's own `block_ranks` (XLA, on the kernel's scores), and `top_k` picks from
-them exactly what the reference's `top_blocks` (lax.top_k) would.
+sees the compressed rows first <= r < end = min(first + n, NC) of k_cmp (first = its sequence's cmp_start, 0
+with a cache; n its complete windows, `nsa._varlen.complete_rows`: (p + 1) // l when the windows of l =
+compress_block_size tokens every d = compress_stride do not overlap); each of its G = HQ / H query heads takes
+the softmax p_g(r) = exp(scale * q_g . k_cmp[r] - lse_g) over them, and the kernel stores each row's
+mean_g p_g(r) (0 for a row it does not see). In XLA, selection block j of l' = block_size tokens then scores the
+rows it overlaps (Eq. 9, the reference's `block_scores`; with l = d = l', row first + j alone). Blocks 0,
+p // l' - 1 and p // l' are forced, blocks after p // l' are never candidates, the block_counts best are kept in
+rank order, ties to the lower block id, unused slots -1: the ranks are the reference's own `block_ranks` (XLA, on
+the kernel's scores), and `top_k` picks from them exactly what the reference's `top_blocks` (lax.top_k) would.
 
 Grid: (NT, B * H), one warpgroup (128 threads) per program. Tile: 64 rows, wgmma's M: TB = 64 // GR tokens
 x GR head slots (GR = G rounded up to a multiple of 8, G <= 64; row j * GR + g is token i * TB + j, head g;
@@ -63,10 +65,10 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from nsa._config import Shapes, expect, validated
 from nsa._device import facts
 from nsa._plan import num_candidates
-from nsa._varlen import cdiv, round_up, tokens
+from nsa._varlen import cdiv, complete_rows, round_up, tokens
 from nsa.pallas._batch import per_sequence
 from nsa.pallas.gpu._common import by_row, call, check_dtype, iota, matmul, padded_dim, pipelined, smem_tile
-from nsa.reference.select import block_ranks, top_blocks
+from nsa.reference.select import block_ranks, block_scores, top_blocks
 
 ROWS = 64  # the tile: wgmma's M
 CHUNK = ROWS  # BC: compressed rows per step (wgmma's N): a row of a chunk's p is read as a per-row vector of a tile
@@ -116,15 +118,15 @@ def _check(q, k_cmp):
 # ------------------------------------------------------------------------------------------ XLA side
 
 
-def _row_ranges(T, NC, G, block_size, cu_seqlens, kv_lens):
+def _row_ranges(T, NC, G, window, stride, cu_seqlens, kv_lens):
     """int32 [R, NT, 2, 64]: per tile row (token j * GR + g) its visible compressed rows [first, end); 0, 0
     (none) for head slots g >= G, tokens past T and the rows past TB * GR."""
     GR = _head_slots(G)
     TB = ROWS // GR
     NT = cdiv(T, TB)
-    tok = tokens(T, block_size, cu_seqlens, kv_lens)
+    tok = tokens(T, stride, cu_seqlens, kv_lens)
     first = tok.cmp_start
-    end = jnp.minimum(first + (tok.pos + 1) // block_size, NC)
+    end = jnp.minimum(first + complete_rows(tok.pos, window, stride), NC)
     ranges = jnp.stack([first, end], axis=-1).astype(jnp.int32)  # [R, T, 2]
     ranges = jnp.pad(ranges, [(0, 0), (0, NT * TB - T), (0, 0)])  # padded tokens: 0, 0
     R = ranges.shape[0]
@@ -174,22 +176,22 @@ def _padded_inputs(q, k_cmp, H):
     return q5, k_cmp
 
 
-def ranks_from_scores(by_row, cu_seqlens, kv_lens=None, *, block_size, num_blocks):
-    """The ranks float32 [B, T, H, NB] of the in-sequence blocks (the reference's `block_ranks`) from the score of
-    each row of k_cmp, by_row float32 [B, T, H, NC] (the mean over the G heads of p_g(r), 0 where the token does
-    not see row r): in-sequence block c is row first + c (rows past NC score 0)."""
-    B, T, H, NC = by_row.shape
-    tok = tokens(T, block_size, cu_seqlens, kv_lens)
-    by_row = jnp.pad(by_row, [(0, 0)] * 3 + [(0, 1)])
-    rows = jnp.minimum(tok.cmp_start[:, :, None, None] + jnp.arange(num_blocks), NC)
-    by_block = jnp.take_along_axis(by_row, jnp.broadcast_to(rows, (B, T, H, num_blocks)), axis=-1)
-    return block_ranks(by_block, tok.pos, block_size=block_size)
+def ranks_from_scores(by_row, cu_seqlens, kv_lens=None, *, num_blocks, **blocks):
+    """The ranks float32 [B, T, H, NB] of the in-sequence selection blocks (the reference's `block_ranks`) from the
+    score of each row of k_cmp, by_row float32 [B, T, H, NC] (the mean over the G heads of p_g(r), 0 where the
+    token does not see row r), mapped onto the blocks by the reference's `block_scores` (Eq. 9; with one row per
+    block, in-sequence block c is row first + c; rows past NC score 0). blocks: block_size, compress_block_size,
+    compress_stride."""
+    T = by_row.shape[1]
+    tok = tokens(T, blocks["compress_stride"], cu_seqlens, kv_lens)
+    by_block = block_scores(by_row, tok.cmp_start, num_blocks, **blocks)
+    return block_ranks(by_block, tok.pos, block_size=blocks["block_size"])
 
 
-def indices_from_scores(by_row, cu_seqlens, kv_lens=None, *, block_counts, block_size, num_blocks):
+def indices_from_scores(by_row, cu_seqlens, kv_lens=None, *, block_counts, num_blocks, **blocks):
     """block_indices int32 [B, T, H, block_counts] from `ranks_from_scores`, picked by the reference's own
     `top_blocks` in XLA: what the top-k kernel (`top_k`) must reproduce exactly."""
-    ranks = ranks_from_scores(by_row, cu_seqlens, kv_lens, block_size=block_size, num_blocks=num_blocks)
+    ranks = ranks_from_scores(by_row, cu_seqlens, kv_lens, num_blocks=num_blocks, **blocks)
     return top_blocks(ranks, block_counts)
 
 
@@ -306,9 +308,10 @@ def _scratch(dtype, Dp, TB, has_lse):
             plgpu.Barrier())  # k_cmp
 
 
-def scores(q, k_cmp, lse, cu_seqlens, kv_lens=None, *, block_size, scale):
+def scores(q, k_cmp, lse, cu_seqlens, kv_lens=None, *, block_size, stride, scale):
     """The kernel: float32 [B, H, TP, NCP] (TP = T rounded up to TB tokens, NCP = NC rounded up to 64), the
-    score mean_g p_g(r) of row r of k_cmp for token t of KV head h at [b, h, t, r] (0 where not seen)."""
+    score mean_g p_g(r) of row r of k_cmp for token t of KV head h at [b, h, t, r] (0 where not seen); k_cmp holds
+    windows of block_size tokens every `stride`."""
     B, T, HQ, Dk = q.shape
     NC, H = k_cmp.shape[1], k_cmp.shape[2]
     G = HQ // H
@@ -316,7 +319,7 @@ def scores(q, k_cmp, lse, cu_seqlens, kv_lens=None, *, block_size, scale):
     TB = ROWS // GR
     NT, num_chunks = cdiv(T, TB), cdiv(NC, CHUNK)
     q5, k_p = _padded_inputs(q, k_cmp, H)
-    ranges = _row_ranges(T, NC, G, block_size, cu_seqlens, kv_lens)
+    ranges = _row_ranges(T, NC, G, block_size, stride, cu_seqlens, kv_lens)
     args = [q5, k_p, ranges, _chunk_bands(ranges)]
     if lse is not None:
         args.append(_lse_rows(lse, H, G))
@@ -433,7 +436,8 @@ def _top_chunks(pos, B, H, block_size, num_blocks, top_chunk):
 
 
 @per_sequence
-def forward(q, k_cmp, lse, cu_seqlens, kv_lens=None, *, block_counts, block_size, scale, config=None):
+def forward(q, k_cmp, lse, cu_seqlens, kv_lens=None, *, block_counts, block_size, compress_block_size, compress_stride,
+            scale, config=None):
     """Returns block_indices int32 [B, T, H, block_counts] (in-sequence block ids), as the reference.
 
     q [B, T, HQ, Dk], k_cmp [B, NC, H, Dk] (bfloat16 or float16, the same); lse [B, T, HQ] float32 is
@@ -448,20 +452,22 @@ def forward(q, k_cmp, lse, cu_seqlens, kv_lens=None, *, block_counts, block_size
     if config is None:
         shapes = Shapes.of(q, k_cmp, block_size=block_size, block_counts=block_counts)
         config = default_config(shapes, q.dtype, facts("cuda"))
-    nb = num_candidates(T, NC, block_size, kv_lens)
+    nb = num_candidates(T, NC, block_size, kv_lens, compress_stride)
     if B * T * H == 0:
         return jnp.zeros((B, T, H, block_counts), jnp.int32)
-    tok = tokens(T, block_size, cu_seqlens, kv_lens)
+    tok = tokens(T, compress_stride, cu_seqlens, kv_lens)
     if NC == 0:  # no row to score: every score is 0
         by_row = jnp.zeros((B, T, H, NC), jnp.float32)
     else:
-        out = scores(q, k_cmp, lse, cu_seqlens, kv_lens, block_size=block_size, scale=scale)
+        out = scores(q, k_cmp, lse, cu_seqlens, kv_lens, block_size=compress_block_size, stride=compress_stride,
+                     scale=scale)
         first = tok.cmp_start[:, :, None, None]
-        end = jnp.minimum(first + (tok.pos[:, :, None, None] + 1) // block_size, NC)
+        end = jnp.minimum(first + complete_rows(tok.pos[:, :, None, None], compress_block_size, compress_stride), NC)
         row = jnp.arange(NC)
         # a tile writes only its chunks (`_chunk_bands`): the rows a token does not see read as 0
         by_row = jnp.where((row >= first) & (row < end), jnp.transpose(out[:, :, :T, :NC], (0, 2, 1, 3)), 0.0)
-    ranks = ranks_from_scores(by_row, cu_seqlens, kv_lens, block_size=block_size, num_blocks=nb)
+    ranks = ranks_from_scores(by_row, cu_seqlens, kv_lens, num_blocks=nb, block_size=block_size,
+                              compress_block_size=compress_block_size, compress_stride=compress_stride)
     ids = top_k(ranks.reshape(B * T * H, nb), block_counts,
                 _top_chunks(tok.pos, B, H, block_size, nb, config.top_chunk), config=config)
     return ids.reshape(B, T, H, block_counts)

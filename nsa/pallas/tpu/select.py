@@ -66,7 +66,7 @@ from nsa._plan import band, bands, num_candidates
 from nsa._varlen import cdiv, num_compressed_blocks, round_up, tokens
 from nsa.pallas._batch import per_sequence
 from nsa.pallas.tpu._common import batch_row, clamped, dot, lane_padded, lanes, out_struct, sublanes, view
-from nsa.reference.select import CURRENT, FIRST, PREVIOUS
+from nsa.reference.select import CURRENT, FIRST, PREVIOUS, unless_one_row_per_block
 
 MAX_TOKENS = 128  # TB at most: 128 rows fill the MXU's M and make a chunk's ranks (TB, 128) 16 vregs
 
@@ -298,7 +298,8 @@ def forward(q, k_cmp, lse, cu_seqlens, kv_lens=None, **static):
     q [B, T, HQ, Dk], k_cmp [B, NC, H, Dk]; lse [B, T, HQ] float32 is compressed attention's log-sum-exp of
     the same q and k_cmp (it saves the kernel its first pass), or None; cu_seqlens None or int32 [N + 1]
     (packed sequences, B = 1); kv_lens None or int32 [B] (the queries are the last T tokens of sequences of
-    kv_lens[b] tokens, which k_cmp covers). Keywords: block_counts, block_size, scale; interpret (a
+    kv_lens[b] tokens, which k_cmp covers). Keywords: block_counts, block_size, compress_block_size and
+    compress_stride (one compressed row per block: the three equal), scale; interpret (a
     pltpu.InterpretParams to run in Pallas's TPU interpret mode on any platform, or False) and config (a Config;
     None: `default_config`). With kv_lens the token rows are per batch row, a [B * ...] table in SMEM: a symbolic
     batch then runs once per sequence (`per_sequence`).
@@ -307,7 +308,10 @@ def forward(q, k_cmp, lse, cu_seqlens, kv_lens=None, **static):
     return run(q, k_cmp, lse, cu_seqlens, kv_lens, **static)
 
 
-def _forward(q, k_cmp, lse, cu_seqlens, kv_lens, *, block_counts, block_size, scale, interpret=False, config=None):
+def _forward(q, k_cmp, lse, cu_seqlens, kv_lens, *, block_counts, block_size, compress_block_size, compress_stride,
+             scale, interpret=False, config=None):
+    unless_one_row_per_block("Pallas TPU", block_size=block_size, compress_block_size=compress_block_size,
+                             compress_stride=compress_stride)
     B, T, HQ, Dk = q.shape
     NC, H = k_cmp.shape[1], k_cmp.shape[2]
     G = HQ // H
