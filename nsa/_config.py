@@ -33,6 +33,13 @@ class Shapes(NamedTuple):
     block_counts: int = 0  # S: the selected blocks per query (0: none)
     window_size: int = 0
     packed: bool = False  # cu_seqlens given: B = 1 holds several sequences
+    compress_stride: int = 0  # the selection's compressed rows: one every compress_stride tokens (0: block_size)
+    compress_block_size: int = 0  # ... each a window of compress_block_size tokens (0: block_size)
+
+    @property
+    def one_row_per_block(self):
+        """Whether a selection block scores one compressed row (windows of block_size every block_size)."""
+        return self.compress_stride in (0, self.block_size) and self.compress_block_size in (0, self.block_size)
 
     @property
     def G(self):

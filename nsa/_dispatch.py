@@ -32,11 +32,10 @@ PUBLIC_NAMES = {"compress": "compress", "compressed": "compressed_attention", "s
                 "selected": "selected_attention", "window": "sliding_window_attention"}
 
 
-def _why_not(op, name, dtype, static=(), platform=None):
-    """None when family `name` has a kernel for op on inputs of `dtype` with the configuration `static` (on
-    `platform`; None: where an explicit implementation=name runs) and can run in this process, else (the exception
-    class, the reason): ValueError when the family cannot run here or has no kernel for op or for that
-    configuration (its `unsupported`), TypeError when it has none for dtype."""
+def _why_not(op, name, dtype):
+    """None when family `name` has a kernel for op on inputs of `dtype` and can run in this process, else (the
+    exception class, the reason): ValueError when the family cannot run here or has no kernel for op, TypeError
+    when it has none for dtype."""
     wanted = f"implementation={name!r} cannot run {PUBLIC_NAMES[op]}"
     error = _families.missing(name)
     if error is not None:
@@ -48,22 +47,14 @@ def _why_not(op, name, dtype, static=(), platform=None):
         names = ", ".join(jnp.dtype(d).name for d in family.DTYPES)
         return TypeError, (f"{wanted} on {jnp.dtype(dtype).name} inputs: its kernels take {names}; use "
                            f"implementation='xla', or None (the reference for {jnp.dtype(dtype).name})")
-    unsupported = getattr(family, "unsupported", None)
-    why = unsupported(op, dict(static), platform) if unsupported is not None else None
-    if why is not None:
-        return ValueError, f"{wanted} with {_configuration(static)}: {why}; use implementation=None or 'xla'"
     return None
 
 
-def _configuration(static):
-    return ", ".join(f"{name}={value}" for name, value in static if name != "scale")
-
-
-def _explicit_kernel(op, phase, name, dtype, static):
-    """`phase` (0 forward, 1 backward) of op's kernel in family `name`, for inputs of `dtype` and the configuration
-    `static`, as an explicit implementation=name runs it; raises `_why_not`'s error when it cannot run: an
-    explicitly requested kernel never falls back to the reference."""
-    why = _why_not(op, name, dtype, static)
+def _explicit_kernel(op, phase, name, dtype):
+    """`phase` (0 forward, 1 backward) of op's kernel in family `name`, for inputs of `dtype`, as an explicit
+    implementation=name runs it; raises `_why_not`'s error when it cannot run: an explicitly requested kernel
+    never falls back to the reference."""
+    why = _why_not(op, name, dtype)
     if why is not None:
         error, message = why
         raise error(message)
@@ -79,18 +70,14 @@ def _warn_once(message):
         warnings.warn(message, RuntimeWarning, stacklevel=2)
 
 
-def _runnable(op, name, dtype, platform, static=()):
-    """Whether implementation=None can run family `name`'s kernel of op on dtype with the configuration `static` on
-    `platform` in this process."""
-    return (_why_not(op, name, dtype, static, platform) is None
-            and _families.family(name).unavailable(op, 0, dtype, platform) is None)
+def _runnable(op, name, dtype, platform):
+    """Whether implementation=None can run family `name`'s kernel of op on dtype on `platform` in this process."""
+    return _why_not(op, name, dtype) is None and _families.family(name).unavailable(op, 0, dtype, platform) is None
 
 
-def _default_family(op, dtype, platform, static=()):
-    """The kernel family implementation=None runs op on dtype (with the configuration `static`) with on
-    `platform`, or None (the reference)."""
-    return next((name for name in _families.preferred(op, platform) if _runnable(op, name, dtype, platform, static)),
-                None)
+def _default_family(op, dtype, platform):
+    """The kernel family implementation=None runs op on dtype with on `platform`, or None (the reference)."""
+    return next((name for name in _families.preferred(op, platform) if _runnable(op, name, dtype, platform)), None)
 
 
 def implementations(platform: Optional[str] = None, dtype: jnp.dtype = jnp.bfloat16) -> dict[str, str]:
@@ -108,24 +95,23 @@ def implementations(platform: Optional[str] = None, dtype: jnp.dtype = jnp.bfloa
 
 def _choose(op, phase, implementation, dtype, static):
     """The function (*args) -> result that computes `phase` (0 forward, 1 backward) of `op` on inputs of
-    `dtype` with the configuration `static` (a tuple of (name, value) pairs)."""
-    config = dict(static)
-    ref = functools.partial(reference.OPS[op][phase], **config)
+    `dtype`."""
+    static = dict(static)
+    ref = functools.partial(reference.OPS[op][phase], **static)
     if implementation == "xla":
         return ref
     if implementation is not None:
-        return mapped_over_vmap(functools.partial(_explicit_kernel(op, phase, implementation, dtype, static),
-                                                  **config))
+        return mapped_over_vmap(functools.partial(_explicit_kernel(op, phase, implementation, dtype), **static))
     kernels = {}
     for platform in _families.PREFERENCE:
-        name = _default_family(op, dtype, platform, static)
+        name = _default_family(op, dtype, platform)
         if name is not None:
             kernel = _families.family(name).kernel(op, phase, platform)
-            kernels[platform] = mapped_over_vmap(functools.partial(kernel, **config))
+            kernels[platform] = mapped_over_vmap(functools.partial(kernel, **static))
         elif platform == "cuda" and _has_kernels(op, platform) and _platform.has_cuda_gpu():
             _warn_once(f"nsa runs its XLA reference on the GPU for {jnp.dtype(dtype).name} inputs, more than 10x "
-                       f"slower than its kernels: {_cuda_reasons(op, dtype, static)}. nsa.implementations() tells "
-                       f"what runs where.")
+                       f"slower than its kernels: {_cuda_reasons(op, dtype)}. nsa.implementations() tells what runs "
+                       f"where.")
     if not kernels:
         return ref
     return lambda *args: platform_dependent(*args, default=ref, **kernels)
@@ -177,13 +163,12 @@ def _has_kernels(op, platform):
     return any(op in getattr(_families._load(name), "KERNELS", ()) for name in _families.preferred(op, platform))
 
 
-def _cuda_reasons(op, dtype, static):
-    """Why no kernel family can run op on dtype with the configuration `static` on a CUDA GPU here (a sentence per
-    family)."""
+def _cuda_reasons(op, dtype):
+    """Why no kernel family can run op on dtype on a CUDA GPU here (a sentence per family)."""
     def reason(name):
         if _families.missing(name) is not None:
             return _families.missing(name)
-        why = _why_not(op, name, dtype, static, "cuda")
+        why = _why_not(op, name, dtype)
         return why[1] if why is not None else _families.family(name).unavailable(op, 0, dtype, "cuda")
 
     return "; ".join(f"{name}: {reason(name)}" for name in sorted(_families.preferred(op, "cuda")))

@@ -11,9 +11,6 @@ nsa/pallas/__init__.py are the two there are):
   inputs on `platform` (as platform_dependent names it) in this process, beyond KERNELS and DTYPES, or None;
 - `kernel(op, phase, platform)`: the compiled kernel of one platform, as implementation=None runs it there;
 - `explicit(op, phase, dtype)`: what an explicit implementation=<name> runs (it may choose per platform itself);
-- optionally `unsupported(op, static, platform)`: why it has no kernel for op with the configuration `static` (a
-  dict of the op's static arguments, e.g. a select whose compression windows overlap) on `platform` (None: where
-  an explicit implementation=<name> runs), or None; its kernels raise on such a configuration too;
 - optionally `fused_step(q, k, static)`: a fused serving step for nsa.attention over a KV cache with q's shape
   and the configuration `static` (`nsa._dispatch.decode_step`), or None where it does not apply.
 

@@ -116,8 +116,8 @@ def check_decode(args):
         _launch._call = compile_launch(records)
         kw = dict(scale=dk ** -0.5)
         jax.eval_shape(lambda q, k, v, lens: decode.window(q, k, v, lens, window_size=512, **kw), q, k, v, lens)
-        jax.eval_shape(lambda q, k, v, lens: decode.compressed(q, k, v, lens, block_size=bs, stride=bs, **kw), q, k_cmp, v_cmp,
-                       lens)
+        jax.eval_shape(lambda q, k, v, lens: decode.compressed(q, k, v, lens, block_size=bs, stride=bs, **kw),
+                       q, k_cmp, v_cmp, lens)
         jax.eval_shape(lambda q, k, v, idx, counts, lens: decode.selected(q, k, v, idx, counts, lens, block_size=bs,
                                                                            **kw), q, k, v, idx, counts, lens)
         gate = arg(B, TQ, H * G)

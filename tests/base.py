@@ -81,14 +81,16 @@ INTERPRETED_CACHED_OPS = ["attention", "attention-given-blocks"]
 
 # Compression windows of l tokens every d with selection blocks of l' (the paper's NSA: 32, 16, 64), as
 # (shape (B, T, HQ, H, Dk, Dv), (l, d, l')): several selection blocks per sequence, partial ones at the end,
-# G = 2, 1 and 3, B = 2, Dv != Dk. Interpreted kernels run the overlapping ones.
+# G = 2, 1 and 3, B = 2, Dv != Dk. Interpreted kernels run the overlapping ones: both for the ops, the paper's for
+# the pipeline and its gradients, G = 3 packed (without the traced cu_seqlens, the same kernels).
 BLOCK_CASES = {
     "l64-d64-s64": ((1, 330, 4, 2, 16, 16), (64, 64, 64)),
     "l32-d16-s64": ((1, 330, 4, 2, 16, 16), (32, 16, 64)),
     "l16-d8-s32": ((2, 300, 4, 4, 16, 8), (16, 8, 32)),
     "G3-l16-d8-s32": ((1, 300, 3, 1, 16, 16), (16, 8, 32)),
 }
-INTERPRETED_BLOCK_CASES = ["l32-d16-s64", "G3-l16-d8-s32"]
+INTERPRETED_BLOCK_CASES = {"blocks": ["l32-d16-s64", "G3-l16-d8-s32"], "blocks_attention": ["l32-d16-s64"],
+                           "blocks_varlen": ["G3-l16-d8-s32"]}
 # packed sequences for the blocks' varlen test: an empty one, partial windows and blocks everywhere
 BLOCK_CU_SEQLENS = np.array([0, 260, 260, 560, 600], np.int32)
 
@@ -204,9 +206,6 @@ class NSATestBase:
     implementation = None
     dtypes = ("float32", "bfloat16", "float16")
     interpreted = False
-    # whether its selection takes windows that overlap or differ from the selection block (Eq. 9's sum); if not,
-    # an explicit request for one raises
-    overlapping_select = True
 
     @classmethod
     def case_params(cls, kind):
@@ -215,8 +214,8 @@ class NSATestBase:
         the "cached" and varlen tests."""
         if kind == "cached":
             return "name", INTERPRETED_CACHED_OPS if cls.interpreted else CACHED_OPS
-        if kind == "blocks":
-            return "name", INTERPRETED_BLOCK_CASES if cls.interpreted else list(BLOCK_CASES)
+        if kind in INTERPRETED_BLOCK_CASES:
+            return "name", INTERPRETED_BLOCK_CASES[kind] if cls.interpreted else list(BLOCK_CASES)
         if kind in VARLEN_OPS:
             return "name", VARLEN_OPS[kind][cls.interpreted]
         if kind == "shapes":
@@ -666,11 +665,8 @@ class NSATestBase:
         shape, (l, d, sel) = BLOCK_CASES[name]
         x = Inputs(shape + (sel,), self.dtypes[0], seed)
         kw = dict(block_size=l, stride=d, cu_seqlens=cu_seqlens)
-        return (x, l, d, sel, *rounded(oracle.compress(x.k64, **kw), x.dtype), *rounded(oracle.compress(x.v64, **kw), x.dtype))
-
-    def _selects_blocks(self, l, d, sel):
-        """Whether this implementation's selection takes these blocks (else an explicit request raises)."""
-        return self.overlapping_select or l == d == sel
+        k_cmp, v_cmp = (rounded(oracle.compress(y, **kw), x.dtype) for y in (x.k64, x.v64))
+        return (x, l, d, sel, *k_cmp, *v_cmp)
 
     @cases("blocks")
     def test_blocks_compressed_and_select(self, name):
@@ -687,10 +683,6 @@ class NSATestBase:
             seen = np.isfinite(lse_ref)
             assert_close(np.asarray(lse)[seen], lse_ref[seen], TOLERANCE[dtype], "lse")
             blocks = dict(block_counts=5, block_size=sel, compress_block_size=l, compress_stride=d)
-            if not self._selects_blocks(l, d, sel):
-                with pytest.raises(ValueError, match="one compressed row per selection block"):
-                    self.op("select_blocks")(x.q, k_cmp, **blocks)
-                return
             idx = self.op("select_blocks")(x.q, k_cmp, **blocks)
             assert_same_blocks(idx, oracle.select_blocks(x.q64, k_cmp64, **blocks))
             _, lse = self.op("compressed_attention")(x.q, k_cmp, v_cmp, block_size=l, stride=d)
@@ -723,19 +715,15 @@ class NSATestBase:
         args = (x.q, x.k, x.v, *(g[0] for g in x.gates))
         return f, f64, args, (x.q64, x.k64, x.v64, *(g[1] for g in x.gates))
 
-    @cases("blocks")
+    @cases("blocks_attention")
     def test_blocks_attention_and_gradients(self, name):
         """nsa.attention with compress_block_size, compress_stride and block_size: its output against the oracle,
         its gradients (q, k, v, every gate: through the overlapping compression too) against the dense float64
-        formulation; packed sequences (traced cu_seqlens too) against each sequence alone."""
+        formulation."""
         dtype = self.dtypes[0]
         with precision(dtype):
             x, l, d, sel = self._blocks(name)[:4]
             f, f64, args, args64 = self._blocks_attention(x, l, d, sel)
-            if not self._selects_blocks(l, d, sel):
-                with pytest.raises(ValueError, match="one compressed row per selection block"):
-                    f(*args)
-                return
             out, vjp = jax.vjp(jax.jit(f), *args)
             g64 = [g[1] for g in x.gates]
             blocks = dict(block_size=sel, compress_block_size=l, compress_stride=d)
@@ -749,24 +737,23 @@ class NSATestBase:
             for i, (grad, grad64, size) in enumerate(zip(jax.jit(vjp)(x.do), grads64, scales)):
                 assert_close(grad, np.asarray(grad64), GRAD_TOLERANCE[dtype], f"gradient {i}", size)
 
-    @cases("blocks")
+    @cases("blocks_varlen")
     def test_blocks_varlen(self, name):
-        """Packed sequences (BLOCK_CU_SEQLENS, an empty one; concrete and traced) at blocks (l, d, l'): nsa.attention
-        against the oracle."""
+        """Packed sequences (BLOCK_CU_SEQLENS, an empty one) at blocks (l, d, l'): nsa.attention against the oracle,
+        with a concrete cu_seqlens and (compiled kernels: interpreted ones run the same kernels on the same
+        planning, and test_varlen_equals_each_sequence_alone traces theirs) a traced one."""
         dtype = self.dtypes[0]
         shape, (l, d, sel) = BLOCK_CASES[name]
         with precision(dtype):
             x = Inputs((1, 600) + shape[2:] + (sel,), dtype, seed=5)
             f, _, args, _ = self._blocks_attention(x, l, d, sel, BLOCK_CU_SEQLENS)
-            if not self._selects_blocks(l, d, sel):
-                with pytest.raises(ValueError, match="one compressed row per selection block"):
-                    f(*args)
-                return
             g64 = [g[1] for g in x.gates]
             ref = oracle.attention(x.q64, x.k64, x.v64, g_cmp=g64[0], g_slc=g64[1], g_swa=g64[2], block_counts=5,
                                    window_size=20, block_size=sel, compress_block_size=l, compress_stride=d,
                                    cu_seqlens=BLOCK_CU_SEQLENS)
             assert_close(f(*args), ref, TOLERANCE[dtype], "o")
+            if self.interpreted:
+                return
             blocks = dict(block_counts=5, window_size=20, block_size=sel, compress_block_size=l, compress_stride=d)
             traced = jax.jit(lambda cu, *a: self.op("attention")(*a[:3], g_cmp=a[3], g_slc=a[4], g_swa=a[5],
                                                                   cu_seqlens=cu, **blocks))

@@ -59,21 +59,25 @@ def _mosaic_kernels(module):
     return re.findall(r'kernel_name = "(\w+)"', module)
 
 
-@pytest.mark.parametrize("shape, dtype", [
-    pytest.param((1, 8192, 64, 4, 128, 128), jnp.bfloat16, id="standard-bf16"),  # the standard shape
-    pytest.param((1, 1000, 6, 2, 64, 48), jnp.float32, id="odd-G3-dv48-f32"),
+@pytest.mark.parametrize("shape, dtype, compression", [
+    pytest.param((1, 8192, 64, 4, 128, 128), jnp.bfloat16, {}, id="standard-bf16"),  # the standard shape
+    pytest.param((1, 1000, 6, 2, 64, 48), jnp.float32, {}, id="odd-G3-dv48-f32"),
+    # the paper's NSA: windows of 32 tokens every 16, selection blocks of 64
+    pytest.param((1, 8192, 64, 4, 128, 128), jnp.bfloat16, dict(compress_block_size=32, compress_stride=16),
+                 id="paper-l32-d16-bf16"),
 ])
 @pytest.mark.parametrize("implementation", ["pallas", None])
-def test_attention_lowers_for_tpu_to_mosaic_kernels(shape, dtype, implementation):
-    """nsa.attention (block 64, 16 blocks, window 512, all gates), jitted forward and forward+backward,
-    exported for TPU: every op runs its Mosaic kernel, with implementation="pallas" and with None."""
+def test_attention_lowers_for_tpu_to_mosaic_kernels(shape, dtype, compression, implementation):
+    """nsa.attention (block 64, 16 blocks, window 512, all gates; compression windows of 64 tokens, or the
+    paper's), jitted forward and forward+backward, exported for TPU: every op runs its Mosaic kernel, with
+    implementation="pallas" and with None."""
     B, T, HQ, H, Dk, Dv = shape
     specs = [jax.ShapeDtypeStruct(s, dtype) for s in [(B, T, HQ, Dk), (B, T, H, Dk), (B, T, H, Dv)]]
     gates = [jax.ShapeDtypeStruct((B, T, HQ), dtype)] * 3
 
     def forward(q, k, v, g_cmp, g_slc, g_swa):
         return nsa.attention(q, k, v, g_cmp=g_cmp, g_slc=g_slc, g_swa=g_swa, block_size=64, block_counts=16,
-                             window_size=512, implementation=implementation)
+                             window_size=512, implementation=implementation, **compression)
 
     def loss(*args):
         return jnp.sum(forward(*args).astype(jnp.float32))

@@ -43,19 +43,22 @@ def top_k_on_cpu(monkeypatch):
     monkeypatch.setattr(gpu_select, "top_k", lambda x, k, chunks, **_: reference.top_blocks(x, k))
 
 
-def _inputs(B, T, HQ, H, Dk, block_size, dtype, cu=None, num_rows=None, seed=0):
-    """q [B, T, HQ, Dk] and k_cmp [B, NC, H, Dk] in `dtype`, random normal."""
+def _inputs(B, T, HQ, H, Dk, block_size, dtype, cu=None, num_rows=None, seed=0, stride=None):
+    """q [B, T, HQ, Dk] and k_cmp [B, NC, H, Dk] (one row every `stride` tokens, None: block_size) in `dtype`,
+    random normal."""
     rng = np.random.default_rng(seed)
-    NC = num_rows if num_rows is not None else num_compressed_blocks(T, block_size, cu)
+    NC = num_rows if num_rows is not None else num_compressed_blocks(T, stride or block_size, cu)
     return (jnp.asarray(rng.standard_normal((B, T, HQ, Dk)), dtype),
             jnp.asarray(rng.standard_normal((B, NC, H, Dk)), dtype))
 
 
-def _lse(q, k_cmp, block_size, cu, kv_lens):
-    """Compressed attention's lse [B, T, HQ] of the float32 copies (the reference's)."""
-    tok = tokens(q.shape[1], block_size, cu, kv_lens)
+def _lse(q, k_cmp, block_size, cu, kv_lens, stride=None):
+    """Compressed attention's lse [B, T, HQ] of the float32 copies (the reference's; windows of block_size tokens
+    every `stride`, None: block_size)."""
+    stride = stride or block_size
+    tok = tokens(q.shape[1], stride, cu, kv_lens)
     _, lse, _ = softmax_over_blocks(q.astype(jnp.float32), k_cmp.astype(jnp.float32), tok.pos, tok.cmp_start,
-                                    block_size=block_size, scale=q.shape[-1] ** -0.5)
+                                    block_size=block_size, stride=stride, scale=q.shape[-1] ** -0.5)
     return lse.reshape(q.shape[:3])
 
 
@@ -114,7 +117,7 @@ def test_rejects_groups_over_64():
 # ------------------------------------------------------------------------------------------ around the kernel
 
 
-def _emulated_scores(q, k_cmp, lse, cu_seqlens, kv_lens=None, *, block_size, scale):
+def _emulated_scores(q, k_cmp, lse, cu_seqlens, kv_lens=None, *, block_size, stride, scale):
     """`gpu_select.scores` in plain jnp on the kernel's own inputs (its tile layout): per program the 64 rows
     of TB tokens x GR head slots (a token past T reads token T - 1), logits against every row of the padded
     k_cmp masked by the rows' [first, end), p = exp(s - lse) or the softmax, then the mean of each token's G
@@ -129,7 +132,7 @@ def _emulated_scores(q, k_cmp, lse, cu_seqlens, kv_lens=None, *, block_size, sca
     rows = q5[:, jnp.minimum(jnp.arange(NT * TB), T - 1)].astype(jnp.float32)  # [B, NT * TB, H, GR, Dp]
     rows = jnp.transpose(rows.reshape(B, NT, TB, H, GR, -1), (0, 3, 1, 2, 4, 5)).reshape(B, H, NT, TB * GR, -1)
     rows = jnp.pad(rows, [(0, 0)] * 3 + [(0, gpu_select.ROWS - TB * GR), (0, 0)])  # [B, H, NT, 64, Dp]
-    ranges = gpu_select._row_ranges(T, NC, G, block_size, cu_seqlens, kv_lens)  # [R, NT, 2, 64]
+    ranges = gpu_select._row_ranges(T, NC, G, block_size, stride, cu_seqlens, kv_lens)  # [R, NT, 2, 64]
     key = jnp.arange(k_p.shape[1])
     visible = ((key >= ranges[:, None, :, 0, :, None]) & (key < ranges[:, None, :, 1, :, None]))
     s = jnp.einsum("bhnrd,bchd->bhnrc", rows, k_p.astype(jnp.float32), precision="highest")
@@ -148,10 +151,10 @@ def _emulated_scores(q, k_cmp, lse, cu_seqlens, kv_lens=None, *, block_size, sca
     return (jnp.sum(p, axis=4) / G).reshape(B, H, NT * TB, -1)
 
 
-def _reference(q, k_cmp, lse, cu, kv_lens, block_counts, block_size):
+def _reference(q, k_cmp, lse, cu, kv_lens, block_counts, block_size, **compression):
     return np.asarray(reference.forward(q.astype(jnp.float32), k_cmp.astype(jnp.float32), lse, cu, kv_lens,
                                         block_counts=block_counts, block_size=block_size,
-                                        scale=q.shape[-1] ** -0.5))
+                                        scale=q.shape[-1] ** -0.5, **compression))
 
 
 # (B, T, HQ, H, Dk, block_size), block_counts, lse given, cu_seqlens, kv_lens
@@ -168,23 +171,35 @@ AROUND = {
 }
 
 
-@pytest.mark.parametrize("name", list(AROUND))
+# compression windows of l tokens every d under selection blocks of l' (Eq. 9): name -> (a case of AROUND with
+# block_size l', (l, d))
+AROUND_EQ9 = {
+    "G2-l8-d4-bs16": (((1, 300, 4, 2, 16, 16), 5, False, None, None), (8, 4)),
+    "G3-l16-d8-bs32-lse-cu_seqlens": (((1, 200, 6, 2, 16, 32), 4, True, CU, None), (16, 8)),
+    "G2-l8-d4-bs16-kv_lens": (((2, 100, 4, 2, 16, 16), 4, True, None, np.array([100, 57], np.int32)), (8, 4)),
+}
+
+
+@pytest.mark.parametrize("name", list(AROUND) + list(AROUND_EQ9))
 def test_forward_around_an_emulated_kernel(name, monkeypatch, top_k_on_cpu):
     """forward's XLA side (the kernel's inputs, then ids from its scores) with the kernel emulated in jnp: the
-    reference's ids, rank order too. With kv_lens the cache has 8 rows (128 tokens), NaN past each sequence's
-    complete blocks."""
-    (B, T, HQ, H, Dk, bs), S, with_lse, cu, kv_lens = AROUND[name]
-    NC = 128 // bs if kv_lens is not None else None
-    q, k_cmp = _inputs(B, T, HQ, H, Dk, bs, jnp.bfloat16, cu, NC)
-    if kv_lens is not None:  # a cache's rows past each sequence's complete blocks: never read
-        unwritten = jnp.arange(NC)[None, :] >= (jnp.asarray(kv_lens) // bs)[:, None]
+    reference's ids, rank order too; with overlapping windows (AROUND_EQ9) the Eq. 9 sum in XLA. With kv_lens the
+    cache has the rows of 128 tokens, NaN past each sequence's complete windows."""
+    ((B, T, HQ, H, Dk, bs), S, with_lse, cu, kv_lens), (l, d) = AROUND_EQ9.get(name, (AROUND.get(name), (None,) * 2))
+    compression = {} if l is None else dict(compress_block_size=l, compress_stride=d)
+    l, d = l or bs, d or bs
+    NC = 128 // d if kv_lens is not None else None
+    q, k_cmp = _inputs(B, T, HQ, H, Dk, bs, jnp.bfloat16, cu, NC, stride=d)
+    if kv_lens is not None:  # a cache's rows past each sequence's complete windows: never read
+        unwritten = jnp.arange(NC)[None, :] * d + l > jnp.asarray(kv_lens)[:, None]
         k_cmp = jnp.where(unwritten[:, :, None, None], jnp.nan, k_cmp).astype(k_cmp.dtype)
         kv_lens = jnp.asarray(kv_lens)
-    lse = _lse(q, k_cmp, bs, cu, kv_lens) if with_lse else None
+    lse = _lse(q, k_cmp, l, cu, kv_lens, d) if with_lse else None
     monkeypatch.setattr(gpu_select, "scores", _emulated_scores)
-    got = gpu_select.forward(q, k_cmp, lse, cu, kv_lens, block_counts=S, block_size=bs, scale=Dk ** -0.5)
+    got = gpu_select.forward(q, k_cmp, lse, cu, kv_lens, block_counts=S, block_size=bs, scale=Dk ** -0.5,
+                             **compression)
     assert got.dtype == jnp.int32 and got.shape == (B, T, H, S)
-    np.testing.assert_array_equal(np.asarray(got), _reference(q, k_cmp, lse, cu, kv_lens, S, bs))
+    np.testing.assert_array_equal(np.asarray(got), _reference(q, k_cmp, lse, cu, kv_lens, S, bs, **compression))
 
 
 def _reference_scores(q, k_cmp, lse, cu, kv_lens, block_size):
@@ -192,7 +207,7 @@ def _reference_scores(q, k_cmp, lse, cu, kv_lens, block_size):
     tok = tokens(q.shape[1], block_size, cu, kv_lens)
     lse = None if lse is None else lse
     p, _, _ = softmax_over_blocks(q.astype(jnp.float32), k_cmp.astype(jnp.float32), tok.pos, tok.cmp_start, lse,
-                                  block_size=block_size, scale=q.shape[-1] ** -0.5)
+                                  block_size=block_size, stride=block_size, scale=q.shape[-1] ** -0.5)
     return jnp.mean(p, axis=3)
 
 
@@ -233,7 +248,7 @@ def test_chunk_bands_cover_exactly_the_visible_chunks(cu):
     """Each tile walks from the first to the last chunk of 64 compressed rows that any of its rows sees (the
     scores of the other chunks are never written)."""
     T, NC, G, bs = 2000, 125, 3, 16
-    ranges = np.asarray(gpu_select._row_ranges(T, NC, G, bs, None if cu is None else jnp.asarray(cu), None))
+    ranges = np.asarray(gpu_select._row_ranges(T, NC, G, bs, bs, None if cu is None else jnp.asarray(cu), None))
     bands = np.asarray(gpu_select._chunk_bands(jnp.asarray(ranges)))
     for r in range(ranges.shape[0]):
         for i in range(ranges.shape[1]):

@@ -153,7 +153,8 @@ def test_compressed(group, TQ, dtype):
     (k_cmp, k_cmp64), (v_cmp, v_cmp64) = x.compressed(4)
     ref = _reference(ref_compressed.forward, x.q64, k_cmp64, v_cmp64, None, x.lens, block_size=4, scale=x.scale)
     for config in (None, SPLIT):
-        _check(decode.compressed(x.q, k_cmp, v_cmp, jnp.asarray(x.lens), block_size=4, stride=4, scale=x.scale, config=config),
+        _check(decode.compressed(x.q, k_cmp, v_cmp, jnp.asarray(x.lens), block_size=4, stride=4, scale=x.scale,
+                                 config=config),
                ref, x)
 
 

@@ -108,7 +108,7 @@ def test_given_lse_packed_tiles_across_sequences(interpreted):
     assert tb > 1 and any(c % tb for c in CU[1:-1]), "no program spans two sequences"  # tokens c - 1 and c
     lse = nsa.compressed_attention(q, k_cmp, k_cmp, block_size=bs, cu_seqlens=cu, implementation="xla")[1]
     assert np.any(np.isneginf(np.asarray(lse)))
-    got = select_with_lse(q, k_cmp, lse, 5, bs, None, cu, None, "triton")
+    got = select_with_lse(q, k_cmp, lse, 5, bs, (bs, bs), None, cu, None, "triton")
     np.testing.assert_array_equal(np.asarray(got), np.asarray(_select("xla", q, k_cmp, 5, bs, cu)))
 
 

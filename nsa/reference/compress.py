@@ -54,16 +54,18 @@ def _sum_in_order(x, axis):
     return x[0]
 
 
-def forward(x, cu_seqlens, *, block_size, stride, num_blocks):
-    """x [B, T, H, D] -> the window means [B, NC, H, D], NC = num_blocks."""
+def forward(x, cu_seqlens, *, block_size, num_blocks, stride=None):
+    """x [B, T, H, D] -> the window means [B, NC, H, D], NC = num_blocks (stride None: block_size)."""
+    stride = block_size if stride is None else stride
     index, used, length = row_tokens(x.shape[1], cu_seqlens, block_size, stride, num_blocks)
     gathered = jnp.where(used[None, :, :, None, None], x[:, index].astype(c.acc_dtype(x.dtype)), 0.0)
     mean = _sum_in_order(gathered, axis=2) / length[None, :, None, None]  # [B, NC, H, D]
     return mean.astype(x.dtype), (x, cu_seqlens)
 
 
-def backward(residuals, dy, *, block_size, stride, num_blocks):
+def backward(residuals, dy, *, block_size, num_blocks, stride=None):
     """Each token gets the gradients of the rows that hold it, each divided by its row's length: (dx, None)."""
+    stride = block_size if stride is None else stride
     x, cu_seqlens = residuals
     _, _, length = row_tokens(x.shape[1], cu_seqlens, block_size, stride, num_blocks)
     per_row = dy.astype(c.acc_dtype(x.dtype)) / length[None, :, None, None]

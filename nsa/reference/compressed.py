@@ -52,9 +52,10 @@ def _chunk(T, HQ, NC):
     return c.chunk_size(T, 16 * HQ * NC)
 
 
-def forward(q, k_cmp, v_cmp, cu_seqlens, kv_lens=None, *, block_size, stride, scale):
+def forward(q, k_cmp, v_cmp, cu_seqlens, kv_lens=None, *, block_size, scale, stride=None):
     """Returns (o [B, T, HQ, Dv], lse [B, T, HQ] fp32) and the residuals; kv_lens int [B] or None places
-    the queries at the end of longer sequences (`nsa._varlen.tokens`)."""
+    the queries at the end of longer sequences (`nsa._varlen.tokens`); stride None: block_size."""
+    stride = block_size if stride is None else stride
     B, T, HQ, _ = q.shape
     NC = k_cmp.shape[1]
     acc = c.acc_dtype(q.dtype)
@@ -71,8 +72,9 @@ def forward(q, k_cmp, v_cmp, cu_seqlens, kv_lens=None, *, block_size, stride, sc
     return (o, lse), (q, k_cmp, v_cmp, cu_seqlens, kv_lens, o, lse)
 
 
-def backward(residuals, cotangents, *, block_size, stride, scale):
+def backward(residuals, cotangents, *, block_size, scale, stride=None):
     """Gradients (dq, dk_cmp, dv_cmp, None, None), including the path through lse."""
+    stride = block_size if stride is None else stride
     q, k_cmp, v_cmp, cu_seqlens, kv_lens, o, lse = residuals
     do, dlse = cotangents
     B, T, HQ, _ = q.shape

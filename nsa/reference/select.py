@@ -52,6 +52,11 @@ def overlaps(block_size, compress_block_size, compress_stride):
     return {o: min(per_block, per_row + o) - max(0, o) for o in range(1 - per_row, per_block)}
 
 
+def blocks_of(block_size, compress_block_size=None, compress_stride=None):
+    """(l', l, d) as a select kernel takes them: compress_block_size and compress_stride None mean block_size."""
+    return (block_size,) + tuple(block_size if x is None else x for x in (compress_block_size, compress_stride))
+
+
 def one_row_per_block(block_size, compress_block_size, compress_stride):
     """Whether selection block j scores compressed row j alone (l = d = l': fla's form), as the kernels that have
     no Eq. 9 sum take it."""
@@ -85,14 +90,16 @@ def block_scores(by_row, cmp_start, num_blocks, *, block_size, compress_block_si
     return scores
 
 
-def forward(q, k_cmp, lse, cu_seqlens, kv_lens=None, *, block_counts, block_size, compress_block_size,
-            compress_stride, scale):
+def forward(q, k_cmp, lse, cu_seqlens, kv_lens=None, *, block_counts, block_size, scale, compress_block_size=None,
+            compress_stride=None):
     """Returns block_indices int32 [B, T, H, block_counts] (in-sequence block ids).
 
     lse [B, T, HQ] is compressed attention's log-sum-exp of the same q and k_cmp when the caller has
     it (nsa.attention does), or None to compute it here. kv_lens int [B] or None places the queries at the
     end of longer sequences (`nsa._varlen.tokens`), which k_cmp covers (kv_lens <= NC * compress_stride).
+    compress_block_size and compress_stride None: block_size.
     """
+    _, compress_block_size, compress_stride = blocks_of(block_size, compress_block_size, compress_stride)
     B, T, HQ, _ = q.shape
     NC = k_cmp.shape[1]
     NB = num_candidates(T, NC, block_size, kv_lens, compress_stride)

@@ -59,19 +59,11 @@ def explicit(op, phase, dtype):
     return KERNELS[op][phase]
 
 
-def unsupported(op, static, platform):
-    """The selection kernels score one compressed row per selection block: compress_block_size = compress_stride =
-    block_size (the windows that overlap, Eq. 9's sum over rows, are the reference's and Mosaic GPU's so far)."""
-    if op == "select" and not one_row_per_block(**_blocks(static)):
-        return ("its selection kernels score one compressed row per selection block (compress_block_size = "
-                "compress_stride = block_size)")
-    return None
-
-
 def fused_step(q, k, static):
     """The fused decode step (nsa.triton.decode.attention: five launches instead of the ops' ten, on the arrays
     of a `decode.Step`) where it applies to q [B, TQ, HQ, Dk] against the cache k (few queries:
-    `_splits.applies`) and its selection kernel to the blocks of `static` (`unsupported`), else None."""
+    `_splits.applies`) and its decode selection to the blocks of `static` (one compressed row per selection block),
+    else None."""
     return decode.attention if _splits.applies(q, k) and one_row_per_block(**_blocks(static)) else None
 
 

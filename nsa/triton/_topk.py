@@ -13,7 +13,7 @@ p // bs are forced (nsa.reference.select's ranks, above any score).
 import triton
 import triton.language as tl
 
-from nsa._varlen import cdiv
+from nsa._plan import num_candidates
 from nsa.reference import select as reference
 from nsa.triton._common import LOG2E, pow2
 
@@ -58,6 +58,46 @@ def keys(score, blk, cur):
 
 
 @triton.jit
+def complete_rows(p, BS: tl.constexpr, CL: tl.constexpr, CD: tl.constexpr):
+    """How many compressed rows the query at position p sees (nsa._varlen.complete_rows): windows of CL tokens
+    every CD wholly in its past; (p + 1) // BS when they are the selection blocks of BS tokens."""
+    if CL == BS and CD == BS:
+        n = (p + 1) // BS
+    else:
+        n = tl.maximum(p + 1 - CL + CD, 0) // CD
+    return n
+
+
+@triton.jit
+def eq9_keys(score, rows, first, cur, BC: tl.constexpr, BS: tl.constexpr, CL: tl.constexpr, CD: tl.constexpr):
+    """Sortable keys [TB, BC] (`keys`) of the selection blocks named by a chunk of compressed rows, from the rows'
+    scores score [TB, BC] (mean_g p_g(r) of the global rows `rows` [BC]; first [TB]: each token's sequence's
+    first row, cur [TB]: its current block), for windows of CL tokens every CD under blocks of BS (Eq. 9 as
+    nsa.reference.select's `block_scores`): block j of a token scores sum_o count(o) * score[first + UB * j + o],
+    o from -(UR - 1) to UB - 1 (UB = BS / CD, UR = CL / CD), summed in that order. The chunk holds the rows of
+    the blocks whose row first + UB * j lies in [rows[UR - 1], rows[BC - UB]] (`eq9_step` rows apart, chunks
+    overlap by UR + UB - 2 rows): every other column's key is -1 (no candidate)."""
+    UB: tl.constexpr = BS // CD
+    UR: tl.constexpr = CL // CD
+    c = tl.arange(0, BC)
+    total = tl.zeros_like(score)
+    for i in tl.static_range(UR + UB - 1):
+        o: tl.constexpr = i - (UR - 1)
+        at = tl.broadcast_to(tl.minimum(tl.maximum(c + o, 0), BC - 1)[None, :], score.shape)
+        count = tl.minimum(UB, UR + o) - tl.maximum(0, o)
+        total += count * tl.gather(score, at, 1)
+    rel = rows[None, :] - first[:, None]  # in-sequence row
+    owned = (c >= UR - 1) & (c <= BC - UB)
+    named = owned[None, :] & (rel >= 0) & (rel % UB == 0)
+    return keys(total, tl.where(named, rel // UB, -1), cur)
+
+
+def eq9_step(chunk, block_size, compress_block_size, compress_stride):
+    """How far apart the chunks of `eq9_keys` start: chunk rows less the UR + UB - 2 that two chunks share."""
+    return chunk - (compress_block_size + block_size) // compress_stride + 2
+
+
+@triton.jit
 def merge_top(top, key, S: tl.constexpr, SP: tl.constexpr):
     """Each token's running top [TB, SP] (ascending keys, slot SP - 1 ranks first) merged with the keys
     [TB, BC] of a chunk: the SP best of both, unless no key can enter any token's top-S (skipped)."""
@@ -82,11 +122,11 @@ def store_top(out, out_rows, top, ok, S: tl.constexpr, SP: tl.constexpr):
     tl.store(out + out_rows[:, None] * S + out_slot[None, :], ids(top), mask=ok[:, None] & (out_slot < S)[None, :])
 
 
-def num_blocks(T, NC, block_size, cached):
+def num_blocks(T, NC, block_size, cached, compress_stride=None):
     """NB, the most in-sequence blocks a query can have: those of the T queries, or with a KV cache (cached)
-    those of the longest sequence that the NC compressed rows cover (as nsa.reference.select)."""
-    blocks = cdiv(T, block_size)
-    return max(blocks, NC) if cached else blocks
+    those of the longest sequence that the NC compressed rows (one every compress_stride tokens, None:
+    block_size) cover (nsa._plan.num_candidates, as nsa.reference.select)."""
+    return num_candidates(T, NC, block_size, True if cached else None, compress_stride)
 
 
 def chunk(sp, blocks):

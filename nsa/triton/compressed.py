@@ -2,8 +2,8 @@
 
 The query at in-sequence position p (t, or kv_lens[b] - T + t when the queries are the last T tokens of
 longer sequences in a KV cache) sees the compressed rows [cmp_start, cmp_start + n) of k_cmp / v_cmp that
-exist, n the windows of block_size tokens every `stride` wholly in its past (`nsa._varlen.complete_rows`: with
-stride = block_size, n = (p + 1) // block_size) (trailing rows, such as a cache's blocks past each sequence, are never read);
+exist, n the windows of block_size tokens every `stride` wholly in its past (`nsa._varlen.complete_rows`:
+with stride = block_size, n = (p + 1) // block_size) (trailing rows, such as a cache's blocks past each sequence, are never read);
 signatures and residuals are those of nsa.reference.compressed, the gradient also flows through lse.
 decode: whether the flash-decoding forward of nsa/triton/decode.py runs instead (None: where it applies, a
 few queries at the end of a cache: `nsa.triton._splits.decoding`). config: the Config of the kernels that run

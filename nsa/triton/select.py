@@ -5,7 +5,11 @@ compressed rows cmp_start <= r < cmp_start + (p + 1) // block_size; each of its 
 takes the softmax p_g(c) of scale * q_g . k_cmp over them, and block c (row cmp_start + c) scores
 mean_g p_g(c). Blocks 0, p // bs - 1 and p // bs are forced (ranks 2, 3 and 4, above any score),
 blocks after p // bs are never candidates; the block_counts best are kept in rank order, ties going
-to the lower block id, unused slots -1.
+to the lower block id, unused slots -1. With compression windows of l tokens every d that are not the selection
+blocks (CL, CD != BS), a query sees the rows of its complete windows (`_topk.complete_rows`) and block j scores
+Eq. 9, the rows it overlaps (`_topk.eq9_keys`: a chunk's row scores shifted by tl.gather and summed; chunks STEP
+rows apart share the l / d + l' / d - 2 rows a block's score reaches across); the decode select takes one row
+per block only, and with other windows a cache's few queries run this kernel.
 
 `_select_kernel` never materializes the [T, NC] scores. One program owns TB consecutive tokens of one
 KV head and stacks their G query heads (padded to GR, a power of two) into the rows of one tile, so
@@ -37,11 +41,11 @@ import triton.language as tl
 
 from nsa._config import Shapes, positive, power_of_two, validated
 from nsa._varlen import cdiv, tokens
-from nsa.reference.select import unless_one_row_per_block
+from nsa.reference.select import blocks_of, one_row_per_block, unless_one_row_per_block
 from nsa.triton import _launch, _splits, _topk, decode_select
 from nsa.triton import decode as flash_decoding
-from nsa.triton._common import LOG2E, device
-from nsa.triton._topk import keys, logits, merge_top, store_top
+from nsa.triton._common import LOG2E, check, device
+from nsa.triton._topk import complete_rows, eq9_keys, eq9_step, keys, logits, merge_top, store_top
 
 _ROWS = 64  # query rows per tile (TB tokens x GR heads): the M of one wgmma
 _ROWS_FP32 = 32  # float32 takes no wgmma (IEEE products: an FMA dot), and spills less with fewer rows
@@ -54,7 +58,7 @@ def _select_kernel(q, k_cmp, lse, pos, cmp_start, out,
                    T: tl.constexpr, NC: tl.constexpr, H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr,
                    BS: tl.constexpr, S: tl.constexpr, SCALE: tl.constexpr, GR: tl.constexpr, TB: tl.constexpr,
                    DKP: tl.constexpr, BC: tl.constexpr, SP: tl.constexpr, IEEE: tl.constexpr,
-                   HAS_LSE: tl.constexpr):
+                   HAS_LSE: tl.constexpr, CL: tl.constexpr, CD: tl.constexpr, STEP: tl.constexpr):
     """The top-S blocks of TB consecutive tokens of one KV head.
 
     Grid: (cdiv(T, TB), B * H). Tile: M = TB * GR query rows, row i = token t0 + i // GR, head
@@ -86,7 +90,7 @@ def _select_kernel(q, k_cmp, lse, pos, cmp_start, out,
     tok_ok = tok < T
     p_tok = tl.load(pos + tok, mask=tok_ok, other=0)
     first = tl.load(cmp_start + tok, mask=tok_ok, other=0)
-    n_vis = tl.where(tok_ok, (p_tok + 1) // BS, 0)
+    n_vis = tl.where(tok_ok, complete_rows(p_tok, BS=BS, CL=CL, CD=CD), 0)
     cur = tl.where(tok_ok, p_tok // BS, -1)  # padded tokens have no candidates
 
     # each query row of the tile [M]: its token's visible rows [first_row, end_row) of k_cmp (none past its
@@ -96,7 +100,8 @@ def _select_kernel(q, k_cmp, lse, pos, cmp_start, out,
     hq = h * G + i % GR
     row_ok = (i % GR < G) & (t_row < T)
     first_row = tl.load(cmp_start + t_row, mask=row_ok, other=0)
-    end_row = tl.where(row_ok, first_row + (tl.load(pos + t_row, mask=row_ok, other=0) + 1) // BS, first_row)
+    p_row = tl.load(pos + t_row, mask=row_ok, other=0)
+    end_row = tl.where(row_ok, first_row + complete_rows(p_row, BS=BS, CL=CL, CD=CD), first_row)
     end_row = tl.minimum(end_row, NC)
     q_row = (b * T + t_row) * (H * G) + hq  # int64 row of q and lse
     dk = tl.arange(0, DKP)
@@ -128,14 +133,24 @@ def _select_kernel(q, k_cmp, lse, pos, cmp_start, out,
 
     # pass 2: scores of each token's candidates, merged chunk by chunk into its running top
     top = tl.full([TB, SP], -1, tl.int64)  # keys in ascending order: slot SP - 1 ranks first
-    end = tl.max(first + cur, 0) + 1
-    for r0 in range(lo, end, BC):
+    ONE_ROW: tl.constexpr = CL == BS and CD == BS
+    if ONE_ROW:
+        start = lo
+        end = tl.max(first + cur, 0) + 1
+    else:  # chunks STEP rows apart, from UR - 1 rows before the first (`eq9_keys`)
+        start = lo - (CL // CD - 1)
+        end = tl.max(first + (BS // CD) * cur, 0) + 1
+    for r0 in range(start, end, STEP):
         rows = r0 + c
-        s = logits(q_tile, k_cmp, rows, rows < vis_end, b, h, NC=NC, H=H, DK=DK, DKP=DKP, SCALE=SCALE, IEEE=IEEE)
+        s = logits(q_tile, k_cmp, rows, (rows >= 0) & (rows < vis_end), b, h, NC=NC, H=H, DK=DK, DKP=DKP,
+                   SCALE=SCALE, IEEE=IEEE)
         vis = (rows[None, :] >= first_row[:, None]) & (rows[None, :] < end_row[:, None]) & seen[:, None]
         p = tl.where(vis, tl.exp2(s - lse2[:, None]), 0.0)
         score = tl.sum(tl.reshape(p, [TB, GR, BC]), 1) / G
-        key = keys(score, rows[None, :] - first[:, None], cur)  # [TB, BC], by in-sequence block id
+        if ONE_ROW:
+            key = keys(score, rows[None, :] - first[:, None], cur)  # [TB, BC], by in-sequence block id
+        else:
+            key = eq9_keys(score, rows, first, cur, BC=BC, BS=BS, CL=CL, CD=CD)
         top = merge_top(top, key, S=S, SP=SP)
 
     store_top(out, (b * T + tok) * H + h, top, tok_ok, S=S, SP=SP)
@@ -162,14 +177,15 @@ class Config(NamedTuple):
 def _sizes(shapes, cached):
     """(NB, the most blocks a query can have; nsa.triton._topk.sizes) of the queries against k_cmp (TK = NC),
     at the end of a KV cache's sequences where cached."""
-    blocks = _topk.num_blocks(shapes.T, shapes.TK, shapes.block_size, cached)
+    blocks = _topk.num_blocks(shapes.T, shapes.TK, shapes.block_size, cached, shapes.compress_stride or None)
     return blocks, _topk.sizes(shapes.G, shapes.Dk, shapes.block_counts, blocks)
 
 
 def default_config(shapes, dtype, device):
     """The Config for q [B, T, HQ, Dk] against k_cmp [B, NC, H, Dk]: `nsa._config.Shapes.of(q, k_cmp,
-    block_size=..., block_counts=S, packed=...)` (TK = NC; packed sequences have the blocks of T tokens at most,
-    the others those of the longest sequence k_cmp covers, as with a KV cache).
+    block_size=..., block_counts=S, packed=..., compress_block_size=..., compress_stride=...)` (TK = NC; packed
+    sequences have the blocks of T tokens at most, the others those of the longest sequence k_cmp covers, as with
+    a KV cache).
 
     TB tokens per tile so that their heads, G padded to GR = a power of two, fill TB * GR = 64 rows, 32
     in float32 (one token when G is larger; fewer for a short T, never under tl.dot's 16 rows). BC = 64
@@ -179,18 +195,27 @@ def default_config(shapes, dtype, device):
     loads while this one is scored) once a tile walks four chunks or more, else one: two stages were faster
     at T = 65536 (1024 blocks) and slower at T = 8192 (128 blocks, about one chunk: more shared memory,
     fewer resident programs, nothing to overlap), benchmarks/results/ops-pipelining-ab.json.
+
+    With windows that are not the selection blocks (Eq. 9) a chunk's rows are the compressed rows, l' / d per
+    block, and two chunks share l / d + l' / d - 2 of them (`_topk.eq9_keys`): BC is sized by the rows and holds at
+    least four times those, so that a chunk moves on by three quarters of its rows or more. Not yet timed.
     """
     blocks, sized = _sizes(shapes, cached=not shapes.packed)
     itemsize = jnp.dtype(dtype).itemsize
     gr, dkp = sized["GR"], sized["DKP"]
     tb = max(16 // gr, min(max(1, (_ROWS_FP32 if itemsize == 4 else _ROWS) // gr), triton.next_power_of_2(shapes.T)))
+    rows = blocks
     bc = _topk.chunk(sized["SP"], blocks)
+    if not shapes.one_row_per_block:
+        rows = blocks * shapes.block_size // shapes.compress_stride
+        shared = (shapes.compress_block_size + shapes.block_size) // shapes.compress_stride - 2
+        bc = max(_topk.chunk(sized["SP"], rows), triton.next_power_of_2(4 * shared))
     largest = max(tb * gr * dkp * itemsize, dkp * bc * itemsize, tb * gr * bc * 4, tb * bc * 8)
-    return Config(tb, bc, 8 if largest > 16384 else 4, 2 if blocks >= 4 * bc else 1)
+    return Config(tb, bc, 8 if largest > 16384 else 4, 2 if rows >= 4 * bc else 1)
 
 
-def forward(q, k_cmp, lse, cu_seqlens, kv_lens=None, *, block_counts, block_size, compress_block_size,
-            compress_stride, scale, config=None, decode=None):
+def forward(q, k_cmp, lse, cu_seqlens, kv_lens=None, *, block_counts, block_size, scale, compress_block_size=None,
+            compress_stride=None, config=None, decode=None):
     """Returns block_indices int32 [B, T, H, block_counts] (in-sequence block ids), as the reference.
 
     lse [B, T, HQ] (compressed attention's of the same q and k_cmp) saves the kernel its first pass;
@@ -199,10 +224,13 @@ def forward(q, k_cmp, lse, cu_seqlens, kv_lens=None, *, block_counts, block_size
     runs, None where it applies (`nsa.triton._splits.decoding`: a few queries at the end of a cache; without lse,
     compressed attention's decode kernel computes it first). config: the Config of the kernel that runs (a
     decode_select.Config for the decode select; None: its `default_config`). The blocks must be
-    `one_row_per_block` (nsa.reference.select; the family's `unsupported` says so before this runs)."""
-    unless_one_row_per_block("Triton", block_size=block_size, compress_block_size=compress_block_size,
-                             compress_stride=compress_stride)
-    if _splits.decoding(decode, q, k_cmp, kv_lens, config, (Config, decode_select.Config)):
+    `one_row_per_block` (nsa.reference.select) for the decode select (decode=None then runs the training kernel,
+    which takes any: Eq. 9's sum, `_topk.eq9_keys`)."""
+    block_size, compress_block_size, compress_stride = blocks_of(block_size, compress_block_size, compress_stride)
+    blocks = dict(block_size=block_size, compress_block_size=compress_block_size, compress_stride=compress_stride)
+    if _splits.decoding(decode if decode or one_row_per_block(**blocks) else False, q, k_cmp, kv_lens, config,
+                        (Config, decode_select.Config)):
+        unless_one_row_per_block("Triton decode", **blocks)
         if lse is None:
             _, lse = flash_decoding.compressed(q, k_cmp, k_cmp, kv_lens, block_size=block_size, stride=block_size,
                                                scale=scale)
@@ -210,10 +238,12 @@ def forward(q, k_cmp, lse, cu_seqlens, kv_lens=None, *, block_counts, block_size
                                      scale=scale, config=config)
     B, T, HQ, Dk = q.shape
     NC, H = k_cmp.shape[1], k_cmp.shape[2]
-    shapes = Shapes.of(q, k_cmp, block_size=block_size, block_counts=block_counts, packed=cu_seqlens is not None)
+    shapes = Shapes.of(q, k_cmp, block_counts=block_counts, packed=cu_seqlens is not None, **blocks)
     cfg = default_config(shapes, q.dtype, device()) if config is None else config
     _, sized = _sizes(shapes, cached=kv_lens is not None)
-    tok = tokens(T, block_size, cu_seqlens, kv_lens)
+    tok = tokens(T, compress_stride, cu_seqlens, kv_lens)
+    step = cfg.chunk if shapes.one_row_per_block else eq9_step(cfg.chunk, **blocks)
+    check(step > 0, "config", f"chunk > l / d + l' / d - 2 = {cfg.chunk - step}", cfg.chunk)
     per_batch = lambda x: jnp.broadcast_to(x, (B, T))
     lse_arg = jnp.zeros((1,), jnp.float32) if lse is None else lse.astype(jnp.float32)  # unread when None
     [idx] = _launch.launch(
@@ -222,6 +252,6 @@ def forward(q, k_cmp, lse, cu_seqlens, kv_lens=None, *, block_counts, block_size
         outputs=dict(out=_launch.shape_dtype((B, T, H, sized["S"]), jnp.int32)),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, T=T, NC=NC, H=H, G=HQ // H, DK=Dk, BS=block_size,
         SCALE=float(scale), IEEE=bool(q.dtype == jnp.float32), HAS_LSE=lse is not None, TB=cfg.tokens,
-        BC=cfg.chunk, **sized)
+        BC=cfg.chunk, CL=compress_block_size, CD=compress_stride, STEP=step, **sized)
     # the slots past S are always unused
     return jnp.pad(idx, [(0, 0)] * 3 + [(0, block_counts - sized["S"])], constant_values=-1)

@@ -1,9 +1,10 @@
 """Compressed attention on the Mosaic GPU flash kernels (nsa/pallas/gpu/_flash.py).
 
 The contract and the residuals are nsa.reference.compressed's (the gradient also flows through lse): the query at
-in-sequence position p sees the compressed rows [cmp_start, cmp_start + n) of k_cmp / v_cmp, n the windows of block_size tokens every
-`stride` wholly in its past (`nsa._varlen.complete_rows`; (p + 1) // block_size for stride = block_size),
-that exist (`nsa._varlen.compressed_key_range`), and a row may be seen by any of the T queries (the span that
+in-sequence position p sees the compressed rows [cmp_start, cmp_start + n) of k_cmp / v_cmp, n the windows of
+block_size tokens every `stride` wholly in its past (`nsa._varlen.complete_rows`; (p + 1) // block_size for
+stride = block_size), that exist (`nsa._varlen.compressed_key_range`), and a row may be seen by any of the T
+queries (the span that
 splits the dk/dv walk over programs). `config` (a _flash.Config; None: its default_config) goes to the kernels.
 """
 

@@ -68,7 +68,7 @@ from nsa._plan import num_candidates
 from nsa._varlen import cdiv, complete_rows, round_up, tokens
 from nsa.pallas._batch import per_sequence
 from nsa.pallas.gpu._common import by_row, call, check_dtype, iota, matmul, padded_dim, pipelined, smem_tile
-from nsa.reference.select import block_ranks, block_scores, top_blocks
+from nsa.reference.select import block_ranks, block_scores, blocks_of, top_blocks
 
 ROWS = 64  # the tile: wgmma's M
 CHUNK = ROWS  # BC: compressed rows per step (wgmma's N): a row of a chunk's p is read as a per-row vector of a tile
@@ -176,16 +176,18 @@ def _padded_inputs(q, k_cmp, H):
     return q5, k_cmp
 
 
-def ranks_from_scores(by_row, cu_seqlens, kv_lens=None, *, num_blocks, **blocks):
+def ranks_from_scores(by_row, cu_seqlens, kv_lens=None, *, num_blocks, block_size, compress_block_size=None,
+                      compress_stride=None):
     """The ranks float32 [B, T, H, NB] of the in-sequence selection blocks (the reference's `block_ranks`) from the
     score of each row of k_cmp, by_row float32 [B, T, H, NC] (the mean over the G heads of p_g(r), 0 where the
     token does not see row r), mapped onto the blocks by the reference's `block_scores` (Eq. 9; with one row per
-    block, in-sequence block c is row first + c; rows past NC score 0). blocks: block_size, compress_block_size,
-    compress_stride."""
-    T = by_row.shape[1]
-    tok = tokens(T, blocks["compress_stride"], cu_seqlens, kv_lens)
+    block, in-sequence block c is row first + c; rows past NC score 0); compress_block_size and compress_stride None:
+    block_size."""
+    blocks = dict(zip(("block_size", "compress_block_size", "compress_stride"),
+                      blocks_of(block_size, compress_block_size, compress_stride)))
+    tok = tokens(by_row.shape[1], blocks["compress_stride"], cu_seqlens, kv_lens)
     by_block = block_scores(by_row, tok.cmp_start, num_blocks, **blocks)
-    return block_ranks(by_block, tok.pos, block_size=blocks["block_size"])
+    return block_ranks(by_block, tok.pos, block_size=block_size)
 
 
 def indices_from_scores(by_row, cu_seqlens, kv_lens=None, *, block_counts, num_blocks, **blocks):
@@ -436,8 +438,8 @@ def _top_chunks(pos, B, H, block_size, num_blocks, top_chunk):
 
 
 @per_sequence
-def forward(q, k_cmp, lse, cu_seqlens, kv_lens=None, *, block_counts, block_size, compress_block_size, compress_stride,
-            scale, config=None):
+def forward(q, k_cmp, lse, cu_seqlens, kv_lens=None, *, block_counts, block_size, scale, compress_block_size=None,
+            compress_stride=None, config=None):
     """Returns block_indices int32 [B, T, H, block_counts] (in-sequence block ids), as the reference.
 
     q [B, T, HQ, Dk], k_cmp [B, NC, H, Dk] (bfloat16 or float16, the same); lse [B, T, HQ] float32 is
@@ -446,6 +448,7 @@ def forward(q, k_cmp, lse, cu_seqlens, kv_lens=None, *, block_counts, block_size
     last T tokens of sequences of kv_lens[b] tokens, which k_cmp covers). config: a Config (None:
     `default_config`). A symbolic batch runs once per sequence (`per_sequence`: no Mosaic GPU grid takes one).
     """
+    _, compress_block_size, compress_stride = blocks_of(block_size, compress_block_size, compress_stride)
     _check(q, k_cmp)
     B, T, HQ, _ = q.shape
     NC, H = k_cmp.shape[1], k_cmp.shape[2]

@@ -1,8 +1,9 @@
 """Compressed attention on the Pallas TPU flash kernels (nsa/pallas/tpu/_flash.py).
 
 The query at in-sequence position p (its index t, or kv_lens[b] - T + t at the end of a KV cache's sequence
-b) sees the compressed rows [cmp_start, cmp_start + n) of k_cmp / v_cmp, n the windows of block_size tokens every
-`stride` wholly in its past (`nsa._varlen.complete_rows`; (p + 1) // block_size for stride = block_size), that exist
+b) sees the compressed rows [cmp_start, cmp_start + n) of k_cmp / v_cmp, n the windows of block_size tokens
+every `stride` wholly in its past (`nsa._varlen.complete_rows`; (p + 1) // block_size for stride = block_size),
+that exist
 (trailing rows, such as a cache's incomplete blocks, are never read); signatures and residuals are those
 of nsa.reference.compressed, the gradient also flows through lse. A query may see any of the NC rows (packed
 sequences, or a cache), and a row any of the T queries: the spans that size the kernels' grids. `interpret`

@@ -9,7 +9,10 @@ them, and block c (row first + c) scores mean_g p_g(first + c) (0 for a row it d
 p // bs - 1 and p // bs are forced (ranks FIRST, PREVIOUS, CURRENT of nsa.reference.select, above any score),
 blocks after p // bs are never candidates; the block_counts best are kept in rank order, ties going to the
 lower block id, unused slots -1. ../gpu/select.py and nsa/triton/select.py are GPU versions of the same
-op.
+op. With compression windows of l tokens every d that are not the selection blocks of l' (Eq. 9), a token sees
+the rows of its complete windows (`nsa._varlen.complete_rows`), the last walk stores each row's score instead
+of its rank, and the last step turns the scores into the ranks of the blocks they name (`_eq9_ranks`: row
+first + (l' / d) * j names block j; lane rolls across neighbouring chunks), which the top-k then reads.
 
 Layouts. The kernel reads q as a [B, T, HQ * Dp] view and k_cmp as a [B, R, H * Dp] view (Dp = Dk padded to a
 multiple of 128 lanes inside the op, T padded to a multiple of TB, R = the rows any token's current block may
@@ -63,10 +66,10 @@ from jax.experimental.pallas import tpu as pltpu
 from nsa._config import Shapes, expect, positive, validated
 from nsa._device import facts
 from nsa._plan import band, bands, num_candidates
-from nsa._varlen import cdiv, num_compressed_blocks, round_up, tokens
+from nsa._varlen import cdiv, complete_rows, num_compressed_blocks, round_up, tokens
 from nsa.pallas._batch import per_sequence
 from nsa.pallas.tpu._common import batch_row, clamped, dot, lane_padded, lanes, out_struct, sublanes, view
-from nsa.reference.select import CURRENT, FIRST, PREVIOUS, unless_one_row_per_block
+from nsa.reference.select import CURRENT, FIRST, PREVIOUS, blocks_of, one_row_per_block, overlaps
 
 MAX_TOKENS = 128  # TB at most: 128 rows fill the MXU's M and make a chunk's ranks (TB, 128) 16 vregs
 
@@ -91,15 +94,15 @@ def vmem_budget(device):
     return device.scoped_vmem * 12 // 16
 
 
-def _slots(T, NC, block_counts, block_size, kv_lens):
+def _slots(T, NC, block_counts, block_size, kv_lens, stride):
     """S: the slots the kernel fills, as many as a token may have candidates (`nsa._plan.num_candidates`)."""
-    return min(block_counts, num_candidates(T, NC, block_size, kv_lens))
+    return min(block_counts, num_candidates(T, NC, block_size, kv_lens, stride))
 
 
-def _num_rows(T, NC, block_size, cu_seqlens):
-    """R: the rows of k_cmp a token may see or name as its current block (rows past NC score 0; a cache's
-    k_cmp covers its sequences: kv_lens <= NC * block_size)."""
-    return max(NC, num_compressed_blocks(T, block_size, cu_seqlens), 1)
+def _num_rows(T, NC, stride, cu_seqlens):
+    """R: the rows of k_cmp (one every `stride` tokens) a token may see or name as its current block (rows past
+    NC score 0; a cache's k_cmp covers its sequences: kv_lens <= NC * stride)."""
+    return max(NC, num_compressed_blocks(T, stride, cu_seqlens), 1)
 
 
 def vmem_bytes(G, dk, itemsize, num_rows, slots, config):
@@ -135,12 +138,12 @@ def default_config(shapes: Shapes, dtype, device) -> Config:
     return Config(tb, lane)
 
 
-def _config(config, q, k_cmp, cu_seqlens, *, block_counts, block_size):
+def _config(config, q, k_cmp, cu_seqlens, *, block_counts, block_size, stride):
     """config (its tokens checked against q's dtype), or the default_config of q [B, T, HQ, Dk] against k_cmp
-    [B, NC, H, Dk] (B may be symbolic)."""
+    [B, NC, H, Dk] (B may be symbolic; one row every `stride` tokens)."""
     if config is None:
         T = q.shape[1]
-        rows = _num_rows(T, k_cmp.shape[1], block_size, cu_seqlens)
+        rows = _num_rows(T, k_cmp.shape[1], stride, cu_seqlens)
         shapes = Shapes(q.shape[0], T, rows, q.shape[2], k_cmp.shape[2], q.shape[3], q.shape[3],
                         block_size=block_size, block_counts=block_counts)
         return default_config(shapes, q.dtype, facts("tpu"))
@@ -212,9 +215,49 @@ def _ranks(score, row, first, cur):
     return jnp.where((row >= first) & (row <= cur), rank, -jnp.inf)
 
 
-def _top_k(rank_scr, lo, hi, first, slots):
+def _eq9_ranks(rank_scr, lo, hi, first, cur, *, blocks):
+    """Overwrites the row scores of the chunks lo..hi of rank_scr [R / BC, TB, BC] (mean_g p_g(r), 0 where not
+    seen) with the ranks of the selection blocks they name (Eq. 9, as nsa.reference.select's `block_scores`):
+    in-sequence row UB * j names block j and ranks it by sum_o count(o) * score[row + o] (o ascending, from
+    -(UR - 1) to UB - 1, `overlaps`), with the forced ranks on block 0 (row first), cur - 1 (row cur - UB) and
+    cur (row cur, first + UB * (p // l')); every other row ranks -inf. A row's neighbours o lanes away come from
+    the chunk itself or the one before or after it (lane rolls; chunks outside lo..hi read as 0: no token sees
+    their rows). blocks: (l', l, d)."""
+    block_size, _, stride = blocks
+    per_block = block_size // stride
+    tb, bc = rank_scr.shape[1], rank_scr.shape[2]
+    lane = lax.broadcasted_iota(jnp.int32, (tb, bc), 1)
+    raw = lambda c: jnp.where((c >= lo) & (c <= hi), rank_scr[jnp.clip(c, 0, rank_scr.shape[0] - 1)], 0.0)
+
+    def convert(c, carry):
+        before, this = carry
+        after = raw(c + 1)
+        total = None
+        for o, count in overlaps(*blocks).items():
+            if o == 0:
+                term = this
+            else:
+                beyond = (lane + o >= bc) if o > 0 else (lane + o < 0)  # the lanes of the next (previous) chunk
+                shift = (-o) % bc  # roll: lane i takes lane i + o
+                term = jnp.where(beyond, pltpu.roll(after if o > 0 else before, shift, 1), pltpu.roll(this, shift, 1))
+            term = term if count == 1 else count * term
+            total = term if total is None else total + term
+        rel = (c * bc + lane - first).astype(jnp.float32)  # the in-sequence row, exact below 2^24
+        named = (rel >= 0) & (jnp.floor(rel / per_block) * per_block == rel)
+        row = c * bc + lane
+        rank = jnp.where(row == first, FIRST, total)
+        rank = jnp.where(row == cur - per_block, PREVIOUS, rank)
+        rank = jnp.where(row == cur, CURRENT, rank)
+        rank_scr[c] = jnp.where(named & (row <= cur), rank, -jnp.inf)
+        return this, after
+
+    lax.fori_loop(lo, hi + 1, convert, (raw(lo - 1), raw(lo)))
+
+
+def _top_k(rank_scr, lo, hi, first, slots, per_block=1):
     """ids int32 [TB, slots]: in rank order, each token's best in-sequence blocks among the ranks of the chunks
-    lo..hi of rank_scr [R / BC, TB, BC] (ties to the lower row), -1 once none is left. Consumes rank_scr."""
+    lo..hi of rank_scr [R / BC, TB, BC] (ties to the lower row; block (row - first) / per_block), -1 once none is
+    left. Consumes rank_scr."""
     tb, bc = rank_scr.shape[1], rank_scr.shape[2]
     lane = lax.broadcasted_iota(jnp.int32, (tb, bc), 1)
     row = lambda c: (c * bc + lane).astype(jnp.float32)  # exact below 2^24 rows
@@ -236,14 +279,17 @@ def _top_k(rank_scr, lo, hi, first, slots):
 
         low = lax.fori_loop(lo, hi + 1, lowest, jnp.full((tb, 1), jnp.inf, jnp.float32))
         found = best > -jnp.inf
-        ids = jnp.where(slot == r, jnp.where(found, low.astype(jnp.int32) - first, -1), ids)
+        block = low.astype(jnp.int32) - first
+        if per_block > 1:  # rows first + per_block * j name the blocks (`_eq9_ranks`): an exact float division
+            block = ((low - first.astype(jnp.float32)) / per_block).astype(jnp.int32)
+        ids = jnp.where(slot == r, jnp.where(found, block, -1), ids)
         return ids, jnp.where(found, low, -1.0)
 
     init = (jnp.full((tb, slots), -1, jnp.int32), jnp.full((tb, 1), -1.0, jnp.float32))
     return lax.fori_loop(0, slots, one_round, init)[0]
 
 
-def _kernel(band_ref, rows_ref, q_ref, k_ref, *refs, scale, dkp, steps, has_lse, per_row, precision):
+def _kernel(band_ref, rows_ref, q_ref, k_ref, *refs, scale, dkp, steps, has_lse, per_row, precision, blocks):
     """One step: chunk band[i] + j % STEPS of pass j // STEPS (see the module docstring)."""
     lse_ref = refs[0] if has_lse else None
     out_ref, rank_scr, m_scr, l_scr = refs[1:] if has_lse else refs
@@ -270,24 +316,31 @@ def _kernel(band_ref, rows_ref, q_ref, k_ref, *refs, scale, dkp, steps, has_lse,
     @pl.when((lax.div(j, steps) == last_pass) & (chunk <= hi))
     def _score():
         score = _chunk_scores(q_ref, k_ref[0], visible, lse_ref, m_scr, l_scr, **kw)
-        rank_scr[chunk] = _ranks(score, row, first, cur)
+        if one_row_per_block(*blocks):
+            rank_scr[chunk] = _ranks(score, row, first, cur)
+        else:  # the rows' scores, turned into the blocks' ranks once every chunk is scored
+            rank_scr[chunk] = score
 
     @pl.when(j == pl.num_programs(3) - 1)
     def _select():
-        out_ref[0, 0] = _top_k(rank_scr, lo, hi, first, out_ref.shape[3])
+        if not one_row_per_block(*blocks):
+            _eq9_ranks(rank_scr, lo, hi, first, cur, blocks=blocks)
+        out_ref[0, 0] = _top_k(rank_scr, lo, hi, first, out_ref.shape[3], blocks[0] // blocks[2])
 
 
 # ------------------------------------------------------------------------------------------ wrapper
 
 
-def _token_rows(T, tp, NC, block_size, cu_seqlens, kv_lens):
+def _token_rows(T, tp, NC, blocks, cu_seqlens, kv_lens):
     """int32 [R, 3, tp, 1] (R = B with kv_lens, else 1: shared by the batch): per token its first row of
-    k_cmp, the end of its visible rows (at most NC) and the row of its current block; padded tokens 0, 0, -1
-    (no candidates)."""
-    tok = tokens(T, block_size, cu_seqlens, kv_lens)
+    k_cmp, the end of its visible rows (at most NC) and the row naming its current block (first + l' / d *
+    (p // l')); padded tokens 0, 0, -1 (no candidates). blocks: (l', l, d)."""
+    block_size, window, stride = blocks
+    tok = tokens(T, stride, cu_seqlens, kv_lens)
     first, pos = tok.cmp_start, tok.pos  # [R, T]
-    end = jnp.minimum(first + (pos + 1) // block_size, NC)
-    rows = jnp.stack([first, end, first + pos // block_size], axis=1).astype(jnp.int32)  # [R, 3, T]
+    end = jnp.minimum(first + complete_rows(pos, window, stride), NC)
+    current = first + pos // block_size if stride == block_size else first + block_size // stride * (pos // block_size)
+    rows = jnp.stack([first, end, current], axis=1).astype(jnp.int32)  # [R, 3, T]
     padding = jnp.broadcast_to(jnp.array([[0], [0], [-1]], jnp.int32), (rows.shape[0], 3, tp - T))
     return jnp.concatenate([rows, padding], axis=2)[..., None]
 
@@ -298,8 +351,8 @@ def forward(q, k_cmp, lse, cu_seqlens, kv_lens=None, **static):
     q [B, T, HQ, Dk], k_cmp [B, NC, H, Dk]; lse [B, T, HQ] float32 is compressed attention's log-sum-exp of
     the same q and k_cmp (it saves the kernel its first pass), or None; cu_seqlens None or int32 [N + 1]
     (packed sequences, B = 1); kv_lens None or int32 [B] (the queries are the last T tokens of sequences of
-    kv_lens[b] tokens, which k_cmp covers). Keywords: block_counts, block_size, compress_block_size and
-    compress_stride (one compressed row per block: the three equal), scale; interpret (a
+    kv_lens[b] tokens, which k_cmp covers). Keywords: block_counts, block_size, scale, compress_block_size and
+    compress_stride (None: block_size; windows other than the selection blocks: Eq. 9, `_eq9_ranks`); interpret (a
     pltpu.InterpretParams to run in Pallas's TPU interpret mode on any platform, or False) and config (a Config;
     None: `default_config`). With kv_lens the token rows are per batch row, a [B * ...] table in SMEM: a symbolic
     batch then runs once per sequence (`per_sequence`).
@@ -308,23 +361,27 @@ def forward(q, k_cmp, lse, cu_seqlens, kv_lens=None, **static):
     return run(q, k_cmp, lse, cu_seqlens, kv_lens, **static)
 
 
-def _forward(q, k_cmp, lse, cu_seqlens, kv_lens, *, block_counts, block_size, compress_block_size, compress_stride,
-             scale, interpret=False, config=None):
-    unless_one_row_per_block("Pallas TPU", block_size=block_size, compress_block_size=compress_block_size,
-                             compress_stride=compress_stride)
+def _forward(q, k_cmp, lse, cu_seqlens, kv_lens, *, block_counts, block_size, scale, compress_block_size=None,
+             compress_stride=None, interpret=False, config=None):
+    blocks = blocks_of(block_size, compress_block_size, compress_stride)
+    _, compress_block_size, compress_stride = blocks
     B, T, HQ, Dk = q.shape
     NC, H = k_cmp.shape[1], k_cmp.shape[2]
     G = HQ // H
-    slots = _slots(T, NC, block_counts, block_size, kv_lens)
+    slots = _slots(T, NC, block_counts, block_size, kv_lens, compress_stride)
     if B * T * slots == 0:
         return jnp.full((B, T, H, block_counts), -1, jnp.int32)
-    config = _config(config, q, k_cmp, cu_seqlens, block_counts=block_counts, block_size=block_size)
+    config = _config(config, q, k_cmp, cu_seqlens, block_counts=block_counts, block_size=block_size,
+                     stride=compress_stride)
     tb, bc = config
     tp, dkp = round_up(T, tb), lane_padded(Dk)
-    rp = round_up(_num_rows(T, NC, block_size, cu_seqlens), bc)
+    rp = round_up(_num_rows(T, NC, compress_stride, cu_seqlens), bc)
     nt, steps = tp // tb, rp // bc
-    rows = _token_rows(T, tp, NC, block_size, cu_seqlens, kv_lens)
-    table = jnp.minimum(bands(rows[:, 0, :, 0], rows[:, 2, :, 0], nt, bc), steps - 1)  # first, last chunk per tile
+    rows = _token_rows(T, tp, NC, blocks, cu_seqlens, kv_lens)
+    last = rows[:, 2, :, 0]  # with Eq. 9 the current block's score needs the rows after its own (`_eq9_ranks`)
+    if not one_row_per_block(*blocks):
+        last = jnp.where(last >= 0, last + block_size // compress_stride - 1, -1)
+    table = jnp.minimum(bands(rows[:, 0, :, 0], last, nt, bc), steps - 1)  # first, last chunk per tile
     passes = 1 if lse is not None else 2
     per_row = kv_lens is not None
 
@@ -341,7 +398,7 @@ def _forward(q, k_cmp, lse, cu_seqlens, kv_lens, *, block_counts, block_size, co
         lse_by_head = jnp.transpose(lse.astype(jnp.float32).reshape(B, T, H, G), (0, 2, 1, 3))
         args.append(jnp.pad(lse_by_head, [(0, 0), (0, 0), (0, tp - T), (0, 0)]))
     kernel = functools.partial(_kernel, scale=float(scale), dkp=dkp, steps=steps, has_lse=lse is not None,
-                               per_row=per_row,
+                               per_row=per_row, blocks=blocks,
                                precision=lax.Precision.HIGHEST if q.dtype != jnp.bfloat16 else None)
     out = pl.pallas_call(
         kernel,
