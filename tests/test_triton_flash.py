@@ -34,6 +34,11 @@ def _compressed(impl, block_size, cu):
                                                     implementation=impl)
 
 
+def _kernel_sizes(op, static):
+    """A branch's sizes as its Triton module takes them: the compressed branch's windows every block_size."""
+    return dict(static, stride=static["block_size"]) if op == "compressed" else static
+
+
 def _check(make, low, ref_inputs, dtype):
     """Forward outputs and all gradients (do on o, a cos pattern on the finite lse) against XLA."""
     q, k, v, do = low
@@ -94,9 +99,10 @@ class TestTritonFlashInterpreted:
         # 16-query tiles in 3 splits of 32 queries (splits are whole tiles)
         shapes = Shapes.of(q, k, v, **static)
         config = _flash.default_config(shapes, q.dtype, TABLE["NVIDIA H200"])._replace(bwd_block_m=16, splits=3)
-        out, res = module.forward(q, k, v, cu_j, scale=0.25, **static)
+        kernel = _kernel_sizes(op, static)
+        out, res = module.forward(q, k, v, cu_j, scale=0.25, **kernel)
         dlse = jnp.where(jnp.isfinite(out[1]), 1.0, 0.0) if op == "compressed" else None
-        grads = module.backward(res, do if dlse is None else (do, dlse), scale=0.25, config=config, **static)[:3]
+        grads = module.backward(res, do if dlse is None else (do, dlse), scale=0.25, config=config, **kernel)[:3]
         public = nsa.compressed_attention if op == "compressed" else nsa.sliding_window_attention
         _, vjp = jax.vjp(lambda q, k, v: public(q, k, v, scale=0.25, cu_seqlens=cu_j, implementation="xla",
                                                 **static), q, k, v)
@@ -121,10 +127,11 @@ class TestTritonFlashInterpreted:
         kv_lens = jnp.asarray(lens)
         config = _flash.default_config(Shapes.of(q, k, v, **static), q.dtype, TABLE["NVIDIA H200"])._replace(
             block_m=16, block_n=16, bwd_block_m=16, bwd_block_n=16, splits=3)
+        kernel = _kernel_sizes(op, static)
         out, res = module.forward(q, *(jnp.where(past, jnp.nan, x) for x in (k, v)), None, kv_lens, scale=0.25,
-                                  config=config, **static)
+                                  config=config, **kernel)
         cotangent = (do, jnp.where(jnp.isfinite(out[1]), 1.0, 0.0)) if op == "compressed" else do
-        grads = module.backward(res, cotangent, scale=0.25, config=config, **static)[:3]
+        grads = module.backward(res, cotangent, scale=0.25, config=config, **kernel)[:3]
         zero_k, zero_v = (jnp.where(past, 0.0, x) for x in (k, v))
         out_ref, vjp = jax.vjp(lambda q, k, v: public(q, k, v, scale=0.25, kv_lens=kv_lens, implementation="xla",
                                                       **static), q, zero_k, zero_v)
