@@ -30,14 +30,41 @@ class Shape(NamedTuple):
     block_size: int = 64
     blocks: int = 16  # selected blocks per (token, KV head)
     window: int = 512
+    compress_block_size: int = 0  # l, the compression window (0: block_size)
+    compress_stride: int = 0  # d, its stride (0: block_size)
 
     def describe(self):
         """The shape as the JSON's meta records it."""
         return dict(B=self.B, HQ=self.HQ, H=self.H, D=self.D, block_size=self.block_size, blocks=self.blocks,
-                    window=self.window, dtype="bfloat16")
+                    window=self.window, compress_block_size=self.compress_block_size,
+                    compress_stride=self.compress_stride, dtype="bfloat16")
+
+    @property
+    def stride(self):
+        return self.compress_stride or self.block_size
+
+    def compression(self):
+        """nsa.attention's compression arguments (None: the selection block)."""
+        return dict(compress_block_size=self.compress_block_size or None, compress_stride=self.compress_stride or None)
 
 
 STANDARD = Shape()
+# The cases of nsa.attention as a whole: their compression (l, d) (0: the selection block) and whether the sliding
+# window is on; "selection" is the selected branch alone. paper* is the paper's compression (arXiv 2502.11089,
+# Section 3.3): windows of l = 32 every d = 16 beside selection blocks of 64. The _nowin cases are what
+# mdy666's NSA runs without flash-attn.
+FULL_CASES = {"full": ((0, 0), True), "full_nowin": ((0, 0), False),
+              "paper": ((32, 16), True), "paper_nowin": ((32, 16), False)}
+
+
+def case_shape(case, shape=STANDARD):
+    """The Shape a case runs at: `shape` for selection, else with the case's compression and window."""
+    if case == "selection":
+        return shape
+    (l, d), window = FULL_CASES[case]
+    shape = shape._replace(compress_block_size=l, compress_stride=d)
+    return shape if window else shape._replace(window=0)
+
 # fwd+bwd FLOPs per forward FLOP: two matmuls forward, five backward (recomputed scores, dp, dv, dq, dk)
 FWD_BWD_FLOPS_FACTOR = 3.5
 
@@ -46,14 +73,15 @@ def useful_flops(case, T, shape=STANDARD):
     """Forward FLOPs of the useful work (what a perfect kernel must compute); forward+backward counts
     FWD_BWD_FLOPS_FACTOR times as much. Cases: 'selection' (selected attention alone), 'full' (compression
     + top-k scores + selection + window), 'dense' (causal attention)."""
-    HQ, D = shape.HQ, shape.D
     if case == "dense":
         return dense_flops(T, shape)
+    shape = case_shape(case, shape)
+    HQ, D = shape.HQ, shape.D
     selection = 4 * T * HQ * shape.blocks * shape.block_size * D
     if case == "selection":
         return selection
-    window = 4 * T * HQ * shape.window * D
-    compressed = 4 * T * HQ * (T // shape.block_size) / 2 * D
+    window = window_flops(T, shape)
+    compressed = 4 * T * HQ * (T // shape.stride) / 2 * D
     scores = compressed / 2
     return selection + window + compressed + scores
 
@@ -131,14 +159,16 @@ def implementation_of(name):
 
 def nsa_fns(case, implementation, T, idx, shape=STANDARD):
     """(forward, forward+backward) jitted fns of (q, k, v, gates, do) for nsa's `case` with `implementation`;
-    the backward differentiates q, k, v and the gates."""
+    the backward differentiates q, k, v and the gates (the window's gate only where the window is on)."""
+    shape = case_shape(case, shape)
     BS, S = shape.block_size, shape.blocks
 
     def forward(q, k, v, g):
         if case == "selection":
             return nsa.selected_attention(q, k, v, idx, block_size=BS, implementation=implementation)
-        return nsa.attention(q, k, v, g_cmp=g[0], g_slc=g[1], g_swa=g[2], block_counts=S, block_size=BS,
-                             window_size=shape.window, implementation=implementation)
+        return nsa.attention(q, k, v, g_cmp=g[0], g_slc=g[1], g_swa=g[2] if shape.window else None,
+                             block_counts=S, block_size=BS, window_size=shape.window, implementation=implementation,
+                             **shape.compression())
 
     fwd = jax.jit(forward)
     fwd_bwd = jax.jit(jax.grad(loss_of(forward), argnums=(0, 1, 2, 3)))

@@ -4,10 +4,17 @@ and fla's NSA.
     python benchmarks/gpu.py --out benchmarks/results [--seq-lens 8192 16384 ...] [--cases selection full]
 
 Standard shape: B = 1, HQ = 64, H = 4, D = 128, bf16, block_size 64, 16 selected blocks. Cases:
-  selection  selected attention with given block indices (nsa.selected_attention; fla parallel_nsa
-             with block_indices);
-  full       compression + top-k + selection + sliding window 512 with all three gates (fla has no
-             window without flash-attn: its row is compression + top-k + selection).
+  selection    selected attention with given block indices (nsa.selected_attention; fla parallel_nsa
+               with block_indices);
+  full         compression + top-k + selection + sliding window 512 with all three gates (fla has no
+               window without flash-attn: its row is compression + top-k + selection);
+  full_nowin   the same without the window (two gates);
+  paper        full at the paper's compression: windows of 32 tokens every 16, selection blocks of 64
+               (Eq. 9 scores);
+  paper_nowin  paper without the window.
+--mdy PATH times mdy666's NSA (../shared/peers/mdy_side.py, copied into an ignored folder) in its own process
+before nsa's rows, at every T: its rows are full_nowin (compression 64/64) and paper_nowin (32/16), without a
+window because its window branch needs flash-attn (the speedup column of the _nowin cases is against them).
 Each row is the median over many timed iterations after warm-up, forward and forward+backward, in
 one process on one GPU. TFLOP/s count useful work only (what a perfect kernel must compute). Writes
 gpu.json and gpu.png into --out and prints the table. fla is skipped with a note if it does not import.
@@ -16,7 +23,9 @@ gpu.json and gpu.png into --out and prints the table. fla is skipped with a note
 import argparse
 import json
 import os
+import subprocess
 import sys
+import tempfile
 
 import jax
 
@@ -27,7 +36,7 @@ from benchmarks.common import (STANDARD, compiled_memory_gib, dense_flops, imple
                                jax_timings, loss_of, measure, meta, module_versions, nsa_fns, random_block_indices,
                                run, table, time_jax, useful_flops, window_flops, write_json)
 
-B, HQ, H, D, BS, S, WINDOW = STANDARD
+B, HQ, H, D, BS, S, WINDOW = STANDARD[:7]
 # jax_triton clears TRITON_CACHE_DIR when it is imported; fla's Triton (its driver helpers, its
 # autotuner) needs a cache directory, so the one set before the import is put back for fla.
 TRITON_CACHE_DIR = os.environ.get("TRITON_CACHE_DIR") or os.path.expanduser("~/.triton/cache")
@@ -76,11 +85,11 @@ def gpu_rows(args):
             args_ = (q, k, v, gates, do)
             yield measure(dict(case=case, T=T, impl=f"nsa-{impl}", useful_tflop_fwd=useful / 1e12),
                           jax_timings(fwd, fwd_bwd, args_, args_, args.iters))
-        if not args.no_dense:
+        if not args.no_dense and case in ("selection", "full"):  # dense is the same in every full case
             fwd, fwd_bwd = dense_fns()
             yield measure(dict(case=case, T=T, impl="dense-cudnn", useful_tflop_fwd=dense_flops(T) / 1e12),
                           jax_timings(fwd, fwd_bwd, (q, k, v), (q, k, v, do), args.iters))
-        if args.no_fla:
+        if args.no_fla or case not in ("selection", "full"):  # fla: compression blocks are selection blocks
             return
         row = dict(case=case, T=T, impl="fla" + ("" if case == "selection" else " (no window)"),
                    useful_tflop_fwd=(useful if case == "selection" else useful - window_flops(T)) / 1e12)
@@ -90,9 +99,29 @@ def gpu_rows(args):
     return rows_for
 
 
-def is_fla_of(row, other):
-    """Whether `other` is the fla row of row's case and T (the speedup column's baseline)."""
-    return other["case"] == row["case"] and other["T"] == row["T"] and other["impl"].startswith("fla")
+def is_baseline_of(row, other):
+    """Whether `other` is the baseline row of row's case and T (the speedup column's): fla's, or mdy666's in the
+    _nowin cases."""
+    peer = "mdy666" if row["case"].endswith("_nowin") else "fla"
+    return other["case"] == row["case"] and other["T"] == row["T"] and other["impl"].startswith(peer)
+
+
+def mdy_rows(path, seq_lens):
+    """mdy666's NSA timed by `path` (mdy_side.py) in a process of its own, as rows of the _nowin cases."""
+    with tempfile.TemporaryDirectory() as out:
+        done = subprocess.run([sys.executable, path, ",".join(map(str, seq_lens))], env=dict(os.environ, OUT=out),
+                              capture_output=True, text=True)
+        print(done.stdout + done.stderr[-3000:], flush=True)
+        if done.returncode:
+            raise RuntimeError(f"{path} exited {done.returncode}")
+        with open(os.path.join(out, "mdy_side.json")) as f:
+            side = json.load(f)
+    rows = []
+    for r in side["rows"]:
+        case = {"mdy:64/64:nowin": "full_nowin", "mdy:32/16:nowin": "paper_nowin"}[r["case"]]
+        rows.append(dict(case=case, T=r["T"], impl="mdy666 (no window)", fwd_ms=r["fwd_ms"], fwd_bwd_ms=r["fwd_bwd_ms"],
+                         useful_tflop_fwd=useful_flops(case, r["T"]) / 1e12))
+    return rows, dict(torch=side["torch"], triton=side["triton"])
 
 
 def plot(rows, path):
@@ -126,13 +155,18 @@ def main():
     parser.add_argument("--no-fla", action="store_true", help="skip fla")
     parser.add_argument("--xla-max-seq-len", type=int, default=16384)
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--mdy", help="mdy_side.py of ../shared/peers (in an ignored folder): time mdy666's NSA too")
     args = parser.parse_args()
+    mdy, mdy_versions = mdy_rows(args.mdy, args.seq_lens) if args.mdy else ([], None)  # before jax takes the GPU
     rows = run(args.cases, args.seq_lens, gpu_rows(args))
-    info = meta(**module_versions(("triton", "torch", "fla", "jax_triton")))
+    order = {case: i for i, case in enumerate(args.cases)}
+    rows = sorted(rows + [r for r in mdy if r["case"] in order], key=lambda r: (order[r["case"]], r["T"]))
+    info = meta(**module_versions(("triton", "torch", "fla", "jax_triton")), mdy666=mdy_versions,
+                paper_compression=dict(compress_block_size=32, compress_stride=16))
     write_json(f"{args.out}/gpu.json", info, rows)
     plot(rows, f"{args.out}/gpu.png")
     print(json.dumps(info))
-    print(table(rows, "fla", is_fla_of))
+    print(table(rows, "fla (mdy666 for _nowin)", is_baseline_of))
 
 
 if __name__ == "__main__":

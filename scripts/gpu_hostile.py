@@ -97,18 +97,20 @@ def case_selected(dtype, B, T, HQ, H, Dk, Dv, bs, cu):
           reference(run), _rms(v) * _rms(do))
 
 
-def case_attention(dtype, B, T, HQ, H, Dk, Dv, bs, window, cu):
+def case_attention(dtype, B, T, HQ, H, Dk, Dv, bs, window, cu, l=None, d=None):
+    """nsa.attention and its gradients; (l, d): the compression's windows and stride (None: bs)."""
     q, k, v, do = inputs(B, T, HQ, H, Dk, Dv, dtype)
     g = jax.nn.sigmoid(q[..., :3].astype(jnp.float32)).astype(dtype)
 
     def run(impl):
         def f(q, k, v, g):
             return nsa.attention(q, k, v, g_cmp=g[..., 0], g_slc=g[..., 1], g_swa=g[..., 2], block_counts=4,
-                                 block_size=bs, window_size=window, cu_seqlens=cu, implementation=impl)
+                                 block_size=bs, window_size=window, cu_seqlens=cu, implementation=impl,
+                                 compress_block_size=l, compress_stride=d)
         return jax.jit(lambda q, k, v, g, do: grads(f, (q, k, v, g), do))(q, k, v, g, do)
 
-    check(f"attention {tag(dtype)} G={HQ // H} T={T} Dk={Dk} Dv={Dv} bs={bs} w={window} cu={cu is not None}",
-          run(IMPL), reference(run), _rms(v) * _rms(do))
+    check(f"attention {tag(dtype)} G={HQ // H} T={T} Dk={Dk} Dv={Dv} bs={bs} l={l} d={d} w={window} "
+          f"cu={cu is not None}", run(IMPL), reference(run), _rms(v) * _rms(do))
 
 
 def case_short_k_cmp(dtype):
@@ -141,15 +143,16 @@ def case_short_k_cmp(dtype):
             failures.append(f"k_cmp of no rows ({impl})")
 
 
-def case_cache(dtype, TQ, B, TK, HQ, H, Dk, Dv, bs):
-    """Queries at the end of a padded cache (kv_lens traced), NaN past each sequence: attention with the
-    selection made inside (alone: the fused decode kernels when TQ is small; and with its gradients: the
-    ops), and selected attention on hostile indices."""
+def case_cache(dtype, TQ, B, TK, HQ, H, Dk, Dv, bs, l=None, d=None):
+    """Queries at the end of a padded cache (kv_lens traced), NaN past each sequence (so too each compressed
+    row whose window is not complete): attention with the selection made inside (alone: the fused decode
+    kernels when TQ is small; and with its gradients: the ops), and selected attention on hostile indices;
+    (l, d): the compression's windows and stride (None: bs)."""
     q, k, v, do = inputs(B, TK, HQ, H, Dk, Dv, dtype)
     lens = np.array([TQ, TK - bs // 2 - 3, TK][:B])
     pad = np.arange(TK)[None, :, None, None] >= lens[:, None, None, None]
     k, v = (jnp.where(pad, jnp.nan, x).astype(dtype) for x in (k, v))
-    k_cmp, v_cmp = nsa.compress(k, block_size=bs), nsa.compress(v, block_size=bs)
+    k_cmp, v_cmp = (nsa.compress(x, block_size=l or bs, stride=d) for x in (k, v))
     last = lambda x: jnp.stack([x[b, n - TQ:n] for b, n in enumerate(lens)])
     q, do = last(q), last(do)
     g = jax.nn.sigmoid(q[..., :3].astype(jnp.float32)).astype(dtype)
@@ -160,7 +163,7 @@ def case_cache(dtype, TQ, B, TK, HQ, H, Dk, Dv, bs):
         def f(q, k, v, k_cmp, v_cmp, g, lens):
             return nsa.attention(q, k, v, g_cmp=g[..., 0], g_slc=g[..., 1], g_swa=g[..., 2], block_counts=4,
                                  block_size=bs, window_size=2 * bs + 1, k_cmp=k_cmp, v_cmp=v_cmp, kv_lens=lens,
-                                 implementation=impl)
+                                 implementation=impl, compress_block_size=l, compress_stride=d)
 
         def s(q, k, v, lens):
             return nsa.selected_attention(q, k, v, idx, block_size=bs, kv_lens=lens, implementation=impl)
@@ -170,7 +173,7 @@ def case_cache(dtype, TQ, B, TK, HQ, H, Dk, Dv, bs):
                                    grads(lambda q, k, v: s(q, k, v, a[-1]), a[:3], do)))(
             q, k, v, k_cmp, v_cmp, g, lens)
 
-    check(f"cache {tag(dtype)} TQ={TQ} B={B} TK={TK} G={HQ // H} Dk={Dk} Dv={Dv} bs={bs}", run(IMPL),
+    check(f"cache {tag(dtype)} TQ={TQ} B={B} TK={TK} G={HQ // H} Dk={Dk} Dv={Dv} bs={bs} l={l} d={d}", run(IMPL),
           reference(run), _rms(v[jnp.isfinite(v)]) * _rms(do))
 
 
@@ -193,6 +196,8 @@ def main():
         for TQ, B, TK, bs in ((1, 3, 300, 32), (37, 3, 300, 32), (1, 2, 2000, 16)):
             case_cache(dtypes[0], TQ, B, TK, 6, 2, 64, 32, bs)
         return report()
+    if "--overlap" in sys.argv:  # only the cases of overlapping compression (windows of l every d)
+        return overlap(dtypes) or report()
     packed = jnp.asarray([0, 37, 37, 300, 300, 517], jnp.int32)  # empty sequences, partial blocks
     for dtype in dtypes:
         case_selected(dtype, 1, 517, 5, 1, 32, 64, 64, packed)  # G = 5, Dv != Dk, ragged T
@@ -207,9 +212,22 @@ def main():
         case_cache(dtype, 1, 2, 2000, 6, 2, 64, 32, 16)  # 125 compressed rows: the decode select's splits merged
         if not quick:
             case_cache(dtype, 1, 2, 1000, 64, 4, 128, 128, 64)  # the standard heads, a decode step
+    overlap(dtypes)
     case_short_k_cmp(dtypes[0])
     case_empty(dtypes[0])
     return report()
+
+
+def overlap(dtypes):
+    """The cases of overlapping compression: the paper's (32, 16, 64), (16, 8, 32) at G = 3 and G = 1, and a cache
+    whose rows past the complete windows are NaN."""
+    packed = jnp.asarray([0, 37, 37, 300, 300, 517], jnp.int32)
+    for dtype in dtypes:
+        case_attention(dtype, 1, 517, 6, 2, 64, 32, 64, 100, packed, l=32, d=16)  # G = 3, packed, empty sequences
+        case_attention(dtype, 2, 300, 4, 4, 32, 32, 32, 1, None, l=16, d=8)  # G = 1, ragged T
+        for TQ in (1, 37):
+            case_cache(dtype, TQ, 3, 300, 6, 2, 64, 32, 32, l=16, d=8)
+        case_cache(dtype, 1, 2, 1000, 64, 4, 128, 128, 64, l=32, d=16)  # the paper's heads and blocks, a decode step
 
 
 def report():
