@@ -1,8 +1,12 @@
 """The examples run and pass their own checks: examples/generate.py generates with a KV cache (through the
-layer nsa.nnx.NativeSparseAttention, so it needs flax) and matches a full recompute at every step."""
+layer nsa.nnx.NativeSparseAttention, so it needs flax) and matches a full recompute at every step;
+examples/learned_compression.py trains the paper's learned phi inside NSA, its loss falls below the uniform
+guess, and phi's gradients agree with finite differences."""
 
 import importlib.util
 import pathlib
+import subprocess
+import sys
 
 EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
 
@@ -18,3 +22,11 @@ def test_generate_matches_a_full_recompute_at_every_step(capsys):
     assert _load("generate").main(["--steps", "12"]) == 0
     out = capsys.readouterr().out
     assert "same tokens: True" in out and out.rstrip().endswith("PASS")
+
+
+def test_learned_compression_learns_and_its_gradients_agree():
+    # its own process: the example turns on float64 (jax_enable_x64) for its finite differences
+    done = subprocess.run([sys.executable, str(EXAMPLES / "learned_compression.py"), "--steps", "200"],
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert ": learned" in done.stdout and "gradients agree" in done.stdout and done.stdout.rstrip().endswith("PASS")
