@@ -3,7 +3,8 @@
 #   run(command="bash scripts/paper_gpu.sh check", carry=[".whl"])
 #       every gpu-marked test in JOBS processes (stopped at DEADLINE s; their -v log says which passed) beside
 #       compute-sanitizer's memcheck over the overlapping-compression cases of scripts/gpu_hostile.py
-#       (--overlap: Triton in float32, then Mosaic GPU in bfloat16);
+#       (--overlap: Triton in float32, then Mosaic GPU in bfloat16); TESTS (pytest arguments, e.g. test ids) narrows
+#       the tests, SANITIZE (default "triton pallas") the families sanitized;
 #   run(command="bash scripts/paper_gpu.sh bench 8192 16384 32768", carry=[".whl", ".peers"])
 #       benchmarks/gpu.py's full, full_nowin, paper and paper_nowin rows (implementation=None) at those T, with
 #       mdy666's NSA (.peers: ../shared/peers copied, ignored by git) timed in its own process first.
@@ -24,15 +25,15 @@ if [[ $what == check ]]; then
     ( export XLA_PYTHON_CLIENT_ALLOCATOR=platform XLA_FLAGS=--xla_gpu_autotune_level=0 \
           JAX_COMPILATION_CACHE_DIR=/tmp/jax-cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 \
           JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0
-      for impl in "" --pallas; do  # a warm pass fills the caches, the sanitized one then compiles nothing
-          name=sanitize${impl:+-pallas}
-          timeout 200 python3 scripts/gpu_hostile.py --quick --overlap $impl > "$out/$name-warm.log" 2>&1
+      for impl in ${SANITIZE:-triton pallas}; do  # a warm pass fills the caches, the sanitized one compiles nothing
+          name=sanitize-$impl; flag=$([[ $impl == pallas ]] && echo --pallas)
+          timeout 200 python3 scripts/gpu_hostile.py --quick --overlap $flag > "$out/$name-warm.log" 2>&1
           timeout 250 compute-sanitizer --tool memcheck --error-exitcode 99 --kernel-name kns=_kernel \
-              python3 scripts/gpu_hostile.py --quick --overlap $impl > "$out/$name.log" 2>&1
+              python3 scripts/gpu_hostile.py --quick --overlap $flag > "$out/$name.log" 2>&1
           echo "$name: exit $?, $(grep -c '^ok' "$out/$name.log") ok, $(tail -n 1 "$out/$name.log")" >> "$out/sanitize-summary.log"
       done ) &
     export XLA_PYTHON_CLIENT_PREALLOCATE=false
-    python3 -m pytest -q -m gpu -p no:cacheprovider --collect-only | grep '::' > /tmp/gpu-tests.txt
+    python3 -m pytest -q -m gpu -p no:cacheprovider --collect-only ${TESTS:-} | grep '::' > /tmp/gpu-tests.txt
     echo "$(wc -l < /tmp/gpu-tests.txt) gpu tests in $jobs processes, stopped at $deadline s"
     mkdir -p /tmp/gpu-logs
     for ((j = 0; j < jobs; j++)); do
@@ -48,7 +49,7 @@ if [[ $what == check ]]; then
     grep -h -E 'MISMATCH|ERROR SUMMARY|Invalid|Error' "$out"/sanitize*.log | sort | uniq -c | head -20
 fi
 if [[ $what == bench ]]; then
-    python3 benchmarks/gpu.py --out "$out" --seq-lens "$@" --cases full full_nowin paper paper_nowin --impls auto \
+    timeout ${BENCH_TIMEOUT:-580} python3 benchmarks/gpu.py --out "$out" --seq-lens "$@" --cases full full_nowin paper paper_nowin --impls auto \
         --no-dense --no-fla --iters 10 --mdy .peers/mdy_side.py 2>&1 | tee "$out/bench.log" | grep -v '^{'
     [[ ${PIPESTATUS[0]} == 0 ]] || status=1
 fi

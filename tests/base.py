@@ -690,14 +690,16 @@ class NSATestBase:
             assert_same_blocks(reused, idx)
 
     def _blocks_attention(self, x, l, d, sel, cu_seqlens=None):
-        """(f, f64, args, args64) of nsa.attention with every branch and gate at blocks (l, d, l'), and its dense
-        float64 formulation with the oracle's selection (no gradient flows through a selection)."""
+        """(f, f64, args, args64, reference) of nsa.attention with every branch and gate at blocks (l, d, l'), its
+        dense float64 formulation with the oracle's selection (no gradient flows through a selection), and the
+        oracle's output. The oracle selects from its compressed keys rounded to x's dtype, as the kernels' own
+        are: a bfloat16 k_cmp moves Eq. 9's scores by ~1e-3, enough to swap blocks whose scores nearly tie."""
         B, T, HQ, H = x.shape[:4]
         scale = x.shape[4] ** -0.5
         windows = dict(block_size=l, stride=d, cu_seqlens=cu_seqlens)
         blocks = dict(block_size=sel, compress_block_size=l, compress_stride=d)
         kw = dict(block_counts=5, window_size=20, cu_seqlens=cu_seqlens, **blocks)
-        k_cmp64 = oracle.compress(x.k64, **windows)
+        k_cmp64 = rounded(oracle.compress(x.k64, **windows), x.dtype)[1]
         idx = oracle.select_blocks(x.q64, k_cmp64, block_counts=5, cu_seqlens=cu_seqlens, **blocks)
         c_cmp = dense.compressed_counts(B, T, H, k_cmp64.shape[1], l, cu_seqlens, stride=d)
         c_slc = dense.selected_counts(idx, None, sel, cu_seqlens)
@@ -713,7 +715,10 @@ class NSATestBase:
                     + g_swa[..., None] * dense.attend(q, k, v, c_swa, scale)[0])
 
         args = (x.q, x.k, x.v, *(g[0] for g in x.gates))
-        return f, f64, args, (x.q64, x.k64, x.v64, *(g[1] for g in x.gates))
+        args64 = (x.q64, x.k64, x.v64, *(g[1] for g in x.gates))
+        gates64 = dict(zip(("g_cmp", "g_slc", "g_swa"), args64[3:]))
+        reference = oracle.attention(*args64[:3], **gates64, block_indices=idx, **kw)
+        return f, f64, args, args64, reference
 
     @cases("blocks_attention")
     def test_blocks_attention_and_gradients(self, name):
@@ -723,12 +728,8 @@ class NSATestBase:
         dtype = self.dtypes[0]
         with precision(dtype):
             x, l, d, sel = self._blocks(name)[:4]
-            f, f64, args, args64 = self._blocks_attention(x, l, d, sel)
+            f, f64, args, args64, ref = self._blocks_attention(x, l, d, sel)
             out, vjp = jax.vjp(jax.jit(f), *args)
-            g64 = [g[1] for g in x.gates]
-            blocks = dict(block_size=sel, compress_block_size=l, compress_stride=d)
-            ref = oracle.attention(x.q64, x.k64, x.v64, g_cmp=g64[0], g_slc=g64[1], g_swa=g64[2], block_counts=5,
-                                   window_size=20, **blocks)
             assert_close(out, ref, TOLERANCE[dtype], "o")
             with jax.enable_x64(True):
                 _, vjp64 = jax.vjp(f64, *args64)
@@ -746,11 +747,7 @@ class NSATestBase:
         shape, (l, d, sel) = BLOCK_CASES[name]
         with precision(dtype):
             x = Inputs((1, 600) + shape[2:] + (sel,), dtype, seed=5)
-            f, _, args, _ = self._blocks_attention(x, l, d, sel, BLOCK_CU_SEQLENS)
-            g64 = [g[1] for g in x.gates]
-            ref = oracle.attention(x.q64, x.k64, x.v64, g_cmp=g64[0], g_slc=g64[1], g_swa=g64[2], block_counts=5,
-                                   window_size=20, block_size=sel, compress_block_size=l, compress_stride=d,
-                                   cu_seqlens=BLOCK_CU_SEQLENS)
+            f, _, args, _, ref = self._blocks_attention(x, l, d, sel, BLOCK_CU_SEQLENS)
             assert_close(f(*args), ref, TOLERANCE[dtype], "o")
             if self.interpreted:
                 return

@@ -82,7 +82,7 @@ def eq9_keys(score, rows, first, cur, BC: tl.constexpr, BS: tl.constexpr, CL: tl
     c = tl.arange(0, BC)
     total = tl.zeros_like(score)
     for i in tl.static_range(UR + UB - 1):
-        o: tl.constexpr = i - (UR - 1)
+        o = i - (UR - 1)  # a constexpr: i is
         at = tl.broadcast_to(tl.minimum(tl.maximum(c + o, 0), BC - 1)[None, :], score.shape)
         count = tl.minimum(UB, UR + o) - tl.maximum(0, o)
         total += count * tl.gather(score, at, 1)
