@@ -46,22 +46,23 @@ class NativeSparseAttention(nnx.Module):
     - y = o_proj(nsa.attention(q, k, v, g_cmp=..., g_slc=..., g_swa=..., ...)), no bias.
 
     Arguments (keyword-only): hidden_size; num_heads; num_kv_heads (default num_heads); head_dim (default
-    hidden_size / num_heads); head_dim_v (default head_dim); qkv_bias (False); block_size (64);
-    block_counts (16); window_size (512; 0 turns the sliding window off); rope_theta (10000.0; None: no
+    hidden_size / num_heads); head_dim_v (default head_dim); qkv_bias (False); block_size (64: the selection
+    block l'); compress_block_size and compress_stride (the compression's windows of l tokens every d, mean-pooled;
+    None: block_size; the paper's l = 32, d = 16 under l' = 64); block_counts (16); window_size (512; 0 turns the sliding window off); rope_theta (10000.0; None: no
     position embedding); dtype (the computation's dtype, None: from the inputs and parameters) and
     param_dtype (float32), as nnx.Linear takes them; implementation (nsa's: None picks the best for the
     platform, or "xla", "triton", "pallas"); rngs (nnx.Rngs, for the initial weights).
 
     Serving: `init_cache`, `prefill` and `step` take and return an nsa.KVCache made with this layer's
-    block_size. Jit them (an eager call dispatches nsa's ops one by one), the cache donated:
+    blocks. Jit them (an eager call dispatches nsa's ops one by one), the cache donated:
 
         graphdef, state = nnx.split(layer)
         step = jax.jit(lambda state, x, cache: nnx.merge(graphdef, state).step(x, cache), donate_argnums=2)
     """
 
     def __init__(self, *, hidden_size, num_heads, num_kv_heads=None, head_dim=None, head_dim_v=None,
-                 qkv_bias=False, block_size=64, block_counts=16, window_size=512, rope_theta=10000.0,
-                 dtype=None, param_dtype=jnp.float32, implementation=None, rngs):
+                 qkv_bias=False, block_size=64, compress_block_size=None, compress_stride=None, block_counts=16,
+                 window_size=512, rope_theta=10000.0, dtype=None, param_dtype=jnp.float32, implementation=None, rngs):
         C = self.hidden_size = _checks.positive_int("hidden_size", hidden_size)
         HQ = self.num_heads = _checks.positive_int("num_heads", num_heads)
         H = self.num_kv_heads = HQ if num_kv_heads is None else _checks.positive_int("num_kv_heads", num_kv_heads)
@@ -71,6 +72,8 @@ class NativeSparseAttention(nnx.Module):
         Dk = self.head_dim = _default_head_dim(C, HQ) if head_dim is None else _checks.positive_int("head_dim", head_dim)
         Dv = self.head_dim_v = Dk if head_dim_v is None else _checks.positive_int("head_dim_v", head_dim_v)
         self.block_size = _checks.positive_int("block_size", block_size)
+        self.compress_block_size, self.compress_stride = _checks.compression(self.block_size, compress_block_size,
+                                                                             compress_stride)
         self.block_counts = _checks.positive_int("block_counts", block_counts)
         self.window_size = _checks.non_negative_int("window_size", window_size)
         self.rope_theta = _rope_theta(rope_theta, Dk)
@@ -95,7 +98,7 @@ class NativeSparseAttention(nnx.Module):
     def init_cache(self, batch_size, capacity, *, dtype=None):
         """An empty nsa.KVCache for `batch_size` sequences of up to `capacity` tokens, in `dtype` (default:
         the layer's dtype, else its param_dtype), which must be the dtype of the layer's k and v."""
-        return empty_cache(batch_size, capacity, self.num_kv_heads, self.head_dim, block_size=self.block_size,
+        return empty_cache(batch_size, capacity, self.num_kv_heads, self.head_dim, **self._blocks(),
                            head_dim_v=self.head_dim_v, dtype=_first_given(dtype, self.dtype, self.param_dtype))
 
     def prefill(self, x, *, capacity, lens=None):
@@ -103,14 +106,14 @@ class NativeSparseAttention(nnx.Module):
         default TP), through the layer: (y [B, TP, C] as `__call__` gives it, a cache of capacity N =
         `capacity` holding each sequence's keys and values). y past a prompt's length is padding."""
         y, k, v = self._whole(x)
-        return y, prefill_cache(k, v, block_size=self.block_size, capacity=capacity, lens=lens)
+        return y, prefill_cache(k, v, **self._blocks(), capacity=capacity, lens=lens)
 
     def step(self, x, cache):
         """TN new tokens per sequence, x [B, TN, C], at positions cache.lens[b] ... cache.lens[b] + TN - 1:
         their keys and values are appended to the cache, and they attend to everything it holds. Returns
         (y [B, TN, C], the cache with them). One token each is a decode step; more is chunked prefill."""
         B, TN = self._check_input(x)
-        check_cache(cache, self.block_size)  # an nsa.KVCache made with this layer's block_size
+        check_cache(cache, *self._blocks().values())  # an nsa.KVCache made with this layer's blocks
         q, k, v, gates = self._project(x, cache.lens[:, None] + jnp.arange(TN))
         cache = append_to_cache(cache, k, v)
         return self._output(attention(q, cache=cache, **gates, **self._sparsity())), cache
@@ -144,8 +147,13 @@ class NativeSparseAttention(nnx.Module):
         g = jax.nn.sigmoid(self.g_proj(x)).reshape(B, T, self.num_heads, len(self.branches))
         return q, k, v, {name: g[..., i] for i, name in enumerate(self.branches)}
 
+    def _blocks(self):
+        """The selection block and the compression's windows, as nsa's ops and caches take them."""
+        return dict(block_size=self.block_size, compress_block_size=self.compress_block_size,
+                    compress_stride=self.compress_stride)
+
     def _sparsity(self):
-        return dict(block_size=self.block_size, block_counts=self.block_counts, window_size=self.window_size,
+        return dict(**self._blocks(), block_counts=self.block_counts, window_size=self.window_size,
                     implementation=self.implementation)
 
     def _output(self, o):

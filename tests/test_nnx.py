@@ -17,6 +17,8 @@ from nsa.nnx import NativeSparseAttention, _positions
 
 C = 24  # hidden_size
 SPARSITY = dict(block_size=4, block_counts=2)
+# overlapping compression: windows of 8 tokens every 2 under selection blocks of 4 (l > l' is allowed)
+BLOCKS = {"l=d=l'": {}, "overlapping": dict(compress_block_size=8, compress_stride=2)}
 # (num_heads, num_kv_heads, head_dim, head_dim_v, window_size, rope_theta, qkv_bias)
 CONFIGS = {
     "G=2, rope, bias": (4, 2, 8, 8, 6, 10000.0, True),
@@ -73,8 +75,10 @@ def by_hand(model, x, positions):
     names = ("g_cmp", "g_slc", "g_swa")[:len(model.branches)]
     g = 1 / (1 + np.exp(-linear(model.g_proj, HQ, len(names))))
     gates = {name: f32(g[..., i]) for i, name in enumerate(names)}
-    o = jax.jit(nsa.attention, static_argnames=("window_size", "implementation", *SPARSITY))(
-        f32(q), f32(k), f32(v), **gates, window_size=model.window_size, implementation="xla", **SPARSITY)
+    blocks = dict(block_size=model.block_size, compress_block_size=model.compress_block_size,
+                  compress_stride=model.compress_stride, block_counts=model.block_counts)
+    o = jax.jit(nsa.attention, static_argnames=("window_size", "implementation", *blocks))(
+        f32(q), f32(k), f32(v), **gates, window_size=model.window_size, implementation="xla", **blocks)
     return np.asarray(o, np.float64).reshape(B, T, HQ * Dv) @ np.asarray(model.o_proj.kernel[...], np.float64)
 
 
@@ -84,11 +88,12 @@ def test_import_nsa_imports_neither_the_layer_nor_flax():
     assert out.split() == ["False", "False"]
 
 
+@pytest.mark.parametrize("blocks", BLOCKS)
 @pytest.mark.parametrize("config", CONFIGS)
-def test_output_is_nsa_attention_between_its_own_projections(config):
+def test_output_is_nsa_attention_between_its_own_projections(config, blocks):
     """At given positions (the default ones, each token's index, are checked against these by the tests
     below: a cache step places its tokens at cache.lens + i)."""
-    model = layer(config)
+    model = layer(config, **BLOCKS[blocks])
     x = inputs(2, 19)
     positions = jnp.asarray(np.random.default_rng(0).integers(0, 1000, (2, 19)), jnp.int32)
     got = nnx.jit(lambda model, x, positions: model(x, positions=positions))(model, x, positions)
@@ -113,12 +118,13 @@ def test_packed_sequences_equal_separate_calls():
     np.testing.assert_array_equal(_positions(1, 20, jnp.asarray(cu_seqlens)), restarted[None])
 
 
+@pytest.mark.parametrize("blocks", BLOCKS)
 @pytest.mark.parametrize("config", ["G=2, rope, bias", "G=1, Dv>Dk, no rope, no window"])
-def test_decode_through_the_cache_equals_the_full_sequence_call(config):
+def test_decode_through_the_cache_equals_the_full_sequence_call(config, blocks):
     """A ragged batch: prefill prompts of 11 and 5 tokens (right-padded), then three one-token steps, a chunk
     of four and one more step, jitted with the cache donated; every output equals the whole-sequence call's
     (the whole sequences of 19 and 13 tokens as one right-padded batch)."""
-    model = layer(config)
+    model = layer(config, **BLOCKS[blocks])
     lens, chunks = [11, 5], [1, 1, 1, 4, 1]
     prompts, new = inputs(2, 11, seed=2), inputs(2, sum(chunks), seed=3)
     graphdef, state = nnx.split(model)
@@ -169,6 +175,8 @@ def test_gradients_reach_every_parameter():
     (dict(head_dim_v=0), "head_dim_v"),
     (dict(block_size=0), "block_size"),
     (dict(block_counts=0), "block_counts"),
+    (dict(compress_block_size=6, compress_stride=3), "compress_stride"),  # 3 does not divide block_size 4
+    (dict(compress_block_size=6), "compress_stride"),  # its default, block_size 4, does not divide 6
     (dict(window_size=-1), "window_size"),
     (dict(implementation="bogus"), "implementation"),
 ])
@@ -186,3 +194,6 @@ def test_bad_calls_raise_naming_the_argument():
     other = layer(block_size=8).init_cache(1, 8)
     with pytest.raises(ValueError, match="block_size"):
         model.step(inputs(1, 1), other)
+    overlapping = layer(**BLOCKS["overlapping"]).init_cache(1, 8)
+    with pytest.raises(ValueError, match="compress_block_size"):
+        model.step(inputs(1, 1), overlapping)
