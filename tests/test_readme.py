@@ -124,3 +124,20 @@ def test_no_message_or_docstring_installs_nsa_from_pypi():
     found = [f"{p.relative_to(ROOT)}:{n}" for p in SOURCES
              for n, line in enumerate(p.read_text().splitlines(), 1) if from_pypi.search(line)]
     assert not found, f"pip install nsa (not on PyPI) in {found}"
+
+
+def test_the_papers_compression_and_a_learned_phi(api):
+    """The section on the paper's compression: its windows are compress's where complete (rows 0 .. 30 of 32 at
+    T = 256: row 31 holds 248 .. 255 only), and phi's weights get a gradient through nsa.attention."""
+    nsa, jnp, jax = api["nsa"], api["jnp"], api["jax"]
+    assert api["o_paper"].shape == api["o_phi"].shape == (1, 256, 4, 32)
+    assert api["windows"].shape == (1, 32, 16, 1, 32) and api["in_window"].shape == (1, 32, 16)
+    _close(api["k_phi"][:, :31], nsa.compress(api["k"], block_size=16, stride=8)[:, :31])
+    q, k, v, g_cmp, phi, paper = (api[n] for n in ("q", "k", "v", "g_cmp", "phi", "paper"))
+
+    def loss(weights):
+        rows = [phi(nsa.compression_windows(x, block_size=16, stride=8)[0], weights) for x in (k, v)]
+        return jnp.sum(nsa.attention(q, k, v, g_cmp=g_cmp, k_cmp=rows[0], v_cmp=rows[1], **paper) ** 2)
+
+    grad = jax.grad(loss)(api["weights"])
+    assert grad.shape == (16,) and np.all(np.isfinite(grad)) and np.all(grad != 0)
