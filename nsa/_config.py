@@ -17,6 +17,8 @@ from typing import NamedTuple, Optional
 
 import jax
 
+from nsa.reference.select import blocks_of, one_row_per_block
+
 
 class Shapes(NamedTuple):
     """The sizes a default_config plans with (a dim may be symbolic under jax.export: B, for kernels that map over
@@ -39,7 +41,8 @@ class Shapes(NamedTuple):
     @property
     def one_row_per_block(self):
         """Whether a selection block scores one compressed row (windows of block_size every block_size)."""
-        return self.compress_stride in (0, self.block_size) and self.compress_block_size in (0, self.block_size)
+        return one_row_per_block(*blocks_of(self.block_size, self.compress_block_size or None,
+                                            self.compress_stride or None))
 
     @property
     def G(self):

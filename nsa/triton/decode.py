@@ -52,6 +52,7 @@ from nsa._varlen import cdiv
 from nsa.triton import _launch, _splits, decode_select
 from nsa.triton._common import LN2, LOG2E, check, check_keys, device, online_step, pow2, runs
 from nsa.triton._splits import split_stats
+from nsa.triton._topk import complete_rows
 
 # `default_config`'s splits aim at PROGRAMS_PER_SM programs on each SM (nsa._device.facts: its cores); two
 # measured slower than one at every shape of benchmarks/decode_tuning.py (benchmarks/results/decode-tuning.json)
@@ -143,10 +144,7 @@ def _interval(Q, K, V, KV_LENS, bh, split, NSPLIT: tl.constexpr, TQ: tl.constexp
     p = tl.load(KV_LENS + b) - TQ + t
     if COMPRESSED:
         lo = tl.zeros_like(p)
-        if STRIDE == BS:
-            hi = (p + 1) // BS - 1
-        else:
-            hi = tl.maximum(p + 1 - BS + STRIDE, 0) // STRIDE - 1
+        hi = complete_rows(p, STRIDE, BS, STRIDE) - 1  # windows of BS every STRIDE: (p + 1) // BS if STRIDE = BS
     else:
         lo = p - WINDOW + 1
         hi = p
