@@ -21,8 +21,8 @@ memory at long T); with --smoke every error is raised instead.
 Writes tpu.json (meta: date, device kind, TPU generation, jax / jaxlib / libtpu versions, shape; rows)
 and tpu.md (the table) into --out, and prints the table.
 
---smoke runs the same code on the CPU at T = 256, HQ = 8, H = 2, D = 128, block 16, 4 blocks,
-window 32, 2 iterations: nsa's implementation="pallas" runs its kernels in interpret mode off-TPU, and
+--smoke runs the same code on the CPU at T = 128, HQ = 8, H = 2, D = 128, block 16, 4 blocks,
+window 32, 1 iteration: nsa's implementation="pallas" runs its kernels in interpret mode off-TPU, and
 splash attention gets interpret=True. It proves that the script runs; its times mean nothing.
 """
 
@@ -40,7 +40,7 @@ from benchmarks.common import (STANDARD, Shape, jax_inputs, jax_timings, loss_of
                                nsa_fns, random_block_indices, run, table, useful_flops, write_json)
 
 SMOKE = Shape(B=1, HQ=8, H=2, D=128, block_size=16, blocks=4, window=32)
-SMOKE_SEQ_LEN, SMOKE_ITERS = 256, 2
+SMOKE_SEQ_LEN, SMOKE_ITERS = 128, 1
 # splash attention's tiles: 512 (capped at T) for every kernel, as MaxText's defaults (sa_block_*)
 SPLASH_BLOCK = 512
 

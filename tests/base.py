@@ -62,6 +62,10 @@ INTERPRETED_CASES = {
     "gradients": [("G3-dv8", "float32"), ("G1-dv32-bs8", "bfloat16"), ("G16", "float16")],
 }
 
+# The transformation tests (jit, checkpoint, vmap, shard_map) on interpreted kernels: the shapes of the same names
+# with fewer tokens and narrower heads (the transformations are under test, not the kernels' tiling).
+INTERPRETED_TRANSFORM_SHAPES = {"G2": (2, 40, 4, 2, 8, 8, 8), "G3-dv8": (1, 40, 3, 1, 8, 4, 8)}
+
 
 # The ops of the gradient and varlen tests. Interpreted, each branch's gradient runs on the first gradient case
 # and the whole pipeline ("attention", every kernel forward and backward) on each; the varlen tests run the
@@ -82,22 +86,36 @@ INTERPRETED_CACHED_OPS = ["attention", "attention-given-blocks"]
 # Compression windows of l tokens every d with selection blocks of l' (the paper's NSA: 32, 16, 64), as
 # (shape (B, T, HQ, H, Dk, Dv), (l, d, l')): several selection blocks per sequence, partial ones at the end,
 # G = 2, 1 and 3, B = 2, Dv != Dk. Interpreted kernels run the overlapping ones: both for the ops, the paper's for
-# the pipeline and its gradients, G = 3 packed (without the traced cu_seqlens, the same kernels).
+# the pipeline and its gradients, G = 3 packed (without the traced cu_seqlens, the same kernels). Triton's
+# interpreter, slower per program, runs SMALL_BLOCK_CASES instead: Eq. 9 at (16, 8, 32), whose overlaps are the
+# paper's at half the tokens ([1, 2, 2, 2, 1] strides), on one KV head and fewer tokens, still with a choice of
+# blocks past the three forced ones; G = 3 packed too.
 BLOCK_CASES = {
     "l64-d64-s64": ((1, 330, 4, 2, 16, 16), (64, 64, 64)),
     "l32-d16-s64": ((1, 330, 4, 2, 16, 16), (32, 16, 64)),
     "l16-d8-s32": ((2, 300, 4, 4, 16, 8), (16, 8, 32)),
     "G3-l16-d8-s32": ((1, 300, 3, 1, 16, 16), (16, 8, 32)),
 }
+SMALL_BLOCK_CASES = {
+    "l16-d8-s32-H1": ((1, 200, 2, 1, 16, 16), (16, 8, 32)),
+    "G3-l16-d8-s32-T200": ((1, 200, 3, 1, 16, 16), (16, 8, 32)),
+}
 INTERPRETED_BLOCK_CASES = {"blocks": ["l32-d16-s64", "G3-l16-d8-s32"], "blocks_attention": ["l32-d16-s64"],
                            "blocks_varlen": ["G3-l16-d8-s32"]}
-# packed sequences for the blocks' varlen test: an empty one, partial windows and blocks everywhere
+SMALL_INTERPRETED_BLOCK_CASES = {"blocks": list(SMALL_BLOCK_CASES), "blocks_attention": ["l16-d8-s32-H1"],
+                                 "blocks_varlen": ["G3-l16-d8-s32-T200"]}
+# packed sequences for the blocks' varlen test: an empty one, partial windows and blocks everywhere (interpreted:
+# 300 tokens, the first sequence long enough to choose among its blocks)
 BLOCK_CU_SEQLENS = np.array([0, 260, 260, 560, 600], np.int32)
+SMALL_BLOCK_CU_SEQLENS = np.array([0, 200, 200, 260, 300], np.int32)
 
 
-def cases(kind):
-    """Marks a test of the base to run over the cases of `kind` its subclass takes (`NSATestBase.case_params`)."""
-    return pytest.mark.cases(kind)
+def cases(kind, **variants):
+    """Marks a test of the base to run over the cases of `kind` its subclass takes (`NSATestBase.case_params`), and
+    with one keyword argument {argname: values}, over those variants too: on every case where the subclass is
+    `exhaustive` (compiled kernels), else all of them on the first case and the first one on the others (the
+    variants exercise an op's arguments, which neither shape nor dtype changes)."""
+    return pytest.mark.cases(kind, **variants)
 
 
 # Packed sequences of lengths 23, 0, 47, 30 (T = 100): an empty one, partial blocks everywhere.
@@ -206,16 +224,29 @@ class NSATestBase:
     implementation = None
     dtypes = ("float32", "bfloat16", "float16")
     interpreted = False
+    exhaustive = False  # every variant of a test on every case (`cases`): compiled kernels, where tests are cheap
+    interpreted_block_cases = INTERPRETED_BLOCK_CASES  # the block tests' cases when interpreted
 
     @classmethod
-    def case_params(cls, kind):
-        """(argnames, pytest params) of a test marked @cases(kind): its (shape, dtype) cases in the dtypes
-        this implementation takes, (for "gradients") the ops with them, or (for "shapes") its shapes; the ops of
-        the "cached" and varlen tests."""
+    def case_params(cls, kind, **variants):
+        """(argnames, pytest params) of a test marked @cases(kind, **variants): its (shape, dtype) cases in the
+        dtypes this implementation takes, (for "gradients") the ops with them, or (for "shapes") its shapes; the
+        ops of the "cached" and varlen tests; with `variants`, crossed with them as `cases` says."""
+        names, params = cls._case_params(kind)
+        if not variants:
+            return names, params
+        [(argname, values)] = variants.items()
+        return f"{names}, {argname}", [
+            pytest.param(*case.values, value, id=f"{case.id}-{value}") for i, case in enumerate(params)
+            for value in values if cls.exhaustive or i == 0 or value == values[0]]
+
+    @classmethod
+    def _case_params(cls, kind):
+        """(argnames, pytest params) of `kind` without variants: as `case_params` describes them."""
         if kind == "cached":
             return "name", INTERPRETED_CACHED_OPS if cls.interpreted else CACHED_OPS
         if kind in INTERPRETED_BLOCK_CASES:
-            return "name", INTERPRETED_BLOCK_CASES[kind] if cls.interpreted else list(BLOCK_CASES)
+            return "name", cls.interpreted_block_cases[kind] if cls.interpreted else list(BLOCK_CASES)
         if kind in VARLEN_OPS:
             return "name", VARLEN_OPS[kind][cls.interpreted]
         if kind == "shapes":
@@ -265,8 +296,7 @@ class NSATestBase:
             seen = np.isfinite(lse_ref)
             assert_close(lse[seen], lse_ref[seen], TOLERANCE[dtype], "lse")
 
-    @cases("shapes")
-    @pytest.mark.parametrize("block_counts", [1, 2, 3, 5, 40])
+    @cases("shapes", block_counts=[3, 1, 2, 5, 40])
     def test_select_blocks(self, shape, block_counts):
         dtype = self.dtypes[0]
         with precision(dtype):
@@ -311,8 +341,7 @@ class NSATestBase:
             for h in range(H):
                 assert sorted(idx[0, t, h]) == sorted(expected), (t, h)
 
-    @cases("forward")
-    @pytest.mark.parametrize("counts", ["all", "int", "array"])
+    @cases("forward", counts=["all", "int", "array"])
     def test_selected_attention(self, shape, dtype, counts):
         with precision(dtype):
             x = Inputs(shape, dtype)
@@ -325,8 +354,7 @@ class NSATestBase:
             assert o.dtype == x.q.dtype
             assert_close(o, ref, TOLERANCE[dtype], "o")
 
-    @cases("forward")
-    @pytest.mark.parametrize("window_size", [1, 7, 1000])
+    @cases("forward", window_size=[7, 1, 1000])
     def test_sliding_window_attention(self, shape, dtype, window_size):
         with precision(dtype):
             x = Inputs(shape, dtype)
@@ -335,8 +363,7 @@ class NSATestBase:
             assert o.dtype == x.q.dtype
             assert_close(o, ref, TOLERANCE[dtype], "o")
 
-    @cases("attention")
-    @pytest.mark.parametrize("variant", ["all-gates", "no-cmp", "given-indices", "default-gates"])
+    @cases("attention", variant=["all-gates", "no-cmp", "given-indices", "default-gates"])
     def test_attention(self, shape, dtype, variant):
         with precision(dtype):
             x = Inputs(shape, dtype)
@@ -596,11 +623,15 @@ class NSATestBase:
         f = self._attention_fn(x)
         return f, lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32) * x.do.astype(jnp.float32))
 
+    def _transform_shape(self, name):
+        """A transformation test's shape: SHAPES[name], or on interpreted kernels INTERPRETED_TRANSFORM_SHAPES'."""
+        return (INTERPRETED_TRANSFORM_SHAPES if self.interpreted else SHAPES)[name]
+
     def test_jit_grad_and_bitwise_repeatable(self):
         """Under jit the same result; gradients and outputs bitwise repeatable; nothing retraces."""
         dtype = self.dtypes[0]
         with precision(dtype):
-            x = Inputs(SHAPES["G2"], dtype)
+            x = Inputs(self._transform_shape("G2"), dtype)
             f, loss = self._loss(x)
             eager = f(x.q, x.k, x.v)
             chex.clear_trace_counter()  # the counter is keyed by the function's hash, which a new one may reuse
@@ -614,7 +645,7 @@ class NSATestBase:
     def test_gradient_under_checkpoint(self):
         dtype = self.dtypes[0]
         with precision(dtype):
-            x = Inputs(SHAPES["G2"], dtype)
+            x = Inputs(self._transform_shape("G2"), dtype)
             _, loss = self._loss(x)
             g1 = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(x.q, x.k, x.v)
             g2 = jax.jit(jax.grad(jax.checkpoint(loss), argnums=(0, 1, 2)))(x.q, x.k, x.v)
@@ -623,7 +654,7 @@ class NSATestBase:
     def test_vmap_over_a_leading_axis(self):
         dtype = self.dtypes[0]
         with precision(dtype):
-            xs = [Inputs(SHAPES["G3-dv8"], dtype, seed=s) for s in range(3)]
+            xs = [Inputs(self._transform_shape("G3-dv8"), dtype, seed=s) for s in range(3)]
             f = self._attention_fn(xs[0])
             q, k, v = (jnp.stack([getattr(x, n) for x in xs]) for n in "qkv")
             batched = jax.jit(jax.vmap(f))(q, k, v)  # jitted: one compile, not an eager dispatch per op
@@ -639,7 +670,7 @@ class NSATestBase:
         """The ops run per shard inside shard_map (batch split over a mesh of the local devices)."""
         dtype = self.dtypes[0]
         with precision(dtype):
-            x = Inputs(SHAPES["G2"], dtype)
+            x = Inputs(self._transform_shape("G2"), dtype)
             f = self._attention_fn(x)
             devices = np.array(jax.local_devices()[:1])
             mesh = jax.sharding.Mesh(devices, ("b",))
@@ -661,8 +692,9 @@ class NSATestBase:
     # ---------------------------------------- compression windows of l tokens every d, selection blocks of l'
 
     def _blocks(self, name, cu_seqlens=None, seed=0):
-        """(Inputs, l, d, l', k_cmp, k_cmp64, v_cmp, v_cmp64) of BLOCK_CASES[name], compressed by the oracle."""
-        shape, (l, d, sel) = BLOCK_CASES[name]
+        """(Inputs, l, d, l', k_cmp, k_cmp64, v_cmp, v_cmp64) of BLOCK_CASES[name] (or SMALL_BLOCK_CASES'),
+        compressed by the oracle."""
+        shape, (l, d, sel) = {**BLOCK_CASES, **SMALL_BLOCK_CASES}[name]
         x = Inputs(shape + (sel,), self.dtypes[0], seed)
         kw = dict(block_size=l, stride=d, cu_seqlens=cu_seqlens)
         k_cmp, v_cmp = (rounded(oracle.compress(y, **kw), x.dtype) for y in (x.k64, x.v64))
@@ -744,17 +776,18 @@ class NSATestBase:
         with a concrete cu_seqlens and (compiled kernels: interpreted ones run the same kernels on the same
         planning, and test_varlen_equals_each_sequence_alone traces theirs) a traced one."""
         dtype = self.dtypes[0]
-        shape, (l, d, sel) = BLOCK_CASES[name]
+        shape, (l, d, sel) = {**BLOCK_CASES, **SMALL_BLOCK_CASES}[name]
+        cu = SMALL_BLOCK_CU_SEQLENS if name in SMALL_BLOCK_CASES else BLOCK_CU_SEQLENS
         with precision(dtype):
-            x = Inputs((1, 600) + shape[2:] + (sel,), dtype, seed=5)
-            f, _, args, _, ref = self._blocks_attention(x, l, d, sel, BLOCK_CU_SEQLENS)
+            x = Inputs((1, int(cu[-1])) + shape[2:] + (sel,), dtype, seed=5)
+            f, _, args, _, ref = self._blocks_attention(x, l, d, sel, cu)
             assert_close(f(*args), ref, TOLERANCE[dtype], "o")
             if self.interpreted:
                 return
             blocks = dict(block_counts=5, window_size=20, block_size=sel, compress_block_size=l, compress_stride=d)
             traced = jax.jit(lambda cu, *a: self.op("attention")(*a[:3], g_cmp=a[3], g_slc=a[4], g_swa=a[5],
                                                                   cu_seqlens=cu, **blocks))
-            assert_close(traced(jnp.asarray(BLOCK_CU_SEQLENS), *args), ref, TOLERANCE[dtype], "o, traced cu_seqlens")
+            assert_close(traced(jnp.asarray(cu), *args), ref, TOLERANCE[dtype], "o, traced cu_seqlens")
 
     # ------------------------------------------------- a KV cache: queries at the end of longer sequences
 

@@ -49,7 +49,7 @@ def pytest_generate_tests(metafunc):
     """The cases of a test base test marked @cases(kind), made for its subclass (tests/base.py)."""
     marker = metafunc.definition.get_closest_marker("cases")
     if marker is not None:
-        metafunc.parametrize(*metafunc.cls.case_params(*marker.args))
+        metafunc.parametrize(*metafunc.cls.case_params(*marker.args, **marker.kwargs))
 
 
 @pytest.fixture

@@ -72,20 +72,19 @@ def test_overlapping_windows_are_written_once_complete(steps):
                               capacity=N, lens=lens)
     assert (cache.block_size, cache.compress_block_size, cache.compress_stride) == (sel, l, d)
     assert cache.k_cmp.shape == (B, N // d, H, DK)
-    full = [np.array(k[b, :n]) for b, n in enumerate(lens)], [np.array(v[b, :n]) for b, n in enumerate(lens)]
+    # each sequence in full, its prompt then every new token: a complete window's row is the same over any length
+    total = sum(steps)
+    rows = [[nsa.compress(jnp.concatenate([x[b, :n], x[b, 29:29 + total]])[None], block_size=l, stride=d)[0]
+             for b, n in enumerate(lens)] for x in (k, v)]
     start = 29
     for n in [0] + steps:
         if n:
             cache = nsa.append_to_cache(cache, k[:, start:start + n], v[:, start:start + n])
-            for b in range(B):
-                for seq, x in zip(full, (k, v)):
-                    seq[b] = np.concatenate([seq[b], np.asarray(x[b, start:start + n])])
             lens, start = lens + n, start + n
         for b, length in enumerate(lens):
             complete = max(0, (length - l) // d + 1)  # rows i with i * d + l <= length
-            for x_cmp, seq in zip((cache.k_cmp, cache.v_cmp), full):
-                want = nsa.compress(jnp.asarray(seq[b])[None], block_size=l, stride=d)[0, :complete]
-                np.testing.assert_array_equal(np.asarray(x_cmp[b, :complete]), np.asarray(want))
+            for x_cmp, want in zip((cache.k_cmp, cache.v_cmp), rows):
+                np.testing.assert_array_equal(np.asarray(x_cmp[b, :complete]), np.asarray(want[b][:complete]))
                 np.testing.assert_array_equal(np.asarray(x_cmp[b, complete:]), 0.0)
 
 

@@ -31,6 +31,7 @@ def _needs_a_gpu():
 class TestPallasGPU(NSATestBase):
     implementation = "pallas"
     dtypes = ("bfloat16", "float16")
+    exhaustive = True
 
 
 def test_long_sequence_needs_64_bit_offsets():

@@ -194,16 +194,17 @@ def test_window_splits_deterministic_under_jit():
     _check(first, _reference(ref_window.forward, x.q64, x.k64, x.v64, None, x.lens, window_size=40, scale=x.scale), x)
 
 
-@pytest.mark.parametrize("group, TQ, gated, window_size", [("G3", 1, "every", 24), ("G16", 1, "g_cmp", 0),
-                                                          ("G1", 5, "every", 24)],
-                         ids=["G3-3-gates", "G16-g_cmp-no-window", "G1-5-tokens-3-gates"])
-def test_fused_step_equals_the_ops(group, TQ, gated, window_size, monkeypatch):
+@pytest.mark.parametrize("group, TQ, gated, window_size, gradient", [
+    ("G3", 1, "every", 24, True), ("G16", 1, "g_cmp", 0, False), ("G1", 5, "every", 24, False)],
+    ids=["G3-3-gates", "G16-g_cmp-no-window", "G1-5-tokens-3-gates"])
+def test_fused_step_equals_the_ops(group, TQ, gated, window_size, gradient, monkeypatch):
     """nsa.attention over the cache with the compressed branch on and the blocks selected runs the fused
     kernels (decode.attention: compressed and window splits in one launch, the selection reading the
     compressed partials, one combine with the gates), and returns the ops' result (run one after another by
     the same decode kernels) and the float64 reference's: G = 3, 16 and 1 (five tokens), all three gates, or
     g_cmp alone (g_slc weight 1) without a window; block 4 (20 compressed rows, so each branch has splits to
-    merge); NaN past each sequence. Under jax.grad the ops run, so the gradient is theirs exactly."""
+    merge); NaN past each sequence. Under jax.grad the ops run, so the gradient is theirs exactly (checked on the
+    first case: the interpreted training kernels' backward takes a minute a case)."""
     x = Cache(group, TQ, "float32")
     bs, slots = 4, 3
     k_cmp, v_cmp = (nsa.compress(y, block_size=bs) for y in (x.k, x.v))  # NaN in blocks past each sequence
@@ -225,16 +226,17 @@ def test_fused_step_equals_the_ops(group, TQ, gated, window_size, monkeypatch):
         m.setattr(nsa.triton, "fused_step", lambda q, k, static: None)  # the family has no fused step: the ops run
         ops = step(x.q, k_cmp)
         loss = lambda q, kc: jnp.sum(step(q, kc) ** 2)
-        grads_ops = jax.grad(loss, (0, 1))(x.q, k_cmp)
+        grads_ops = jax.grad(loss, (0, 1))(x.q, k_cmp) if gradient else None
     reference = step(x.q, k_cmp, "xla")
     assert got.dtype == x.q.dtype and got.shape == ops.shape
     assert_close(got, ops, 1e-6, "fused against the ops")
     assert_close(got, reference, TOLERANCE["float32"], "fused against the reference")
-    calls.clear()
-    grads = jax.grad(loss, (0, 1))(x.q, k_cmp)
-    assert not calls, "the fused kernels ran under jax.grad"
-    for g, g_ops in zip(grads, grads_ops):
-        np.testing.assert_array_equal(np.asarray(g), np.asarray(g_ops))
+    if gradient:
+        calls.clear()
+        grads = jax.grad(loss, (0, 1))(x.q, k_cmp)
+        assert not calls, "the fused kernels ran under jax.grad"
+        for g, g_ops in zip(grads, grads_ops):
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(g_ops))
 
 
 def test_default_config_and_applies():

@@ -30,6 +30,7 @@ def _needs_a_gpu():
 class TestTriton(NSATestBase):
     implementation = "triton"
     dtypes = ("float32", "bfloat16", "float16")
+    exhaustive = True
 
 
 def test_default_implementation_on_gpu_runs_the_kernels():

@@ -5,7 +5,7 @@ GPU, where tests/test_triton_gpu.py runs the whole base on the compiled kernels.
 
 import pytest
 
-from tests.base import NSATestBase
+from tests.base import SMALL_INTERPRETED_BLOCK_CASES, NSATestBase
 from tests.conftest import ON_GPU
 
 
@@ -15,6 +15,7 @@ class TestTritonInterpreted(NSATestBase):
     implementation = "triton"
     dtypes = ("float32", "float16")
     interpreted = True
+    interpreted_block_cases = SMALL_INTERPRETED_BLOCK_CASES
 
     @pytest.fixture(autouse=True)
     def _interpreter(self, interpreted):
