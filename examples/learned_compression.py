@@ -30,7 +30,7 @@ import numpy as np
 
 import nsa
 
-VOCAB, T, BATCH, LAG = 16, 128, 16, 40
+VOCAB, T, BATCH, LAG = 16, 128, 8, 40
 DIM, HQ, H, D = 64, 4, 1, 16  # G = 4 query heads share one KV head
 L, STRIDE, BLOCK = 8, 4, 16  # compression windows of L tokens every STRIDE; selection blocks of BLOCK
 NSA = dict(block_size=BLOCK, compress_block_size=L, compress_stride=STRIDE, block_counts=4, window_size=16)
@@ -137,7 +137,7 @@ def check_phi_gradients(params, seed=2, eps=1e-5):
     params = jax.tree.map(lambda p: p.astype(jnp.float64), params)
     tokens, targets = batch(jax.random.key(seed))
     loss = jax.jit(lambda p: loss_fn(p, tokens, targets))
-    grads = jax.grad(loss_fn)(params, tokens, targets)
+    grads = jax.jit(jax.grad(loss_fn))(params, tokens, targets)
     errors = {}
     keys = iter(jax.random.split(jax.random.key(seed + 1), 16))
     for branch in ("phi_k", "phi_v"):

@@ -69,10 +69,10 @@ INTERPRETED_TRANSFORM_SHAPES = {"G2": (2, 40, 4, 2, 8, 8, 8), "G3-dv8": (1, 40, 
 
 # The ops of the gradient and varlen tests. Interpreted, each branch's gradient runs on the first gradient case
 # and the whole pipeline ("attention", every kernel forward and backward) on each; the varlen tests run the
-# pipeline (every kernel packed) and the branch whose packing the pipeline shows least: select (its output is
-# indices, which selected attention then reads) forward, selected attention's backward planning for gradients.
+# pipeline (every kernel packed: a packed selection that went wrong changes its output) and, for gradients, the
+# branch whose packing the pipeline's gradients show least: selected attention's backward planning.
 GRADIENT_OPS = ["compressed", "selected", "window", "attention"]
-VARLEN_OPS = {"varlen": (["compressed", "select", "selected", "window", "attention"], ["select", "attention"]),
+VARLEN_OPS = {"varlen": (["compressed", "select", "selected", "window", "attention"], ["attention"]),
               "varlen_gradients": (GRADIENT_OPS, ["selected", "attention"])}
 
 # The ops of the KV-cache tests (test_cached_queries_equal_full_sequence). Interpreted kernels run the two

@@ -102,11 +102,13 @@ def test_attention_over_a_cache_of_overlapping_windows():
         cache = nsa.prefill_cache(x.k, x.v, capacity=N, lens=[n - chunk for n in lens], **blocks)
         last = lambda y: jnp.stack([y[b, n - chunk:n] for b, n in enumerate(lens)])
         cache = nsa.append_to_cache(cache, last(x.k), last(x.v))
-        o = nsa.attention(last(x.q), cache=cache, g_cmp=last(g[0]), g_slc=last(g[1]), g_swa=last(g[2]), **kw)
+        o = jax.jit(lambda q, cache, *g: nsa.attention(q, cache=cache, g_cmp=g[0], g_slc=g[1], g_swa=g[2], **kw))(
+            last(x.q), cache, *(last(gi) for gi in g))
+        whole = jax.jit(lambda q, k, v, *g: nsa.attention(q, k, v, g_cmp=g[0], g_slc=g[1], g_swa=g[2],
+                                                          implementation="xla", **kw, **blocks))
         for b, n in enumerate(lens):
             one = lambda y: y[b:b + 1, :n]
-            want = nsa.attention(one(x.q), one(x.k), one(x.v), g_cmp=one(g[0]), g_slc=one(g[1]), g_swa=one(g[2]),
-                                 implementation="xla", **kw, **blocks)[0, n - chunk:]
+            want = whole(one(x.q), one(x.k), one(x.v), *(one(gi) for gi in g))[0, n - chunk:]
             assert_close(o[b], want, 1e-5, f"o[{b}], chunk {chunk}")
     for name, value in (("compress_stride", 8), ("compress_block_size", 16), ("block_size", 32)):
         with pytest.raises(ValueError, match=f"{name} = {value} was given, but the cache was made with {name} = "):
