@@ -17,7 +17,7 @@ from typing import NamedTuple, Optional
 
 import jax
 
-from nsa.reference.select import blocks_of, one_row_per_block
+from nsa._plan import blocks_of, one_row_per_block
 
 
 class Shapes(NamedTuple):

@@ -413,3 +413,14 @@ def per_key_row(sums, shape, cu_seqlens, *, block_size):
     lst = (jnp.arange(B)[:, None, None] * H + jnp.arange(H)[None, None, :]) * (sums.shape[0] // (B * H)) \
         + row[None, :, None]  # [B, TK, H]
     return sums[lst, (keys.pos[0] % block_size)[None, :, None], :D]
+
+
+def blocks_of(block_size, compress_block_size=None, compress_stride=None):
+    """(l', l, d) as a select kernel takes them: compress_block_size and compress_stride None mean block_size."""
+    return (block_size,) + tuple(block_size if x is None else x for x in (compress_block_size, compress_stride))
+
+
+def one_row_per_block(block_size, compress_block_size, compress_stride):
+    """Whether selection block j scores compressed row j alone (l = d = l': fla's form), as the kernels that have
+    no Eq. 9 sum take it."""
+    return compress_block_size == compress_stride == block_size

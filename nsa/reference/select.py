@@ -17,7 +17,7 @@ to the lower block id, and the unused slots are -1. No gradient flows through th
 import jax.numpy as jnp
 from jax import lax
 
-from nsa._plan import num_candidates
+from nsa._plan import blocks_of, num_candidates, one_row_per_block
 from nsa._varlen import tokens
 from nsa.reference import _common as c
 from nsa.reference.compressed import softmax_over_blocks
@@ -50,17 +50,6 @@ def overlaps(block_size, compress_block_size, compress_stride):
     -(l / d - 1) to l' / d - 1; count is how many d-token units row (l' / d) * j + o shares with block j."""
     per_block, per_row = block_size // compress_stride, compress_block_size // compress_stride
     return {o: min(per_block, per_row + o) - max(0, o) for o in range(1 - per_row, per_block)}
-
-
-def blocks_of(block_size, compress_block_size=None, compress_stride=None):
-    """(l', l, d) as a select kernel takes them: compress_block_size and compress_stride None mean block_size."""
-    return (block_size,) + tuple(block_size if x is None else x for x in (compress_block_size, compress_stride))
-
-
-def one_row_per_block(block_size, compress_block_size, compress_stride):
-    """Whether selection block j scores compressed row j alone (l = d = l': fla's form), as the kernels that have
-    no Eq. 9 sum take it."""
-    return compress_block_size == compress_stride == block_size
 
 
 def unless_one_row_per_block(kernels, **blocks):

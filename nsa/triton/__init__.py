@@ -28,7 +28,7 @@ where it changes what is fastest, a measurement behind the default_config that i
 
 import jax.numpy as jnp
 
-from nsa.reference.select import one_row_per_block
+from nsa._plan import one_row_per_block
 
 from nsa.triton import _launch, _splits, compressed, decode, select, selected, window
 

@@ -40,8 +40,9 @@ import triton
 import triton.language as tl
 
 from nsa._config import Shapes, positive, power_of_two, validated
+from nsa._plan import blocks_of, one_row_per_block
 from nsa._varlen import cdiv, tokens
-from nsa.reference.select import blocks_of, one_row_per_block, unless_one_row_per_block
+from nsa.reference.select import unless_one_row_per_block
 from nsa.triton import _launch, _splits, _topk, decode_select
 from nsa.triton import decode as flash_decoding
 from nsa.triton._common import LOG2E, check, device

@@ -64,11 +64,11 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from nsa._config import Shapes, expect, validated
 from nsa._device import facts
-from nsa._plan import num_candidates
+from nsa._plan import blocks_of, num_candidates
 from nsa._varlen import cdiv, complete_rows, round_up, tokens
 from nsa.pallas._batch import per_sequence
 from nsa.pallas.gpu._common import by_row, call, check_dtype, iota, matmul, padded_dim, pipelined, smem_tile
-from nsa.reference.select import block_ranks, block_scores, blocks_of, top_blocks
+from nsa.reference.select import block_ranks, block_scores, top_blocks
 
 ROWS = 64  # the tile: wgmma's M
 CHUNK = ROWS  # BC: compressed rows per step (wgmma's N): a row of a chunk's p is read as a per-row vector of a tile

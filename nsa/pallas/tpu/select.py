@@ -65,11 +65,11 @@ from jax.experimental.pallas import tpu as pltpu
 
 from nsa._config import Shapes, expect, positive, validated
 from nsa._device import facts
-from nsa._plan import band, bands, num_candidates
+from nsa._plan import band, bands, blocks_of, num_candidates, one_row_per_block
 from nsa._varlen import cdiv, complete_rows, num_compressed_blocks, round_up, tokens
 from nsa.pallas._batch import per_sequence
 from nsa.pallas.tpu._common import batch_row, clamped, dot, lane_padded, lanes, out_struct, sublanes, view
-from nsa.reference.select import CURRENT, FIRST, PREVIOUS, blocks_of, one_row_per_block, overlaps
+from nsa.reference.select import CURRENT, FIRST, PREVIOUS, overlaps
 
 MAX_TOKENS = 128  # TB at most: 128 rows fill the MXU's M and make a chunk's ranks (TB, 128) 16 vregs
 
