@@ -1,7 +1,7 @@
 """Where the time of nsa.attention goes: each op of the full NSA pipeline timed alone on the GPU.
 
     python -m benchmarks.ops --out DIR [--seq-lens 65536] [--impl triton] [--sweep flash selected]
-        [--q-heads 64] [--shared-selection] [--ops selected ...]
+        [--q-heads 64] [--shared-selection] [--ops selected ...] [--compression 32 16]
 
 Standard shape of benchmarks/gpu.py (B=1, HQ=64, H=4, D=128, bf16, block 64, 16 blocks, window 512);
 --q-heads changes HQ (the group size G = HQ / 4: small groups take another path in selected attention).
@@ -10,8 +10,9 @@ selected_attention runs on the blocks select_blocks picks for the (random) input
 (what neighbouring queries of a trained model come closer to: they share most of their blocks).
 For each T it times, forward and forward+backward (median over --iters after warm-up): compress of k
 (and the same for v), compressed_attention, select_blocks (forward only), selected_attention on the
-selected blocks, sliding_window_attention, and the whole nsa.attention. Writes
-ops-<seq lens>[-hq<HQ>][-shared].json into --out.
+selected blocks, sliding_window_attention, and the whole nsa.attention. --compression L D compresses windows
+of L tokens every D (the paper's: 32 16; selection blocks stay 64). Writes
+ops-<seq lens>[-hq<HQ>][-shared][-<impl> unless triton][-l<L>-d<D>].json into --out.
 
 --sweep also times the flash kernels (window, compressed) and the selected-attention kernels under a
 few tile / warp / stage candidates: each kernel module's forward and backward entry point takes a
@@ -40,25 +41,28 @@ def _grad_fn(fn, argnums):
     return jax.jit(jax.grad(lambda *a: loss(*a), argnums=argnums))
 
 
-def op_cases(T, impl, hq=HQ, shared_selection=False):
-    """(name, forward fn, forward+backward fn or None, args) for each op of the pipeline."""
+def op_cases(T, impl, hq=HQ, shared_selection=False, compression=(BS, BS)):
+    """(name, forward fn, forward+backward fn or None, args) for each op of the pipeline; compression is
+    (l, d): windows of l tokens every d (the paper's is (32, 16)), selection blocks of BS tokens."""
     q, k, v, gates, do = jax_inputs(T, hq=hq)
     kw = dict(implementation=implementation_of(impl))
-    k_cmp = nsa.compress(k, block_size=BS)
-    v_cmp = nsa.compress(v, block_size=BS)
-    idx = jax.jit(lambda q, k_cmp: nsa.select_blocks(q, k_cmp, block_counts=S, block_size=BS, **kw))(q, k_cmp)
+    l, d = compression
+    blocks = dict(block_size=BS, compress_block_size=l, compress_stride=d)
+    k_cmp = nsa.compress(k, block_size=l, stride=d)
+    v_cmp = nsa.compress(v, block_size=l, stride=d)
+    select = lambda q, kc: nsa.select_blocks(q, kc, block_counts=S, **blocks, **kw)
+    idx = jax.jit(select)(q, k_cmp)
     if shared_selection:
         idx = idx[:, jnp.minimum((jnp.arange(T) // BS + 1) * BS - 1, T - 1)]
     dk_cmp = jnp.zeros_like(k_cmp)
 
-    compress = lambda x, d: nsa.compress(x, block_size=BS)
-    compressed = lambda q, kc, vc, d: nsa.compressed_attention(q, kc, vc, block_size=BS, **kw)
-    select = lambda q, kc: nsa.select_blocks(q, kc, block_counts=S, block_size=BS, **kw)
+    compress = lambda x, d_: nsa.compress(x, block_size=l, stride=d)
+    compressed = lambda q, kc, vc, d_: nsa.compressed_attention(q, kc, vc, block_size=l, stride=d, **kw)
     selected = lambda q, k, v, d: nsa.selected_attention(q, k, v, idx, block_size=BS, **kw)
     window = lambda q, k, v, d: nsa.sliding_window_attention(q, k, v, window_size=WINDOW, **kw)
 
     def full(q, k, v, g0, g1, g2, d):
-        return nsa.attention(q, k, v, g_cmp=g0, g_slc=g1, g_swa=g2, block_counts=S, block_size=BS,
+        return nsa.attention(q, k, v, g_cmp=g0, g_slc=g1, g_swa=g2, block_counts=S, **blocks,
                              window_size=WINDOW, **kw)
 
     return [
@@ -71,12 +75,12 @@ def op_cases(T, impl, hq=HQ, shared_selection=False):
     ]
 
 
-def time_ops(T, impl, iters, names=None, hq=HQ, shared_selection=False):
+def time_ops(T, impl, iters, names=None, hq=HQ, shared_selection=False, compression=(BS, BS)):
     rows = []
-    for name, fwd, fwd_bwd, args in op_cases(T, impl, hq, shared_selection):
+    for name, fwd, fwd_bwd, args in op_cases(T, impl, hq, shared_selection, compression):
         if names and name not in names:
             continue
-        row = dict(op=name, T=T, impl=impl, HQ=hq, shared_selection=shared_selection)
+        row = dict(op=name, T=T, impl=impl, HQ=hq, shared_selection=shared_selection, compression=list(compression))
         try:
             row["fwd_ms"] = 1e3 * time_jax(fwd, args, iters)
             if fwd_bwd is not None:
@@ -161,15 +165,20 @@ def main():
     parser.add_argument("--shared-selection", action="store_true",
                         help="every token of a 64-token block selects the blocks of its block's last token")
     parser.add_argument("--ops", nargs="*", default=None, help="time only these ops (default: all)")
+    parser.add_argument("--compression", type=int, nargs=2, default=(BS, BS), metavar=("L", "D"),
+                        help="compression windows of L tokens every D (default: 64 64; the paper's: 32 16)")
     args = parser.parse_args()
     result = dict(date=time.strftime("%Y-%m-%d"), device=str(jax.devices()[0].device_kind), jax=jax.__version__,
                   rows=[], sweep=[])
     for T in args.seq_lens:
-        result["rows"] += time_ops(T, args.impl, args.iters, args.ops, args.q_heads, args.shared_selection)
+        result["rows"] += time_ops(T, args.impl, args.iters, args.ops, args.q_heads, args.shared_selection,
+                                   tuple(args.compression))
         if args.sweep:
             result["sweep"] += sweep(T, args.iters, args.sweep)
     name = "-".join(map(str, args.seq_lens)) + (f"-hq{args.q_heads}" if args.q_heads != HQ else "")
     name += "-shared" if args.shared_selection else ""
+    name += "" if args.impl == "triton" else f"-{args.impl}"
+    name += "-l{}-d{}".format(*args.compression) if tuple(args.compression) != (BS, BS) else ""
     with open(f"{args.out}/ops-{name}.json", "w") as f:
         json.dump(result, f, indent=1)
 

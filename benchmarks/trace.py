@@ -1,7 +1,7 @@
 """Where the GPU time of each op goes, kernel by kernel, from a jax.profiler trace.
 
     python -m benchmarks.trace --out DIR [--seq-lens 8192 65536] [--ops window selected ...] [--iters 5]
-                               [--impl pallas]
+                               [--impl pallas] [--compression 32 16]
 
 Takes the op cases of benchmarks/ops.py (standard shape, implementation --impl, "triton" unless told). For
 each op it runs the forward+backward (select: the forward) once to compile, then --iters times under
@@ -21,7 +21,7 @@ import time
 
 import jax
 
-from benchmarks.ops import op_cases
+from benchmarks.ops import BS, op_cases
 
 
 def device_times(fn, args, iters):
@@ -52,11 +52,14 @@ def main():
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--impl", default="triton",
                         help="triton, pallas, xla, or auto (implementation=None: the per-op choice of nsa._dispatch)")
+    parser.add_argument("--compression", type=int, nargs=2, default=(BS, BS), metavar=("L", "D"),
+                        help="compression windows of L tokens every D (default: 64 64; the paper's: 32 16)")
     args = parser.parse_args()
+    compression = tuple(args.compression)
     result = dict(date=time.strftime("%Y-%m-%d"), device=str(jax.devices()[0].device_kind), jax=jax.__version__,
-                  impl=args.impl, rows=[])
+                  impl=args.impl, compression=list(compression), rows=[])
     for T in args.seq_lens:
-        for name, fwd, fwd_bwd, op_args in op_cases(T, args.impl):
+        for name, fwd, fwd_bwd, op_args in op_cases(T, args.impl, compression=compression):
             if args.ops and name not in args.ops:
                 continue
             times = device_times(fwd_bwd or fwd, op_args, args.iters)
@@ -67,6 +70,7 @@ def main():
                     print(f"  {us / 1e3:8.3f} ms  {event[:110]}")
             result["rows"].append(dict(op=name, T=T, fwd_bwd=fwd_bwd is not None, total_us=total, events=dict(times)))
     tag = "-".join(map(str, args.seq_lens)) + ("" if args.impl == "triton" else f"-{args.impl}")
+    tag += "" if compression == (BS, BS) else "-l{}-d{}".format(*compression)
     with open(f"{args.out}/trace-{tag}.json", "w") as f:
         json.dump(result, f, indent=1)
 

@@ -8,10 +8,14 @@
 #   run(command="bash scripts/paper_gpu.sh bench 8192 16384 32768", carry=[".whl", ".peers"])
 #       benchmarks/gpu.py's full, full_nowin, paper and paper_nowin rows (implementation=None) at those T, with
 #       mdy666's NSA (.peers: ../shared/peers copied, ignored by git) timed in its own process first.
+#   run(command="COMPRESSION='32 16' bash scripts/paper_gpu.sh profile 65536", carry=[".whl"])
+#       where the time goes at compression (l, d) = COMPRESSION (default the paper's, 32 16; 64 64 to compare):
+#       benchmarks/ops.py per op for the Triton and the Mosaic GPU families, then benchmarks/trace.py's
+#       kernel-by-kernel device time of select and the whole attention (implementation=None).
 # .whl holds the jax-triton 0.3.1 wheel (scripts/gpu.sh says how to fetch it). Results go to $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-what=${1:?check or bench}; shift
+what=${1:?check, bench or profile}; shift
 out=${OUT:-/tmp/paper}; mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/triton-cache
@@ -52,5 +56,14 @@ if [[ $what == bench ]]; then
     timeout ${BENCH_TIMEOUT:-580} python3 benchmarks/gpu.py --out "$out" --seq-lens "$@" --cases full full_nowin paper paper_nowin --impls auto \
         --no-dense --no-fla --iters 10 --mdy .peers/mdy_side.py 2>&1 | tee "$out/bench.log" | grep -v '^{'
     [[ ${PIPESTATUS[0]} == 0 ]] || status=1
+fi
+if [[ $what == profile ]]; then
+    compression=${COMPRESSION:-32 16}
+    for impl in triton pallas; do
+        timeout 200 python3 -m benchmarks.ops --out "$out" --seq-lens "$@" --impl $impl --compression $compression \
+            --iters 10 2>&1 | tee -a "$out/profile.log" | grep '^{' || status=1
+    done
+    timeout 150 python3 -m benchmarks.trace --out "$out" --seq-lens "$@" --impl auto --compression $compression \
+        --ops select attention --iters 3 2>&1 | tee -a "$out/profile.log" | grep -v '^WARNING' || status=1
 fi
 exit $status
