@@ -4,7 +4,8 @@
 #       every gpu-marked test in JOBS processes (stopped at DEADLINE s; their -v log says which passed) beside
 #       compute-sanitizer's memcheck over the overlapping-compression cases of scripts/gpu_hostile.py
 #       (--overlap: Triton in float32, then Mosaic GPU in bfloat16); TESTS (pytest arguments, e.g. test ids) narrows
-#       the tests, SANITIZE (default "triton pallas") the families sanitized;
+#       the tests, SANITIZE (default "triton pallas"; empty: none) the families sanitized; a pass of both takes
+#       up to 900 s, so a call with all the tests leaves it out (SANITIZE=) and sanitizes in a call of its own;
 #   run(command="bash scripts/paper_gpu.sh bench 8192 16384 32768", carry=[".whl", ".peers"])
 #       benchmarks/gpu.py's full, full_nowin, paper and paper_nowin rows (implementation=None) at those T, with
 #       mdy666's NSA (.peers: ../shared/peers copied, ignored by git) timed in its own process first.
@@ -29,7 +30,7 @@ if [[ $what == check ]]; then
     ( export XLA_PYTHON_CLIENT_ALLOCATOR=platform XLA_FLAGS=--xla_gpu_autotune_level=0 \
           JAX_COMPILATION_CACHE_DIR=/tmp/jax-cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 \
           JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0
-      for impl in ${SANITIZE:-triton pallas}; do  # a warm pass fills the caches, the sanitized one compiles nothing
+      for impl in ${SANITIZE-triton pallas}; do  # a warm pass fills the caches, the sanitized one compiles nothing
           name=sanitize-$impl; flag=$([[ $impl == pallas ]] && echo --pallas)
           timeout 200 python3 scripts/gpu_hostile.py --quick --overlap $flag > "$out/$name-warm.log" 2>&1
           timeout 250 compute-sanitizer --tool memcheck --error-exitcode 99 --kernel-name kns=_kernel \
@@ -39,14 +40,14 @@ if [[ $what == check ]]; then
     export XLA_PYTHON_CLIENT_PREALLOCATE=false
     python3 -m pytest -q -m gpu -p no:cacheprovider --collect-only ${TESTS:-} | grep '::' > /tmp/gpu-tests.txt
     echo "$(wc -l < /tmp/gpu-tests.txt) gpu tests in $jobs processes, stopped at $deadline s"
-    mkdir -p /tmp/gpu-logs
+    mkdir -p "$out/gpu-logs"  # written as the tests run: what finished comes back even if the call is cut off
     for ((j = 0; j < jobs; j++)); do
         awk -v j=$j -v n=$jobs 'NR % n == j' /tmp/gpu-tests.txt > /tmp/gpu-tests-$j.txt
         mapfile -t ids < /tmp/gpu-tests-$j.txt
-        timeout $deadline python3 -m pytest -v -p no:cacheprovider -rf "${ids[@]}" > /tmp/gpu-logs/$j.log 2>&1 &
+        timeout $deadline python3 -m pytest -v -p no:cacheprovider -rf "${ids[@]}" > "$out/gpu-logs/$j.log" 2>&1 &
     done
     wait
-    cat /tmp/gpu-logs/*.log > "$out/gpu-tests.log"
+    cat "$out"/gpu-logs/*.log > "$out/gpu-tests.log"
     echo "passed $(grep -c ' PASSED' "$out/gpu-tests.log"), failed $(grep -c ' FAILED' "$out/gpu-tests.log"), errors $(grep -c ' ERROR' "$out/gpu-tests.log"), of $(wc -l < /tmp/gpu-tests.txt)"
     grep -E ' (FAILED|ERROR)' "$out/gpu-tests.log" | sort -u | head -40
     cat "$out/sanitize-summary.log"
