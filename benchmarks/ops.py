@@ -46,18 +46,18 @@ def op_cases(T, impl, hq=HQ, shared_selection=False, compression=(BS, BS)):
     (l, d): windows of l tokens every d (the paper's is (32, 16)), selection blocks of BS tokens."""
     q, k, v, gates, do = jax_inputs(T, hq=hq)
     kw = dict(implementation=implementation_of(impl))
-    l, d = compression
-    blocks = dict(block_size=BS, compress_block_size=l, compress_stride=d)
-    k_cmp = nsa.compress(k, block_size=l, stride=d)
-    v_cmp = nsa.compress(v, block_size=l, stride=d)
+    l, stride = compression
+    blocks = dict(block_size=BS, compress_block_size=l, compress_stride=stride)
+    k_cmp = nsa.compress(k, block_size=l, stride=stride)
+    v_cmp = nsa.compress(v, block_size=l, stride=stride)
     select = lambda q, kc: nsa.select_blocks(q, kc, block_counts=S, **blocks, **kw)
     idx = jax.jit(select)(q, k_cmp)
     if shared_selection:
         idx = idx[:, jnp.minimum((jnp.arange(T) // BS + 1) * BS - 1, T - 1)]
     dk_cmp = jnp.zeros_like(k_cmp)
 
-    compress = lambda x, d_: nsa.compress(x, block_size=l, stride=d)
-    compressed = lambda q, kc, vc, d_: nsa.compressed_attention(q, kc, vc, block_size=l, stride=d, **kw)
+    compress = lambda x, d: nsa.compress(x, block_size=l, stride=stride)
+    compressed = lambda q, kc, vc, d: nsa.compressed_attention(q, kc, vc, block_size=l, stride=stride, **kw)
     selected = lambda q, k, v, d: nsa.selected_attention(q, k, v, idx, block_size=BS, **kw)
     window = lambda q, k, v, d: nsa.sliding_window_attention(q, k, v, window_size=WINDOW, **kw)
 
@@ -73,6 +73,17 @@ def op_cases(T, impl, hq=HQ, shared_selection=False, compression=(BS, BS)):
         ("window", jax.jit(window), _grad_fn(window, (0, 1, 2)), (q, k, v, do)),
         ("attention", jax.jit(full), _grad_fn(full, (0, 1, 2, 3, 4, 5)), (q, k, v, *gates, do)),
     ]
+
+
+def add_compression_argument(parser):
+    """--compression L D, as ops.py and trace.py take it."""
+    parser.add_argument("--compression", type=int, nargs=2, default=(BS, BS), metavar=("L", "D"),
+                        help="compression windows of L tokens every D (default: 64 64; the paper's: 32 16)")
+
+
+def compression_suffix(compression):
+    """The results file's suffix for compression (l, d): none for the default (BS, BS)."""
+    return "" if tuple(compression) == (BS, BS) else "-l{}-d{}".format(*compression)
 
 
 def time_ops(T, impl, iters, names=None, hq=HQ, shared_selection=False, compression=(BS, BS)):
@@ -165,8 +176,7 @@ def main():
     parser.add_argument("--shared-selection", action="store_true",
                         help="every token of a 64-token block selects the blocks of its block's last token")
     parser.add_argument("--ops", nargs="*", default=None, help="time only these ops (default: all)")
-    parser.add_argument("--compression", type=int, nargs=2, default=(BS, BS), metavar=("L", "D"),
-                        help="compression windows of L tokens every D (default: 64 64; the paper's: 32 16)")
+    add_compression_argument(parser)
     args = parser.parse_args()
     result = dict(date=time.strftime("%Y-%m-%d"), device=str(jax.devices()[0].device_kind), jax=jax.__version__,
                   rows=[], sweep=[])
@@ -178,7 +188,7 @@ def main():
     name = "-".join(map(str, args.seq_lens)) + (f"-hq{args.q_heads}" if args.q_heads != HQ else "")
     name += "-shared" if args.shared_selection else ""
     name += "" if args.impl == "triton" else f"-{args.impl}"
-    name += "-l{}-d{}".format(*args.compression) if tuple(args.compression) != (BS, BS) else ""
+    name += compression_suffix(args.compression)
     with open(f"{args.out}/ops-{name}.json", "w") as f:
         json.dump(result, f, indent=1)
 

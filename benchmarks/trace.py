@@ -21,7 +21,7 @@ import time
 
 import jax
 
-from benchmarks.ops import BS, op_cases
+from benchmarks.ops import add_compression_argument, compression_suffix, op_cases
 
 
 def device_times(fn, args, iters):
@@ -52,8 +52,7 @@ def main():
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--impl", default="triton",
                         help="triton, pallas, xla, or auto (implementation=None: the per-op choice of nsa._dispatch)")
-    parser.add_argument("--compression", type=int, nargs=2, default=(BS, BS), metavar=("L", "D"),
-                        help="compression windows of L tokens every D (default: 64 64; the paper's: 32 16)")
+    add_compression_argument(parser)
     args = parser.parse_args()
     compression = tuple(args.compression)
     result = dict(date=time.strftime("%Y-%m-%d"), device=str(jax.devices()[0].device_kind), jax=jax.__version__,
@@ -70,7 +69,7 @@ def main():
                     print(f"  {us / 1e3:8.3f} ms  {event[:110]}")
             result["rows"].append(dict(op=name, T=T, fwd_bwd=fwd_bwd is not None, total_us=total, events=dict(times)))
     tag = "-".join(map(str, args.seq_lens)) + ("" if args.impl == "triton" else f"-{args.impl}")
-    tag += "" if compression == (BS, BS) else "-l{}-d{}".format(*compression)
+    tag += compression_suffix(compression)
     with open(f"{args.out}/trace-{tag}.json", "w") as f:
         json.dump(result, f, indent=1)
 

@@ -62,9 +62,11 @@ if [[ $what == profile ]]; then
     compression=${COMPRESSION:-32 16}
     for impl in triton pallas; do
         timeout 200 python3 -m benchmarks.ops --out "$out" --seq-lens "$@" --impl $impl --compression $compression \
-            --iters 10 2>&1 | tee -a "$out/profile.log" | grep '^{' || status=1
+            --iters 10 2>&1 | tee -a "$out/profile.log" | grep '^{'
+        [[ ${PIPESTATUS[0]} == 0 ]] || status=1
     done
     timeout 150 python3 -m benchmarks.trace --out "$out" --seq-lens "$@" --impl auto --compression $compression \
-        --ops select attention --iters 3 2>&1 | tee -a "$out/profile.log" | grep -v '^WARNING' || status=1
+        --ops select attention --iters 3 2>&1 | tee -a "$out/profile.log" | grep -v '^WARNING'
+    [[ ${PIPESTATUS[0]} == 0 ]] || status=1
 fi
 exit $status
