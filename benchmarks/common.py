@@ -57,9 +57,15 @@ FULL_CASES = {"full": ((0, 0), True), "full_nowin": ((0, 0), False),
               "paper": ((32, 16), True), "paper_nowin": ((32, 16), False)}
 
 
+# The cases whose inputs have locality along T (smooth_inputs; the selection on select_blocks' choice on them), each
+# with the case it is the local twin of: what a trained model's neighbouring queries come closer to.
+LOCAL_CASES = {"selection_local": "selection", "full_local": "full"}
+
+
 def case_shape(case, shape=STANDARD):
-    """The Shape a case runs at: `shape` for selection, else with the case's compression and window."""
-    if case == "selection":
+    """The Shape a case runs at: `shape` for selection and window, else with the case's compression and window."""
+    case = LOCAL_CASES.get(case, case)
+    if case in ("selection", "window"):
         return shape
     (l, d), window = FULL_CASES[case]
     shape = shape._replace(compress_block_size=l, compress_stride=d)
@@ -72,10 +78,14 @@ FWD_BWD_FLOPS_FACTOR = 3.5
 def useful_flops(case, T, shape=STANDARD):
     """Forward FLOPs of the useful work (what a perfect kernel must compute); forward+backward counts
     FWD_BWD_FLOPS_FACTOR times as much. Cases: 'selection' (selected attention alone), 'full' (compression
-    + top-k scores + selection + window), 'dense' (causal attention)."""
+    + top-k scores + selection + window), 'window' (the sliding window alone), 'dense' (causal attention); a
+    local case as its twin."""
     if case == "dense":
         return dense_flops(T, shape)
+    if case == "window":
+        return window_flops(T, shape)
     shape = case_shape(case, shape)
+    case = LOCAL_CASES.get(case, case)
     HQ, D = shape.HQ, shape.D
     selection = 4 * T * HQ * shape.blocks * shape.block_size * D
     if case == "selection":
@@ -130,6 +140,44 @@ def jax_inputs(T, seed=0, hq=None, shape=STANDARD):
     return q, k, v, gates, do
 
 
+def smooth(key, shape, T, correlation=256, noise=0.25, dtype=jnp.bfloat16):
+    """A [B, T, ...] array that changes slowly along T: standard normal anchors every `correlation` tokens,
+    linearly interpolated, plus `noise` times iid normal noise (rescaled to unit variance). Queries and keys
+    like this select much the same blocks at neighbouring positions, as a trained model's do."""
+    anchors_key, noise_key = jax.random.split(key)
+    n = T // correlation + 2
+    anchors = jax.random.normal(anchors_key, (shape[0], n) + tuple(shape[2:]), jnp.float32)
+    x = jnp.arange(T) / correlation
+    i = jnp.floor(x).astype(jnp.int32)
+    w = (x - i).reshape((1, T) + (1,) * (len(shape) - 2))
+    # linear interpolation between two unit-variance anchors has variance (1 - w)^2 + w^2
+    line = (anchors[:, i] * (1 - w) + anchors[:, i + 1] * w) / jnp.sqrt((1 - w) ** 2 + w ** 2)
+    mixed = line + noise * jax.random.normal(noise_key, shape, jnp.float32)
+    return (mixed / jnp.sqrt(1 + noise ** 2)).astype(dtype)
+
+
+def smooth_inputs(T, seed=0, hq=None, shape=STANDARD):
+    """jax_inputs with q and k from `smooth`: the inputs with locality along T that the locality rows select on."""
+    q, k, v, gates, do = jax_inputs(T, seed, hq, shape)
+    keys = jax.random.split(jax.random.key(seed + 1), 2)
+    return smooth(keys[0], q.shape, T), smooth(keys[1], k.shape, T), v, gates, do
+
+
+def union_sizes(idx, block_size, tokens):
+    """Mean and max over (b, tile, h) of the number of distinct valid blocks that `tokens` consecutive queries
+    list in idx [B, T, H, S] (T a multiple of tokens; a slot is valid when 0 <= id <= its query's block): what
+    a kernel that packs `tokens` queries into one tile loads, against S per query unpacked."""
+    idx = np.asarray(idx)
+    B, T, H, S = idx.shape
+    current = (np.arange(T) // block_size)[None, :, None, None]
+    valid = np.where((idx >= 0) & (idx <= current), idx, -1)
+    tiles = valid.reshape(B, T // tokens, tokens, H, S).transpose(0, 1, 3, 2, 4).reshape(B, T // tokens, H, -1)
+    tiles = np.sort(tiles, axis=-1)
+    distinct = (tiles[..., 1:] != tiles[..., :-1]) & (tiles[..., 1:] >= 0)
+    count = distinct.sum(-1) + (tiles[..., 0] >= 0)
+    return float(count.mean()), int(count.max())
+
+
 def random_block_indices(T, seed=0, shape=STANDARD):
     """`shape.blocks` distinct blocks per (token, KV head) among the visible ones (fewer visible: -1 padded)."""
     BS, S, H = shape.block_size, shape.blocks, shape.H
@@ -158,14 +206,18 @@ def implementation_of(name):
 
 
 def nsa_fns(case, implementation, T, idx, shape=STANDARD):
-    """(forward, forward+backward) jitted fns of (q, k, v, gates, do) for nsa's `case` with `implementation`;
-    the backward differentiates q, k, v and the gates (the window's gate only where the window is on)."""
+    """(forward, forward+backward) jitted fns of (q, k, v, gates, do) for nsa's `case` with `implementation`
+    (selection: on the block indices idx); the backward differentiates q, k, v and the gates (the window's gate
+    only where the window is on)."""
     shape = case_shape(case, shape)
     BS, S = shape.block_size, shape.blocks
+    case = LOCAL_CASES.get(case, case)
 
     def forward(q, k, v, g):
         if case == "selection":
             return nsa.selected_attention(q, k, v, idx, block_size=BS, implementation=implementation)
+        if case == "window":
+            return nsa.sliding_window_attention(q, k, v, window_size=shape.window, implementation=implementation)
         return nsa.attention(q, k, v, g_cmp=g[0], g_slc=g[1], g_swa=g[2] if shape.window else None,
                              block_counts=S, block_size=BS, window_size=shape.window, implementation=implementation,
                              **shape.compression())
@@ -218,18 +270,20 @@ def table(rows, baseline_name, is_baseline):
     """Markdown table of the rows; the speedup column is the fwd+bwd time of the first row b without an
     error for which is_baseline(row, b), over the row's."""
     lines = [f"| case | T | implementation | fwd ms | fwd+bwd ms | fwd TFLOP/s | fwd+bwd TFLOP/s | fwd+bwd speedup vs "
-             f"{baseline_name} | fwd+bwd peak GiB (inputs + outputs) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             f"{baseline_name} | fwd+bwd peak GiB (inputs + outputs) | distinct blocks per 4 / 64 tokens |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['case']} | {r['T']} | {r['impl']} | failed: {r['error'][:80]} | | | | | |")
+            lines.append(f"| {r['case']} | {r['T']} | {r['impl']} | failed: {r['error'][:80]} | | | | | | |")
             continue
+        union = f"{r['union4_mean']:.1f} / {r['union64_mean']:.1f}" if "union4_mean" in r else "-"
         base = next((b for b in rows if is_baseline(r, b) and "error" not in b), None)
         speedup = f"{base['fwd_bwd_ms'] / r['fwd_bwd_ms']:.2f}x" if base else "-"
         memory = f"{r['fwd_bwd_peak_gib']:.1f} ({r['fwd_bwd_io_gib']:.1f})" if "fwd_bwd_peak_gib" in r else "-"
         lines.append(f"| {r['case']} | {r['T']} | {r['impl']} | {r['fwd_ms']:.2f} | {r['fwd_bwd_ms']:.2f} | "
                      f"{r['useful_tflop_fwd'] / r['fwd_ms'] * 1e3:.0f} | "
-                     f"{FWD_BWD_FLOPS_FACTOR * r['useful_tflop_fwd'] / r['fwd_bwd_ms'] * 1e3:.0f} | {speedup} | {memory} |")
+                     f"{FWD_BWD_FLOPS_FACTOR * r['useful_tflop_fwd'] / r['fwd_bwd_ms'] * 1e3:.0f} | {speedup} | {memory} | "
+                     f"{union} |")
     return "\n".join(lines)
 
 

@@ -11,7 +11,14 @@ Standard shape: B = 1, HQ = 64, H = 4, D = 128, bf16, block_size 64, 16 selected
   full_nowin   the same without the window (two gates);
   paper        full at the paper's compression: windows of 32 tokens every 16, selection blocks of 64
                (Eq. 9 scores);
-  paper_nowin  paper without the window.
+  paper_nowin  paper without the window;
+  window       the sliding window alone, beside cuDNN's own sliding window (local_window_size=(511, 0));
+  selection_local, full_local
+               selection and full on inputs with locality along T (benchmarks.common.smooth_inputs; selection on
+               select_blocks' choice on them): what a trained model's neighbouring queries come closer to.
+The selection and full rows record the union sizes of their selection (union4/union64_mean and _max: the
+distinct blocks of 4 and of 64 neighbouring tokens of one KV head, against 16 per token): what a kernel that
+shares key tiles between tokens loads.
 --mdy PATH times mdy666's NSA (../shared/peers/mdy_side.py, copied into an ignored folder) in its own process
 before nsa's rows, at every T: its rows are full_nowin (compression 64/64) and paper_nowin (32/16), without a
 window because its window branch needs flash-attn (the speedup column of the _nowin cases is against them).
@@ -32,9 +39,11 @@ import jax
 if not __package__:  # run as a script (python benchmarks/gpu.py): the repo root holds the benchmarks package
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import (STANDARD, compiled_memory_gib, dense_flops, implementation_of, jax_inputs,  # noqa: F401
-                               jax_timings, loss_of, measure, meta, module_versions, nsa_fns, random_block_indices,
-                               run, table, time_jax, useful_flops, window_flops, write_json)
+import nsa
+from benchmarks.common import (LOCAL_CASES, STANDARD, case_shape, compiled_memory_gib, dense_flops,  # noqa: F401
+                               implementation_of, jax_inputs, jax_timings, loss_of, measure, meta, module_versions,
+                               nsa_fns, random_block_indices, run, smooth_inputs, table, time_jax, union_sizes,
+                               useful_flops, window_flops, write_json)
 
 B, HQ, H, D, BS, S, WINDOW = STANDARD[:7]
 # jax_triton clears TRITON_CACHE_DIR when it is imported; fla's Triton (its driver helpers, its
@@ -42,9 +51,16 @@ B, HQ, H, D, BS, S, WINDOW = STANDARD[:7]
 TRITON_CACHE_DIR = os.environ.get("TRITON_CACHE_DIR") or os.path.expanduser("~/.triton/cache")
 
 
-def dense_fns():
+SINGLE_OPS = ("selection", "selection_local", "window")  # the cases of one op: no auto row
+
+
+def dense_fns(window=None):
+    """cuDNN's causal attention, or with `window` its own sliding window (the query and the window - 1 keys before
+    it: nsa's window_size)."""
+    local = None if window is None else (window - 1, 0)
+
     def forward(q, k, v):
-        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=local, implementation="cudnn")
 
     return jax.jit(forward), jax.jit(jax.grad(loss_of(forward), argnums=(0, 1, 2)))
 
@@ -75,19 +91,24 @@ def time_fla(case, T, idx, iters):
 def gpu_rows(args):
     """rows_for of common.run: nsa's implementations, dense cuDNN and fla at (case, T)."""
     def rows_for(case, T):
-        idx = random_block_indices(T)
-        q, k, v, gates, do = jax_inputs(T)
+        q, k, v, gates, do = (smooth_inputs if case in LOCAL_CASES else jax_inputs)(T)
+        idx = selection_of(case, T, q, k)
         useful = useful_flops(case, T)
+        union = {} if idx is None else dict(zip(("union4_mean", "union4_max", "union64_mean", "union64_max"),
+                                                (*union_sizes(idx, BS, 4), *union_sizes(idx, BS, 64))))
         for impl in args.impls:
-            if (impl == "xla" and T > args.xla_max_seq_len) or (impl == "auto" and case == "selection"):
+            if (impl == "xla" and T > args.xla_max_seq_len) or (impl == "auto" and case in SINGLE_OPS):
                 continue  # auto on one op is the row of the family nsa._families.PREFERENCE puts first
             fwd, fwd_bwd = nsa_fns(case, implementation_of(impl), T, idx)
             args_ = (q, k, v, gates, do)
-            yield measure(dict(case=case, T=T, impl=f"nsa-{impl}", useful_tflop_fwd=useful / 1e12),
+            yield measure(dict(case=case, T=T, impl=f"nsa-{impl}", useful_tflop_fwd=useful / 1e12, **union),
                           jax_timings(fwd, fwd_bwd, args_, args_, args.iters))
-        if not args.no_dense and case in ("selection", "full"):  # dense is the same in every full case
-            fwd, fwd_bwd = dense_fns()
-            yield measure(dict(case=case, T=T, impl="dense-cudnn", useful_tflop_fwd=dense_flops(T) / 1e12),
+        if not args.no_dense and case in ("selection", "full", "window"):  # dense is the same in every full case
+            window = STANDARD.window if case == "window" else None
+            fwd, fwd_bwd = dense_fns(window)
+            flops = window_flops(T) if window else dense_flops(T)
+            yield measure(dict(case=case, T=T, impl="dense-cudnn" + (" (window)" if window else ""),
+                               useful_tflop_fwd=flops / 1e12),
                           jax_timings(fwd, fwd_bwd, (q, k, v), (q, k, v, do), args.iters))
         if args.no_fla or case not in ("selection", "full"):  # fla: compression blocks are selection blocks
             return
@@ -99,10 +120,24 @@ def gpu_rows(args):
     return rows_for
 
 
+def selection_of(case, T, q, k):
+    """The block indices a case's selection rows attend (random ones for selection, select_blocks' choice on q and
+    k for selection_local), or those the full cases' nsa.attention selects inside, for their union sizes; None for
+    the window."""
+    if case == "selection":
+        return random_block_indices(T)
+    if case == "window":
+        return None
+    shape = case_shape(case)
+    k_cmp = nsa.compress(k, block_size=shape.compress_block_size or BS, stride=shape.stride)
+    return jax.jit(lambda q, k_cmp: nsa.select_blocks(q, k_cmp, block_counts=S, block_size=BS,
+                                                      **shape.compression()))(q, k_cmp)
+
+
 def is_baseline_of(row, other):
-    """Whether `other` is the baseline row of row's case and T (the speedup column's): fla's, or mdy666's in the
-    _nowin cases."""
-    peer = "mdy666" if row["case"].endswith("_nowin") else "fla"
+    """Whether `other` is the baseline row of row's case and T (the speedup column's): fla's, mdy666's in the
+    _nowin cases, cuDNN's sliding window in the window case."""
+    peer = "mdy666" if row["case"].endswith("_nowin") else "dense-cudnn" if row["case"] == "window" else "fla"
     return other["case"] == row["case"] and other["T"] == row["T"] and other["impl"].startswith(peer)
 
 

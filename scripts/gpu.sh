@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Everything nsa runs on the GPU, in one call: the gpu-marked tests, then the benchmark.
-#   scripts/gpu.sh [tests|bench|pallas|decode|ops|trace|sanitize|all] [extra benchmark args...]
+#   scripts/gpu.sh [tests|bench|pallas|decode|ops|trace|packing|sanitize|all] [extra benchmark args...]
 # (pallas: scripts/pallas_gpu_check.py and gpu_check_select.py, the Mosaic GPU kernels op by op, each under
 #  PALLAS_TIMEOUT seconds (default 400); its args name the ops)
 # (decode: benchmarks/decode.py, one decode step over a KV cache, with its own args;
 #  ops: benchmarks/ops.py, the time of each op of the pipeline, with its own args, e.g. --sweep;
 #  trace: benchmarks/trace.py, the device time of each op kernel by kernel;
+#  packing: benchmarks/packing.py, selected attention with TB tokens per tile on random and local selections;
 #  sanitize: scripts/gpu_hostile.py, every kernel on hostile inputs, under compute-sanitizer's memcheck;
 #  its args, e.g. --cache for the KV-cache cases only, --pallas for the Mosaic GPU kernels)
 # tests: PYTEST_ARGS (e.g. "-k 'selected and G1'") selects among the gpu tests; JOBS (default 4) pytest
@@ -86,6 +87,10 @@ if [[ $what == sanitize ]]; then
         python3 scripts/gpu_hostile.py --quick "$@" 2>&1 | tee "$out/sanitize.log" | grep -v '^ok '
     [[ ${PIPESTATUS[0]} == 0 ]] || status=1
     echo "sanitized pass: $((SECONDS - start)) s in all"
+fi
+if [[ $what == packing ]]; then
+    python3 -m benchmarks.packing --out "$out" "$@" 2>&1 | tee "$out/packing.log"
+    [[ ${PIPESTATUS[0]} == 0 ]] || status=1
 fi
 if [[ $what == ops ]]; then
     python3 -m benchmarks.ops --out "$out" "$@" 2>&1 | tee "$out/ops.log"

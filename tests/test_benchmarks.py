@@ -146,3 +146,28 @@ def test_decode_benchmark_runs_on_a_cpu(tmp_path):
     nsa_tokens = lens // 64 + np.minimum(16 * 64, lens) + np.minimum(512, lens)
     assert rows[0]["bytes_read"] == per_token * nsa_tokens.sum()
     assert json.loads((tmp_path / "decode.json").read_text())["rows"] == rows
+
+
+def test_union_sizes_count_the_distinct_valid_blocks_of_each_tile():
+    """union_sizes against a loop over tiles: -1, future blocks and repeats do not count."""
+    from benchmarks.common import union_sizes
+
+    rng = np.random.default_rng(0)
+    B, T, H, S, bs = 2, 48, 3, 5, 8
+    idx = rng.integers(-1, T // bs + 2, (B, T, H, S))
+    for tokens in (1, 4, 16):
+        counts = [len({int(i) for t in range(t0, t0 + tokens) for i in idx[b, t, h] if 0 <= i <= t // bs})
+                  for b in range(B) for t0 in range(0, T, tokens) for h in range(H)]
+        assert union_sizes(idx, bs, tokens) == (np.mean(counts), max(counts))
+
+
+def test_smooth_inputs_change_slowly_along_t():
+    """q and k of smooth_inputs have unit scale and neighbours far more alike than tokens 1024 apart."""
+    from benchmarks.common import smooth_inputs
+
+    q, k = (np.asarray(x, np.float32) for x in smooth_inputs(2048, hq=4)[:2])
+    for x in (q, k):
+        assert abs(x.std() - 1) < 0.05
+        near = np.mean(np.sum(x[:, 1:] * x[:, :-1], -1)) / np.mean(np.sum(x * x, -1))
+        far = np.mean(np.sum(x[:, 1024:] * x[:, :-1024], -1)) / np.mean(np.sum(x * x, -1))
+        assert near > 0.9 and abs(far) < 0.1, (near, far)
