@@ -5,7 +5,8 @@ reference: run it under compute-sanitizer.
         compute-sanitizer --tool memcheck --error-exitcode 99 python3 scripts/gpu_hostile.py
 
 (`scripts/gpu.sh sanitize` does that, with --quick: float32 only, fewer cases, and only nsa's kernels
-instrumented; --cache runs only the KV-cache cases; XLA's GPU compiles crawl under the sanitizer, so it
+instrumented; --cache runs only the KV-cache cases, --overlap those of overlapping compression, --window a few
+whose window's dk/dv splits its query heads; XLA's GPU compiles crawl under the sanitizer, so it
 first runs once without it to fill the compilation caches, and the reference runs on the CPU). The platform
 allocator gives each buffer its own allocation, so a read past an array is a memcheck error, not a read of
 its neighbour. The cases: block indices of -1,
@@ -198,6 +199,13 @@ def main():
         return report()
     if "--overlap" in sys.argv:  # only the cases of overlapping compression (windows of l every d)
         return overlap(dtypes) or report()
+    if "--window" in sys.argv:  # only cases whose window's dk/dv splits the query heads (G of them on a GPU here)
+        for dtype in dtypes:
+            case_attention(dtype, 1, 517, 6, 2, 64, 32, 32, 100, jnp.asarray([0, 37, 37, 300, 300, 517], jnp.int32))
+            case_attention(dtype, 1, 300, 32, 2, 64, 64, 16, 77, None)  # G = 16
+            case_attention(dtype, 1, 300, 6, 2, 32, 32, 64, 5000, None)  # window past T
+            case_cache(dtype, 37, 3, 300, 6, 2, 64, 32, 32)  # chunked prefill over a ragged cache
+        return report()
     packed = jnp.asarray([0, 37, 37, 300, 300, 517], jnp.int32)  # empty sequences, partial blocks
     for dtype in dtypes:
         case_selected(dtype, 1, 517, 5, 1, 32, 64, 64, packed)  # G = 5, Dv != Dk, ragged T

@@ -88,8 +88,9 @@ class TestTritonFlashInterpreted:
     @pytest.mark.parametrize("cu", [None, CU], ids=["batched", "varlen"])
     @pytest.mark.parametrize("op", ["compressed", "window"])
     def test_dkdv_over_split_queries(self, cu, op):
-        """dk / dv summed over several splits of the queries (as on the GPU at long T) still match: the
-        backward entry point with a Config of 3 splits, against the reference's gradients."""
+        """dk / dv summed over several splits of the queries (as on the GPU at long T) and of the G = 3 query heads
+        (as the window's at short T) still match: the backward entry point with a Config of 3 x 3 splits, against
+        the reference's gradients."""
         from nsa.triton import _flash, compressed, window
 
         module, static, NK = {"compressed": (compressed, dict(block_size=4), num_compressed_blocks(70, 4, cu)),
@@ -98,7 +99,8 @@ class TestTritonFlashInterpreted:
         cu_j = None if cu is None else jnp.asarray(cu)
         # 16-query tiles in 3 splits of 32 queries (splits are whole tiles)
         shapes = Shapes.of(q, k, v, **static)
-        config = _flash.default_config(shapes, q.dtype, TABLE["NVIDIA H200"])._replace(bwd_block_m=16, splits=3)
+        config = _flash.default_config(shapes, q.dtype, TABLE["NVIDIA H200"])._replace(
+            bwd_block_m=16, splits=3, head_splits=3)
         kernel = _kernel_sizes(op, static)
         out, res = module.forward(q, k, v, cu_j, scale=0.25, **kernel)
         dlse = jnp.where(jnp.isfinite(out[1]), 1.0, 0.0) if op == "compressed" else None
@@ -114,8 +116,8 @@ class TestTritonFlashInterpreted:
     def test_cached_queries_over_tiles_and_splits(self, op):
         """Queries at the end of a KV cache in 16 x 16 tiles: the last 45 tokens (three query tiles, the last
         partial) of sequences of 100 and 61 tokens in a cache of 100 (keys past each length NaN: never read),
-        whose key ranges span several key tiles, with dk / dv summed over 3 splits of the queries; against the
-        reference on zeros past each length, and zero gradients there."""
+        whose key ranges span several key tiles, with dk / dv summed over 3 splits of the queries and 3 of the
+        heads; against the reference on zeros past each length, and zero gradients there."""
         from nsa.triton import _flash, compressed, window
 
         bs, TQ, TK, lens = 4, 45, 100, np.array([100, 61], np.int32)
@@ -126,7 +128,7 @@ class TestTritonFlashInterpreted:
         past = np.arange(NK)[None, :, None, None] >= used[:, None, None, None]
         kv_lens = jnp.asarray(lens)
         config = _flash.default_config(Shapes.of(q, k, v, **static), q.dtype, TABLE["NVIDIA H200"])._replace(
-            block_m=16, block_n=16, bwd_block_m=16, bwd_block_n=16, splits=3)
+            block_m=16, block_n=16, bwd_block_m=16, bwd_block_n=16, splits=3, head_splits=3)
         kernel = _kernel_sizes(op, static)
         out, res = module.forward(q, *(jnp.where(past, jnp.nan, x) for x in (k, v)), None, kv_lens, scale=0.25,
                                   config=config, **kernel)
@@ -144,3 +146,21 @@ class TestTritonFlashInterpreted:
             assert_close(g, g_ref, GRAD_TOLERANCE["float32"], name, size)
         for g in grads[1:]:
             assert not np.any(np.asarray(g)[np.broadcast_to(past, g.shape)])
+
+
+def test_window_dkdv_splits_heads_where_key_tiles_are_few():
+    """The window's dk/dv splits a KV head's 16 query heads over programs where the key tiles alone do not fill
+    the GPU (a key row is seen by at most window_size queries: splitting the queries would leave programs idle),
+    the compressed branch's splits its queries; the largest divisor of G that the GPU wants."""
+    from nsa.triton import _flash
+
+    h200 = TABLE["NVIDIA H200"]
+    shapes = lambda T, **sizes: Shapes(B=1, T=T, TK=T if "window_size" in sizes else T // 64, HQ=64, H=4, Dk=128,
+                                       Dv=128, **sizes)
+    window = [_flash.default_config(shapes(T, window_size=512), jnp.bfloat16, h200) for T in (8192, 16384, 65536)]
+    assert [(c.splits, c.head_splits) for c in window] == [(1, 4), (1, 2), (1, 1)]
+    compressed = _flash.default_config(shapes(8192, block_size=64), jnp.bfloat16, h200)
+    assert compressed.head_splits == 1 and compressed.splits > 1
+    three = _flash.default_config(shapes(8192, window_size=512)._replace(HQ=12), jnp.bfloat16, h200)
+    assert three.head_splits == 3  # G = 3: 3 divides it, 4 does not
+

@@ -178,26 +178,31 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, LO, HI, FIRST, LAST, DK_OUT, DV_OU
                      T: tl.constexpr, NK: tl.constexpr, HQ: tl.constexpr, H: tl.constexpr,
                      DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SCALE: tl.constexpr, IEEE: tl.constexpr,
-                     CACHE: tl.constexpr, SPLIT_M: tl.constexpr):
-    """Backward for k and v: dk [NSPLIT, B, NK, H, Dk], dv [NSPLIT, B, NK, H, Dv], summed over the G
-    query heads and over the queries of one split of SPLIT_M queries (the caller sums the splits).
+                     CACHE: tl.constexpr, SPLIT_M: tl.constexpr, HEAD_SPLITS: tl.constexpr):
+    """Backward for k and v: dk [NSPLIT, B, NK, H, Dk], dv [NSPLIT, B, NK, H, Dv], summed over the queries of
+    one split of SPLIT_M queries and over the query heads of one split of G / HEAD_SPLITS heads (the caller
+    sums the NSPLIT = query splits * HEAD_SPLITS partials).
 
     Grid (cdiv(NK, BLOCK_N), NSPLIT, B * H). One program owns the key rows [n0, n0 + BLOCK_N) of one
-    KV head h and the queries [s * SPLIT_M, (s + 1) * SPLIT_M): it loads the query range [first, last]
-    of each row (FIRST / LAST [B, NK]), and k [BLOCK_N, BLOCK_DK] and v [BLOCK_N, BLOCK_DV] (with CACHE
-    only the rows some query sees, the others read as 0) once, then for each query head hq = h * G + g walks only the
-    query tiles of BLOCK_M queries of its split between the smallest first and the largest last (the
-    queries that can see the tile; rows of several packed sequences may share a tile), loading q, do,
-    lse, delta and lo / hi of each. dk and dv accumulate in float32 in registers and are stored once
-    (every row, zero for rows nobody sees). Splitting the queries keeps the GPU busy when few key tiles
-    each see many queries (compressed attention: NK = T / block_size).
+    KV head h, the queries [s * SPLIT_M, (s + 1) * SPLIT_M) and the query heads h * G + g, g in
+    [r * G / HEAD_SPLITS, (r + 1) * G / HEAD_SPLITS), for split index program_id(1) = s * HEAD_SPLITS + r: it
+    loads the query range [first, last] of each row (FIRST / LAST [B, NK]), and k [BLOCK_N, BLOCK_DK] and v
+    [BLOCK_N, BLOCK_DV] (with CACHE only the rows some query sees, the others read as 0) once, then for each of
+    its query heads walks only the query tiles of BLOCK_M queries of its split between the smallest first and
+    the largest last (the queries that can see the tile; rows of several packed sequences may share a tile),
+    loading q, do, lse, delta and lo / hi of each. dk and dv accumulate in float32 in registers and are
+    stored once (every row, zero for rows nobody sees). Splitting keeps the GPU busy where there are few key
+    tiles: the queries when each key tile sees many of them (compressed attention: NK = T / block_size), the
+    heads when each sees few (a short sliding window).
     """
     pid_n = tl.program_id(0)
-    split = tl.program_id(1)
+    split = tl.program_id(1) // HEAD_SPLITS
+    heads = tl.program_id(1) % HEAD_SPLITS
     bh = tl.program_id(2)
     b = (bh // H).to(tl.int64)
     h = bh % H
     G: tl.constexpr = HQ // H
+    GS: tl.constexpr = G // HEAD_SPLITS  # HEAD_SPLITS divides G
 
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_valid = offs_n < NK
@@ -219,7 +224,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, LO, HI, FIRST, LAST, DK_OUT, DV_OU
     dk = tl.zeros([BLOCK_N, BLOCK_DK], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
     qk_scale = SCALE * LOG2E
-    for g in range(G):
+    for g in range(heads * GS, (heads + 1) * GS):
         hq = h * G + g
         for m0 in range(q_begin, q_end, BLOCK_M):
             offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -239,7 +244,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, LO, HI, FIRST, LAST, DK_OUT, DV_OU
             ds_t = p_t * (dp_t - delta[None, :])
             dk += mm(ds_t.to(q.dtype), q, IEEE)
 
-    out_rows = split.to(tl.int64) * tl.num_programs(2) * NK + kv_rows  # [NSPLIT, B, NK, H] rows
+    out_rows = tl.program_id(1).to(tl.int64) * tl.num_programs(2) * NK + kv_rows  # [NSPLIT, B, NK, H] rows
     tl.store(DK_OUT + out_rows[:, None] * DK + offs_dk[None, :], (dk * SCALE).to(DK_OUT.dtype.element_ty),
              mask=n_valid[:, None] & (offs_dk[None, :] < DK))
     tl.store(DV_OUT + out_rows[:, None] * DV + offs_dv[None, :], dv.to(DV_OUT.dtype.element_ty),
@@ -254,7 +259,8 @@ class Config(NamedTuple):
     """The launches of the flash kernels, forward and backward (one Config type for the three kernels, each
     phase taking its own fields): the forward's tiles of block_m queries by block_n keys and its pipeline
     stages; the backward's tiles (bwd_block_m x bwd_block_n, both the dq and the dk/dv kernel) and stages, and
-    how many splits of the queries the dk/dv kernel sums (its grid's second axis); the warps of every kernel."""
+    how many splits of the queries and of the G query heads of a KV head (head_splits divides G) the dk/dv
+    kernel sums (its grid's second axis holds splits * head_splits); the warps of every kernel."""
 
     block_m: int
     block_n: int
@@ -264,12 +270,13 @@ class Config(NamedTuple):
     bwd_block_n: int
     bwd_num_stages: int
     splits: int = 1
+    head_splits: int = 1
 
     def check(self):
         power_of_two(self, "block_m", "block_n", "bwd_block_m", "bwd_block_n", "num_warps")
         for field in ("block_m", "block_n", "bwd_block_m", "bwd_block_n"):
             expect(getattr(self, field) >= 16, self, field, "at least 16 (tl.dot's smallest side)")
-        positive(self, "num_stages", "bwd_num_stages", "splits")
+        positive(self, "num_stages", "bwd_num_stages", "splits", "head_splits")
 
 
 def default_config(shapes, dtype, device):
@@ -290,9 +297,13 @@ def default_config(shapes, dtype, device):
         block_m, bwd_m = max(16, block_m // 2), max(16, bwd_m // 2)
     block_m, bwd_m = min(block_m, pow2(shapes.T)), min(bwd_m, pow2(shapes.T))
     block_n, bwd_n = min(block_n, pow2(shapes.TK)), min(bwd_n, pow2(shapes.TK))
-    span = shapes.T if shapes.block_size else min(shapes.window_size, shapes.T)
-    splits = _query_splits(shapes.T, cdiv(shapes.TK, bwd_n), shapes.B * shapes.H, span, bwd_m, device)
-    return Config(block_m, block_n, 8 if wide else 4, 2 if wide or single else 3, bwd_m, bwd_n, 2, splits)
+    key_tiles = cdiv(shapes.TK, bwd_n) * shapes.B * shapes.H
+    if shapes.block_size:  # compressed: a key row is seen by every later query
+        splits, head_splits = _query_splits(shapes.T, key_tiles, shapes.T, bwd_m, device), 1
+    else:  # the window: by at most window_size queries, one split of T / splits already holds them all
+        splits, head_splits = 1, _head_splits(shapes.G, key_tiles, device)
+    return Config(block_m, block_n, 8 if wide else 4, 2 if wide or single else 3, bwd_m, bwd_n, 2, splits,
+                  head_splits)
 
 
 # the dk/dv grid _query_splits aims at: 2048 programs on the device the measurement ran on (1024, 2048 and 4096
@@ -300,18 +311,30 @@ def default_config(shapes, dtype, device):
 _DKDV_PROGRAMS, _MEASURED_ON = 2048, "NVIDIA H200"
 
 
-def _query_splits(T, num_key_tiles, batch_heads, query_span, block_m, device):
-    """How many splits of the queries the dk/dv kernel takes (its grid's second axis).
+def _wanted_splits(key_tiles, device):
+    """How many programs per key tile (of all batch rows and KV heads) fill the GPU and balance it: about
+    _DKDV_PROGRAMS on _MEASURED_ON, as many per SM on `device`."""
+    programs = _DKDV_PROGRAMS * device.cores // _device.TABLE[_MEASURED_ON].cores
+    return cdiv(programs, max(1, key_tiles))  # no key tile: k_cmp of 0 rows
 
-    Enough programs to fill the GPU and balance it (about _DKDV_PROGRAMS on _MEASURED_ON, as many per SM on
-    `device`; half of them idle where the attention is causal) when few key tiles each see many queries;
-    never splits of fewer than 256 queries, nor more splits than the query_span (the most queries that see
-    one key row) needs. The partial sums then take NSPLIT * B * NK * H * (Dk + Dv) * 4 bytes, bounded by about
+
+def _query_splits(T, key_tiles, query_span, block_m, device):
+    """How many splits of the queries the dk/dv kernel takes where a key row is seen by up to query_span queries
+    (all later ones: compressed attention).
+
+    Enough programs to fill the GPU (`_wanted_splits`; half of them idle where the attention is causal) when few
+    key tiles each see many queries; never splits of fewer than 256 queries, nor more splits than the
+    query_span needs. The partial sums then take NSPLIT * B * NK * H * (Dk + Dv) * 4 bytes, bounded by about
     programs * BLOCK_N * (Dk + Dv) * 4 (134 MiB for 2048 programs of 64 x 64 tiles, Dk = Dv = 128).
     """
-    programs = _DKDV_PROGRAMS * device.cores // _device.TABLE[_MEASURED_ON].cores
-    wanted = cdiv(programs, max(1, num_key_tiles * batch_heads))  # no key tile: k_cmp of 0 rows
-    return max(1, min(wanted, cdiv(query_span, 256), cdiv(T, block_m)))
+    return max(1, min(_wanted_splits(key_tiles, device), cdiv(query_span, 256), cdiv(T, block_m)))
+
+
+def _head_splits(G, key_tiles, device):
+    """How many splits of a KV head's G query heads the window's dk/dv kernel takes: the largest divisor of G
+    up to `_wanted_splits` (the window at T = 8192 on an H200: 512 key tiles, 4 splits; from 32768 on, 1)."""
+    wanted = _wanted_splits(key_tiles, device)
+    return max(d for d in range(1, G + 1) if G % d == 0 and d <= wanted)
 
 
 def _meta(q, k, v, lo, scale, cfg, backward):
@@ -356,7 +379,8 @@ def attend(q, k, v, lo, hi, *, scale, config):
 
 def attend_backward(q, k, v, lo, hi, o, lse, do, dlse=None, *, scale, config):
     """(dq, dk, dv) of `attend`, in q's, k's and v's dtypes; dlse [B, T, HQ] is lse's cotangent or None; config:
-    a Config (its backward fields: the dk/dv kernel sums config.splits splits of the queries)."""
+    a Config (its backward fields: the dk/dv kernel sums config.splits splits of the queries times
+    config.head_splits splits of the query heads)."""
     _check(q, k, v, lo, config)
     B, T, HQ, _ = q.shape
     NK, H = k.shape[1], k.shape[2]
@@ -369,12 +393,13 @@ def attend_backward(q, k, v, lo, hi, o, lse, do, dlse=None, *, scale, config):
                           outputs=dict(DQ=_launch.shape_dtype(q.shape, q.dtype)), **meta)
     first, last = (_per_batch(x, B) for x in _varlen.query_ranges(lo, hi, NK))
     split_m = _varlen.round_up(cdiv(T, config.splits), config.bwd_block_m)
-    splits = cdiv(T, split_m)
+    splits = cdiv(T, split_m) * config.head_splits
+    check(HQ // H % config.head_splits == 0, "config.head_splits", f"a divisor of G = {HQ // H}", config.head_splits)
     part = lambda x: _launch.shape_dtype((splits,) + x.shape, x.dtype if splits == 1 else jnp.float32)
     dk, dv = _launch.launch(
         _bwd_dkdv_kernel, grid=(cdiv(NK, config.bwd_block_n), splits, B * H),
         inputs=dict(softmax, FIRST=first, LAST=last), outputs=dict(DK_OUT=part(k), DV_OUT=part(v)),
-        SPLIT_M=split_m, **meta)
+        SPLIT_M=split_m, HEAD_SPLITS=config.head_splits, **meta)
     # the splits summed in a fixed order: deterministic
     dk, dv = (functools.reduce(jnp.add, list(x)).astype(y.dtype) for x, y in ((dk, k), (dv, v)))
     return dq, dk, dv
