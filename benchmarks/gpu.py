@@ -25,6 +25,8 @@ window because its window branch needs flash-attn (the speedup column of the _no
 Each row is the median over many timed iterations after warm-up, forward and forward+backward, in
 one process on one GPU. TFLOP/s count useful work only (what a perfect kernel must compute). Writes
 gpu.json and gpu.png into --out and prints the table. fla is skipped with a note if it does not import.
+--merge A.json B.json ... (no GPU) merges the gpu.json of several calls of one lease (a call stops at 600 s) into
+one gpu.json, gpu.md and gpu.png.
 """
 
 import argparse
@@ -178,9 +180,44 @@ def plot(rows, path):
     fig.savefig(path, dpi=120)
 
 
+# what two runs merged by --merge must share: one machine and software, one shape (the date may differ: a lease
+# that crosses midnight)
+SAME_RUN = ("device", "jax", "python", "shape", "triton", "torch", "fla", "jax_triton", "mdy666")
+
+
+def merge(paths, out):
+    """The rows of several gpu.json files (one device call each: a call stops at 600 s, one T of every row takes
+    about that) as one: gpu.json, gpu.md (the table) and gpu.png in `out`. Their metas must agree on SAME_RUN; the
+    rows keep the first file's case order, then T; the merged meta lists the dates and the files."""
+    runs = []
+    for path in paths:
+        with open(path) as f:
+            runs.append(json.load(f))
+    first = runs[0]["meta"]
+    for path, run_ in zip(paths[1:], runs[1:]):
+        differ = [k for k in SAME_RUN if run_["meta"].get(k) != first.get(k)]
+        if differ:
+            raise ValueError(f"{path} is not of the same run as {paths[0]}: {differ} differ")
+    rows = [r for run_ in runs for r in run_["rows"]]
+    order = {}
+    for r in rows:
+        order.setdefault(r["case"], len(order))
+    rows = sorted(rows, key=lambda r: (order[r["case"]], r["T"]))
+    info = dict(first, date=sorted({run_["meta"]["date"] for run_ in runs}),
+                merged=[os.path.basename(p) for p in paths])
+    write_json(os.path.join(out, "gpu.json"), info, rows)
+    text = table(rows, "fla (mdy666 for _nowin, cuDNN's window for window)", is_baseline_of)
+    with open(os.path.join(out, "gpu.md"), "w") as f:
+        f.write(text + "\n")
+    plot(rows, os.path.join(out, "gpu.png"))
+    return text
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--merge", nargs="+", metavar="JSON",
+                        help="merge these gpu.json files of one lease into --out (gpu.json, gpu.md, gpu.png); no GPU")
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[8192, 16384, 32768, 65536, 131072])
     parser.add_argument("--cases", nargs="+", default=["selection", "full"])
     parser.add_argument("--impls", nargs="*", default=["triton", "pallas", "auto", "xla"],
@@ -192,6 +229,9 @@ def main():
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--mdy", help="mdy_side.py of ../shared/peers (in an ignored folder): time mdy666's NSA too")
     args = parser.parse_args()
+    if args.merge:
+        print(merge(args.merge, args.out))
+        return
     mdy, mdy_versions = mdy_rows(args.mdy, args.seq_lens) if args.mdy else ([], None)  # before jax takes the GPU
     rows = run(args.cases, args.seq_lens, gpu_rows(args))
     order = {case: i for i, case in enumerate(args.cases)}
@@ -201,7 +241,7 @@ def main():
     write_json(f"{args.out}/gpu.json", info, rows)
     plot(rows, f"{args.out}/gpu.png")
     print(json.dumps(info))
-    print(table(rows, "fla (mdy666 for _nowin)", is_baseline_of))
+    print(table(rows, "fla (mdy666 for _nowin, cuDNN's window for window)", is_baseline_of))
 
 
 if __name__ == "__main__":

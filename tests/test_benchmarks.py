@@ -171,3 +171,30 @@ def test_smooth_inputs_change_slowly_along_t():
         near = np.mean(np.sum(x[:, 1:] * x[:, :-1], -1)) / np.mean(np.sum(x * x, -1))
         far = np.mean(np.sum(x[:, 1024:] * x[:, :-1024], -1)) / np.mean(np.sum(x * x, -1))
         assert near > 0.9 and abs(far) < 0.1, (near, far)
+
+
+def test_gpu_runs_merge_into_one_table(tmp_path):
+    """benchmarks/gpu.py --merge: the rows of two calls of one lease in one gpu.json, gpu.md and gpu.png, in the
+    first file's case order then T; a file of another run (another jax) raises, naming what differs."""
+    from benchmarks import gpu
+
+    meta = dict(date="2026-12-04", device="NVIDIA H200", jax="0.11.2", python="3.12.3", shape=STANDARD.describe(),
+                triton="3.6.0", torch=None, fla=None, jax_triton="0.3.1", mdy666=None)
+    row = lambda case, T, impl, ms: dict(case=case, T=T, impl=impl, useful_tflop_fwd=1.0, fwd_ms=ms, fwd_bwd_ms=3 * ms)
+    files = {"a.json": [row("window", 65536, "nsa-triton", 4.0), row("full", 65536, "nsa-triton", 30.0)],
+             "b.json": [row("window", 8192, "nsa-triton", 0.6), row("window", 8192, "dense-cudnn (window)", 0.5),
+                        row("full", 8192, "nsa-triton", 3.0)]}
+    for name, rows in files.items():
+        (tmp_path / name).write_text(json.dumps(dict(meta=meta, rows=rows)))
+    paths = [str(tmp_path / name) for name in files]
+    text = gpu.merge(paths, str(tmp_path))
+    merged = json.loads((tmp_path / "gpu.json").read_text())
+    assert [(r["case"], r["T"]) for r in merged["rows"]] == [
+        ("window", 8192), ("window", 8192), ("window", 65536), ("full", 8192), ("full", 65536)]
+    assert merged["meta"]["merged"] == ["a.json", "b.json"] and merged["meta"]["date"] == ["2026-12-04"]
+    assert (tmp_path / "gpu.md").read_text().strip() == text and (tmp_path / "gpu.png").stat().st_size > 0
+    assert "| window | 8192 | nsa-triton | 0.60 | 1.80 |" in text and "0.83x" in text  # cuDNN's window: 1.5 / 1.8
+
+    (tmp_path / "b.json").write_text(json.dumps(dict(meta=dict(meta, jax="0.10.2"), rows=files["b.json"])))
+    with pytest.raises(ValueError, match=r"b.json is not of the same run as .*a.json: \['jax'\] differ"):
+        gpu.merge(paths, str(tmp_path))
