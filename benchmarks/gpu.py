@@ -24,7 +24,7 @@ before nsa's rows, at every T: its rows are full_nowin (compression 64/64) and p
 window because its window branch needs flash-attn (the speedup column of the _nowin cases is against them).
 Each row is the median over many timed iterations after warm-up, forward and forward+backward, in
 one process on one GPU. TFLOP/s count useful work only (what a perfect kernel must compute). Writes
-gpu.json and gpu.png into --out and prints the table. fla is skipped with a note if it does not import.
+gpu.json, gpu.md (the table) and gpu.png into --out and prints the table. fla is skipped with a note if it does not import.
 --merge A.json B.json ... (no GPU) merges the gpu.json of several calls of one lease (a call stops at 600 s) into
 one gpu.json, gpu.md and gpu.png.
 """
@@ -205,6 +205,11 @@ def merge(paths, out):
     rows = sorted(rows, key=lambda r: (order[r["case"]], r["T"]))
     info = dict(first, date=sorted({run_["meta"]["date"] for run_ in runs}),
                 merged=[os.path.basename(p) for p in paths])
+    return write_results(out, info, rows)
+
+
+def write_results(out, info, rows):
+    """gpu.json ({meta: info, rows}), gpu.md (the table) and gpu.png of the rows in `out`; returns the table."""
     write_json(os.path.join(out, "gpu.json"), info, rows)
     text = table(rows, "fla (mdy666 for _nowin, cuDNN's window for window)", is_baseline_of)
     with open(os.path.join(out, "gpu.md"), "w") as f:
@@ -238,10 +243,9 @@ def main():
     rows = sorted(rows + [r for r in mdy if r["case"] in order], key=lambda r: (order[r["case"]], r["T"]))
     info = meta(**module_versions(("triton", "torch", "fla", "jax_triton")), mdy666=mdy_versions,
                 paper_compression=dict(compress_block_size=32, compress_stride=16))
-    write_json(f"{args.out}/gpu.json", info, rows)
-    plot(rows, f"{args.out}/gpu.png")
+    text = write_results(args.out, info, rows)
     print(json.dumps(info))
-    print(table(rows, "fla (mdy666 for _nowin, cuDNN's window for window)", is_baseline_of))
+    print(text)
 
 
 if __name__ == "__main__":
