@@ -10,7 +10,8 @@ arrays and integer arrays alike, the first one the op's main floating input, q o
   a ValueError (the family cannot run here, or has no kernel for the op) or TypeError (it has no kernel for the
   dtype) that says why: an explicitly requested kernel never falls back to the reference;
 - implementation=None: `platform_dependent` (nsa._platform) between, per platform, the first family of
-  nsa._families.PREFERENCE that can run the op on its dtype there, and the reference everywhere else. When no
+  nsa._families.PREFERENCE that can run the op on its dtype there (or, where a family it prefers later claims
+  some inputs, a choice between the two at run time: `_claimed`), and the reference everywhere else. When no
   family can on a machine with a CUDA GPU, the reference runs there and a RuntimeWarning says so, once.
 
 Each branch of `platform_dependent` is lowered for its platform alone, and a platform's kernel is traced only
@@ -23,6 +24,7 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from nsa import _families, _platform, reference
 from nsa._platform import PLATFORMS, mapped_over_vmap, platform_dependent, platform_name
@@ -85,6 +87,9 @@ def implementations(platform: Optional[str] = None, dtype: jnp.dtype = jnp.bfloa
 
     For inputs of `dtype` on `platform` ('cpu', 'cuda', 'rocm', 'tpu', or 'gpu': this machine's GPUs, CUDA
     where it has none; default: jax's default backend), in this process (with the packages it can import).
+    The family named runs the op's backward; its forward may run another family's kernel on the inputs that
+    family claims (on CUDA: Mosaic GPU's selected-attention forward where neighbouring tokens select much the
+    same blocks, nsa.pallas.gpu.selected.packs).
     """
     if platform is not None and platform not in PLATFORMS + ("gpu",):
         names = ", ".join(repr(p) for p in PLATFORMS + ("gpu",))
@@ -106,7 +111,7 @@ def _choose(op, phase, implementation, dtype, static):
     for platform in _families.PREFERENCE:
         name = _default_family(op, dtype, platform)
         if name is not None:
-            kernel = _families.family(name).kernel(op, phase, platform)
+            kernel = _claimed(op, phase, dtype, platform, name)
             kernels[platform] = mapped_over_vmap(functools.partial(kernel, **static))
         elif platform == "cuda" and _has_kernels(op, platform) and _platform.has_cuda_gpu():
             _warn_once(f"nsa runs its XLA reference on the GPU for {jnp.dtype(dtype).name} inputs, more than 10x "
@@ -115,6 +120,31 @@ def _choose(op, phase, implementation, dtype, static):
     if not kernels:
         return ref
     return lambda *args: platform_dependent(*args, default=ref, **kernels)
+
+
+def _claimed(op, phase, dtype, platform, name):
+    """The kernel implementation=None runs for `phase` of op on `platform`: family `name`'s, or where a family it
+    prefers after `name` there claims some inputs (its `claims`, nsa._families) and can run them, a run-time choice
+    between the two (lax.cond on the claim's test, both compiled; per element under vmap: mapped_over_vmap)."""
+    kernel = _families.family(name).kernel(op, phase, platform)
+    order = _families.preferred(op, platform)
+    for other in order[order.index(name) + 1:]:
+        family = _families.family(other)
+        claims = getattr(family, "claims", None) if family is not None else None
+        test = claims(op, phase, platform) if claims is not None else None
+        if test is not None and _why_not(op, other, dtype) is None and family.unavailable(op, phase, dtype,
+                                                                                          platform) is None:
+            return functools.partial(_switch, test, family.kernel(op, phase, platform), kernel)
+    return kernel
+
+
+def _switch(test, claimed, kernel, *args, **static):
+    """claimed(*args, **static) where test(*args, **static) holds, else kernel(*args, **static); a static False
+    (the test rules the arguments out by their shapes) runs kernel alone."""
+    holds = test(*args, **static)
+    if holds is False:
+        return kernel(*args, **static)
+    return lax.cond(holds, functools.partial(claimed, **static), functools.partial(kernel, **static), *args)
 
 
 def _as_jax(arrays):

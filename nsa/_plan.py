@@ -17,10 +17,10 @@ key rows, HQ query heads, H KV heads, G = HQ / H, S slots per query, NR block ro
 - block selection: `num_candidates`;
 - selected attention: the kernels' inputs checked (`check_selected`), the sizes of the tables (`Tiling`), each
   slot named by its block's first key row (`block_names`), the names per tile of TB query tokens (`tile_names`,
-  `tile_unions`, `tile_starts`, `row_offsets`), the selections inverted into one list per block (`key_blocks`;
-  `tile_lists`, entries per tile, and `token_lists`, entries per token; Triton's `block_rows` and `query_lists`,
-  entries per slot), the lists cut into segments (`segments`), and the lists' sums gathered back per key row
-  (`per_key_row`).
+  `tile_unions`, `tile_starts`, `row_offsets`; `union_share`: how much a tile's tokens share), the selections
+  inverted into one list per block (`key_blocks`; `tile_lists`, entries per tile, and `token_lists`, entries per
+  token; Triton's `block_rows` and `query_lists`, entries per slot), the lists cut into segments (`segments`), and
+  the lists' sums gathered back per key row (`per_key_row`).
 """
 
 import functools
@@ -268,6 +268,18 @@ def tile_unions(names, offsets, size):
     run_end = jnp.concatenate([name[..., 1:] != name[..., :-1], jnp.ones_like(name[..., :1], bool)], -1)
     union, last = lax.sort((jnp.where(run_end, name, PAST), token), num_keys=1)
     return union[..., :size], last[..., :size], jnp.sum(union[..., :size] != PAST, axis=-1).astype(jnp.int32)
+
+
+def union_share(names):
+    """float32: the distinct names of each tile of `tile_names` [B, H, NT, TB, S] (NONE not counted), summed over
+    the tiles, over the names its tokens list (0 where none list any): the blocks a kernel that loads each tile's
+    union once for all its tokens loads, per block a kernel per token loads (1: the tokens share no block)."""
+    B, H, num_tiles, tile, S = names.shape
+    listed = jnp.where(names == NONE, PAST, names).reshape(B, H, num_tiles, tile * S)
+    name = jnp.sort(listed, axis=-1)
+    first = jnp.concatenate([jnp.ones_like(name[..., :1], bool), name[..., 1:] != name[..., :-1]], -1)
+    distinct = jnp.sum(first & (name != PAST), dtype=jnp.float32)
+    return distinct / jnp.maximum(jnp.sum(listed != PAST, dtype=jnp.float32), 1.0)
 
 
 def tile_starts(offsets, shape, tile):

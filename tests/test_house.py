@@ -7,6 +7,7 @@ import pathlib
 import sys
 import types
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -109,6 +110,21 @@ def test_no_device_number_in_kernel_code():
     assert not found, found
 
 
+def _register(monkeypatch, name, window_forward):
+    """A family `name` that describes itself: window_forward and the reference's window backward behind a kernel
+    table of one op, for float32."""
+    family = types.ModuleType(f"nsa_test_{name}")
+    family.DTYPES = (jnp.dtype(jnp.float32),)
+    family.KERNELS = {"window": (window_forward, nsa.reference.OPS["window"][1])}
+    family.missing = lambda: None
+    family.unavailable = lambda op, phase, dtype, platform: None
+    family.kernel = lambda op, phase, platform: family.KERNELS[op][phase]
+    family.explicit = lambda op, phase, dtype: family.KERNELS[op][phase]
+    monkeypatch.setitem(sys.modules, family.__name__, family)
+    monkeypatch.setitem(_families.FAMILIES, name, (family.__name__, "it is a test"))
+    return family
+
+
 def test_a_new_family_is_one_line_of_the_registry(monkeypatch):
     """A family that describes itself (here: the reference behind a kernel table of one op) runs as
     implementation=<its name>, and implementation=None picks it where PREFERENCE puts it first."""
@@ -118,15 +134,7 @@ def test_a_new_family_is_one_line_of_the_registry(monkeypatch):
         calls.append(static)
         return nsa.reference.OPS["window"][0](*args, **static)
 
-    family = types.ModuleType("nsa_test_family")
-    family.DTYPES = (jnp.dtype(jnp.float32),)
-    family.KERNELS = {"window": (window_forward, nsa.reference.OPS["window"][1])}
-    family.missing = lambda: None
-    family.unavailable = lambda op, phase, dtype, platform: None
-    family.kernel = lambda op, phase, platform: family.KERNELS[op][phase]
-    family.explicit = lambda op, phase, dtype: family.KERNELS[op][phase]
-    monkeypatch.setitem(sys.modules, "nsa_test_family", family)
-    monkeypatch.setitem(_families.FAMILIES, "mine", ("nsa_test_family", "it is a test"))
+    _register(monkeypatch, "mine", window_forward)
     monkeypatch.setitem(_families.PREFERENCE, "cpu", {"window": ("mine",)})
     rng = np.random.default_rng(0)
     q, k = (jnp.asarray(rng.standard_normal((1, 32, h, 16)), jnp.float32) for h in (4, 2))
@@ -137,3 +145,33 @@ def test_a_new_family_is_one_line_of_the_registry(monkeypatch):
     with pytest.raises(TypeError, match="implementation='mine' cannot run sliding_window_attention on bfloat16"):
         nsa.sliding_window_attention(q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), k.astype(jnp.bfloat16),
                                      window_size=8, implementation="mine")
+
+
+def test_a_later_family_claims_inputs_at_run_time(monkeypatch):
+    """A family preferred second whose `claims` test holds on some inputs runs its forward on those, decided at run
+    time (under jit, and per element under vmap); the first family runs the others, and every input where the test
+    is a static False (here: T < 32)."""
+    reference = nsa.reference.OPS["window"][0]
+
+    def doubled(*args, **static):  # the claiming family's forward: o doubled, to tell which one ran
+        o, residuals = reference(*args, **static)
+        return 2 * o, residuals
+
+    def test(q, *args, **static):
+        return False if q.shape[1] < 32 else jnp.sum(q) > 0
+
+    _register(monkeypatch, "first", reference)
+    _register(monkeypatch, "second", doubled).claims = lambda op, phase, platform: test if phase == 0 else None
+    monkeypatch.setitem(_families.PREFERENCE, "cpu", {"window": ("first", "second")})
+    assert nsa.implementations("cpu", jnp.float32)["sliding_window_attention"] == "first"
+    rng = np.random.default_rng(0)
+    q, k = (jnp.asarray(np.abs(rng.standard_normal((1, 32, h, 16))), jnp.float32) for h in (4, 2))
+    attend = jax.jit(lambda q, k: nsa.sliding_window_attention(q, k, k, window_size=8))
+    want = nsa.sliding_window_attention(q, k, k, window_size=8, implementation="xla")
+    np.testing.assert_allclose(attend(q, k), 2 * want, rtol=1e-6)  # claimed: sum(q) > 0
+    np.testing.assert_allclose(attend(-q, k), nsa.sliding_window_attention(-q, k, k, window_size=8,
+                                                                           implementation="xla"), rtol=1e-6)
+    np.testing.assert_allclose(attend(q[:, :16], k[:, :16]), want[:, :16], rtol=1e-6)  # a static False
+    both = jax.vmap(attend)(jnp.stack([q, -q]), jnp.stack([k, k]))
+    np.testing.assert_allclose(both[0], 2 * want, rtol=1e-6)
+    np.testing.assert_allclose(both[1], attend(-q, k), rtol=1e-6)

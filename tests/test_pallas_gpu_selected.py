@@ -176,3 +176,28 @@ def test_the_kernels_tables_give_the_reference(name, segment):
     for what, got, want in (("o", o, o_ref), ("dk", dk, dk_ref), ("dv", dv, dv_ref)):
         # float64 but for the kernels' float32 lse and delta vectors: a table's mistake moves o, dk or dv by O(1)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max(), err_msg=what)
+
+
+def test_packs_claims_the_selections_whose_tiles_share_blocks():
+    """`packs`, implementation=None's run-time choice of this forward over Triton's (traced: under jit), holds
+    where the 4 tokens of a tile (G = 16) list the same blocks and not where each lists its own; it rules out
+    statically (False) a KV cache's queries, float32, more than 255 slots, blocks of more than 256 rows and
+    head dims whose tiles overflow shared memory."""
+    B, T, HQ, H, D, bs, S = 1, 1024, 32, 2, 64, 16, 4
+    q, k = jnp.zeros((B, T, HQ, D), jnp.bfloat16), jnp.zeros((B, T, H, D), jnp.bfloat16)
+    t, s = np.arange(T)[:, None], np.arange(S)[None]
+    same = np.broadcast_to(s, (T, S))  # blocks 0..3 for every token
+    own = (t % 4) * S + s  # token j of a tile: blocks 4j..4j+3
+
+    def packs(idx, q=q, k=k, **kw):
+        args = dict(cu_seqlens=None, kv_lens=None, block_size=bs, scale=1.0) | kw
+        return gpu.packs(q, k, k, idx, jnp.full(idx.shape[:3], idx.shape[3], jnp.int32), **args)
+
+    same, own = (jnp.asarray(np.broadcast_to(x[None, :, None], (B, T, H, S)), jnp.int32) for x in (same, own))
+    assert bool(jax.jit(packs)(same)) and not bool(jax.jit(packs)(own))
+    assert packs(same, kv_lens=jnp.full((B,), T, jnp.int32)) is False
+    assert packs(same, q=q.astype(jnp.float32), k=k.astype(jnp.float32)) is False
+    assert packs(jnp.zeros((B, T, H, 256), jnp.int32)) is False
+    assert packs(same, block_size=512) is False
+    wide = jnp.zeros((B, T, HQ, 512), jnp.bfloat16)
+    assert packs(same, q=wide, k=wide[:, :, :H]) is False

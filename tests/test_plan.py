@@ -233,6 +233,20 @@ def test_tile_names_unions_and_starts(selection, tile):
     _tile_tables(selection, tile)
 
 
+@pytest.mark.parametrize("tile", [1, 4])
+def test_union_share(selection, tile):
+    """The tiles' distinct names over the names their tokens list, both summed over the tiles, by a loop; 1 where
+    no two tokens of a tile share a block (tile 1 and no repeated slot)."""
+    names = np.asarray(_plan.tile_names(jnp.asarray(selection["names"]), tile))
+    distinct = sum(len(set(x.ravel()) - {_plan.NONE}) for x in names.reshape(-1, *names.shape[3:]))
+    listed = np.sum(names != _plan.NONE)
+    np.testing.assert_allclose(float(_plan.union_share(jnp.asarray(names))), distinct / listed, rtol=1e-6)
+    lone = np.arange(4 * 16, dtype=np.int32).reshape(1, 1, 4, 1, 16)  # every slot its own block
+    assert float(_plan.union_share(jnp.asarray(lone))) == 1.0
+    shared = np.broadcast_to(lone[:, :, :1], (1, 1, 4, 1, 16)).reshape(1, 1, 1, 4, 16)  # 4 tokens, 16 blocks
+    assert float(_plan.union_share(jnp.asarray(shared))) == 0.25
+
+
 def test_tile_lists(selection):
     """Every (tile, union block) entry keyed by its list (b * H + h) * NR + block row, stably sorted: per list the
     tiles that list the block, in tile order, with the block's name and its last key row."""

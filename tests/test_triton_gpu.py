@@ -16,7 +16,7 @@ import pytest
 import nsa
 from nsa import _dispatch
 from nsa.triton._launch import jax_triton_error
-from tests.base import MOSAIC_GPU_LOWERS, TOLERANCE, NSATestBase, assert_close
+from tests.base import GRAD_TOLERANCE, MOSAIC_GPU_LOWERS, TOLERANCE, NSATestBase, assert_close
 
 pytestmark = pytest.mark.gpu
 
@@ -34,13 +34,53 @@ class TestTriton(NSATestBase):
 
 
 def test_default_implementation_on_gpu_runs_the_kernels():
-    """implementation=None lowers to the Triton kernels on a GPU: the same bits as "triton"."""
+    """implementation=None lowers to the Triton kernels on a GPU (the Mosaic GPU select where this jax lowers it):
+    the same bits as "triton", here on selections whose tiles share few blocks (every token its own)."""
     rng = np.random.default_rng(0)
     q = jnp.asarray(rng.standard_normal((1, 300, 16, 64)), jnp.bfloat16)
     k, v = (jnp.asarray(rng.standard_normal((1, 300, 1, 64)), jnp.bfloat16) for _ in range(2))
     run = lambda impl: jax.jit(lambda q, k, v: nsa.attention(q, k, v, g_cmp=q[..., 0], block_counts=4, block_size=32,
                                                              window_size=64, implementation=impl))(q, k, v)
-    np.testing.assert_array_equal(np.asarray(run(None), np.float32), np.asarray(run("triton"), np.float32))
+    got, want = (np.asarray(run(impl), np.float32) for impl in (None, "triton"))
+    if MOSAIC_GPU_LOWERS:  # selected attention's forward may run on Mosaic GPU (next test)
+        assert_close(got, want, TOLERANCE["bfloat16"], "o")
+    else:
+        np.testing.assert_array_equal(got, want)
+    q, k, v, idx = _selection(own=True)
+    attend = lambda impl: jax.jit(lambda q, k, v: nsa.selected_attention(q, k, v, idx, block_size=16,
+                                                                         implementation=impl))(q, k, v)
+    np.testing.assert_array_equal(np.asarray(attend(None), np.float32), np.asarray(attend("triton"), np.float32))
+
+
+def _selection(own):
+    """q [1, 512, 32, 64], k, v [1, 512, 2, 64] bfloat16 and block_indices [1, 512, 2, 4] (block 16): each of the 4
+    tokens of a tile (G = 16) selects 4 blocks of its own (own), or all select the same 4 (blocks 0-3, or fewer
+    where causality cuts them)."""
+    rng = np.random.default_rng(1)
+    q = jnp.asarray(rng.standard_normal((1, 512, 32, 64)), jnp.bfloat16)
+    k, v = (jnp.asarray(rng.standard_normal((1, 512, 2, 64)), jnp.bfloat16) for _ in range(2))
+    t, s = np.arange(512)[:, None], np.arange(4)[None]
+    idx = (t % 4) * 4 + s if own else np.broadcast_to(s, (512, 4))
+    return q, k, v, jnp.asarray(np.broadcast_to(idx[None, :, None], (1, 512, 2, 4)), jnp.int32)
+
+
+@pytest.mark.skipif(not MOSAIC_GPU_LOWERS, reason="Mosaic GPU lowers its kernels from jax 0.11 on")
+def test_default_runs_the_mosaic_gpu_forward_where_tiles_share_blocks():
+    """Where the tokens of each tile select the same blocks, implementation=None runs selected attention's forward
+    on Mosaic GPU (nsa.pallas.gpu.selected.packs: the same bits as "pallas") and its backward on Triton, over the
+    Mosaic GPU forward's residuals: the gradients agree with the reference's."""
+    q, k, v, idx = _selection(own=False)
+
+    def run(impl):
+        f = lambda q, k, v: nsa.selected_attention(q, k, v, idx, block_size=16, implementation=impl)
+        o, vjp = jax.vjp(f, q, k, v)
+        return (o,) + vjp(o)  # the cotangent o: no second random stream
+
+    got, pallas, ref = (jax.jit(lambda: run(impl))() for impl in (None, "pallas", "xla"))
+    np.testing.assert_array_equal(np.asarray(got[0], np.float32), np.asarray(pallas[0], np.float32))
+    for name, a, b in zip(("o", "dq", "dk", "dv"), got, ref):
+        tol = (TOLERANCE if name == "o" else GRAD_TOLERANCE)["bfloat16"]
+        assert_close(np.asarray(a, np.float32), np.asarray(b, np.float32), tol, name)
 
 
 def test_long_sequence_needs_64_bit_offsets():

@@ -65,6 +65,16 @@ def gpu_family():
     return gpu.KERNELS, gpu.DTYPES
 
 
+def claims(op, phase, platform):
+    """On CUDA, the test of the arguments on which the Mosaic GPU kernel of op's `phase` outruns the family
+    implementation=None prefers (nsa.pallas.gpu.CLAIMS), else None."""
+    if platform != "cuda" or isinstance(gpu_family(), str):
+        return None
+    from nsa.pallas import gpu
+
+    return gpu.CLAIMS.get((op, phase))
+
+
 def gpu_unavailable(op, phase, dtype):
     """Why nsa.pallas.gpu cannot run `phase` of op on `dtype` inputs (a sentence), or None."""
     family = gpu_family()

@@ -16,4 +16,8 @@ from nsa.pallas.gpu._common import DTYPES
 KERNELS = {op: (module.forward, getattr(module, "backward", None)) for op, module in (
     ("window", window), ("compressed", compressed), ("selected", selected), ("select", select))}
 
-__all__ = ["DTYPES", "KERNELS"]
+# {(op, phase): test}: the arguments (the kernel's, with its static keywords) on which the kernel outruns Triton's,
+# a traced bool or False (nsa._families: `claims`)
+CLAIMS = {("selected", 0): selected.packs}
+
+__all__ = ["CLAIMS", "DTYPES", "KERNELS"]

@@ -64,7 +64,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from nsa._config import Shapes, positive, validated
 from nsa._device import facts
 from nsa._plan import (PAST, Tiling, block_names, check_selected, kernel_delta, key_blocks, padded, per_key_row,
-                       row_offsets, segments, tile_names, tile_starts, tile_unions, token_lists)
+                       row_offsets, segments, tile_names, tile_starts, tile_unions, token_lists,
+                       union_share)
 from nsa._varlen import round_up, tokens
 from nsa.pallas._batch import per_sequence
 from nsa.pallas.gpu._common import (COLS, LN2, LOG2E, ROWS, by_row, call, check_dtype, iota, kernel_name,
@@ -117,6 +118,40 @@ class _Layout(Tiling):
         self.dkp, self.dvp = padded_dim(q.shape[3], q.dtype), padded_dim(v.shape[3], v.dtype)
         self.direct = cu_seqlens is None and block_size % 8 == 0
         self.segment = config.segment
+
+
+# implementation=None runs this forward instead of Triton's where a tile's union holds at most this share of the
+# blocks its tokens list (`packs`). This kernel loads each distinct block of a tile of 4 tokens once for all their
+# 64 rows, Triton's loads each token's blocks for its 16 rows: on the H200 at the standard shape, T = 64k, this
+# forward took 0.41 ms per distinct block per 4 tokens (10.35 ms at 25.4 of the 64 slots, 20.1 at 50.3, 23.5 at
+# 57.8), Triton's 16.5-17.0 ms at every union size; they break even at 0.64 of the slots (0.71 at T = 8k:
+# benchmarks/results/gpu-locality.md).
+PACKED = 0.6
+
+
+def packs(q, k, v, block_indices, block_counts, cu_seqlens, kv_lens=None, *, block_size, scale):
+    """Whether this forward outruns Triton's on these arguments (`forward`'s): a traced bool, True where the
+    tiles' unions hold at most PACKED of the blocks their tokens list (nsa._plan.union_share); False (static)
+    for the queries of a KV cache (kv_lens), whose few queries per step Triton's decode kernels run. Its claim
+    on implementation=None's choice (nsa._families.CLAIMS)."""
+    del scale
+    if kv_lens is not None:
+        return False
+    try:
+        _check(q, k, block_indices, block_size)
+    except (TypeError, ValueError):
+        return False  # Triton's forward runs them, or raises its own error
+    L = _Layout(q, k, v, block_indices, block_size, cu_seqlens, None, Config())
+    if _forward_shared_memory(L, q.dtype.itemsize) > facts("cuda").shared_memory:
+        return False
+    names = block_names(block_indices, block_counts, cu_seqlens, None, block_size=block_size)
+    return union_share(tile_names(names, L.tb)) <= PACKED
+
+
+def _forward_shared_memory(L, itemsize):
+    """The bytes of shared memory of one forward program: q and o [TB * GR, Dp], two k and two v buffers
+    [BK, Dp], the rows' float32 statistics (barriers aside)."""
+    return itemsize * (L.rows + 2 * L.bk) * (L.dkp + L.dvp) + 4 * L.rows
 
 
 def _check(q, k, block_indices, block_size):
