@@ -628,7 +628,8 @@ class NSATestBase:
         return (INTERPRETED_TRANSFORM_SHAPES if self.interpreted else SHAPES)[name]
 
     def test_jit_grad_and_bitwise_repeatable(self):
-        """Under jit the same result; gradients and outputs bitwise repeatable; nothing retraces."""
+        """Under jit the same result; gradients and outputs bitwise repeatable (compiled kernels: an interpreter
+        runs a kernel's programs one after another, so its repeats cannot differ); nothing retraces."""
         dtype = self.dtypes[0]
         with precision(dtype):
             x = Inputs(self._transform_shape("G2"), dtype)
@@ -636,10 +637,14 @@ class NSATestBase:
             eager = f(x.q, x.k, x.v)
             chex.clear_trace_counter()  # the counter is keyed by the function's hash, which a new one may reuse
             forward = jax.jit(chex.assert_max_traces(f, n=1))
-            assert_close(forward(x.q, x.k, x.v), eager, 1e-6, "o under jit")
-            np.testing.assert_array_equal(np.asarray(forward(x.q, x.k, x.v)), np.asarray(forward(x.q, x.k, x.v)))
+            o = forward(x.q, x.k, x.v)
+            assert_close(o, eager, 1e-6, "o under jit")
             grad = jax.jit(chex.assert_max_traces(lambda *args: jax.grad(loss, argnums=(0, 1, 2))(*args), n=1))
-            for a, b in zip(grad(x.q, x.k, x.v), grad(x.q, x.k, x.v)):
+            grads = grad(x.q, x.k, x.v)
+            if self.interpreted:
+                return
+            np.testing.assert_array_equal(np.asarray(forward(x.q, x.k, x.v)), np.asarray(o))
+            for a, b in zip(grad(x.q, x.k, x.v), grads):
                 np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # bitwise repeatable
 
     def test_gradient_under_checkpoint(self):
