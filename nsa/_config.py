@@ -11,9 +11,12 @@ kernel ever runs on a config it cannot take. Each has one `default_config(shapes
 whose comment points to the measurement that chose it (a file of benchmarks/results). A kernel's forward and
 backward take `config=None` (then `default_config`'s) or a Config; what a config cannot say (whether to run the
 decode kernels) is an explicit argument of its own. The public API takes no config.
+
+A family's `Claim` on some inputs of another's op (nsa._families: `claims`) is here too, with `wanted`, which a
+backward whose gradients can be claimed apart asks.
 """
 
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import jax
 
@@ -104,3 +107,23 @@ def power_of_two(config, *fields):
     for field in fields:
         value = getattr(config, field)
         expect(isinstance(value, int) and value > 0 and value & (value - 1) == 0, config, field, "a power of two")
+
+
+class Claim(NamedTuple):
+    """A family's claim on some inputs of one phase of an op (nsa._families' `claims`).
+
+    test: the phase's arguments (with its static keywords) -> a traced bool where the claiming kernel runs, or a
+    static False (the arguments' shapes or dtypes rule it out). grads: for a backward, the gradients (indices of
+    its result) the claiming kernel computes where the test holds, while the preferred family computes `rest`;
+    None: the whole phase."""
+
+    test: Callable
+    grads: Optional[tuple] = None
+    rest: Optional[tuple] = None
+
+
+def wanted(grads, *indices):
+    """Whether a backward called with `grads` (a Claim's grads or rest; None: all) computes any of these
+    gradients."""
+    return grads is None or any(i in grads for i in indices)
+

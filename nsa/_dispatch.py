@@ -87,9 +87,9 @@ def implementations(platform: Optional[str] = None, dtype: jnp.dtype = jnp.bfloa
 
     For inputs of `dtype` on `platform` ('cpu', 'cuda', 'rocm', 'tpu', or 'gpu': this machine's GPUs, CUDA
     where it has none; default: jax's default backend), in this process (with the packages it can import).
-    The family named runs the op's backward; its forward may run another family's kernel on the inputs that
-    family claims (on CUDA: Mosaic GPU's selected-attention forward where neighbouring tokens select much the
-    same blocks, nsa.pallas.gpu.selected.packs).
+    The family named runs the op; its forward, or some of its gradients, may run another family's kernel on the
+    inputs that family claims (on CUDA: Mosaic GPU's selected-attention forward and dq where neighbouring tokens
+    select much the same blocks, nsa.pallas.gpu.selected.packs and packs_dq).
     """
     if platform is not None and platform not in PLATFORMS + ("gpu",):
         names = ", ".join(repr(p) for p in PLATFORMS + ("gpu",))
@@ -124,27 +124,34 @@ def _choose(op, phase, implementation, dtype, static):
 
 def _claimed(op, phase, dtype, platform, name):
     """The kernel implementation=None runs for `phase` of op on `platform`: family `name`'s, or where a family it
-    prefers after `name` there claims some inputs (its `claims`, nsa._families) and can run them, a run-time choice
-    between the two (lax.cond on the claim's test, both compiled; per element under vmap: mapped_over_vmap)."""
+    prefers after `name` there claims some inputs (its `claims`: an nsa._families.Claim) and can run them, a
+    run-time choice between the two (lax.cond on the claim's test, both compiled; per element under vmap:
+    mapped_over_vmap)."""
     kernel = _families.family(name).kernel(op, phase, platform)
     order = _families.preferred(op, platform)
     for other in order[order.index(name) + 1:]:
         family = _families.family(other)
         claims = getattr(family, "claims", None) if family is not None else None
-        test = claims(op, phase, platform) if claims is not None else None
-        if test is not None and _why_not(op, other, dtype) is None and family.unavailable(op, phase, dtype,
-                                                                                          platform) is None:
-            return functools.partial(_switch, test, family.kernel(op, phase, platform), kernel)
+        claim = claims(op, phase, platform) if claims is not None else None
+        if claim is not None and _why_not(op, other, dtype) is None and family.unavailable(op, phase, dtype,
+                                                                                           platform) is None:
+            return functools.partial(_switch, claim, family.kernel(op, phase, platform), kernel)
     return kernel
 
 
-def _switch(test, claimed, kernel, *args, **static):
-    """claimed(*args, **static) where test(*args, **static) holds, else kernel(*args, **static); a static False
-    (the test rules the arguments out by their shapes) runs kernel alone."""
-    holds = test(*args, **static)
+def _switch(claim, claimed, kernel, *args, **static):
+    """claimed(*args, **static) where claim.test(*args, **static) holds, else kernel(*args, **static); a static False
+    (the test rules the arguments out by their shapes) runs kernel alone. A claim on some gradients (claim.grads)
+    chooses who computes those; kernel computes claim.rest either way."""
+    holds = claim.test(*args, **static)
     if holds is False:
         return kernel(*args, **static)
-    return lax.cond(holds, functools.partial(claimed, **static), functools.partial(kernel, **static), *args)
+    if claim.grads is None:
+        return lax.cond(holds, functools.partial(claimed, **static), functools.partial(kernel, **static), *args)
+    part = dict(static, grads=claim.grads)
+    mine = lax.cond(holds, functools.partial(claimed, **part), functools.partial(kernel, **part), *args)
+    rest = kernel(*args, **dict(static, grads=claim.rest))
+    return tuple(r if m is None else m for m, r in zip(mine, rest, strict=True))
 
 
 def _as_jax(arrays):

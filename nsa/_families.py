@@ -11,10 +11,11 @@ nsa/pallas/__init__.py are the two there are):
   inputs on `platform` (as platform_dependent names it) in this process, beyond KERNELS and DTYPES, or None;
 - `kernel(op, phase, platform)`: the compiled kernel of one platform, as implementation=None runs it there;
 - `explicit(op, phase, dtype)`: what an explicit implementation=<name> runs (it may choose per platform itself);
-- optionally `claims(op, phase, platform)`: None, or a test of op's arguments (with its static keywords; a traced
-  bool, or False) on which this family's kernel of `phase` outruns that of the family implementation=None
-  prefers before it on `platform`: implementation=None then decides between the two at run time (a lax.cond,
-  both compiled) where both can run (`nsa._dispatch`);
+- optionally `claims(op, phase, platform)`: None, or an nsa._config.Claim: the arguments of `phase` on which this
+  family's kernel outruns that of the family implementation=None prefers before it on `platform`, where
+  implementation=None then decides between the two at run time (a lax.cond, both compiled) where both can run
+  (`nsa._dispatch`). A claim on a backward may cover some of its gradients only: both families' backwards of op
+  then take the keyword `grads` (the indices of the gradients to compute; None comes back at the others);
 - optionally `fused_step(q, k, static)`: a fused serving step for nsa.attention over a KV cache with q's shape
   and the configuration `static` (`nsa._dispatch.decode_step`), or None where it does not apply.
 
@@ -34,8 +35,8 @@ FAMILIES = {
 # platform -> {op: the families implementation=None may run there, in the order it prefers them}; an op missing
 # from a platform's table takes its "*" entry. On cuda, the faster one as measured on the H200 at 64k
 # (benchmarks/results/ops-65536-pallas.json against ops-65536.json; select: 8.4 against 11.8 ms, the rest Triton),
-# and selected attention's forward chosen per input: Mosaic GPU's where its tiles' tokens share blocks (its
-# `claims`: nsa.pallas.gpu.selected.packs).
+# and selected attention's forward and dq chosen per input: Mosaic GPU's where its tiles' tokens share blocks (its
+# `claims`: nsa.pallas.gpu.selected.packs and packs_dq).
 PREFERENCE = {
     "tpu": {"*": ("pallas",)},
     "cuda": {"*": ("triton", "pallas"), "select": ("pallas", "triton")},

@@ -10,10 +10,13 @@
 #   run(command="bash scripts/speed_gpu.sh trace 8192 65536", carry=[".whl"])
 #       benchmarks/trace.py: every op and the whole attention kernel by kernel, Triton and implementation=None
 #       (OPS narrows the ops): the before and after of a kernel change.
+#   run(command="bash scripts/speed_gpu.sh dq 8192 65536", carry=[".whl"])
+#       benchmarks/packing.py --dq: selected attention's dq alone, Triton's kernel against Mosaic GPU's, on random,
+#       iid and local selections (the break-even of nsa.pallas.gpu.selected.PACKED_DQ); writes $OUT/packing-dq-*.json.
 # .whl holds the jax-triton 0.3.1 and fla-core 0.6.0 wheels (scripts/gpu.sh says how to fetch them).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-what=${1:?bench or trace}; shift
+what=${1:?bench, trace or dq}; shift
 out=${OUT:-/tmp/speed}; mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/triton-cache
@@ -38,5 +41,10 @@ if [[ $what == trace ]]; then
             ${OPS:+--ops $OPS} 2>&1 | tee -a "$out/trace.log" | grep -v '^WARNING'
         [[ ${PIPESTATUS[0]} == 0 ]] || status=1
     done
+fi
+if [[ $what == dq ]]; then
+    timeout 500 python3 -m benchmarks.packing --dq --out "$out" --seq-lens "$@" --iters 10 2>&1 | tee "$out/dq.log" \
+        | grep -v '^WARNING'
+    [[ ${PIPESTATUS[0]} == 0 ]] || status=1
 fi
 exit $status

@@ -14,6 +14,7 @@ import pytest
 
 import nsa
 from nsa import _families
+from nsa._config import Claim, wanted
 
 ROOT = pathlib.Path(nsa.__file__).parent
 
@@ -110,18 +111,19 @@ def test_no_device_number_in_kernel_code():
     assert not found, found
 
 
-def _register(monkeypatch, name, window_forward):
-    """A family `name` that describes itself: window_forward and the reference's window backward behind a kernel
+def _register(monkeypatch, name, window_forward, window_backward=nsa.reference.OPS["window"][1]):
+    """A family `name` that describes itself: window_forward and window_backward (the reference's) behind a kernel
     table of one op, for float32."""
     family = types.ModuleType(f"nsa_test_{name}")
     family.DTYPES = (jnp.dtype(jnp.float32),)
-    family.KERNELS = {"window": (window_forward, nsa.reference.OPS["window"][1])}
+    family.KERNELS = {"window": (window_forward, window_backward)}
     family.missing = lambda: None
     family.unavailable = lambda op, phase, dtype, platform: None
     family.kernel = lambda op, phase, platform: family.KERNELS[op][phase]
     family.explicit = lambda op, phase, dtype: family.KERNELS[op][phase]
     monkeypatch.setitem(sys.modules, family.__name__, family)
     monkeypatch.setitem(_families.FAMILIES, name, (family.__name__, "it is a test"))
+    _families._load.cache_clear()  # an earlier test's family of the same name
     return family
 
 
@@ -161,7 +163,7 @@ def test_a_later_family_claims_inputs_at_run_time(monkeypatch):
         return False if q.shape[1] < 32 else jnp.sum(q) > 0
 
     _register(monkeypatch, "first", reference)
-    _register(monkeypatch, "second", doubled).claims = lambda op, phase, platform: test if phase == 0 else None
+    _register(monkeypatch, "second", doubled).claims = lambda op, phase, platform: Claim(test) if phase == 0 else None
     monkeypatch.setitem(_families.PREFERENCE, "cpu", {"window": ("first", "second")})
     assert nsa.implementations("cpu", jnp.float32)["sliding_window_attention"] == "first"
     rng = np.random.default_rng(0)
@@ -175,3 +177,48 @@ def test_a_later_family_claims_inputs_at_run_time(monkeypatch):
     both = jax.vmap(attend)(jnp.stack([q, -q]), jnp.stack([k, k]))
     np.testing.assert_allclose(both[0], 2 * want, rtol=1e-6)
     np.testing.assert_allclose(both[1], attend(-q, k), rtol=1e-6)
+
+
+def test_a_later_family_claims_some_gradients_at_run_time(monkeypatch):
+    """A claim on a backward's gradients (Claim.grads): where its test holds the claiming family computes those
+    (here dq, doubled to tell), elsewhere the first family does; the first family computes the rest (dk, dv) either
+    way, asked for them alone, and nobody computes a gradient twice. Under jit and per element under vmap."""
+    reference_forward, reference_backward = nsa.reference.OPS["window"]
+    asked = []
+
+    def first_backward(residuals, do, grads=None, **static):
+        asked.append(grads)
+        full = reference_backward(residuals, do, **static)
+        return tuple(g if wanted(grads, i) else None for i, g in enumerate(full))
+
+    def second_backward(residuals, do, grads=None, **static):
+        assert grads == (0,)
+        full = reference_backward(residuals, do, **static)
+        return (2 * full[0],) + (None,) * (len(full) - 1)
+
+    def test(residuals, do, **static):
+        return jnp.sum(residuals[0]) > 0
+
+    _register(monkeypatch, "first", reference_forward, first_backward)
+    claim = Claim(test, grads=(0,), rest=(1, 2))
+    _register(monkeypatch, "second", reference_forward, second_backward).claims = (
+        lambda op, phase, platform: claim if phase == 1 else None)
+    monkeypatch.setitem(_families.PREFERENCE, "cpu", {"window": ("first", "second")})
+    rng = np.random.default_rng(0)
+    q, k = (jnp.asarray(np.abs(rng.standard_normal((1, 32, h, 16))), jnp.float32) for h in (4, 2))
+    w = jnp.asarray(rng.standard_normal((1, 32, 4, 16)), jnp.float32)
+
+    def gradients(implementation):
+        loss = lambda q, k, v: jnp.sum(w * nsa.sliding_window_attention(q, k, v, window_size=8,
+                                                                        implementation=implementation))
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+
+    for sign in (1, -1):
+        got, want = gradients(None)(sign * q, k, k), gradients("xla")(sign * q, k, k)
+        for name, a, b, factor in zip("qkv", got, want, (2 if sign > 0 else 1, 1, 1)):
+            np.testing.assert_allclose(a, factor * b, rtol=1e-5, atol=1e-6, err_msg=f"d{name}, sign {sign}")
+    assert set(asked) == {(0,), (1, 2)}, asked  # never the whole backward
+    both = jax.vmap(gradients(None))(jnp.stack([q, -q]), jnp.stack([k, k]), jnp.stack([k, k]))
+    for i, sign in enumerate((1, -1)):
+        for a, b in zip(both, gradients(None)(sign * q, k, k)):
+            np.testing.assert_allclose(a[i], b, rtol=1e-5, atol=1e-6)

@@ -178,20 +178,24 @@ def test_the_kernels_tables_give_the_reference(name, segment):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max(), err_msg=what)
 
 
-def test_packs_claims_the_selections_whose_tiles_share_blocks():
-    """`packs`, implementation=None's run-time choice of this forward over Triton's (traced: under jit), holds
-    where the 4 tokens of a tile (G = 16) list the same blocks and not where each lists its own; it rules out
-    statically (False) a KV cache's queries, float32, more than 255 slots, blocks of more than 256 rows and
-    head dims whose tiles overflow shared memory."""
+@pytest.mark.parametrize("phase", ["forward", "dq"])
+def test_packs_claims_the_selections_whose_tiles_share_blocks(phase):
+    """`packs` and `packs_dq`, implementation=None's run-time choice of this forward, or this dq, over Triton's
+    (traced: under jit), hold where the 4 tokens of a tile (G = 16) list the same blocks and not where each lists
+    its own; they rule out statically (False) a KV cache's queries, float32, more than 255 slots, blocks of more
+    than 256 rows and head dims whose tiles overflow shared memory."""
     B, T, HQ, H, D, bs, S = 1, 1024, 32, 2, 64, 16, 4
     q, k = jnp.zeros((B, T, HQ, D), jnp.bfloat16), jnp.zeros((B, T, H, D), jnp.bfloat16)
     t, s = np.arange(T)[:, None], np.arange(S)[None]
     same = np.broadcast_to(s, (T, S))  # blocks 0..3 for every token
     own = (t % 4) * S + s  # token j of a tile: blocks 4j..4j+3
 
-    def packs(idx, q=q, k=k, **kw):
-        args = dict(cu_seqlens=None, kv_lens=None, block_size=bs, scale=1.0) | kw
-        return gpu.packs(q, k, k, idx, jnp.full(idx.shape[:3], idx.shape[3], jnp.int32), **args)
+    def packs(idx, q=q, k=k, kv_lens=None, block_size=bs):
+        args = (q, k, k, idx, jnp.full(idx.shape[:3], idx.shape[3], jnp.int32), None, kv_lens)
+        if phase == "forward":
+            return gpu.packs(*args, block_size=block_size, scale=1.0)
+        o, lse = q, jnp.zeros(q.shape[:3], jnp.float32)  # the residuals' o and lse, as `forward` returns them
+        return gpu.packs_dq(args + (o, lse), q, block_size=block_size, scale=1.0)
 
     same, own = (jnp.asarray(np.broadcast_to(x[None, :, None], (B, T, H, S)), jnp.int32) for x in (same, own))
     assert bool(jax.jit(packs)(same)) and not bool(jax.jit(packs)(own))

@@ -47,9 +47,9 @@ def test_default_implementation_on_gpu_runs_the_kernels():
     else:
         np.testing.assert_array_equal(got, want)
     q, k, v, idx = _selection(own=True)
-    attend = lambda impl: jax.jit(lambda q, k, v: nsa.selected_attention(q, k, v, idx, block_size=16,
-                                                                         implementation=impl))(q, k, v)
-    np.testing.assert_array_equal(np.asarray(attend(None), np.float32), np.asarray(attend("triton"), np.float32))
+    for name, a, b in zip(("o", "dq", "dk", "dv"), *(_forward_and_gradients(q, k, v, idx, impl)
+                                                     for impl in (None, "triton"))):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32), err_msg=name)
 
 
 def _selection(own):
@@ -64,20 +64,34 @@ def _selection(own):
     return q, k, v, jnp.asarray(np.broadcast_to(idx[None, :, None], (1, 512, 2, 4)), jnp.int32)
 
 
+def _forward_and_gradients(q, k, v, idx, impl):
+    """o and (dq, dk, dv) of selected attention (block 16) with `impl`, under jit; the cotangent o (no second
+    random stream)."""
+    def run(q, k, v):
+        o, vjp = jax.vjp(lambda q, k, v: nsa.selected_attention(q, k, v, idx, block_size=16, implementation=impl),
+                         q, k, v)
+        return (o,) + vjp(o)
+
+    return jax.jit(run)(q, k, v)
+
+
 @pytest.mark.skipif(not MOSAIC_GPU_LOWERS, reason="Mosaic GPU lowers its kernels from jax 0.11 on")
-def test_default_runs_the_mosaic_gpu_forward_where_tiles_share_blocks():
+def test_default_runs_the_mosaic_gpu_forward_and_dq_where_tiles_share_blocks():
     """Where the tokens of each tile select the same blocks, implementation=None runs selected attention's forward
-    on Mosaic GPU (nsa.pallas.gpu.selected.packs: the same bits as "pallas") and its backward on Triton, over the
-    Mosaic GPU forward's residuals: the gradients agree with the reference's."""
+    and dq on Mosaic GPU (nsa.pallas.gpu.selected.packs and packs_dq: the same bits as "pallas"), and dk and dv on
+    Triton over the Mosaic GPU forward's residuals (the bits of Triton's backward over them): all agree with the
+    reference."""
+    from nsa.pallas.gpu import selected as mosaic
+    from nsa.triton import selected as triton_kernels
     q, k, v, idx = _selection(own=False)
-
-    def run(impl):
-        f = lambda q, k, v: nsa.selected_attention(q, k, v, idx, block_size=16, implementation=impl)
-        o, vjp = jax.vjp(f, q, k, v)
-        return (o,) + vjp(o)  # the cotangent o: no second random stream
-
-    got, pallas, ref = (jax.jit(lambda: run(impl))() for impl in (None, "pallas", "xla"))
-    np.testing.assert_array_equal(np.asarray(got[0], np.float32), np.asarray(pallas[0], np.float32))
+    got, pallas, ref = (_forward_and_gradients(q, k, v, idx, impl) for impl in (None, "pallas", "xla"))
+    for name, a, b in zip(("o", "dq"), got, pallas):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32), err_msg=name)
+    counts = jnp.full(idx.shape[:3], 4, jnp.int32)
+    _, residuals = jax.jit(lambda: mosaic.forward(q, k, v, idx, counts, None, block_size=16, scale=64 ** -0.5))()
+    dk, dv = jax.jit(lambda: triton_kernels.backward(residuals, got[0], block_size=16, scale=64 ** -0.5))()[1:3]
+    for name, a, b in (("dk", got[2], dk), ("dv", got[3], dv)):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32), err_msg=name)
     for name, a, b in zip(("o", "dq", "dk", "dv"), got, ref):
         tol = (TOLERANCE if name == "o" else GRAD_TOLERANCE)["bfloat16"]
         assert_close(np.asarray(a, np.float32), np.asarray(b, np.float32), tol, name)

@@ -50,7 +50,7 @@ import jax.numpy as jnp
 import triton
 import triton.language as tl
 
-from nsa._config import Shapes, expect, positive, power_of_two, validated
+from nsa._config import Shapes, expect, positive, power_of_two, validated, wanted
 from nsa._device import KiB
 from nsa import _plan
 from nsa._plan import kernel_delta
@@ -565,12 +565,12 @@ def forward(q, k, v, block_indices, block_counts, cu_seqlens, kv_lens=None, *, b
     return o, (q, k, v, block_indices, block_counts, cu_seqlens, kv_lens, o, lse)
 
 
-def backward(residuals, do, *, block_size, scale, config=None):
+def backward(residuals, do, *, block_size, scale, config=None, grads=None):
     """Gradients (dq, dk, dv, None, None, None, None) in the input dtypes, as the reference's backward; config:
-    a Config (None: `default_config`)."""
+    a Config (None: `default_config`). grads: the gradients to compute, (0,) dq or (1, 2) dk and dv (None in
+    their place otherwise; None: all), so that implementation=None can take dq from another family's kernel
+    (nsa._families.Claim)."""
     q, k, v, block_indices, block_counts, cu_seqlens, kv_lens, o, lse = residuals
-    B, T, HQ, _ = q.shape
-    H = k.shape[2]
     cfg = _config(q, k, v, block_indices, block_size, cu_seqlens, config)
     meta = _meta(q, k, v, block_size, scale, cfg)
     tok = _tokens(q, block_size, cu_seqlens, kv_lens)
@@ -580,11 +580,22 @@ def backward(residuals, do, *, block_size, scale, config=None):
     counts = block_counts.astype(jnp.int32)
     softmax = dict(q=q, k=k, v=v, do=do, lse=lse, delta=delta)
 
-    [dq] = _launch.launch(
-        _dq_kernel, inputs=dict(q=q, k=k, v=v, block_idx=idx, block_counts=counts, pos=tok.pos, start=tok.start,
-                                do=do, lse=lse, delta=delta),
-        outputs=dict(dq=_launch.shape_dtype(q.shape, q.dtype)), **_per_token(q, k, block_indices, cfg), **meta)
+    dq = dk = dv = None
+    if wanted(grads, 0):
+        [dq] = _launch.launch(
+            _dq_kernel, inputs=dict(q=q, k=k, v=v, block_idx=idx, block_counts=counts, pos=tok.pos, start=tok.start,
+                                    do=do, lse=lse, delta=delta),
+            outputs=dict(dq=_launch.shape_dtype(q.shape, q.dtype)), **_per_token(q, k, block_indices, cfg), **meta)
+    if wanted(grads, 1, 2):
+        dk, dv = _key_gradients(softmax, q, k, v, idx, counts, tok, cu_seqlens, kv_lens, block_size, cfg, meta)
+    return dq, dk, dv, None, None, None, None
 
+
+def _key_gradients(softmax, q, k, v, idx, counts, tok, cu_seqlens, kv_lens, block_size, cfg, meta):
+    """`backward`'s dk and dv: the selections inverted into per-block query lists, their segments' partials
+    (`_dkv_partial_kernel`) and the lists' sums (`_dkv_reduce_kernel`)."""
+    B, T, HQ, _ = q.shape
+    H = k.shape[2]
     NR, row_start, row_end = _plan.block_rows(k.shape[1], block_size, cu_seqlens)
     offsets, query_tok = _plan.query_lists(idx, counts, tok, B, T, H, NR, block_size)
     seg_offsets, seg_list, seg_lo, seg_hi = _plan.segments(offsets, query_tok.shape[0], cfg.segment)
@@ -603,4 +614,4 @@ def backward(residuals, do, *, block_size, scale, config=None):
         inputs=dict(dk_part=dk_part, dv_part=dv_part, **rows, seg_offsets=seg_offsets),
         outputs=dict(dk_out=_launch.shape_dtype(k.shape, k.dtype), dv_out=_launch.shape_dtype(v.shape, v.dtype)),
         num_stages=1, NR=NR, **meta)
-    return dq, dk, dv, None, None, None, None
+    return dk, dv

@@ -9,6 +9,7 @@ run this package's flash kernels (`_flash.py`); selected attention and block sel
 kernels is nsa._plan's.
 """
 
+from nsa._config import Claim
 from nsa.pallas.gpu import compressed, select, selected, window
 from nsa.pallas.gpu._common import DTYPES
 
@@ -16,8 +17,9 @@ from nsa.pallas.gpu._common import DTYPES
 KERNELS = {op: (module.forward, getattr(module, "backward", None)) for op, module in (
     ("window", window), ("compressed", compressed), ("selected", selected), ("select", select))}
 
-# {(op, phase): test}: the arguments (the kernel's, with its static keywords) on which the kernel outruns Triton's,
-# a traced bool or False (nsa._families: `claims`)
-CLAIMS = {("selected", 0): selected.packs}
+# {(op, phase): Claim}: the arguments on which the kernel outruns Triton's (nsa._families: `claims`): selected
+# attention's forward, and its dq alone (Triton's dk and dv run over it either way)
+CLAIMS = {("selected", 0): Claim(selected.packs),
+          ("selected", 1): Claim(selected.packs_dq, grads=(0,), rest=(1, 2))}
 
 __all__ = ["CLAIMS", "DTYPES", "KERNELS"]

@@ -61,7 +61,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from nsa._config import Shapes, positive, validated
+from nsa._config import Shapes, positive, validated, wanted
 from nsa._device import facts
 from nsa._plan import (PAST, Tiling, block_names, check_selected, kernel_delta, key_blocks, padded, per_key_row,
                        row_offsets, segments, tile_names, tile_starts, tile_unions, token_lists,
@@ -127,31 +127,55 @@ class _Layout(Tiling):
 # 57.8), Triton's 16.5-17.0 ms at every union size; they break even at 0.64 of the slots (0.71 at T = 8k:
 # benchmarks/results/gpu-locality.md).
 PACKED = 0.6
+# the same for this dq kernel against Triton's, whose dk and dv then run over this dq (`packs_dq`)
+PACKED_DQ = 0.6
 
 
 def packs(q, k, v, block_indices, block_counts, cu_seqlens, kv_lens=None, *, block_size, scale):
     """Whether this forward outruns Triton's on these arguments (`forward`'s): a traced bool, True where the
     tiles' unions hold at most PACKED of the blocks their tokens list (nsa._plan.union_share); False (static)
     for the queries of a KV cache (kv_lens), whose few queries per step Triton's decode kernels run. Its claim
-    on implementation=None's choice (nsa._families.CLAIMS)."""
-    del scale
+    on implementation=None's choice (nsa.pallas.gpu.CLAIMS)."""
+    del v, scale
+    return _packs(q, k, block_indices, block_counts, cu_seqlens, kv_lens, block_size, PACKED, _forward_shared_memory)
+
+
+def packs_dq(residuals, do, *, block_size, scale):
+    """`packs` for the backward: whether this dq kernel outruns Triton's on `forward`'s residuals (at most
+    PACKED_DQ of the blocks in the tiles' unions; the dq kernel's shared memory). Its claim on dq alone
+    (nsa.pallas.gpu.CLAIMS): Triton's dk and dv run either way."""
+    del do, scale
+    q, k, _, block_indices, block_counts, cu_seqlens, kv_lens = residuals[:7]
+    return _packs(q, k, block_indices, block_counts, cu_seqlens, kv_lens, block_size, PACKED_DQ, _dq_shared_memory)
+
+
+def _packs(q, k, block_indices, block_counts, cu_seqlens, kv_lens, block_size, most, shared_memory):
+    """Whether the tiles' unions hold at most `most` of the blocks their tokens list (traced), or a static False:
+    a KV cache's queries, arguments this family's kernels refuse (Triton's run them, or raise their own error),
+    or a kernel whose `shared_memory(L, itemsize)` exceeds the device's."""
     if kv_lens is not None:
         return False
     try:
         _check(q, k, block_indices, block_size)
     except (TypeError, ValueError):
-        return False  # Triton's forward runs them, or raises its own error
-    L = _Layout(q, k, v, block_indices, block_size, cu_seqlens, None, Config())
-    if _forward_shared_memory(L, q.dtype.itemsize) > facts("cuda").shared_memory:
+        return False
+    L = _Layout(q, k, k, block_indices, block_size, cu_seqlens, None, Config())
+    if shared_memory(L, q.dtype.itemsize) > facts("cuda").shared_memory:
         return False
     names = block_names(block_indices, block_counts, cu_seqlens, None, block_size=block_size)
-    return union_share(tile_names(names, L.tb)) <= PACKED
+    return union_share(tile_names(names, L.tb)) <= most
 
 
 def _forward_shared_memory(L, itemsize):
     """The bytes of shared memory of one forward program: q and o [TB * GR, Dp], two k and two v buffers
     [BK, Dp], the rows' float32 statistics (barriers aside)."""
     return itemsize * (L.rows + 2 * L.bk) * (L.dkp + L.dvp) + 4 * L.rows
+
+
+def _dq_shared_memory(L, itemsize):
+    """The bytes of shared memory of one dq program: q [TB * GR, Dkp] and do [TB * GR, Dvp], two k and two v
+    buffers [BK, Dp], lse and delta (barriers aside)."""
+    return itemsize * (L.rows + 2 * L.bk) * (L.dkp + L.dvp) + 8 * L.rows
 
 
 def _check(q, k, block_indices, block_size):
@@ -512,46 +536,69 @@ def _entry_vector(x, entries, bh, L, fill):
 
 
 @per_sequence
-def backward(residuals, do, *, block_size, scale, config=None):
+def backward(residuals, do, *, block_size, scale, config=None, grads=None):
     """Gradients (dq, dk, dv, None, None, None, None) in q's, k's and v's dtypes, from `forward`'s residuals and
-    do [B, T, HQ, Dv]; config as for `forward`."""
+    do [B, T, HQ, Dv]; config as for `forward`. grads: the gradients to compute, (0,) dq or (1, 2) dk and dv
+    (None in their place otherwise; None: all): implementation=None takes dq alone from here where `packs_dq`
+    holds."""
     q, k, v, block_indices, block_counts, cu_seqlens, kv_lens, o, lse = residuals
     L = _Layout(q, k, v, block_indices, block_size, cu_seqlens, kv_lens,
                 _config(config, q, k, v, block_indices, block_size))
-    tables = _tables(block_indices, block_counts, cu_seqlens, kv_lens, L, block_size)
     delta = kernel_delta(o, do, q.dtype)
-    tiled = (_token_rows(q, L, L.dkp), _token_rows(do.astype(q.dtype), L, L.dvp),
-             _tile_vector(lse, L, -jnp.inf), _tile_vector(delta, L, 0.0))
-    k_rows, v_rows = _keys(k, L, cu_seqlens, block_size, L.dkp), _keys(v, L, cu_seqlens, block_size, L.dvp)
+    rows = _token_rows(q, L, L.dkp), _token_rows(do.astype(q.dtype), L, L.dvp)
+    keys = _keys(k, L, cu_seqlens, block_size, L.dkp), _keys(v, L, cu_seqlens, block_size, L.dvp)
+    selection = block_indices, block_counts, cu_seqlens, kv_lens
     common = dict(L=L, block_size=block_size, scale=float(scale))
-    dq = _kernel(
-        functools.partial(_dq_kernel, **common), (L.nt, L.H, L.B), ("tile", "head", "batch"),
-        jax.ShapeDtypeStruct(tiled[0].shape, q.dtype),
-        [smem_tile((L.rows, L.dkp), q.dtype), smem_tile((L.rows, L.dvp), q.dtype),
-         plgpu.SMEM((2, L.rows), jnp.float32), smem_tile((2, L.bk, L.dkp), k.dtype),
-         smem_tile((2, L.bk, L.dvp), v.dtype), _tile_barriers(2 * L.tb + 2),
-         plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=2)],
-        *tables, *tiled, k_rows, v_rows)
+    dq = dk = dv = None
+    if wanted(grads, 0):
+        dq = _from_token_rows(_query_gradient(rows, lse, delta, keys, selection, common), L, q.shape[3])
+    if wanted(grads, 1, 2):
+        dk, dv = _key_gradients(rows, lse, delta, keys, selection, common)
+        dk = (per_key_row(dk, k.shape, cu_seqlens, block_size=block_size) * scale).astype(k.dtype)
+        dv = per_key_row(dv, v.shape, cu_seqlens, block_size=block_size).astype(v.dtype)
+    return dq, dk, dv, None, None, None, None
 
-    seg, entries, lists, bh = _dkdv_tables(block_indices, block_counts, cu_seqlens, kv_lens, L, block_size)
+
+def _query_gradient(rows, lse, delta, keys, selection, common):
+    """`backward`'s dq [B, Tp, H, GR, Dkp] (`_dq_kernel` over the forward's tiles and unions), from q and do as
+    token rows, lse and delta [B, T, HQ], the kernels' k and v, and the selection (block_indices, block_counts,
+    cu_seqlens, kv_lens)."""
+    L = common["L"]
+    q, do = rows
+    tables = _tables(*selection, L, common["block_size"])
+    vectors = _tile_vector(lse, L, -jnp.inf), _tile_vector(delta, L, 0.0)
+    return _kernel(
+        functools.partial(_dq_kernel, **common), (L.nt, L.H, L.B), ("tile", "head", "batch"),
+        jax.ShapeDtypeStruct(q.shape, q.dtype),
+        [smem_tile((L.rows, L.dkp), q.dtype), smem_tile((L.rows, L.dvp), q.dtype),
+         plgpu.SMEM((2, L.rows), jnp.float32), smem_tile((2, L.bk, L.dkp), keys[0].dtype),
+         smem_tile((2, L.bk, L.dvp), keys[1].dtype), _tile_barriers(2 * L.tb + 2),
+         plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=2)],
+        *tables, q, do, *vectors, *keys)
+
+
+def _key_gradients(rows, lse, delta, keys, selection, common):
+    """`backward`'s unscaled float32 dk and dv per list (block row of a (batch, KV head)) [NL, BK, Dp]: the
+    selections inverted into per-block token lists, their segments' partials (`_dkdv_kernel`), the lists' sums
+    (`_reduce_kernel`); arguments as `_query_gradient`'s."""
+    L = common["L"]
+    q, do = rows
+    seg, entries, lists, bh = _dkdv_tables(*selection, L, common["block_size"])
     vectors = (_entry_vector(lse, entries, bh, L, -jnp.inf), _entry_vector(delta, entries, bh, L, 0.0))
     nseg, num_lists = seg.shape[0], lists.shape[0]
     dk_part, dv_part = _kernel(
         functools.partial(_dkdv_kernel, **common), (nseg,), ("segment",),
         (jax.ShapeDtypeStruct((nseg, L.bk, L.dkp), jnp.float32),
          jax.ShapeDtypeStruct((nseg, L.bk, L.dvp), jnp.float32)),
-        [smem_tile((L.bk, L.dkp), k.dtype), smem_tile((L.bk, L.dvp), v.dtype),
+        [smem_tile((L.bk, L.dkp), keys[0].dtype), smem_tile((L.bk, L.dvp), keys[1].dtype),
          smem_tile((2, L.rows, L.dkp), q.dtype), smem_tile((2, L.rows, L.dvp), q.dtype),
          plgpu.SMEM((2, 2, L.rows), jnp.float32), plgpu.Barrier(num_barriers=2),
          _tile_barriers(2 * L.tb + 2, 2)],
-        seg, entries, *tiled[:2], *vectors, k_rows, v_rows)
-    dk_sum, dv_sum = _kernel(
+        seg, entries, q, do, *vectors, *keys)
+    return _kernel(
         _reduce_kernel, (num_lists,), ("list",),
         (jax.ShapeDtypeStruct((num_lists, L.bk, L.dkp), jnp.float32),
          jax.ShapeDtypeStruct((num_lists, L.bk, L.dvp), jnp.float32)),
         [plgpu.SMEM((L.bk, L.dkp), jnp.float32), plgpu.SMEM((L.bk, L.dvp), jnp.float32),
          plgpu.Barrier(num_barriers=2)],
         lists, dk_part, dv_part)
-    dk = per_key_row(dk_sum, k.shape, cu_seqlens, block_size=block_size) * scale
-    dv = per_key_row(dv_sum, v.shape, cu_seqlens, block_size=block_size)
-    return (_from_token_rows(dq, L, q.shape[3]), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, None)
