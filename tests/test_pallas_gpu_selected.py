@@ -179,12 +179,14 @@ def test_the_kernels_tables_give_the_reference(name, segment):
 
 
 @pytest.mark.parametrize("phase", ["forward", "dq"])
-def test_packs_claims_the_selections_whose_tiles_share_blocks(phase):
+def test_packs_claims_the_selections_whose_tiles_share_blocks(phase, monkeypatch):
     """`packs` and `packs_dq`, implementation=None's run-time choice of this forward, or this dq, over Triton's
     (traced: under jit), hold where the 4 tokens of a tile (G = 16) list the same blocks and not where each lists
     its own; they rule out statically (False) a KV cache's queries, float32, more than 255 slots, blocks of more
-    than 256 rows and head dims whose tiles overflow shared memory."""
+    than 256 rows and head dims whose tiles overflow shared memory; packs_dq also calls of fewer than
+    MIN_DQ_TOKENS tokens (here lowered to 1024, then to 1025)."""
     B, T, HQ, H, D, bs, S = 1, 1024, 32, 2, 64, 16, 4
+    monkeypatch.setattr(gpu, "MIN_DQ_TOKENS", B * T)
     q, k = jnp.zeros((B, T, HQ, D), jnp.bfloat16), jnp.zeros((B, T, H, D), jnp.bfloat16)
     t, s = np.arange(T)[:, None], np.arange(S)[None]
     same = np.broadcast_to(s, (T, S))  # blocks 0..3 for every token
@@ -205,3 +207,5 @@ def test_packs_claims_the_selections_whose_tiles_share_blocks(phase):
     assert packs(same, block_size=512) is False
     wide = jnp.zeros((B, T, HQ, 512), jnp.bfloat16)
     assert packs(same, q=wide, k=wide[:, :, :H]) is False
+    monkeypatch.setattr(gpu, "MIN_DQ_TOKENS", B * T + 1)
+    assert (packs(same) is False) == (phase == "dq")

@@ -76,22 +76,25 @@ def _forward_and_gradients(q, k, v, idx, impl):
 
 
 @pytest.mark.skipif(not MOSAIC_GPU_LOWERS, reason="Mosaic GPU lowers its kernels from jax 0.11 on")
-def test_default_runs_the_mosaic_gpu_forward_and_dq_where_tiles_share_blocks():
+def test_default_runs_the_mosaic_gpu_forward_and_dq_where_tiles_share_blocks(monkeypatch):
     """Where the tokens of each tile select the same blocks, implementation=None runs selected attention's forward
-    and dq on Mosaic GPU (nsa.pallas.gpu.selected.packs and packs_dq: the same bits as "pallas"), and dk and dv on
-    Triton over the Mosaic GPU forward's residuals (the bits of Triton's backward over them): all agree with the
-    reference."""
+    and dq on Mosaic GPU (nsa.pallas.gpu.selected.packs and packs_dq: the same bits as "pallas" for o), and dk and
+    dv on Triton over the Mosaic GPU forward's residuals: all agree with the reference.
+
+    The dq claim holds from MIN_DQ_TOKENS tokens on, lowered here to these 512 (the test holds: packs_dq). On
+    these inputs Triton's and Mosaic GPU's dq kernels give the same bits, and their dk and dv differ by 2e-4 and
+    4e-4 of their RMS, as much as XLA's delta = sum(o * do), fused into each program its own way, moves them: the
+    gradients are compared with the reference's, not to tell the kernels apart (the choice itself:
+    tests/test_house.py, with two families that tell)."""
     from nsa.pallas.gpu import selected as mosaic
-    from nsa.triton import selected as triton_kernels
+    monkeypatch.setattr(mosaic, "MIN_DQ_TOKENS", 512)
+    jax.clear_caches()  # no backward traced under the default MIN_DQ_TOKENS is reused
     q, k, v, idx = _selection(own=False)
-    got, pallas, ref = (_forward_and_gradients(q, k, v, idx, impl) for impl in (None, "pallas", "xla"))
-    for name, a, b in zip(("o", "dq"), got, pallas):
-        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32), err_msg=name)
     counts = jnp.full(idx.shape[:3], 4, jnp.int32)
-    _, residuals = jax.jit(lambda: mosaic.forward(q, k, v, idx, counts, None, block_size=16, scale=64 ** -0.5))()
-    dk, dv = jax.jit(lambda: triton_kernels.backward(residuals, got[0], block_size=16, scale=64 ** -0.5))()[1:3]
-    for name, a, b in (("dk", got[2], dk), ("dv", got[3], dv)):
-        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32), err_msg=name)
+    o, residuals = jax.jit(lambda: mosaic.forward(q, k, v, idx, counts, None, block_size=16, scale=64 ** -0.5))()
+    assert bool(jax.jit(lambda: mosaic.packs_dq(residuals, o, block_size=16, scale=64 ** -0.5))())
+    got, pallas, ref = (_forward_and_gradients(q, k, v, idx, impl) for impl in (None, "pallas", "xla"))
+    np.testing.assert_array_equal(np.asarray(got[0], np.float32), np.asarray(pallas[0], np.float32))
     for name, a, b in zip(("o", "dq", "dk", "dv"), got, ref):
         tol = (TOLERANCE if name == "o" else GRAD_TOLERANCE)["bfloat16"]
         assert_close(np.asarray(a, np.float32), np.asarray(b, np.float32), tol, name)

@@ -127,8 +127,15 @@ class _Layout(Tiling):
 # 57.8), Triton's 16.5-17.0 ms at every union size; they break even at 0.64 of the slots (0.71 at T = 8k:
 # benchmarks/results/gpu-locality.md).
 PACKED = 0.6
-# the same for this dq kernel against Triton's, whose dk and dv then run over this dq (`packs_dq`)
-PACKED_DQ = 0.6
+# the same for this dq kernel against Triton's, whose dk and dv run either way (`packs_dq`): on the H200 Triton's dq
+# took 18.1-18.4 ms at T = 64k on every selection, this one 0.52 ms per distinct block per 4 tokens (13.2 ms at 25.4
+# of the 64 slots, 25.8 at 50.3, 30.0 at 57.8); at 16k 4.6-4.7 against 3.15 at 22.1, 5.36 at 42.4; at 8k 2.6-2.7
+# against 1.66 at 19.9, 2.52 at 35.3 (benchmarks/results/packing-dq-8192-16384-65536.json): break-even near 0.5
+PACKED_DQ = 0.5
+# ... and only on calls of at least this many tokens (B * T): the backward's lax.cond costs 1-2 ms of its own at
+# every T (1.3 at 8k, 1.7 at 64k: the time the GPU waits, not a kernel's), which a claimed dq saves back at 64k on
+# local selections (5.4 ms) but not at 8k (benchmarks/results/claims-65536-8192.json)
+MIN_DQ_TOKENS = 32768
 
 
 def packs(q, k, v, block_indices, block_counts, cu_seqlens, kv_lens=None, *, block_size, scale):
@@ -142,10 +149,14 @@ def packs(q, k, v, block_indices, block_counts, cu_seqlens, kv_lens=None, *, blo
 
 def packs_dq(residuals, do, *, block_size, scale):
     """`packs` for the backward: whether this dq kernel outruns Triton's on `forward`'s residuals (at most
-    PACKED_DQ of the blocks in the tiles' unions; the dq kernel's shared memory). Its claim on dq alone
-    (nsa.pallas.gpu.CLAIMS): Triton's dk and dv run either way."""
+    PACKED_DQ of the blocks in the tiles' unions; the dq kernel's shared memory), on calls of MIN_DQ_TOKENS tokens
+    or more (a static False below). Its claim on dq alone (nsa.pallas.gpu.CLAIMS): Triton's dk and dv run either
+    way."""
     del do, scale
     q, k, _, block_indices, block_counts, cu_seqlens, kv_lens = residuals[:7]
+    batch = q.shape[0] if isinstance(q.shape[0], int) else 1  # a symbolic batch: its sequences run one at a time
+    if batch * q.shape[1] < MIN_DQ_TOKENS:
+        return False
     return _packs(q, k, block_indices, block_counts, cu_seqlens, kv_lens, block_size, PACKED_DQ, _dq_shared_memory)
 
 
