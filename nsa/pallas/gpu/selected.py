@@ -133,9 +133,10 @@ PACKED = 0.6
 # against 1.66 at 19.9, 2.52 at 35.3 (benchmarks/results/packing-dq-8192-16384-65536.json): break-even near 0.5
 PACKED_DQ = 0.5
 # ... and only on calls of at least this many tokens (B * T): the backward's lax.cond costs 1-2 ms of its own at
-# every T (1.3 at 8k, 1.7 at 64k: the time the GPU waits, not a kernel's), which a claimed dq saves back at 64k on
-# local selections (5.4 ms) but not at 8k (benchmarks/results/claims-65536-8192.json)
-MIN_DQ_TOKENS = 32768
+# every T (1.1-1.3 at 8k-32k, 1.7 at 64k: the time the GPU waits, not a kernel's). Against the forward's claim
+# alone, claiming dq too saved 3.5 ms at 64k on local selections and lost 1.5 on iid ones; at 32k +1.2 and -1.3,
+# at 16k +0.2 and -1.1 (benchmarks/results/claims-65536-8192.json, claims-32768-16384.json)
+MIN_DQ_TOKENS = 65536
 
 
 def packs(q, k, v, block_indices, block_counts, cu_seqlens, kv_lens=None, *, block_size, scale):
