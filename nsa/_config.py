@@ -126,4 +126,3 @@ def wanted(grads, *indices):
     """Whether a backward called with `grads` (a Claim's grads or rest; None: all) computes any of these
     gradients."""
     return grads is None or any(i in grads for i in indices)
-

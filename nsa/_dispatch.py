@@ -124,7 +124,7 @@ def _choose(op, phase, implementation, dtype, static):
 
 def _claimed(op, phase, dtype, platform, name):
     """The kernel implementation=None runs for `phase` of op on `platform`: family `name`'s, or where a family it
-    prefers after `name` there claims some inputs (its `claims`: an nsa._families.Claim) and can run them, a
+    prefers after `name` there claims some inputs (its `claims`: an nsa._config.Claim) and can run them, a
     run-time choice between the two (lax.cond on the claim's test, both compiled; per element under vmap:
     mapped_over_vmap)."""
     kernel = _families.family(name).kernel(op, phase, platform)

@@ -66,7 +66,7 @@ def gpu_family():
 
 
 def claims(op, phase, platform):
-    """On CUDA, the nsa._families.Claim on the arguments on which the Mosaic GPU kernel of op's `phase` outruns the
+    """On CUDA, the nsa._config.Claim on the arguments on which the Mosaic GPU kernel of op's `phase` outruns the
     family implementation=None prefers (nsa.pallas.gpu.CLAIMS), else None."""
     if platform != "cuda" or isinstance(gpu_family(), str):
         return None

@@ -569,7 +569,7 @@ def backward(residuals, do, *, block_size, scale, config=None, grads=None):
     """Gradients (dq, dk, dv, None, None, None, None) in the input dtypes, as the reference's backward; config:
     a Config (None: `default_config`). grads: the gradients to compute, (0,) dq or (1, 2) dk and dv (None in
     their place otherwise; None: all), so that implementation=None can take dq from another family's kernel
-    (nsa._families.Claim)."""
+    (nsa._config.Claim)."""
     q, k, v, block_indices, block_counts, cu_seqlens, kv_lens, o, lse = residuals
     cfg = _config(q, k, v, block_indices, block_size, cu_seqlens, config)
     meta = _meta(q, k, v, block_size, scale, cfg)
