@@ -144,8 +144,8 @@ def packs(q, k, v, block_indices, block_counts, cu_seqlens, kv_lens=None, *, blo
     tiles' unions hold at most PACKED of the blocks their tokens list (nsa._plan.union_share); False (static)
     for the queries of a KV cache (kv_lens), whose few queries per step Triton's decode kernels run. Its claim
     on implementation=None's choice (nsa.pallas.gpu.CLAIMS)."""
-    del v, scale
-    return _packs(q, k, block_indices, block_counts, cu_seqlens, kv_lens, block_size, PACKED, _forward_shared_memory)
+    del scale
+    return _packs(q, k, v, block_indices, block_counts, cu_seqlens, kv_lens, block_size, PACKED, vectors=1)
 
 
 def packs_dq(residuals, do, *, block_size, scale):
@@ -154,40 +154,35 @@ def packs_dq(residuals, do, *, block_size, scale):
     or more (a static False below). Its claim on dq alone (nsa.pallas.gpu.CLAIMS): Triton's dk and dv run either
     way."""
     del do, scale
-    q, k, _, block_indices, block_counts, cu_seqlens, kv_lens = residuals[:7]
+    q, k, v, block_indices, block_counts, cu_seqlens, kv_lens = residuals[:7]
     batch = q.shape[0] if isinstance(q.shape[0], int) else 1  # a symbolic batch: its sequences run one at a time
     if batch * q.shape[1] < MIN_DQ_TOKENS:
         return False
-    return _packs(q, k, block_indices, block_counts, cu_seqlens, kv_lens, block_size, PACKED_DQ, _dq_shared_memory)
+    return _packs(q, k, v, block_indices, block_counts, cu_seqlens, kv_lens, block_size, PACKED_DQ, vectors=2)
 
 
-def _packs(q, k, block_indices, block_counts, cu_seqlens, kv_lens, block_size, most, shared_memory):
+def _packs(q, k, v, block_indices, block_counts, cu_seqlens, kv_lens, block_size, most, *, vectors):
     """Whether the tiles' unions hold at most `most` of the blocks their tokens list (traced), or a static False:
     a KV cache's queries, arguments this family's kernels refuse (Triton's run them, or raise their own error),
-    or a kernel whose `shared_memory(L, itemsize)` exceeds the device's."""
+    or a kernel with `vectors` float32 row vectors whose shared memory (`_shared_memory`) exceeds the device's."""
     if kv_lens is not None:
         return False
     try:
         _check(q, k, block_indices, block_size)
     except (TypeError, ValueError):
         return False
-    L = _Layout(q, k, k, block_indices, block_size, cu_seqlens, None, Config())
-    if shared_memory(L, q.dtype.itemsize) > facts("cuda").shared_memory:
+    L = _Layout(q, k, v, block_indices, block_size, cu_seqlens, None, Config())
+    if _shared_memory(L, q.dtype.itemsize, vectors) > facts("cuda").shared_memory:
         return False
     names = block_names(block_indices, block_counts, cu_seqlens, None, block_size=block_size)
     return union_share(tile_names(names, L.tb)) <= most
 
 
-def _forward_shared_memory(L, itemsize):
-    """The bytes of shared memory of one forward program: q and o [TB * GR, Dp], two k and two v buffers
-    [BK, Dp], the rows' float32 statistics (barriers aside)."""
-    return itemsize * (L.rows + 2 * L.bk) * (L.dkp + L.dvp) + 4 * L.rows
-
-
-def _dq_shared_memory(L, itemsize):
-    """The bytes of shared memory of one dq program: q [TB * GR, Dkp] and do [TB * GR, Dvp], two k and two v
-    buffers [BK, Dp], lse and delta (barriers aside)."""
-    return itemsize * (L.rows + 2 * L.bk) * (L.dkp + L.dvp) + 8 * L.rows
+def _shared_memory(L, itemsize, vectors):
+    """The bytes of shared memory of one forward or dq program (barriers aside): a [TB * GR, Dkp] and a
+    [TB * GR, Dvp] tile (q and o; q and do), two k and two v buffers [BK, Dp], and `vectors` float32 vectors of
+    the rows (the forward's lse; dq's lse and delta)."""
+    return itemsize * (L.rows + 2 * L.bk) * (L.dkp + L.dvp) + 4 * vectors * L.rows
 
 
 def _check(q, k, block_indices, block_size):
