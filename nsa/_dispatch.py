@@ -89,7 +89,8 @@ def implementations(platform: Optional[str] = None, dtype: jnp.dtype = jnp.bfloa
     where it has none; default: jax's default backend), in this process (with the packages it can import).
     The family named runs the op; its forward, or some of its gradients, may run another family's kernel on the
     inputs that family claims (on CUDA: Mosaic GPU's selected-attention forward and dq where neighbouring tokens
-    select much the same blocks, nsa.pallas.gpu.selected.packs and packs_dq).
+    select much the same blocks, nsa.pallas.gpu.selected.packs and packs_dq; Triton's select where a block sums
+    several compressed rows, nsa.triton.select.sums_eq9).
     """
     if platform is not None and platform not in PLATFORMS + ("gpu",):
         names = ", ".join(repr(p) for p in PLATFORMS + ("gpu",))
@@ -141,15 +142,21 @@ def _claimed(op, phase, dtype, platform, name):
 
 def _switch(claim, claimed, kernel, *args, **static):
     """claimed(*args, **static) where claim.test(*args, **static) holds, else kernel(*args, **static); a static False
-    (the test rules the arguments out by their shapes) runs kernel alone. A claim on some gradients (claim.grads)
-    chooses who computes those; kernel computes claim.rest either way."""
+    or True (the test decides by the arguments' shapes or the static configuration) runs one of them alone, no
+    lax.cond. A claim on some gradients (claim.grads) chooses who computes those; kernel computes claim.rest either
+    way."""
     holds = claim.test(*args, **static)
     if holds is False:
         return kernel(*args, **static)
+
+    def chosen(**part):
+        if holds is True:
+            return claimed(*args, **part)
+        return lax.cond(holds, functools.partial(claimed, **part), functools.partial(kernel, **part), *args)
+
     if claim.grads is None:
-        return lax.cond(holds, functools.partial(claimed, **static), functools.partial(kernel, **static), *args)
-    part = dict(static, grads=claim.grads)
-    mine = lax.cond(holds, functools.partial(claimed, **part), functools.partial(kernel, **part), *args)
+        return chosen(**static)
+    mine = chosen(**static, grads=claim.grads)
     rest = kernel(*args, **dict(static, grads=claim.rest))
     return tuple(r if m is None else m for m, r in zip(mine, rest, strict=True))
 

@@ -36,7 +36,8 @@ FAMILIES = {
 # from a platform's table takes its "*" entry. On cuda, the faster one as measured on the H200 at 64k
 # (benchmarks/results/ops-65536-pallas.json against ops-65536.json; select: 8.4 against 11.8 ms, the rest Triton),
 # and selected attention's forward and dq chosen per input: Mosaic GPU's where its tiles' tokens share blocks (its
-# `claims`: nsa.pallas.gpu.selected.packs and packs_dq).
+# `claims`: nsa.pallas.gpu.selected.packs and packs_dq); select runs Triton's kernel where a block sums several
+# compressed rows (Eq. 9, the Triton family's claim: nsa.triton.select.sums_eq9).
 PREFERENCE = {
     "tpu": {"*": ("pallas",)},
     "cuda": {"*": ("triton", "pallas"), "select": ("pallas", "triton")},

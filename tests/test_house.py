@@ -152,7 +152,8 @@ def test_a_new_family_is_one_line_of_the_registry(monkeypatch):
 def test_a_later_family_claims_inputs_at_run_time(monkeypatch):
     """A family preferred second whose `claims` test holds on some inputs runs its forward on those, decided at run
     time (under jit, and per element under vmap); the first family runs the others, and every input where the test
-    is a static False (here: T < 32)."""
+    is a static False (here: T < 16). Where the test is a static True (16 <= T < 32), the claimed kernel runs alone,
+    no cond."""
     reference = nsa.reference.OPS["window"][0]
 
     def doubled(*args, **static):  # the claiming family's forward: o doubled, to tell which one ran
@@ -160,7 +161,7 @@ def test_a_later_family_claims_inputs_at_run_time(monkeypatch):
         return 2 * o, residuals
 
     def test(q, *args, **static):
-        return False if q.shape[1] < 32 else jnp.sum(q) > 0
+        return False if q.shape[1] < 16 else True if q.shape[1] < 32 else jnp.sum(q) > 0
 
     _register(monkeypatch, "first", reference)
     _register(monkeypatch, "second", doubled).claims = lambda op, phase, platform: Claim(test) if phase == 0 else None
@@ -173,7 +174,12 @@ def test_a_later_family_claims_inputs_at_run_time(monkeypatch):
     np.testing.assert_allclose(attend(q, k), 2 * want, rtol=1e-6)  # claimed: sum(q) > 0
     np.testing.assert_allclose(attend(-q, k), nsa.sliding_window_attention(-q, k, k, window_size=8,
                                                                            implementation="xla"), rtol=1e-6)
-    np.testing.assert_allclose(attend(q[:, :16], k[:, :16]), want[:, :16], rtol=1e-6)  # a static False
+    np.testing.assert_allclose(attend(q[:, :8], k[:, :8]), want[:, :8], rtol=1e-6)  # a static False
+    for sign in (1, -1):  # a static True, whatever sum(q)
+        np.testing.assert_allclose(attend(sign * q[:, :24], k[:, :24]), 2 * nsa.sliding_window_attention(
+            sign * q[:, :24], k[:, :24], k[:, :24], window_size=8, implementation="xla"), rtol=1e-6)
+    assert "stablehlo.case" not in attend.lower(q[:, :24], k[:, :24]).as_text()
+    assert "stablehlo.case" in attend.lower(q, k).as_text()  # the traced test's cond
     both = jax.vmap(attend)(jnp.stack([q, -q]), jnp.stack([k, k]))
     np.testing.assert_allclose(both[0], 2 * want, rtol=1e-6)
     np.testing.assert_allclose(both[1], attend(-q, k), rtol=1e-6)

@@ -100,6 +100,23 @@ def test_default_runs_the_mosaic_gpu_forward_and_dq_where_tiles_share_blocks(mon
         assert_close(np.asarray(a, np.float32), np.asarray(b, np.float32), tol, name)
 
 
+@pytest.mark.parametrize("compression", [(64, 64), (32, 16)], ids=["one-row-per-block", "eq9"])
+def test_default_select_is_triton_where_blocks_sum_eq9(compression):
+    """implementation=None's block selection on CUDA: Mosaic GPU's (where this jax lowers it) where each block is
+    one compressed row, Triton's alone where a block sums several rows (Eq. 9: the Triton family's claim,
+    nsa.triton.select.sums_eq9), with no cond between them; the blocks are those of the family that ran."""
+    l, d = compression
+    rng = np.random.default_rng(2)
+    q = jnp.asarray(rng.standard_normal((1, 1024, 16, 64)), jnp.bfloat16)
+    k_cmp = nsa.compress(jnp.asarray(rng.standard_normal((1, 1024, 1, 64)), jnp.bfloat16), block_size=l, stride=d)
+    select = lambda impl: jax.jit(lambda q, k_cmp: nsa.select_blocks(
+        q, k_cmp, block_counts=8, block_size=64, compress_block_size=l, compress_stride=d, implementation=impl))
+    family = "pallas" if MOSAIC_GPU_LOWERS and compression == (64, 64) else "triton"
+    text = select(None).lower(q, k_cmp).as_text()
+    assert ("triton_kernel_call" in text, "mosaic_gpu" in text) == (family == "triton", family == "pallas")
+    np.testing.assert_array_equal(select(None)(q, k_cmp), select(family)(q, k_cmp))
+
+
 def test_long_sequence_needs_64_bit_offsets():
     long_sequence_check("triton")
 

@@ -169,6 +169,21 @@ def test_decode_kernel_matches_reference_exactly(interpreted, HQ, tq, config):
         np.testing.assert_array_equal(np.asarray(got), ref)
 
 
+def test_claims_select_where_blocks_sum_eq9():
+    """The Triton family's claim on block selection (nsa.triton.CLAIMS) holds, statically, exactly where a selection
+    block scores several compressed rows: compression windows that are not the blocks themselves."""
+    import nsa.triton
+
+    claim = nsa.triton.CLAIMS[("select", 0)]
+    assert nsa.triton.claims("select", 0, "cuda") is claim and nsa.triton.claims("select", 0, "tpu") is None
+    q, k_cmp = jnp.zeros((1, 256, 4, 16)), jnp.zeros((1, 16, 1, 16))
+    holds = lambda **blocks: claim.test(q, k_cmp, None, None, block_counts=4, scale=0.25, **blocks)
+    assert holds(block_size=64) is False
+    assert holds(block_size=64, compress_block_size=64, compress_stride=64) is False
+    assert holds(block_size=64, compress_block_size=32, compress_stride=16) is True
+    assert holds(block_size=64, compress_block_size=64, compress_stride=32) is True
+
+
 def test_default_decode_config():
     """Splits for four programs per SM (528 on an H200, 456 on an H100 PCIe), never more than the chunks of
     blocks (NC + 1 candidates) nor MAX_SPLITS (64): at B = 1 every chunk its own program up to 64, at B = 64

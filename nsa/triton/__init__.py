@@ -28,6 +28,7 @@ where it changes what is fastest, a measurement behind the default_config that i
 
 import jax.numpy as jnp
 
+from nsa._config import Claim
 from nsa._plan import one_row_per_block
 
 from nsa.triton import _launch, _splits, compressed, decode, select, selected, window
@@ -40,6 +41,10 @@ KERNELS = {
     "selected": (selected.forward, selected.backward),
     "select": (select.forward, None),
 }
+
+# {(op, phase): Claim}: the arguments on which the kernel outruns the family implementation=None prefers before it
+# (nsa._families: `claims`): block selection where a block scores several compressed rows (Eq. 9)
+CLAIMS = {("select", 0): Claim(select.sums_eq9)}
 
 
 def missing():
@@ -57,6 +62,10 @@ def kernel(op, phase, platform):
 
 def explicit(op, phase, dtype):
     return KERNELS[op][phase]
+
+
+def claims(op, phase, platform):
+    return CLAIMS.get((op, phase)) if platform == "cuda" else None
 
 
 def fused_step(q, k, static):

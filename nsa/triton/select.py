@@ -215,6 +215,19 @@ def default_config(shapes, dtype, device):
     return Config(tb, bc, 8 if largest > 16384 else 4, 2 if rows >= 4 * bc else 1)
 
 
+def sums_eq9(q, k_cmp, lse, cu_seqlens, kv_lens=None, *, block_size, compress_block_size=None, compress_stride=None,
+             **static):
+    """Whether this kernel outruns Mosaic GPU's select (nsa.pallas.gpu.select, which implementation=None prefers on
+    CUDA) on `forward`'s arguments: a static True where a selection block scores several compressed rows (Eq. 9:
+    windows that are not the blocks themselves, such as the paper's l = 32 every d = 16), a static False where each
+    block is one row. This kernel sums Eq. 9 on chip; Mosaic GPU's stores every row's score, [B, T, H, NC] float32,
+    and sums them in XLA. At (32, 16) on the H200 (benchmarks/results/gpu-paper.md) Triton's select alone took 24.7
+    ms against 28.7 at 64k, and the Mosaic GPU one's scores grow the peak memory by 12 GiB at 128k. Its claim on
+    implementation=None's choice (nsa.triton.CLAIMS)."""
+    del static
+    return not one_row_per_block(*blocks_of(block_size, compress_block_size, compress_stride))
+
+
 def forward(q, k_cmp, lse, cu_seqlens, kv_lens=None, *, block_counts, block_size, scale, compress_block_size=None,
             compress_stride=None, config=None, decode=None):
     """Returns block_indices int32 [B, T, H, block_counts] (in-sequence block ids), as the reference.
