@@ -89,8 +89,9 @@ def implementations(platform: Optional[str] = None, dtype: jnp.dtype = jnp.bfloa
     where it has none; default: jax's default backend), in this process (with the packages it can import).
     The family named runs the op; its forward, or some of its gradients, may run another family's kernel on the
     inputs that family claims (on CUDA: Mosaic GPU's selected-attention forward and dq where neighbouring tokens
-    select much the same blocks, nsa.pallas.gpu.selected.packs and packs_dq; Triton's select where a block sums
-    several compressed rows, nsa.triton.select.sums_eq9).
+    select much the same blocks, nsa.pallas.gpu.selected.packs and packs_dq, and the window's backward below 64k
+    tokens, nsa.pallas.gpu.window.outruns_backward; Triton's select where a block sums several compressed rows,
+    nsa.triton.select.sums_eq9).
     """
     if platform is not None and platform not in PLATFORMS + ("gpu",):
         names = ", ".join(repr(p) for p in PLATFORMS + ("gpu",))

@@ -37,7 +37,8 @@ FAMILIES = {
 # (benchmarks/results/ops-65536-pallas.json against ops-65536.json; select: 8.4 against 11.8 ms, the rest Triton),
 # and selected attention's forward and dq chosen per input: Mosaic GPU's where its tiles' tokens share blocks (its
 # `claims`: nsa.pallas.gpu.selected.packs and packs_dq); select runs Triton's kernel where a block sums several
-# compressed rows (Eq. 9, the Triton family's claim: nsa.triton.select.sums_eq9).
+# compressed rows (Eq. 9, the Triton family's claim: nsa.triton.select.sums_eq9); the window's backward runs Mosaic
+# GPU's below 64k tokens (nsa.pallas.gpu.window.outruns_backward).
 PREFERENCE = {
     "tpu": {"*": ("pallas",)},
     "cuda": {"*": ("triton", "pallas"), "select": ("pallas", "triton")},

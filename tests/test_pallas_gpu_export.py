@@ -139,3 +139,24 @@ def test_the_gpu_plans_follow_the_device():
         _flash.Config(slots=1)
     with pytest.raises(ValueError, match="Config.segment: expected a positive int, got 0"):
         selected.Config(segment=0)
+
+
+@needs_mosaic_gpu
+def test_the_window_backward_is_claimed_on_shorter_calls():
+    """The Mosaic GPU window backward's claim on implementation=None's choice (nsa.pallas.gpu.CLAIMS) holds,
+    statically, on training calls of fewer than BACKWARD_TOKENS tokens (B * T), and never on a KV cache's queries."""
+    from nsa.pallas import gpu
+    from nsa.pallas.gpu import window
+
+    claim = gpu.CLAIMS[("window", 1)]
+    assert claim.test is window.outruns_backward and claim.grads is None
+
+    def holds(B, T, kv_lens=None):
+        q, k, v = _inputs(B, T, 4, 2, 128, 128)
+        o = jnp.zeros_like(q)
+        return claim.test((q, k, v, None, kv_lens, o, o[..., 0]), o, window_size=64, scale=0.1)
+
+    bound = window.BACKWARD_TOKENS
+    assert holds(1, 128) is True and holds(2, bound // 2 - 1) is True
+    assert holds(1, bound) is False and holds(2, bound // 2) is False
+    assert holds(1, 128, kv_lens=jnp.array([128])) is False

@@ -117,6 +117,36 @@ def test_default_select_is_triton_where_blocks_sum_eq9(compression):
     np.testing.assert_array_equal(select(None)(q, k_cmp), select(family)(q, k_cmp))
 
 
+@pytest.mark.skipif(not MOSAIC_GPU_LOWERS, reason="Mosaic GPU lowers its kernels from jax 0.11 on")
+@pytest.mark.parametrize("tokens", [512, 256], ids=["claimed", "at-the-bound"])
+def test_default_runs_the_mosaic_gpu_window_backward_on_shorter_calls(monkeypatch, tokens):
+    """implementation=None runs the window's forward on Triton and, on calls of fewer than BACKWARD_TOKENS tokens
+    (lowered here to `tokens`), its backward on Mosaic GPU over Triton's residuals (nsa.pallas.gpu.window
+    .outruns_backward), Triton's at the bound and past it: o has Triton's bits, the gradients agree with the
+    reference's (G = 3, packed sequences)."""
+    from nsa.pallas.gpu import window as mosaic
+    monkeypatch.setattr(mosaic, "BACKWARD_TOKENS", tokens)
+    jax.clear_caches()  # no backward traced under the default bound is reused
+    rng = np.random.default_rng(3)
+    q = jnp.asarray(rng.standard_normal((1, 256, 6, 64)), jnp.bfloat16)
+    k, v = (jnp.asarray(rng.standard_normal((1, 256, 2, 64)), jnp.bfloat16) for _ in range(2))
+    do = jnp.asarray(rng.standard_normal(q.shape), jnp.bfloat16)
+    cu = jnp.array([0, 100, 256], jnp.int32)
+
+    def run(impl):
+        o, vjp = jax.vjp(lambda q, k, v: nsa.sliding_window_attention(q, k, v, window_size=48, cu_seqlens=cu,
+                                                                      implementation=impl), q, k, v)
+        return (o,) + vjp(do)
+
+    text = jax.jit(run, static_argnums=0).lower(None).as_text()
+    assert ("mosaic_gpu" in text) == (tokens > 256) and "triton_kernel_call" in text
+    got, triton, ref = (jax.jit(run, static_argnums=0)(impl) for impl in (None, "triton", "xla"))
+    np.testing.assert_array_equal(np.asarray(got[0], np.float32), np.asarray(triton[0], np.float32))
+    for name, a, b in zip(("o", "dq", "dk", "dv"), got, ref):
+        tol = (TOLERANCE if name == "o" else GRAD_TOLERANCE)["bfloat16"]
+        assert_close(np.asarray(a, np.float32), np.asarray(b, np.float32), tol, name)
+
+
 def test_long_sequence_needs_64_bit_offsets():
     long_sequence_check("triton")
 

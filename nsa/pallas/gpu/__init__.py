@@ -18,8 +18,10 @@ KERNELS = {op: (module.forward, getattr(module, "backward", None)) for op, modul
     ("window", window), ("compressed", compressed), ("selected", selected), ("select", select))}
 
 # {(op, phase): Claim}: the arguments on which the kernel outruns Triton's (nsa._families: `claims`): selected
-# attention's forward, and its dq alone (Triton's dk and dv run over it either way)
+# attention's forward, and its dq alone (Triton's dk and dv run over it either way); the window's backward on
+# calls of fewer than 64k tokens
 CLAIMS = {("selected", 0): Claim(selected.packs),
-          ("selected", 1): Claim(selected.packs_dq, grads=(0,), rest=(1, 2))}
+          ("selected", 1): Claim(selected.packs_dq, grads=(0,), rest=(1, 2)),
+          ("window", 1): Claim(window.outruns_backward)}
 
 __all__ = ["CLAIMS", "DTYPES", "KERNELS"]

@@ -7,8 +7,18 @@ its queries' windows span (`nsa._plan.window_keys`); the backward scatters dk an
 _flash.Config; None: its default_config) goes to the kernels.
 """
 
+import jax.numpy as jnp
+
+from nsa._config import Shapes
+from nsa._device import facts
 from nsa._plan import window_keys, window_uncut
 from nsa.pallas.gpu import _flash
+from nsa.pallas.gpu._common import padded_dim
+
+# the calls (B * T tokens) below which this backward outruns Triton's on the H200 (bf16, HQ = 64, H = 4, D = 128,
+# window 512; benchmarks/results/ops-window-8192-65536.json, each backward as forward+backward less forward): 3.00
+# against 3.23 ms at 8k, 3.67 against 5.41 at 16k, 6.72 against 9.41 at 32k, 12.88 against 12.47 at 64k
+BACKWARD_TOKENS = 65536
 
 
 def forward(q, k, v, cu_seqlens, kv_lens=None, *, window_size, scale, config=None):
@@ -26,3 +36,19 @@ def backward(residuals, do, *, window_size, scale, config=None):
     dq, dk, dv = _flash.attend_backward(q, k_seen, v_seen, lo, hi, o, lse, do, scale=scale, query_span=span,
                                         config=config, name="window")
     return (dq, *window_uncut(k, v, dk, dv, start), None, None)
+
+
+def outruns_backward(residuals, do, *, window_size, scale, config=None):
+    """Whether this backward outruns Triton's on `forward`'s residuals (either family's forward: both keep the
+    reference's), its claim on implementation=None's choice (nsa.pallas.gpu.CLAIMS): a static True on calls of
+    fewer than BACKWARD_TOKENS tokens whose tiles fit the device's shared memory; a static False on longer ones and
+    on a KV cache's queries (kv_lens: not measured)."""
+    del do, window_size, scale
+    q, k, v, _, kv_lens = residuals[:5]
+    batch = q.shape[0] if isinstance(q.shape[0], int) else 1  # a symbolic batch: its sequences run one at a time
+    if kv_lens is not None or batch * q.shape[1] >= BACKWARD_TOKENS:
+        return False
+    device = facts("cuda")
+    tiles = _flash.default_config(Shapes.of(q, k, v), q.dtype, device) if config is None else config
+    dkp, dvp = padded_dim(q.shape[3], q.dtype), padded_dim(v.shape[3], v.dtype)
+    return _flash.forward_shared_memory(tiles, dkp, dvp, jnp.dtype(q.dtype).itemsize) <= device.shared_memory
