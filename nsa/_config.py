@@ -113,9 +113,9 @@ class Claim(NamedTuple):
     """A family's claim on some inputs of one phase of an op (nsa._families' `claims`).
 
     test: the phase's arguments (with its static keywords) -> a traced bool where the claiming kernel runs, or a
-    static False or True (the arguments' shapes or dtypes, or the static configuration, decide alone). grads: for a backward, the gradients (indices of
-    its result) the claiming kernel computes where the test holds, while the preferred family computes `rest`;
-    None: the whole phase."""
+    static False or True (the arguments' shapes or dtypes, or the static configuration, decide alone). grads: for a
+    backward, the gradients (indices of its result) the claiming kernel computes where the test holds, while the
+    preferred family computes `rest`; None: the whole phase."""
 
     test: Callable
     grads: Optional[tuple] = None

@@ -9,7 +9,6 @@ _flash.Config; None: its default_config) goes to the kernels.
 
 import jax.numpy as jnp
 
-from nsa._config import Shapes
 from nsa._device import facts
 from nsa._plan import window_keys, window_uncut
 from nsa.pallas.gpu import _flash
@@ -49,6 +48,6 @@ def outruns_backward(residuals, do, *, window_size, scale, config=None):
     if kv_lens is not None or batch * q.shape[1] >= BACKWARD_TOKENS:
         return False
     device = facts("cuda")
-    tiles = _flash.default_config(Shapes.of(q, k, v), q.dtype, device) if config is None else config
+    tiles = _flash._config(config, q, k, v, device)
     dkp, dvp = padded_dim(q.shape[3], q.dtype), padded_dim(v.shape[3], v.dtype)
     return _flash.forward_shared_memory(tiles, dkp, dvp, jnp.dtype(q.dtype).itemsize) <= device.shared_memory
