@@ -6,7 +6,7 @@ reference: run it under compute-sanitizer.
 
 (`scripts/gpu.sh sanitize` does that, with --quick: float32 only, fewer cases, and only nsa's kernels
 instrumented; --cache runs only the KV-cache cases, --overlap those of overlapping compression, --window a few
-whose window's dk/dv splits its query heads; XLA's GPU compiles crawl under the sanitizer, so it
+whose window's dk/dv splits its query heads, --default implementation=None (the families mixed by its claims); XLA's GPU compiles crawl under the sanitizer, so it
 first runs once without it to fill the compilation caches, and the reference runs on the CPU). The platform
 allocator gives each buffer its own allocation, so a read past an array is a memcheck error, not a read of
 its neighbour. The cases: block indices of -1,
@@ -31,7 +31,9 @@ import nsa  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")  # the float32 reference, not TF32
 TOL = {"float32": 2e-5, "bfloat16": 2e-2}
-IMPL = "pallas" if "--pallas" in sys.argv else "triton"  # the kernels under test (Mosaic GPU: 16-bit inputs only)
+# the kernels under test (Mosaic GPU: 16-bit inputs only); --default: implementation=None, whose claims mix the two
+# families in one call (bfloat16, e.g. Triton's forward residuals into Mosaic GPU's window backward)
+IMPL = "pallas" if "--pallas" in sys.argv else None if "--default" in sys.argv else "triton"
 failures = []
 
 
@@ -192,7 +194,7 @@ def case_empty(dtype):
 
 def main():
     quick = "--quick" in sys.argv
-    dtypes = (jnp.bfloat16,) if IMPL == "pallas" else (jnp.float32,) if quick else (jnp.float32, jnp.bfloat16)
+    dtypes = (jnp.bfloat16,) if IMPL in ("pallas", None) else (jnp.float32,) if quick else (jnp.float32, jnp.bfloat16)
     if "--cache" in sys.argv:  # only the KV-cache cases
         for TQ, B, TK, bs in ((1, 3, 300, 32), (37, 3, 300, 32), (1, 2, 2000, 16)):
             case_cache(dtypes[0], TQ, B, TK, 6, 2, 64, 32, bs)
