@@ -181,6 +181,28 @@ def kv_lens(lens, B, T, TK, cu, bound="TK = k.shape[1]", name="kv_lens"):
     return None if TK == T else lens
 
 
+def ragged_lens(q_lens, kv_lens, B, T, TK, cu, lens_name="kv_lens"):
+    """(q_lens, kv_lens) of a ragged step, int32 [B] each: sequence b has kv_lens[b] tokens in [0, TK] (named
+    `lens_name`), of which its queries are the last q_lens[b] in [0, min(T, kv_lens[b])]. Concrete ones outside
+    raise ValueError, traced ones are clipped; kv_lens is needed (the queries' positions), cu_seqlens refused."""
+    if kv_lens is None:
+        raise ValueError("q_lens (a ragged step: sequence b's queries are the first q_lens[b] rows of q) needs the "
+                         "sequences' lengths: pass cache= or kv_lens=")
+    if cu is not None:
+        raise ValueError("q_lens (a ragged step over a batch of KV caches) and cu_seqlens (packed sequences, B = 1) "
+                         "cannot be given together; pass one of them")
+    kv_lens = lengths(lens_name, kv_lens, B, 0, TK, "[0, TK = k.shape[1]]")
+    q_lens = lengths("q_lens", q_lens, B, 0, T, "[0, T = q.shape[1]]")
+    most, wanted = concrete(kv_lens), concrete(q_lens)
+    if most is None or wanted is None:
+        return jnp.minimum(q_lens, kv_lens), kv_lens
+    if np.any(wanted > most):
+        b = int(np.argmax(wanted > most))
+        raise ValueError(f"q_lens[{b}] = {wanted[b]} queries must be tokens of sequence {b}, which has "
+                         f"{lens_name}[{b}] = {most[b]} (append the new tokens to the cache first)")
+    return q_lens, kv_lens
+
+
 def lengths(name, lens, B, lo, hi, bounds, why=""):
     """Per-sequence lengths `name` (an int array [B], list or tuple) as int32 [B]: concrete ones must lie in
     [lo, hi] (else a ValueError that names the range as `bounds`, then `why`), traced ones are clipped to it."""

@@ -1,10 +1,12 @@
-"""The KV cache's type (nsa.KVCache, a pytree dataclass) and its checks: below nsa.api, which attends over a cache,
-and nsa.cache, which fills one (its docstring says what the cache holds)."""
+"""The KV caches' types (nsa.KVCache, contiguous, and nsa.PagedKVCache, in pages: pytree dataclasses), their checks,
+and where each sequence's rows live in their arrays: below nsa.api, which attends over a cache, and nsa.cache, which
+fills one (its docstring says what each holds)."""
 
 import dataclasses
-from typing import Optional
+from typing import Optional, Union
 
 import jax
+import jax.numpy as jnp
 
 from nsa import _checks
 from nsa._varlen import cdiv
@@ -30,45 +32,114 @@ class KVCache:
         return dataclasses.replace(self, **changes)
 
 
+@dataclasses.dataclass(frozen=True)
+class PagedKVCache:
+    """A KV cache in pages: one pool of P pages of S tokens that B sequences share through a page table (the layout
+    of vLLM's block tables and jax's ragged paged attention). See nsa.cache's docstring; the blocks are static
+    metadata, as KVCache's."""
+
+    k: jax.Array  # [P, S, H, Dk]: token t of sequence b is row t % S of page page_table[b, t // S]
+    v: jax.Array  # [P, S, H, Dv]
+    k_cmp: jax.Array  # [P, S / d, H, Dk]: compressed row i of sequence b (window [i * d, i * d + l)) is row
+    v_cmp: jax.Array  # [P, S / d, H, Dv]     (i * d % S) / d of page page_table[b, i * d // S]: that of its first token
+    page_table: jax.Array  # int32 [B, MP]: each sequence's pages in order; capacity MP * S tokens
+    lens: jax.Array  # int32 [B]
+    block_size: int
+    compress_block_size: Optional[int] = None
+    compress_stride: Optional[int] = None
+
+    def replace(self, **changes) -> "PagedKVCache":
+        return dataclasses.replace(self, **changes)
+
+
+Cache = Union[KVCache, PagedKVCache]
 ARRAYS = ("k", "v", "k_cmp", "v_cmp", "lens")
 BLOCKS = ("block_size", "compress_block_size", "compress_stride")
 jax.tree_util.register_dataclass(KVCache, data_fields=list(ARRAYS), meta_fields=list(BLOCKS))
+jax.tree_util.register_dataclass(PagedKVCache, data_fields=list(ARRAYS) + ["page_table"], meta_fields=list(BLOCKS))
+CACHES = (KVCache, PagedKVCache)
+
+
+def capacity(cache) -> int:
+    """The most tokens a sequence of `cache` can hold: N, or a paged cache's MP * S."""
+    if isinstance(cache, PagedKVCache):
+        return cache.page_table.shape[1] * cache.k.shape[1]
+    return cache.k.shape[1]
+
+
+def flat_rows(cache, i, unit):
+    """Where rows i int [B, R] of each sequence of `cache` live in its arrays seen as one axis of rows
+    (x.reshape(-1, H, D)): rows of `unit` tokens (1: k and v; compress_stride: k_cmp and v_cmp). Sequence b's row i
+    is row b * R_seq + i of a KVCache (R_seq rows a sequence), row (i % Sp) of page page_table[b, i // Sp] of a
+    PagedKVCache (Sp = S / unit rows a page). A row past the capacity, before 0 or on a page id outside the pool
+    gives the number of rows (one past the last): a write there drops (mode="drop"), a read clips."""
+    B = i.shape[0]
+    if isinstance(cache, PagedKVCache):
+        P, Sp = cache.k.shape[0], cache.k.shape[1] // unit
+        pages = cache.page_table.shape[1]
+        page = jnp.take_along_axis(cache.page_table.astype(jnp.int32), jnp.clip(i // Sp, 0, pages - 1), axis=1)
+        inside = (i >= 0) & (i < pages * Sp) & (page >= 0) & (page < P)
+        return jnp.where(inside, page * Sp + i % Sp, P * Sp)
+    rows = -(-cache.k.shape[1] // unit)
+    inside = (i >= 0) & (i < rows)
+    return jnp.where(inside, jnp.arange(B, dtype=jnp.int32)[:, None] * rows + i, B * rows)
+
+
+def sequences(cache):
+    """(k [B, N, H, Dk], v [B, N, H, Dv], k_cmp [B, N / d, H, Dk], v_cmp [B, N / d, H, Dv]): each sequence's rows
+    in order: a KVCache's own arrays; a PagedKVCache's pages gathered through its page table (N = MP * S; page ids
+    outside the pool read its last page, whose rows lie past the sequence's length)."""
+    if isinstance(cache, KVCache):
+        return cache.k, cache.v, cache.k_cmp, cache.v_cmp
+    B, MP = cache.page_table.shape
+    pages = jnp.clip(cache.page_table.astype(jnp.int32), 0, cache.k.shape[0] - 1)
+    gather = lambda x: x[pages].reshape(B, MP * x.shape[1], *x.shape[2:])
+    return tuple(gather(x) for x in (cache.k, cache.v, cache.k_cmp, cache.v_cmp))
 
 
 
-def cache_blocks(cache: KVCache) -> tuple[int, int, int]:
+def cache_blocks(cache: Cache) -> tuple[int, int, int]:
     """The cache's (block_size, compress_block_size, compress_stride), checked (`_checks.compression`), Nones
     resolved."""
     own = _checks.positive_int("cache.block_size", cache.block_size)
     return (own,) + _checks.compression(own, cache.compress_block_size, cache.compress_stride)
 
 
-def check_cache(cache: KVCache, block_size: Optional[int] = None, compress_block_size: Optional[int] = None,
+def check_cache(cache: Cache, block_size: Optional[int] = None, compress_block_size: Optional[int] = None,
                 compress_stride: Optional[int] = None) -> tuple[int, int, int]:
-    """Checks that `cache` is a KVCache whose arrays agree with each other and with its blocks, and that each
+    """Checks that `cache` is a KVCache or a PagedKVCache whose arrays agree with each other and with its blocks, and that each
     given block argument (an op's) is the cache's; returns the cache's (block_size, compress_block_size,
     compress_stride)."""
-    if not isinstance(cache, KVCache):
-        raise TypeError(f"cache must be an nsa.KVCache, got {type(cache).__name__}")
+    if not isinstance(cache, CACHES):
+        raise TypeError(f"cache must be an nsa.KVCache or an nsa.PagedKVCache, got {type(cache).__name__}")
     blocks = cache_blocks(cache)
     for name, given, own in zip(BLOCKS, (block_size, compress_block_size, compress_stride), blocks):
         if given is not None and _checks.positive_int(name, given) != own:
             raise ValueError(f"{name} = {given} was given, but the cache was made with {name} = {own} (its blocks: "
                              f"{dict(zip(BLOCKS, blocks))}); leave {name} out (the cache carries its own)")
-    block_size, compress_block_size, stride = blocks
+    stride = blocks[2]
+    paged = isinstance(cache, PagedKVCache)
+    lead_dims, cmp_rows = ("P, S", "S / compress_stride") if paged else ("B, N", "ceil(N / compress_stride)")
     _checks.array("cache.k", cache.k, 4)
-    B, N, H, Dk = cache.k.shape
+    lead, N, H, Dk = cache.k.shape  # lead: B, or a paged cache's P; N: the capacity, or the page size S
     _checks.array("cache.v", cache.v, 4, dtypes=None)
     if cache.v.dtype != cache.k.dtype:
         raise TypeError(f"cache.v.dtype must equal cache.k.dtype ({cache.k.dtype.name}), got {cache.v.dtype.name}")
     Dv = cache.v.shape[3]
-    _checks.shape("cache.v", cache.v, (B, N, H, Dv), "[B, N, H, Dv] (B, N, H from cache.k)")
+    _checks.shape("cache.v", cache.v, (lead, N, H, Dv), f"[{lead_dims}, H, Dv] ({lead_dims}, H from cache.k)")
+    if paged and N % stride:
+        raise ValueError(f"a paged cache's page size S (cache.k.shape[1] = {N}) must be a multiple of compress_stride "
+                         f"= {stride}: each page holds the compressed rows of its strides")
     NC = cdiv(N, stride)
     for name, x, d in (("cache.k_cmp", cache.k_cmp, Dk), ("cache.v_cmp", cache.v_cmp, Dv)):
         _checks.array(name, x, 4, dtypes=None)
         if x.dtype != cache.k.dtype:
             raise TypeError(f"{name}.dtype must equal cache.k.dtype ({cache.k.dtype.name}), got {x.dtype.name}")
-        _checks.shape(name, x, (B, NC, H, d), f"[B, ceil(N / compress_stride), H, D] (compress_stride = {stride})")
+        _checks.shape(name, x, (lead, NC, H, d), f"[{lead_dims[0]}, {cmp_rows}, H, D] (compress_stride = {stride})")
+    B = lead
+    if paged:
+        _checks.integer_array("cache.page_table", cache.page_table, 2)
+        B = cache.page_table.shape[0]
     _checks.integer_array("cache.lens", cache.lens, 1)
-    _checks.shape("cache.lens", cache.lens, (B,), "[B]")
+    _checks.shape("cache.lens", cache.lens, (B,), "[B]" + (" (B from cache.page_table)" if paged else ""))
     return blocks

@@ -16,7 +16,7 @@ import numpy as np
 
 from nsa import _checks, _dispatch
 from nsa._config import Step
-from nsa._kvcache import KVCache, check_cache
+from nsa._kvcache import Cache, check_cache, sequences
 from nsa._varlen import concrete, num_compressed_blocks
 from nsa.reference.compress import row_tokens
 
@@ -314,7 +314,8 @@ def _given_compressed(k_cmp, v_cmp, q, k, v, compression, cu_seqlens, kv_lens, n
 
 def _from_cache(cache, blocks, given):
     """(k, v, k_cmp, v_cmp, kv_lens, (block_size, compress_block_size, compress_stride)) of `cache` (an
-    nsa.KVCache, checked), for attention(q, cache=cache): `blocks` are the call's (block_size,
+    nsa.KVCache or nsa.PagedKVCache, checked; a paged cache's pages gathered in each sequence's order:
+    `nsa._kvcache.sequences`), for attention(q, cache=cache): `blocks` are the call's (block_size,
     compress_block_size, compress_stride), each None or the cache's own; `given` maps the names of the other
     arguments to what the call passed, which must be None."""
     blocks = check_cache(cache, *blocks)
@@ -322,7 +323,44 @@ def _from_cache(cache, blocks, given):
     if passed:
         raise ValueError(f"cache= brings the keys, values, compressed rows and lengths of the cache: pass "
                          f"{' and '.join(passed)} or cache, not both")
-    return cache.k, cache.v, cache.k_cmp, cache.v_cmp, cache.lens, blocks
+    return (*sequences(cache), cache.lens, blocks)
+
+
+def _ragged(q, k, v, k_cmp, v_cmp, per_query, q_lens, kv_lens, compression):
+    """A ragged step (attention(q_lens=...)) as the ops take it: sequence b's queries are the first q_lens[b] rows
+    of q [B, T, ...], its last q_lens[b] of kv_lens[b] tokens. The ops place query i at position kv_lens[b] - T + i
+    (the last T tokens), so each row of q and of the per-query arrays `per_query` ({name: [B, T, ...] or None})
+    rolls forward by shift[b] = min(T, kv_lens[b]) - q_lens[b], and the ops run with kv_lens max(kv_lens[b], T):
+    the valid rows then sit at positions kv_lens[b] - q_lens[b] + j, the padding before them at earlier tokens of
+    the sequence (or, where kv_lens[b] < T, after them, past its end). The padding's q and gates are zeroed, so no
+    gradient reaches them; with T > 1 the keys and compressed rows past each sequence are zeroed too, so that the
+    padding past a short sequence's end reads no NaN (an O(TK) select: until the kernels take q_lens themselves).
+    Returns (q, k, v, k_cmp, v_cmp, per_query, the ops' kv_lens, unroll: the ops' o -> o [B, T, ...], its padding
+    0)."""
+    B, T = q.shape[:2]
+    valid = jnp.arange(T) < q_lens[:, None]  # [B, T]
+    shift = jnp.minimum(T, kv_lens) - q_lens
+    b = jnp.arange(B)[:, None]
+
+    def roll(x, by):
+        return None if x is None else x[b, (jnp.arange(T) - by[:, None]) % T]
+
+    def padding_zeroed(x):
+        return None if x is None else jnp.where(valid.reshape(valid.shape + (1,) * (x.ndim - 2)), x, 0).astype(x.dtype)
+
+    def in_sequences(x, row_ends):  # x [B, R, ...] with its rows past each sequence (row_ends > kv_lens) zeroed
+        keep = row_ends[None, :, None, None] <= kv_lens[:, None, None, None]
+        return None if x is None else jnp.where(keep, x, 0).astype(x.dtype)
+
+    if T > 1:
+        tokens = jnp.arange(k.shape[1]) + 1
+        k, v = in_sequences(k, tokens), in_sequences(v, tokens)
+        if k_cmp is not None:
+            windows = jnp.arange(k_cmp.shape[1]) * compression[1] + compression[0]
+            k_cmp, v_cmp = in_sequences(k_cmp, windows), in_sequences(v_cmp, windows)
+    per_query = {name: roll(padding_zeroed(x) if name.startswith("g_") else x, shift) for name, x in per_query.items()}
+    return (roll(padding_zeroed(q), shift), k, v, k_cmp, v_cmp, per_query, jnp.maximum(kv_lens, T),
+            lambda o: padding_zeroed(roll(o, -shift)))
 
 
 def attention(q: Array, k: Optional[Array] = None, v: Optional[Array] = None, *, g_cmp: Optional[Array] = None,
@@ -330,8 +368,8 @@ def attention(q: Array, k: Optional[Array] = None, v: Optional[Array] = None, *,
               block_counts: Union[int, Indices] = 16, block_size: Optional[int] = None,
               compress_block_size: Optional[int] = None, compress_stride: Optional[int] = None, window_size: int = 0,
               scale: Optional[float] = None, cu_seqlens: Optional[Indices] = None, kv_lens: Optional[Indices] = None,
-              k_cmp: Optional[Array] = None, v_cmp: Optional[Array] = None, cache: Optional[KVCache] = None,
-              implementation: Implementation = None) -> Array:
+              k_cmp: Optional[Array] = None, v_cmp: Optional[Array] = None, cache: Optional[Cache] = None,
+              q_lens: Optional[Indices] = None, implementation: Implementation = None) -> Array:
     """Native Sparse Attention: o = g_cmp * o_cmp + g_slc * o_slc + g_swa * o_swa.
 
     - compressed branch (o_cmp, `compressed_attention` on `compress(k)`, `compress(v)`): on iff g_cmp
@@ -351,9 +389,13 @@ def attention(q: Array, k: Optional[Array] = None, v: Optional[Array] = None, *,
     form, one block for both; the paper's NSA is block_size=64, compress_block_size=32, compress_stride=16). d
     must divide l and l'. A selection block scores the compressed rows it overlaps (`select_blocks`, Eq. 9).
 
-    Serving (a KV cache, `nsa.cache`): `attention(q, cache=cache, ...)` attends over an nsa.KVCache, which brings
-    k, v, k_cmp, v_cmp, kv_lens (its lengths) and block_size; the T queries are the last T tokens of each of its
-    sequences (cache.lens counts them: append them first). The same from raw arrays: k, v [B, TK, H, D] may
+    Serving (a KV cache, `nsa.cache`): `attention(q, cache=cache, ...)` attends over an nsa.KVCache or an
+    nsa.PagedKVCache (read through its page table), which brings k, v, k_cmp, v_cmp, kv_lens (its lengths) and
+    block_size; the T queries are the last T tokens of each of its sequences (cache.lens counts them: append them
+    first). A ragged step, q_lens int [B] in [0, T] (at most each sequence's length): sequence b's queries are
+    only the first q_lens[b] rows of q, its last q_lens[b] tokens (0: an idle slot, 1: decode, more: a chunk of
+    prefill, all in one batch; `append_to_cache(..., lens=q_lens)` appends the same rows); the rows past them are
+    padding, their output 0 and no gradient reaching them. The same from raw arrays: k, v [B, TK, H, D] may
     hold longer sequences than q; the T queries are the last T tokens of sequence b, which has kv_lens[b]
     tokens (int [B], default TK; its keys past them are never read). k_cmp [B, NC, H, Dk] and
     v_cmp [B, NC, H, Dv], a learned compression's (`compression_windows`) or the cache's compressed keys and
@@ -365,7 +407,7 @@ def attention(q: Array, k: Optional[Array] = None, v: Optional[Array] = None, *,
             cache, (block_size, compress_block_size, compress_stride),
             dict(k=k, v=v, k_cmp=k_cmp, v_cmp=v_cmp, kv_lens=kv_lens))
     elif k is None or v is None:
-        raise TypeError("attention needs the keys and values: k and v, or cache= (an nsa.KVCache)")
+        raise TypeError("attention needs the keys and values: k and v, or cache= (an nsa.KVCache or nsa.PagedKVCache)")
     B, T, HQ, H = _checks.qkv(q, k, v)
     for name, g in (("g_cmp", g_cmp), ("g_slc", g_slc), ("g_swa", g_swa)):
         _checks.gate(name, g, B, T, HQ)
@@ -377,11 +419,24 @@ def attention(q: Array, k: Optional[Array] = None, v: Optional[Array] = None, *,
                          "window_size > 0 to turn it on, or leave g_swa out")
     cu_seqlens = _checks.cu_seqlens(cu_seqlens, B, T)
     _given_compressed(k_cmp, v_cmp, q, k, v, compression, cu_seqlens, kv_lens, needs_values=g_cmp is not None)
-    kv_lens = _key_lens(kv_lens, q, k, cu_seqlens, "cache.lens" if cache is not None else "kv_lens")
     if block_counts is None and block_indices is None:
         raise ValueError("block_counts=None (use every slot of block_indices) needs block_indices")
     if block_counts is not None:
         block_counts = _checks.block_counts(block_counts, B, T, H)
+    lens_name = "cache.lens" if cache is not None else "kv_lens"
+    if q_lens is not None:  # a ragged step: the ops on rolled rows (`_ragged`)
+        q_lens, kv_lens = _checks.ragged_lens(q_lens, kv_lens, B, T, k.shape[1], cu_seqlens, lens_name)
+        counts = None if block_counts is None or isinstance(block_counts, int) else jnp.broadcast_to(
+            jnp.asarray(block_counts, jnp.int32), (B, T, H))
+        per_query = dict(g_cmp=g_cmp, g_slc=g_slc, g_swa=g_swa, block_indices=block_indices, block_counts=counts)
+        q, k, v, k_cmp, v_cmp, per_query, kv_lens, unroll = _ragged(q, k, v, k_cmp, v_cmp, per_query, q_lens, kv_lens,
+                                                                     compression)
+        if counts is None:
+            per_query["block_counts"] = block_counts
+        return unroll(attention(q, k, v, **per_query, block_size=block_size, compress_block_size=compression[0],
+                                compress_stride=compression[1], window_size=window_size, scale=scale, kv_lens=kv_lens,
+                                k_cmp=k_cmp, v_cmp=v_cmp, implementation=implementation))
+    kv_lens = _key_lens(kv_lens, q, k, cu_seqlens, lens_name)
     q, scale = _scaled(q, scale)  # a traced scale is folded into q once, for every branch
     windows = dict(block_size=compression[0], stride=compression[1])
     if k_cmp is None and (g_cmp is not None or block_indices is None):

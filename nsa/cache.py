@@ -1,27 +1,37 @@
-"""A KV cache for serving NSA: a dataclass of arrays with its compression as static metadata (a pytree), and
-pure functions that fill it.
+"""KV caches for serving NSA: dataclasses of arrays with their compression as static metadata (pytrees), and pure
+functions that fill them.
 
-The cache holds, for B sequences of up to N tokens (its capacity), made with one set of blocks (static: the
-cache's pytree structure, not arrays): selection blocks of l' = `block_size` tokens, compression windows of
-l = `compress_block_size` tokens every d = `compress_stride` tokens (both default block_size, as nsa.attention's):
+A cache holds B sequences made with one set of blocks (static: the cache's pytree structure, not arrays): selection
+blocks of l' = `block_size` tokens, compression windows of l = `compress_block_size` tokens every d =
+`compress_stride` tokens (both default block_size, as nsa.attention's). Two layouts:
 
-- k [B, N, H, Dk], v [B, N, H, Dv]: the keys and values, token t of sequence b at row t;
-- k_cmp [B, ceil(N / d), H, Dk], v_cmp [B, ceil(N / d), H, Dv]: the compressed keys and values
-  (`nsa.compress`'s window means), row i written once its window is complete (token i * d + l - 1 has arrived),
-  never before, so a decode step never compresses the cache again;
-- lens int32 [B]: how many tokens each sequence holds (sequences may differ: a ragged batch).
+- `KVCache`, contiguous: each sequence its own rows, up to N tokens (its capacity):
+  - k [B, N, H, Dk], v [B, N, H, Dv]: token t of sequence b at row t;
+  - k_cmp [B, ceil(N / d), H, Dk], v_cmp [B, ceil(N / d), H, Dv]: the compressed keys and values.
+- `PagedKVCache`, in pages (vLLM's block tables, jax's ragged paged attention): one pool of P pages of S tokens,
+  shared by the sequences through a page table that the caller fills (a scheduler hands out page ids:
+  `cache.replace(page_table=...)`); S a multiple of d:
+  - k [P, S, H, Dk], v [P, S, H, Dv]: token t of sequence b at row t % S of page page_table[b, t // S];
+  - k_cmp [P, S / d, H, Dk], v_cmp [P, S / d, H, Dv]: compressed row i of sequence b (the window
+    [i * d, i * d + l)) in the page of its first token, row (i * d % S) / d;
+  - page_table int32 [B, MP]: each sequence's pages in order (capacity MP * S tokens; -1 or any id outside the
+    pool: no page; pages may repeat across sequences only where they are read, never written).
 
-Rows past a sequence's length (and compressed rows of blocks not yet complete) hold whatever was there;
-`nsa.attention` never reads them. A decode or chunked-prefill step appends the new tokens' keys and values
-with `append_to_cache`, then attends with the cache, which brings its keys, compressed rows, lengths and
-block size along (so none can be mismatched or forgotten):
+Both hold lens int32 [B], how many tokens each sequence holds (sequences differ: a ragged batch). Compressed row i
+(`nsa.compress`'s window mean, bitwise) is written once its window is complete (token i * d + l - 1 has arrived),
+never before, so a step never compresses the cache again. Rows past a sequence's length (and compressed rows of
+windows not yet complete) hold whatever was there; `nsa.attention` never reads them for a query's result.
 
-    cache = nsa.append_to_cache(cache, k_new, v_new)        # k_new [B, TN, H, Dk]
-    o = nsa.attention(q_new, cache=cache, g_cmp=..., ...)   # q_new [B, TN, HQ, Dk]
+A step appends each sequence's new tokens (0 for an idle slot, 1 for decode, a chunk for prefill: `lens=`, the
+same count that `nsa.attention` takes as `q_lens=`), then attends with the cache, which brings its keys,
+compressed rows, lengths and blocks along (so none can be mismatched or forgotten):
+
+    cache = nsa.append_to_cache(cache, k_new, v_new, lens=n)          # k_new [B, TN, H, Dk], n int [B] <= TN
+    o = nsa.attention(q_new, cache=cache, q_lens=n, g_cmp=..., ...)   # q_new [B, TN, HQ, Dk]
 
 Both are pure: under `jax.jit(step, donate_argnums=...)` with the cache donated, XLA writes the new rows in
-place (scatters into the donated buffers), and the step compiles once for every length, since the lengths
-are data.
+place (scatters into the donated buffers), and the step compiles once for every length and page table, since
+they are data.
 """
 
 from typing import Optional
@@ -30,17 +40,26 @@ import jax.numpy as jnp
 import numpy as np
 
 from nsa import _checks
-from nsa._kvcache import KVCache, check_cache
+from nsa import _kvcache
+from nsa._kvcache import Cache, KVCache, PagedKVCache, check_cache, flat_rows
 from nsa._varlen import cdiv, concrete
 from nsa.api import Array, Indices, compress
 
-__all__ = ["KVCache", "append_to_cache", "check_cache", "empty_cache", "prefill_cache"]
+__all__ = ["KVCache", "PagedKVCache", "append_to_cache", "check_cache", "empty_cache", "empty_paged_cache",
+           "prefill_cache"]
 
 
 def _blocks(block_size, compress_block_size, compress_stride):
     """(l', l, d) checked as nsa.attention checks them."""
     block_size = _checks.positive_int("block_size", block_size)
     return (block_size,) + _checks.compression(block_size, compress_block_size, compress_stride)
+
+
+def _heads(num_kv_heads, head_dim, head_dim_v):
+    """(H, Dk, Dv) checked; head_dim_v None is head_dim."""
+    Dk = _checks.positive_int("head_dim", head_dim)
+    return (_checks.positive_int("num_kv_heads", num_kv_heads), Dk,
+            Dk if head_dim_v is None else _checks.positive_int("head_dim_v", head_dim_v))
 
 
 def empty_cache(batch_size: int, capacity: int, num_kv_heads: int, head_dim: int, *, block_size: int,
@@ -51,18 +70,38 @@ def empty_cache(batch_size: int, capacity: int, num_kv_heads: int, head_dim: int
     default block_size)."""
     B = _checks.non_negative_int("batch_size", batch_size)
     N = _checks.non_negative_int("capacity", capacity)
-    H = _checks.positive_int("num_kv_heads", num_kv_heads)
-    Dk = _checks.positive_int("head_dim", head_dim)
-    Dv = Dk if head_dim_v is None else _checks.positive_int("head_dim_v", head_dim_v)
+    H, Dk, Dv = _heads(num_kv_heads, head_dim, head_dim_v)
     blocks = _blocks(block_size, compress_block_size, compress_stride)
     NC = cdiv(N, blocks[2])
     zeros = lambda rows, d: jnp.zeros((B, rows, H, d), dtype)
     return KVCache(zeros(N, Dk), zeros(N, Dv), zeros(NC, Dk), zeros(NC, Dv), jnp.zeros((B,), jnp.int32), *blocks)
 
 
+def empty_paged_cache(num_pages: int, page_size: int, batch_size: int, max_pages: int, num_kv_heads: int,
+                      head_dim: int, *, block_size: int, compress_block_size: Optional[int] = None,
+                      compress_stride: Optional[int] = None, head_dim_v: Optional[int] = None,
+                      dtype: jnp.dtype = jnp.bfloat16) -> PagedKVCache:
+    """A paged cache: a pool of `num_pages` pages of `page_size` tokens (zeros) for `batch_size` sequences of up to
+    `max_pages` pages each, every page_table entry -1 (no page: the caller assigns pages before writing to them)
+    and lens 0. Blocks as `empty_cache`'s; page_size must be a multiple of compress_stride."""
+    P = _checks.non_negative_int("num_pages", num_pages)
+    S = _checks.positive_int("page_size", page_size)
+    B = _checks.non_negative_int("batch_size", batch_size)
+    MP = _checks.non_negative_int("max_pages", max_pages)
+    H, Dk, Dv = _heads(num_kv_heads, head_dim, head_dim_v)
+    blocks = _blocks(block_size, compress_block_size, compress_stride)
+    if S % blocks[2]:
+        raise ValueError(f"page_size must be a multiple of compress_stride = {blocks[2]} (each page holds the "
+                         f"compressed rows of its strides), got page_size = {S}")
+    zeros = lambda rows, d: jnp.zeros((P, rows, H, d), dtype)
+    rows = S // blocks[2]
+    return PagedKVCache(zeros(S, Dk), zeros(S, Dv), zeros(rows, Dk), zeros(rows, Dv),
+                        jnp.full((B, MP), -1, jnp.int32), jnp.zeros((B,), jnp.int32), *blocks)
+
+
 def _new_tokens(cache, k, v):
     """Checks the new tokens k [B, TN, H, Dk], v [B, TN, H, Dv] against the cache."""
-    B, N, H, Dk = cache.k.shape
+    B, H = cache.lens.shape[0], cache.k.shape[2]
     for name, x, y in (("k", k, cache.k), ("v", v, cache.v)):
         _checks.array(name, x, 4, dtypes=None)
         if x.dtype != y.dtype:
@@ -70,54 +109,85 @@ def _new_tokens(cache, k, v):
         _checks.shape(name, x, (B, k.shape[1], H, y.shape[3]), f"[B, TN, H, D] (B, H, D from cache.{name})")
 
 
-def _write(cache, k, v, start, lens, window, stride):
-    """The cache with k, v [B, TN, ...] written at the rows start[b] + i of each sequence (rows past the
-    capacity dropped), lens set to `lens` (clipped to the capacity) and the compressed row of every window (of
-    `window` tokens every `stride`) that `lens` completes among those whose last token the written rows hold."""
-    B, N = cache.k.shape[:2]
-    TN = k.shape[1]
-    NC = cache.k_cmp.shape[1]
-    b = jnp.arange(B)[:, None]
-    rows = start[:, None] + jnp.arange(TN)
-    k_all = cache.k.at[b, rows].set(k, mode="drop")  # out-of-bounds rows (past N) are dropped
-    v_all = cache.v.at[b, rows].set(v, mode="drop")
-    lens = jnp.minimum(lens, N)
+def _write(cache, k, v, start, count, window, stride):
+    """The cache with the first count[b] rows of k, v [B, TN, ...] written at the rows start[b], start[b] + 1, ...
+    of sequence b (rows past the capacity, or on no page, dropped), lens set to start + count (at most the capacity)
+    and the compressed row of every window (of `window` tokens every `stride`) that this completes."""
+    B, TN = k.shape[:2]
+    N = _kvcache.capacity(cache)
+    NC = cdiv(N, stride)
+    i = jnp.arange(TN)
+    rows = jnp.where(i < count[:, None], start[:, None] + i, -1)  # -1: not written
+    k_all, v_all = _put(cache, cache.k, rows, k, 1), _put(cache, cache.v, rows, v, 1)
+    lens = jnp.minimum(start + count, N)
     # the windows whose last token (row * stride + window - 1) is one of start ... start + TN - 1: at most R
     R = cdiv(TN, stride)
     rows = -((window - 1 - start[:, None]) // stride) + jnp.arange(R)  # [B, R], the first: cdiv(start - window + 1, d)
-    complete = (rows >= 0) & (rows * stride + window <= lens[:, None])
+    complete = (rows >= 0) & (rows < NC) & (rows * stride + window <= lens[:, None])
     first = jnp.maximum(rows, 0)[:, :, None] * stride
     tokens = jnp.minimum(first + jnp.arange(window), max(N - 1, 0)).reshape(B, -1)
-    target = jnp.where(complete, rows, NC)  # NC: dropped
+    target = jnp.where(complete, rows, -1)
 
     def compressed(x_all, x_cmp):
-        means = compress(x_all[b, tokens], block_size=window)  # [B, R, H, D], the window means
-        return x_cmp.at[b, target].set(means, mode="drop")
+        flat = x_all.reshape(-1, *x_all.shape[2:])
+        windows = flat.at[flat_rows(cache, tokens, 1)].get(mode="clip")  # [B, R * window, H, D]
+        return _put(cache, x_cmp, target, compress(windows, block_size=window), stride)  # the window means
 
     return cache.replace(k=k_all, v=v_all, k_cmp=compressed(k_all, cache.k_cmp), v_cmp=compressed(v_all, cache.v_cmp),
                          lens=lens)
 
 
-def append_to_cache(cache: KVCache, k: Array, v: Array, *, block_size: Optional[int] = None,
-                    compress_block_size: Optional[int] = None, compress_stride: Optional[int] = None) -> KVCache:
-    """The cache with TN new tokens appended to every sequence: k [B, TN, H, Dk], v [B, TN, H, Dv] go to the
-    rows lens[b] ... lens[b] + TN - 1, lens grows by TN, and each compression window this completes gets its
-    compressed row (`nsa.compress`'s mean of its tokens, bitwise). A pure function: jit it with the cache donated
-    and the writes happen in place. The block arguments may be left out: the cache carries its own (given, each
-    must equal the cache's).
+def _put(cache, x, rows, values, unit):
+    """x (one of the cache's arrays, rows of `unit` tokens) with values [B, R, ...] written at rows [B, R] of each
+    sequence (`flat_rows`: those outside it dropped)."""
+    flat = x.reshape(-1, *x.shape[2:])
+    return flat.at[flat_rows(cache, rows, unit)].set(values, mode="drop").reshape(x.shape)
 
-    Appending past the capacity N raises ValueError when cache.lens is concrete; under jit (lens traced) the
-    tokens that do not fit are dropped, lens stops at N, and nothing is written out of bounds.
+
+def append_to_cache(cache: Cache, k: Array, v: Array, *, lens: Optional[Indices] = None,
+                    block_size: Optional[int] = None, compress_block_size: Optional[int] = None,
+                    compress_stride: Optional[int] = None) -> Cache:
+    """The cache (an nsa.KVCache or nsa.PagedKVCache) with new tokens appended: sequence b appends the first
+    lens[b] rows of k [B, TN, H, Dk], v [B, TN, H, Dv] (lens int [B] in [0, TN], default TN: a ragged step appends
+    0 tokens to an idle slot, 1 to a decoding sequence, a chunk to one in prefill) at its rows cache.lens[b] ...,
+    cache.lens grows by lens, and each compression window this completes gets its compressed row
+    (`nsa.compress`'s mean of its tokens, bitwise). Rows past lens[b] are not written. A pure function: jit it with
+    the cache donated and the writes happen in place. The block arguments may be left out: the cache carries its
+    own (given, each must equal the cache's).
+
+    Appending past the capacity (N, or a paged cache's MP * S), or (paged) to a row whose page_table entry is no
+    page of the pool, raises ValueError when cache.lens, lens and the page table are concrete; under jit the rows
+    that do not fit are dropped, lens stops at the capacity, and nothing is written out of bounds.
     """
     _, window, stride = check_cache(cache, block_size, compress_block_size, compress_stride)
     _new_tokens(cache, k, v)
-    N, TN = cache.k.shape[1], k.shape[1]
-    lens = concrete(cache.lens)
-    if lens is not None and lens.size and int(np.max(lens)) + TN > N:
-        b = int(np.argmax(lens))
-        raise ValueError(f"appending {TN} tokens past the cache's capacity N = {N}: cache.lens[{b}] = {lens[b]}")
+    B, TN = k.shape[:2]
+    count = _prompt_lens(lens, B, TN)
     start = cache.lens.astype(jnp.int32)
-    return _write(cache, k, v, start, start + TN, window, stride)
+    _check_room(cache, concrete(start), concrete(count))
+    return _write(cache, k, v, start, count, window, stride)
+
+
+def _check_room(cache, start, count):
+    """Raises ValueError where concrete lengths `start` + `count` pass the capacity or (paged) a concrete page
+    table gives one of the rows they write no page of the pool."""
+    if start is None or count is None or not start.size:
+        return
+    N, end = _kvcache.capacity(cache), start + count
+    if np.any(end > N):
+        b = int(np.argmax(end > N))
+        raise ValueError(f"appending {count[b]} tokens past the cache's capacity N = {N}: cache.lens[{b}] = {start[b]}")
+    table = concrete(cache.page_table) if isinstance(cache, PagedKVCache) else None
+    if table is None:
+        return
+    S, P = cache.k.shape[1], cache.k.shape[0]
+    for b in np.flatnonzero(count):
+        pages = table[b, start[b] // S:(end[b] - 1) // S + 1]
+        if np.any((pages < 0) | (pages >= P)):
+            raise ValueError(f"sequence {b} writes its rows {start[b]} ... {end[b] - 1} (pages {start[b] // S} ... "
+                             f"{(end[b] - 1) // S} of its page_table row), but cache.page_table[{b}] holds "
+                             f"{pages.tolist()} there: every page a write reaches must be a page of the pool, "
+                             f"0 <= id < P = {P}")
 
 
 def prefill_cache(k: Array, v: Array, *, block_size: int, capacity: int, lens: Optional[Indices] = None,
@@ -138,7 +208,8 @@ def prefill_cache(k: Array, v: Array, *, block_size: int, capacity: int, lens: O
 
 
 def _prompt_lens(lens, B, TP):
-    """lens as int32 [B] (None: TP): a concrete one must lie in [0, TP], a traced one is clipped there."""
+    """lens as int32 [B] (None: TP, the rows of k): a concrete one must lie in [0, TP], a traced one is clipped
+    there."""
     if lens is None:
         return jnp.full((B,), TP, jnp.int32)
-    return _checks.lengths("lens", lens, B, 0, TP, "[0, TP = k.shape[1]]")
+    return _checks.lengths("lens", lens, B, 0, TP, "[0, k.shape[1]]")

@@ -81,6 +81,14 @@ VARLEN_OPS = {"varlen": (["compressed", "select", "selected", "window", "attenti
 CACHED_OPS = ["compressed_attention", "select_blocks", "selected_attention", "sliding_window_attention", "attention",
               "attention-given-blocks"]
 INTERPRETED_CACHED_OPS = ["attention", "attention-given-blocks"]
+# The ragged serving steps (test_ragged_steps_over_a_paged_cache_equal_full_recompute): tokens each of 3 sequences
+# appends and queries per step: a chunk of prefill (13 tokens) beside an idle slot and a sequence shorter than the
+# chunk, then decode with an idle slot, then a chunk beside decode (both chunks 13 rows of q, padded).
+RAGGED_STEPS = [[13, 0, 5], [1, 1, 0], [3, 6, 1]]
+# Their blocks (l, d, l'): windows that do not overlap (those of the Triton decode step), and that do as the paper's;
+# interpreted kernels run the first.
+RAGGED_BLOCKS = {"l8-d8-s8": (8, 8, 8), "l16-d8-s16": (16, 8, 16)}
+BLOCK_ARGS = ("block_size", "compress_block_size", "compress_stride")
 
 
 # Compression windows of l tokens every d with selection blocks of l' (the paper's NSA: 32, 16, 64), as
@@ -245,6 +253,9 @@ class NSATestBase:
         """(argnames, pytest params) of `kind` without variants: as `case_params` describes them."""
         if kind == "cached":
             return "name", INTERPRETED_CACHED_OPS if cls.interpreted else CACHED_OPS
+        if kind == "ragged":
+            names = list(RAGGED_BLOCKS)[:1] if cls.interpreted else list(RAGGED_BLOCKS)
+            return "blocks", [pytest.param(RAGGED_BLOCKS[name], id=name) for name in names]
         if kind in INTERPRETED_BLOCK_CASES:
             return "name", cls.interpreted_block_cases[kind] if cls.interpreted else list(BLOCK_CASES)
         if kind in VARLEN_OPS:
@@ -866,6 +877,56 @@ class NSATestBase:
                 seen = np.isfinite(y_ref)  # lse: -inf where a query sees no compressed block
                 np.testing.assert_array_equal(np.isfinite(np.asarray(y[b], np.float64)), seen)
                 assert_close(np.asarray(y[b], np.float64)[seen], y_ref[seen], TOLERANCE[dtype], f"{what}[{b}]")
+
+    @cases("ragged")
+    def test_ragged_steps_over_a_paged_cache_equal_full_recompute(self, blocks):
+        """Ragged steps (`RAGGED_STEPS`: a chunk of prefill beside an idle slot and a sequence shorter than the
+        chunk, then decode beside an idle slot, then both at once) over a paged cache whose pages lie in random
+        order in the pool, whose page table holds unused (-1) and repeated entries past the sequences, and whose
+        every row past the lengths is NaN, and over the contiguous cache the same appends fill: every query's output
+        equals the reference on its whole sequence, the padding rows are 0, and on XLA the paged output equals the
+        contiguous one bitwise. The steps are jitted with the lengths traced. Blocks (l, d, l'): `RAGGED_BLOCKS`."""
+        dtype = "float32" if "float32" in self.dtypes else self.dtypes[0]
+        l, d, bs = blocks
+        B, HQ, H, Dk, Dv, S = 3, 6, 2, 16, 8, 16
+        steps = np.array(RAGGED_STEPS)
+        T_all = int(steps.sum(axis=0).max())
+        x = Inputs((B, T_all, HQ, H, Dk, Dv, bs), dtype, seed=5)
+        gates = [g[0] for g in x.gates]
+        kw = dict(block_counts=3, window_size=9, implementation=self.implementation)
+        made = dict(block_size=bs, compress_block_size=l, compress_stride=d, head_dim_v=Dv, dtype=x.k.dtype)
+        nan = lambda y: jnp.full_like(y, jnp.nan)
+        paged = nsa.empty_paged_cache(12, S, B, 3, H, Dk, **made)
+        # sequences of 17, 7 and 6 tokens: pages 2 and 9; 5, then 2 (sequence 0's) and 7 unused; 0, -1, 5 (sequence
+        # 1's) unused
+        paged = paged.replace(k=nan(paged.k), v=nan(paged.v), k_cmp=nan(paged.k_cmp), v_cmp=nan(paged.v_cmp),
+                              page_table=jnp.asarray([[2, 9, -1], [5, 2, 7], [0, -1, 5]], jnp.int32))
+        contiguous = nsa.empty_cache(B, 3 * S, H, Dk, **made)
+
+        @jax.jit
+        def step(cache, q, k, v, g, n):
+            cache = nsa.append_to_cache(cache, k, v, lens=n)
+            return cache, nsa.attention(q, cache=cache, g_cmp=g[0], g_slc=g[1], g_swa=g[2], q_lens=n, **kw)
+
+        full = [jax.jit(lambda q, k, v, *g: nsa.attention(  # causal: its rows are every step's queries' outputs
+            q, k, v, **dict(zip(("g_cmp", "g_slc", "g_swa"), g)), **dict(kw, implementation="xla"),
+            **{name: made[name] for name in BLOCK_ARGS}))(*(y[b:b + 1, :n] for y in (x.q, x.k, x.v, *gates)))[0]
+            for b, n in enumerate(steps.sum(axis=0))]
+        done = np.zeros(B, int)
+        for n in steps:
+            TN = 1 if n.max() == 1 else int(steps.max())  # decode, or a chunk of the longest step's size: 2 compiles
+            rows = lambda y: jnp.stack([jnp.pad(y[b, done[b]:done[b] + n[b]], [(0, TN - n[b])] + [(0, 0)] * (y.ndim - 2))
+                                        for b in range(B)])
+            new = (rows(x.q), rows(x.k), rows(x.v), [rows(g) for g in gates], jnp.asarray(n, jnp.int32))
+            paged, o = step(paged, *new)
+            if self.implementation == "xla":
+                contiguous, o_contiguous = step(contiguous, *new)
+                np.testing.assert_array_equal(np.asarray(o), np.asarray(o_contiguous))
+            for b in range(B):
+                np.testing.assert_array_equal(np.asarray(o[b, n[b]:], np.float64), 0.0)
+                want = np.asarray(full[b][done[b]:done[b] + n[b]], np.float64)
+                assert_close(o[b, :n[b]], want, TOLERANCE[dtype], f"o[{b}] of step {n}")
+            done += n
 
     def test_cached_gradients_equal_full_sequence(self):
         """Gradients through a KV cache (chunked prefill): those of q and of each sequence's keys equal the

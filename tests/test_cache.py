@@ -164,13 +164,13 @@ def test_bad_caches_and_tokens_raise():
         append(cache.replace(block_size=8.0), k, v, bs=None)
     with pytest.raises(TypeError, match=r"cache.v.dtype must equal cache.k.dtype \(float32\), got bfloat16"):
         append(cache.replace(v=cache.v.astype(jnp.bfloat16)), k, v)
-    with pytest.raises(TypeError, match=r"cache must be an nsa.KVCache, got tuple"):
+    with pytest.raises(TypeError, match=r"cache must be an nsa.KVCache or an nsa.PagedKVCache, got tuple"):
         append((cache.k, cache.v, cache.k_cmp, cache.v_cmp, cache.lens), k, v)
     with pytest.raises(ValueError, match=r"cache.lens must have shape \[B\] = \(2,\), got \(3,\)"):
         append(cache.replace(lens=jnp.zeros(3, jnp.int32)), k, v)
     with pytest.raises(ValueError, match=r"the prompts \(k.shape\[1\] = 16 tokens\) must fit .* got capacity = 8"):
         nsa.prefill_cache(k, v, block_size=BS, capacity=8)
-    with pytest.raises(ValueError, match=r"lens must lie in \[0, TP = k.shape\[1\]\] = \[0, 16\], got lens\[1\] = 17"):
+    with pytest.raises(ValueError, match=r"lens must lie in \[0, k.shape\[1\]\] = \[0, 16\], got lens\[1\] = 17"):
         nsa.prefill_cache(k, v, block_size=BS, capacity=N, lens=[3, 17])
 
 
