@@ -1,6 +1,8 @@
-"""The KV cache (nsa.cache): prefill and append against compressing the whole sequence, in place under jit,
+"""The KV caches (nsa.cache): prefill and append against compressing the whole sequence, in place under jit,
 one compilation for every length, clear errors, and a decode step that reads O(TK / block_size + selected +
-window) keys of the cache, never all of them."""
+window) keys of the cache, never all of them; the paged cache against the contiguous one, ragged appends, and
+the gradients of a ragged step. (Attention over both caches on every implementation: the shared base,
+tests/base.py's test_ragged_steps_over_a_paged_cache_equal_full_recompute.)"""
 
 import re
 
@@ -11,6 +13,7 @@ import numpy as np
 import pytest
 
 import nsa
+from nsa._kvcache import sequences
 from tests.base import Inputs, assert_close, largest_intermediate
 
 B, N, H, DK, DV, BS = 2, 80, 2, 16, 8, 8
@@ -21,16 +24,22 @@ def _tokens(T, seed=0, dtype=jnp.float32):
     return (jnp.asarray(rng.standard_normal((B, T, H, DK)), dtype), jnp.asarray(rng.standard_normal((B, T, H, DV)), dtype))
 
 
-def _assert_holds(cache, k, v, lens):
+def _complete(n, l, d):
+    """The compressed rows of a sequence of n tokens whose windows (l tokens every d) are complete."""
+    return max(n - l + d, 0) // d
+
+
+def _assert_holds(cache, k, v, lens, l=BS, d=BS):
     """cache holds sequence b = k[b, :lens[b]], v[b, :lens[b]]: its rows and the compressed rows of its
-    complete blocks, bitwise as nsa.compress gives them."""
+    complete windows (l tokens every d), bitwise as nsa.compress gives them."""
     np.testing.assert_array_equal(np.asarray(cache.lens), lens)
     for b, n in enumerate(lens):
         np.testing.assert_array_equal(np.asarray(cache.k[b, :n]), np.asarray(k[b, :n]))
         np.testing.assert_array_equal(np.asarray(cache.v[b, :n]), np.asarray(v[b, :n]))
+        rows = _complete(n, l, d)
         for x_cmp, x in ((cache.k_cmp, k), (cache.v_cmp, v)):
-            full = nsa.compress(x[b:b + 1, :n], block_size=BS)[0, :n // BS]
-            np.testing.assert_array_equal(np.asarray(x_cmp[b, :n // BS]), np.asarray(full))
+            full = nsa.compress(x[b:b + 1, :n], block_size=l, stride=d)[0, :rows]
+            np.testing.assert_array_equal(np.asarray(x_cmp[b, :rows]), np.asarray(full))
 
 
 def test_prefill_holds_each_prompt_and_its_complete_blocks():
@@ -227,7 +236,7 @@ def test_attention_over_the_cache_is_the_call_with_its_arrays_and_cannot_be_mism
     with pytest.raises(ValueError, match=r"cache.lens must lie in \[T, TK = k.shape\[1\]\] = \[2, 80\].*"
                                          r"got cache.lens\[0\] = 1"):
         nsa.attention(q, cache=cache.replace(lens=jnp.array([1, 20], jnp.int32)))
-    with pytest.raises(TypeError, match=r"cache must be an nsa.KVCache, got dict"):
+    with pytest.raises(TypeError, match=r"cache must be an nsa.KVCache or an nsa.PagedKVCache, got dict"):
         nsa.attention(q, cache=dict(k=cache.k))
 
 
@@ -275,3 +284,130 @@ def test_a_decode_step_never_touches_the_whole_cache():
     largest = largest_intermediate(jax.make_jaxpr(decode)(q, kv, kv, cmp, cmp, lens, g, g, g).jaxpr)
     cache_bytes = Bd * TK * Hd * D * 2
     assert largest <= cache_bytes // 16, f"largest intermediate {largest / 2 ** 20:.1f} MiB of a {cache_bytes >> 20} MiB k"
+
+
+PAGE = 16  # tokens a page in the paged tests: 5 pages hold a sequence of N = 80
+
+
+def _paged(table, dtype=jnp.float32, **blocks):
+    """A paged cache of 13 pages of PAGE tokens, NaN everywhere (a row read before it is written shows), with the
+    page table `table` [B, 5]."""
+    cache = nsa.empty_paged_cache(13, PAGE, B, 5, H, DK, head_dim_v=DV, dtype=dtype, **(blocks or dict(block_size=BS)))
+    nan = lambda x: jnp.full_like(x, jnp.nan)
+    return cache.replace(k=nan(cache.k), v=nan(cache.v), k_cmp=nan(cache.k_cmp), v_cmp=nan(cache.v_cmp),
+                         page_table=jnp.asarray(table, jnp.int32))
+
+
+@pytest.mark.parametrize("l, d", [(8, 8), (16, 8)], ids=["l8-d8", "l16-d8"])
+def test_ragged_appends_to_a_paged_cache_hold_what_the_contiguous_cache_holds(l, d):
+    """Ragged appends (0 tokens to an idle sequence, 1, and chunks that complete several windows at once) to a
+    paged cache whose pages lie in random order: each sequence's rows and complete compressed rows, read through
+    the page table, equal the contiguous cache's bitwise; the pages no sequence owns keep their NaN, and so do the
+    rows past each sequence."""
+    table = [[7, 2, 11, 0, 5], [3, 12, 9, -1, -1]]  # pages 1, 4, 6, 8, 10 owned by no sequence
+    blocks = dict(block_size=BS, compress_block_size=l, compress_stride=d)
+    paged = _paged(table, **blocks)
+    contiguous = nsa.empty_cache(B, N, H, DK, head_dim_v=DV, dtype=jnp.float32, **blocks)
+    k, v = _tokens(70, seed=8)
+    steps = [[9, 0], [1, 1], [0, 23], [30, 1], [1, 17]]
+    done = np.zeros(B, int)
+    for n in map(np.array, steps):
+        rows = lambda y: jnp.stack([jnp.pad(y[b, done[b]:done[b] + n[b]], [(0, n.max() - n[b]), (0, 0), (0, 0)])
+                                    for b in range(B)])
+        paged = nsa.append_to_cache(paged, rows(k), rows(v), lens=n)
+        contiguous = nsa.append_to_cache(contiguous, rows(k), rows(v), lens=n)
+        done += n
+    np.testing.assert_array_equal(np.asarray(paged.lens), done)
+    _assert_holds(contiguous, k, v, done, l, d)
+    for got, want, per_row in zip(sequences(paged), sequences(contiguous), (1, 1, d, d)):
+        for b, n in enumerate(done):
+            rows = n if per_row == 1 else _complete(n, l, d)  # those written
+            np.testing.assert_array_equal(np.asarray(got[b, :rows]), np.asarray(want[b, :rows]))
+            owned = sum(page >= 0 for page in table[b]) * PAGE // per_row  # the rows of the sequence's own pages
+            assert np.all(np.isnan(np.asarray(got[b, rows:owned]))), f"sequence {b}: a row past it was written"
+    owned = np.unique([p for row in table for p in row if p >= 0])
+    free = np.setdiff1d(np.arange(13), owned)
+    for x in (paged.k, paged.v, paged.k_cmp, paged.v_cmp):
+        assert np.all(np.isnan(np.asarray(x[free])))
+
+
+def test_paged_append_under_jit_is_in_place_and_compiles_once():
+    """With the paged cache donated the compiled step aliases every buffer to its output, and one compilation
+    serves every length, every count of new tokens and every page table."""
+    k, v = _tokens(8, seed=9)
+    cache = _paged([[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]])
+    chex.clear_trace_counter()
+    step = jax.jit(chex.assert_max_traces(lambda c, k, v, n: nsa.append_to_cache(c, k, v, lens=n), n=1),
+                   donate_argnums=0)
+    n = jnp.asarray([3, 8], jnp.int32)
+    compiled = step.lower(cache, k, v, n).compile().as_text()
+    aliased = re.findall(r"\{(\d+)\}: \((\d+), \{\}, (?:may|must)-alias\)", compiled.split("entry_computation_layout")[0])
+    assert sorted(aliased) == [(str(i), str(i)) for i in range(len(jax.tree_util.tree_leaves(cache)))], aliased
+    for counts, table in (([3, 8], None), ([0, 5], [[12, 1, 2, 3, 4], [5, 6, 7, 8, 9]]), ([8, 0], None)):
+        if table is not None:
+            cache = cache.replace(page_table=jnp.asarray(table, jnp.int32))
+        old = cache
+        cache = step(cache, k, v, jnp.asarray(counts, jnp.int32))
+        assert old.k.is_deleted()
+    np.testing.assert_array_equal(np.asarray(cache.lens), [11, 13])
+
+
+def test_paged_caches_and_ragged_steps_raise_clear_errors():
+    k, v = _tokens(16)
+    cache = _paged([[0, 1, -1, -1, -1], [2, -1, -1, -1, -1]])
+    with pytest.raises(ValueError, match=r"sequence 1 writes its rows 0 ... 16 \(pages 0 ... 1 of its page_table row\), "
+                                         r"but cache.page_table\[1\] holds \[2, -1\] there"):
+        nsa.append_to_cache(cache, jnp.concatenate([k, k], 1)[:, :17], jnp.concatenate([v, v], 1)[:, :17])
+    with pytest.raises(ValueError, match=r"page_size must be a multiple of compress_stride = 8 .*, got page_size = 12"):
+        nsa.empty_paged_cache(4, 12, B, 2, H, DK, block_size=BS)
+    with pytest.raises(ValueError, match=r"cache.lens must have shape \[B\] \(B from cache.page_table\) = \(2,\)"):
+        nsa.append_to_cache(cache.replace(lens=jnp.zeros(3, jnp.int32)), k, v)
+    with pytest.raises(ValueError, match=r"appending 16 tokens past the cache's capacity N = 80: cache.lens\[0\] = 70"):
+        nsa.append_to_cache(cache.replace(lens=jnp.asarray([70, 0], jnp.int32)), k, v)
+    with pytest.raises(ValueError, match=r"lens must lie in \[0, k.shape\[1\]\] = \[0, 16\], got lens\[0\] = 17"):
+        nsa.append_to_cache(cache, k, v, lens=[17, 0])
+    cache = nsa.append_to_cache(cache, k, v, lens=[16, 3])
+    q = jnp.zeros((B, 16, 4, DK), jnp.float32)
+    with pytest.raises(ValueError, match=r"q_lens\[1\] = 4 queries must be tokens of sequence 1, which has "
+                                         r"cache.lens\[1\] = 3"):
+        nsa.attention(q, cache=cache, q_lens=[16, 4])
+    with pytest.raises(ValueError, match=r"q_lens must lie in \[0, T = q.shape\[1\]\] = \[0, 16\], got q_lens\[0\] = 17"):
+        nsa.attention(q, cache=cache, q_lens=[17, 3])
+    with pytest.raises(ValueError, match=r"q_lens \(a ragged step: .*\) needs the sequences' lengths: pass cache= or "
+                                         r"kv_lens="):
+        nsa.attention(q, k, v, q_lens=[16, 3])
+    with pytest.raises(ValueError, match=r"q_lens .* and cu_seqlens .* cannot be given together"):
+        nsa.attention(q[:1], k[:1], v[:1], kv_lens=[16], cu_seqlens=[0, 16], q_lens=[16])
+
+
+def test_ragged_step_gradients():
+    """Gradients of a ragged chunk step (3, 0 and 7 queries of sequences of 10, 4 and 7 tokens in a cache whose
+    rows past them are NaN; q of 8 rows): those of each sequence's queries and keys equal the whole sequence's,
+    and none reaches the padding rows of q or the rows past each sequence."""
+    x = Inputs((3, 10, 6, H, DK, DV, BS), "float32", seed=10)
+    lens, q_lens, T = np.array([10, 4, 7]), np.array([3, 0, 7]), 8
+    g = [gi[0] for gi in x.gates]
+    pad = np.arange(10)[None, :, None, None] >= lens[:, None, None, None]
+    k, v = (jnp.where(pad, jnp.nan, y) for y in (x.k, x.v))
+    rows = lambda y: jnp.stack([jnp.pad(y[b, n - m:n], [(0, T - m)] + [(0, 0)] * (y.ndim - 2))
+                                for b, (n, m) in enumerate(zip(lens, q_lens))])
+    kw = dict(block_counts=2, block_size=BS, window_size=5)
+
+    def loss(q, k, v, *gates):
+        o = nsa.attention(q, k, v, **dict(zip(("g_cmp", "g_slc", "g_swa"), gates)), kv_lens=lens, q_lens=q_lens, **kw)
+        return jnp.sum(o * rows(x.do))
+
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(rows(x.q), k, v, *map(rows, g))
+    for b, (n, m) in enumerate(zip(lens, q_lens)):
+        np.testing.assert_array_equal(np.asarray(grads[0][b, m:]), 0.0)  # the padding rows of q
+        np.testing.assert_array_equal(np.asarray(grads[3][b, m:]), 0.0)  # and of g_cmp
+        for got in grads[1:3]:
+            np.testing.assert_array_equal(np.asarray(got[b, n:]), 0.0)  # keys past the sequence
+        one = lambda y: y[b:b + 1, :n]
+        full_loss = lambda q, k, v: jnp.sum(nsa.attention(q, k, v, **dict(zip(("g_cmp", "g_slc", "g_swa"),
+                                                                              map(one, g))), **kw)[:, n - m:]
+                                            * x.do[b:b + 1, n - m:n])
+        want = jax.grad(full_loss, argnums=(0, 1, 2))(one(x.q), one(x.k), one(x.v))
+        assert_close(grads[0][b, :m], want[0][0, n - m:], 1e-5, f"dq[{b}]", 1e-2)
+        assert_close(grads[1][b, :n], want[1][0], 1e-5, f"dk[{b}]", 1e-2)
+        assert_close(grads[2][b, :n], want[2][0], 1e-5, f"dv[{b}]", 1e-2)
