@@ -59,8 +59,8 @@ class Block(nnx.Module):
         y, cache = self.attention.prefill(rms_norm(x), capacity=capacity, lens=lens)
         return self.mlp(x + y), cache
 
-    def step(self, x, cache):
-        y, cache = self.attention.step(rms_norm(x), cache)
+    def step(self, x, cache, lens=None):
+        y, cache = self.attention.step(rms_norm(x), cache, lens=lens)
         return self.mlp(x + y), cache
 
     def mlp(self, x):
@@ -93,11 +93,17 @@ class Model(nnx.Module):
 
     def step(self, tokens, caches):
         """One new token per sequence (tokens int [B]): (logits [B, VOCAB], the caches with it appended)."""
-        x, new_caches = self.embed(tokens[:, None]), []
+        logits, caches = self.extend(tokens[:, None], caches)
+        return logits[:, 0], caches
+
+    def extend(self, tokens, caches, lens=None):
+        """New tokens of each sequence, tokens int [B, TN] (sequence b's first lens[b] rows, int [B], default TN;
+        contiguous or paged caches): (logits [B, TN, VOCAB], the caches with them appended)."""
+        x, new_caches = self.embed(tokens), []
         for block, cache in zip(self.blocks, caches):
-            x, cache = block.step(x, cache)
+            x, cache = block.step(x, cache, lens)
             new_caches.append(cache)
-        return self.unembed(rms_norm(x))[:, 0], new_caches
+        return self.unembed(rms_norm(x)), new_caches
 
 
 def generate(model, prompts, lens, steps, capacity):

@@ -9,9 +9,10 @@
 
     y, cache = layer.prefill(prompts, capacity=N, lens=lens)  # right-padded prompts [B, TP, hidden_size]
     y, cache = layer.step(x_new, cache)                   # x_new [B, TN, hidden_size]: TN new tokens each
+    y, cache = layer.step(x_new, cache, lens=n)           # a ragged step: n[b] <= TN new tokens of sequence b
 
 The layer holds the projections and calls `nsa.attention`; everything else stays in plain functions. The KV
-cache (`nsa.KVCache`) lives outside the layer: passed in and returned, so a decode step is a pure function
+cache (`nsa.KVCache`, or `nsa.PagedKVCache` from `init_paged_cache`) lives outside the layer: passed in and returned, so a decode step is a pure function
 that jits with the cache donated. Needs flax (`pip install '.[nnx]'` from a checkout); `import nsa` never imports this
 module.
 """
@@ -26,7 +27,7 @@ from flax import nnx
 
 from nsa import _checks
 from nsa.api import attention
-from nsa.cache import append_to_cache, check_cache, empty_cache, prefill_cache
+from nsa.cache import append_to_cache, check_cache, empty_cache, empty_paged_cache, prefill_cache
 
 
 class NativeSparseAttention(nnx.Module):
@@ -53,8 +54,8 @@ class NativeSparseAttention(nnx.Module):
     param_dtype (float32), as nnx.Linear takes them; implementation (nsa's: None picks the best for the
     platform, or "xla", "triton", "pallas"); rngs (nnx.Rngs, for the initial weights).
 
-    Serving: `init_cache`, `prefill` and `step` take and return an nsa.KVCache made with this layer's
-    blocks. Jit them (an eager call dispatches nsa's ops one by one), the cache donated:
+    Serving: `init_cache` (or `init_paged_cache`), `prefill` and `step` take and return an nsa.KVCache (or
+    nsa.PagedKVCache) made with this layer's blocks. Jit them (an eager call dispatches nsa's ops one by one), the cache donated:
 
         graphdef, state = nnx.split(layer)
         step = jax.jit(lambda state, x, cache: nnx.merge(graphdef, state).step(x, cache), donate_argnums=2)
@@ -101,6 +102,14 @@ class NativeSparseAttention(nnx.Module):
         return empty_cache(batch_size, capacity, self.num_kv_heads, self.head_dim, **self._blocks(),
                            head_dim_v=self.head_dim_v, dtype=_first_given(dtype, self.dtype, self.param_dtype))
 
+    def init_paged_cache(self, num_pages, page_size, batch_size, max_pages, *, dtype=None):
+        """An empty nsa.PagedKVCache: a pool of `num_pages` pages of `page_size` tokens for `batch_size` sequences
+        of up to `max_pages` pages each (its page table -1: no page, the caller's to fill), in `dtype` as
+        `init_cache`'s."""
+        return empty_paged_cache(num_pages, page_size, batch_size, max_pages, self.num_kv_heads, self.head_dim,
+                                 **self._blocks(), head_dim_v=self.head_dim_v,
+                                 dtype=_first_given(dtype, self.dtype, self.param_dtype))
+
     def prefill(self, x, *, capacity, lens=None):
         """The prompts x [B, TP, C], right-padded (sequence b holds its first lens[b] tokens, int [B],
         default TP), through the layer: (y [B, TP, C] as `__call__` gives it, a cache of capacity N =
@@ -108,15 +117,18 @@ class NativeSparseAttention(nnx.Module):
         y, k, v = self._whole(x)
         return y, prefill_cache(k, v, **self._blocks(), capacity=capacity, lens=lens)
 
-    def step(self, x, cache):
-        """TN new tokens per sequence, x [B, TN, C], at positions cache.lens[b] ... cache.lens[b] + TN - 1:
-        their keys and values are appended to the cache, and they attend to everything it holds. Returns
-        (y [B, TN, C], the cache with them). One token each is a decode step; more is chunked prefill."""
+    def step(self, x, cache, *, lens=None):
+        """New tokens of each sequence, x [B, TN, C], at positions cache.lens[b] ... : their keys and values are
+        appended to the cache (contiguous or paged), and they attend to everything it holds. Returns (y [B, TN, C],
+        the cache with them). One token each is a decode step; more is chunked prefill; lens int [B] (default TN)
+        makes it ragged: sequence b's new tokens are only its first lens[b] rows of x (0: an idle slot), and y is 0
+        past them (`nsa.attention`'s q_lens)."""
         B, TN = self._check_input(x)
-        check_cache(cache, *self._blocks().values())  # an nsa.KVCache made with this layer's blocks
+        check_cache(cache, *self._blocks().values())  # a cache made with this layer's blocks
         q, k, v, gates = self._project(x, cache.lens[:, None] + jnp.arange(TN))
-        cache = append_to_cache(cache, k, v)
-        return self._output(attention(q, cache=cache, **gates, **self._sparsity())), cache
+        cache = append_to_cache(cache, k, v, lens=lens)
+        o = attention(q, cache=cache, q_lens=lens, **gates, **self._sparsity())
+        return self._output(o), cache
 
     def _whole(self, x, cu_seqlens=None, positions=None):
         """(y, k, v) of whole sequences x [B, T, C], as `__call__` describes them."""

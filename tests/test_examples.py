@@ -1,5 +1,7 @@
 """The examples run and pass their own checks: examples/generate.py generates with a KV cache (through the
 layer nsa.nnx.NativeSparseAttention, so it needs flax) and matches a full recompute at every step;
+examples/serving.py serves requests by continuous batching over a paged cache (ragged steps of chunked prefill and
+decode, pages handed out and reused) and matches a full recompute at every generated token;
 examples/learned_compression.py trains the paper's learned phi inside NSA, its loss falls below the uniform
 guess, and phi's gradients agree with finite differences."""
 
@@ -22,6 +24,14 @@ def test_generate_matches_a_full_recompute_at_every_step(capsys):
     assert _load("generate").main(["--steps", "12"]) == 0
     out = capsys.readouterr().out
     assert "same tokens: True" in out and out.rstrip().endswith("PASS")
+
+
+def test_serving_matches_a_full_recompute_at_every_token(capsys):
+    assert _load("serving").main([]) == 0
+    out = capsys.readouterr().out
+    assert out.count("same tokens: True") == 7 and out.rstrip().endswith("PASS")
+    handed_out = int(out.split("handed out ")[1].split()[0])
+    assert handed_out > 9  # more pages handed out than the pool holds: freed pages were reused
 
 
 def test_learned_compression_learns_and_its_gradients_agree():
