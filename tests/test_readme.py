@@ -47,6 +47,14 @@ def test_the_cache_step_equals_the_full_recompute(api):
     _close(api["o_new"], full[:, -1:])
 
 
+def test_the_ragged_paged_step_equals_the_full_recompute(api):
+    nsa, q, k, v, o_step = api["nsa"], api["q"], api["k"], api["v"], np.asarray(api["o_step"])
+    for b, (length, n) in enumerate([(121, 1), (103, 3)]):
+        full = nsa.attention(q[:, :length], k[:, :length], v[:, :length], block_counts=4, block_size=32)
+        _close(o_step[b, :n], full[0, -n:])
+        assert not o_step[b, n:].any(), "the padding rows are 0"
+
+
 def test_the_packed_batch_equals_each_row_alone(api):
     nsa, o_batch = api["nsa"], np.asarray(api["o_batch"])
     lens = np.asarray(api["mask"]).sum(axis=1)
