@@ -5,7 +5,7 @@ reference: run it under compute-sanitizer.
         compute-sanitizer --tool memcheck --error-exitcode 99 python3 scripts/gpu_hostile.py
 
 (`scripts/gpu.sh sanitize` does that, with --quick: float32 only, fewer cases, and only nsa's kernels
-instrumented; --cache runs only the KV-cache cases, --overlap those of overlapping compression, --window a few
+instrumented; --cache runs only the KV-cache cases, --paged the paged cache's ragged steps, --overlap those of overlapping compression, --window a few
 whose window's dk/dv splits its query heads, --default implementation=None (the families mixed by its claims); XLA's GPU compiles crawl under the sanitizer, so it
 first runs once without it to fill the compilation caches, and the reference runs on the CPU). The platform
 allocator gives each buffer its own allocation, so a read past an array is a memcheck error, not a read of
@@ -180,6 +180,41 @@ def case_cache(dtype, TQ, B, TK, HQ, H, Dk, Dv, bs, l=None, d=None):
           reference(run), _rms(v[jnp.isfinite(v)]) * _rms(do))
 
 
+def case_paged(dtype, TN, l=None, d=None):
+    """A ragged step over a paged cache: 4 sequences (an idle empty one, one that the step fills to its capacity,
+    one mid-page, one shorter than the step's TN rows) whose pages lie in random order in a NaN pool, the page
+    table with unused (-1) and repeated entries (other sequences' pages past each one's length); the step's
+    appends, then attention with the selection made inside (alone: the fused decode kernels when TN is small; and
+    the gradients of q and the gates: the ops). (l, d): the compression's windows and stride (None: 32)."""
+    S, MP, B, HQ, H, Dk, Dv, bs = 32, 4, 4, 6, 2, 64, 32, 32
+    N = MP * S
+    prompt = np.array([0, N - TN, 45, 2])
+    n = np.array([0, TN, min(TN, 9), min(TN, 3)])  # each sequence's new tokens
+    table = jnp.asarray([[-1, -1, -1, -1], [3, 8, 1, 10], [6, 0, 3, -1], [9, 8, -1, 1]], jnp.int32)
+    q, k, v, do = inputs(B, N, HQ, H, Dk, Dv, dtype)
+    new = lambda x: jnp.stack([jnp.pad(x[b, p:p + m], [(0, TN - m)] + [(0, 0)] * (x.ndim - 2))
+                               for b, (p, m) in enumerate(zip(prompt, n))])
+    q, k_new, v_new, do = new(q), new(k), new(v), new(do)
+    g = jax.nn.sigmoid(q[..., :3].astype(jnp.float32)).astype(dtype)
+    blocks = dict(block_size=bs, compress_block_size=l, compress_stride=d)
+
+    def run(impl):
+        def f(q, k, v, k_new, v_new, g, table):
+            cache = nsa.empty_paged_cache(12, S, B, MP, H, Dk, head_dim_v=Dv, dtype=dtype, **blocks)
+            nan = lambda x: jnp.full_like(x, jnp.nan)
+            cache = cache.replace(k=nan(cache.k), v=nan(cache.v), k_cmp=nan(cache.k_cmp), v_cmp=nan(cache.v_cmp),
+                                  page_table=table)
+            cache = nsa.append_to_cache(cache, k[:, :N - TN], v[:, :N - TN], lens=prompt)
+            cache = nsa.append_to_cache(cache, k_new, v_new, lens=n)
+            step = lambda q, g: nsa.attention(q, cache=cache, g_cmp=g[..., 0], g_slc=g[..., 1], g_swa=g[..., 2],
+                                              q_lens=n, block_counts=4, window_size=2 * bs + 1, implementation=impl)
+            return step(q, g), grads(step, (q, g), do)
+
+        return jax.jit(f)(q, k, v, k_new, v_new, g, table)
+
+    check(f"paged {tag(dtype)} TN={TN} l={l} d={d}", run(IMPL), reference(run), _rms(v) * _rms(do))
+
+
 def case_empty(dtype):
     for B, T in ((0, 64), (1, 0)):
         q, k, v, do = inputs(B, T, 4, 2, 32, 16, dtype)
@@ -198,6 +233,12 @@ def main():
     if "--cache" in sys.argv:  # only the KV-cache cases
         for TQ, B, TK, bs in ((1, 3, 300, 32), (37, 3, 300, 32), (1, 2, 2000, 16)):
             case_cache(dtypes[0], TQ, B, TK, 6, 2, 64, 32, bs)
+        return report()
+    if "--paged" in sys.argv:  # only the paged and ragged cases
+        for dtype in dtypes:
+            for TN in (1, 13):
+                case_paged(dtype, TN)
+            case_paged(dtype, 13, l=32, d=16)
         return report()
     if "--overlap" in sys.argv:  # only the cases of overlapping compression (windows of l every d)
         return overlap(dtypes) or report()
