@@ -62,7 +62,9 @@ class Shapes(NamedTuple):
 class Step(NamedTuple):
     """The arrays of one serving step of nsa.attention, as the fused step (`attention`) takes them: the queries
     q [B, TQ, HQ, Dk] at the end of the cache k [B, TK, H, Dk], v [B, TK, H, Dv], its compressed rows k_cmp
-    [B, NC, H, Dk] and v_cmp [B, NC, H, Dv], the gates [B, TQ, HQ] (None: weight 1) and kv_lens int [B]."""
+    [B, NC, H, Dk] and v_cmp [B, NC, H, Dv], the gates [B, TQ, HQ] (None: weight 1) and kv_lens int [B]. A paged
+    cache (nsa.PagedKVCache) adds its page_table int32 [B, MP]: k, v, k_cmp and v_cmp are then its pools of pages
+    ([P, S, H, D] and [P, S / d, H, D]), each sequence's rows found through the table (`as_sequences`)."""
 
     q: jax.Array
     k: jax.Array
@@ -73,6 +75,15 @@ class Step(NamedTuple):
     g_slc: Optional[jax.Array]
     g_swa: Optional[jax.Array]
     kv_lens: jax.Array
+    page_table: Optional[jax.Array] = None
+
+
+def as_sequences(x, page_table):
+    """x [B, N, H, D] as each sequence sees it: x itself, or with a page table int [B, MP] the pool of pages x
+    [P, S, H, D] seen as a jax.ShapeDtypeStruct [B, MP * S, H, D] (its pages in each sequence's order)."""
+    if page_table is None:
+        return x
+    return jax.ShapeDtypeStruct((page_table.shape[0], page_table.shape[1] * x.shape[1], *x.shape[2:]), x.dtype)
 
 
 def validated(cls):

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from nsa import _families, _platform, reference
+from nsa._config import as_sequences
 from nsa._platform import PLATFORMS, mapped_over_vmap, platform_dependent, platform_name
 
 # the public name of each op
@@ -241,7 +242,7 @@ def decode_step(implementation, static, branches, arrays):
     (the ops one after another), or where the family that runs it has a fused serving step for this step's shape
     (a family's `fused_step`), that step. arrays: an nsa._config.Step, gates None or arrays. The gradient is
     always that of `branches`: a fused step runs only when no gradient is taken."""
-    steps = _fused_step(implementation, static, arrays.q, arrays.k)
+    steps = _fused_step(implementation, static, arrays.q, as_sequences(arrays.k, arrays.page_table))
     if not steps:
         return branches(*arrays)
     steps = {platform: mapped_over_vmap(functools.partial(step, **dict(static))) for platform, step in steps.items()}

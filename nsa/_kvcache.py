@@ -87,14 +87,21 @@ def flat_rows(cache, i, unit):
 
 def sequences(cache):
     """(k [B, N, H, Dk], v [B, N, H, Dv], k_cmp [B, N / d, H, Dk], v_cmp [B, N / d, H, Dv]): each sequence's rows
-    in order: a KVCache's own arrays; a PagedKVCache's pages gathered through its page table (N = MP * S; page ids
-    outside the pool read its last page, whose rows lie past the sequence's length)."""
+    in order: a KVCache's own arrays; a PagedKVCache's pages gathered through its page table (`gathered`)."""
     if isinstance(cache, KVCache):
         return cache.k, cache.v, cache.k_cmp, cache.v_cmp
-    B, MP = cache.page_table.shape
-    pages = jnp.clip(cache.page_table.astype(jnp.int32), 0, cache.k.shape[0] - 1)
-    gather = lambda x: x[pages].reshape(B, MP * x.shape[1], *x.shape[2:])
-    return tuple(gather(x) for x in (cache.k, cache.v, cache.k_cmp, cache.v_cmp))
+    return gathered(cache.page_table, cache.k, cache.v, cache.k_cmp, cache.v_cmp)
+
+
+def gathered(page_table, *pools):
+    """Each pool of pages [P, S, H, D] gathered through page_table int [B, MP] into [B, MP * S, H, D]: each
+    sequence's rows in order (an O(cache) copy). A page id outside the pool reads page 0 (below) or its last page
+    (above), as the kernels that read pages through the table (nsa.triton._common.cache_rows) clip it; a sequence's
+    rows past its length may come from such a page."""
+    B, MP = page_table.shape
+    gather = lambda x: x[jnp.clip(page_table.astype(jnp.int32), 0, x.shape[0] - 1)].reshape(B, MP * x.shape[1],
+                                                                                              *x.shape[2:])
+    return tuple(gather(x) for x in pools)
 
 
 

@@ -15,8 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from nsa import _checks, _dispatch
-from nsa._config import Step
-from nsa._kvcache import Cache, check_cache, sequences
+from nsa._config import Step, as_sequences
+from nsa._kvcache import Cache, PagedKVCache, check_cache, gathered
 from nsa._varlen import concrete, num_compressed_blocks
 from nsa.reference.compress import row_tokens
 
@@ -313,17 +313,18 @@ def _given_compressed(k_cmp, v_cmp, q, k, v, compression, cu_seqlens, kv_lens, n
 
 
 def _from_cache(cache, blocks, given):
-    """(k, v, k_cmp, v_cmp, kv_lens, (block_size, compress_block_size, compress_stride)) of `cache` (an
-    nsa.KVCache or nsa.PagedKVCache, checked; a paged cache's pages gathered in each sequence's order:
-    `nsa._kvcache.sequences`), for attention(q, cache=cache): `blocks` are the call's (block_size,
-    compress_block_size, compress_stride), each None or the cache's own; `given` maps the names of the other
-    arguments to what the call passed, which must be None."""
+    """(k, v, k_cmp, v_cmp, kv_lens, page_table, (block_size, compress_block_size, compress_stride)) of `cache` (an
+    nsa.KVCache or nsa.PagedKVCache, checked; a paged cache's pools of pages and its page table, else page_table
+    None), for attention(q, cache=cache): `blocks` are the call's (block_size, compress_block_size,
+    compress_stride), each None or the cache's own; `given` maps the names of the other arguments to what the call
+    passed, which must be None."""
     blocks = check_cache(cache, *blocks)
     passed = [name for name, x in given.items() if x is not None]
     if passed:
         raise ValueError(f"cache= brings the keys, values, compressed rows and lengths of the cache: pass "
                          f"{' and '.join(passed)} or cache, not both")
-    return (*sequences(cache), cache.lens, blocks)
+    page_table = cache.page_table if isinstance(cache, PagedKVCache) else None
+    return cache.k, cache.v, cache.k_cmp, cache.v_cmp, cache.lens, page_table, blocks
 
 
 def _ragged(q, k, v, k_cmp, v_cmp, per_query, q_lens, kv_lens, compression):
@@ -402,10 +403,14 @@ def attention(q: Array, k: Optional[Array] = None, v: Optional[Array] = None, *,
     values (NC = ceil(TK / d), as `compress` gives them), replace `compress(k)`, `compress(v)`; given with TK > T
     they need kv_lens; gradients then flow to them instead of through the compression to k and v.
     """
+    pools = page_table = None  # a paged cache's (k, v, k_cmp, v_cmp) pools of pages, and its page table
     if cache is not None:
-        k, v, k_cmp, v_cmp, kv_lens, (block_size, compress_block_size, compress_stride) = _from_cache(
+        k, v, k_cmp, v_cmp, kv_lens, page_table, (block_size, compress_block_size, compress_stride) = _from_cache(
             cache, (block_size, compress_block_size, compress_stride),
             dict(k=k, v=v, k_cmp=k_cmp, v_cmp=v_cmp, kv_lens=kv_lens))
+        if page_table is not None:  # checked as each sequence sees them; gathered only where nothing reads pages
+            pools = (k, v, k_cmp, v_cmp)
+            k, v, k_cmp, v_cmp = (as_sequences(x, page_table) for x in pools)
     elif k is None or v is None:
         raise TypeError("attention needs the keys and values: k and v, or cache= (an nsa.KVCache or nsa.PagedKVCache)")
     B, T, HQ, H = _checks.qkv(q, k, v)
@@ -429,13 +434,18 @@ def attention(q: Array, k: Optional[Array] = None, v: Optional[Array] = None, *,
         counts = None if block_counts is None or isinstance(block_counts, int) else jnp.broadcast_to(
             jnp.asarray(block_counts, jnp.int32), (B, T, H))
         per_query = dict(g_cmp=g_cmp, g_slc=g_slc, g_swa=g_swa, block_indices=block_indices, block_counts=counts)
+        if pools is not None and T > 1:  # the rows past each sequence are zeroed (`_ragged`): gathered first
+            k, v, k_cmp, v_cmp = gathered(page_table, *pools)
         q, k, v, k_cmp, v_cmp, per_query, kv_lens, unroll = _ragged(q, k, v, k_cmp, v_cmp, per_query, q_lens, kv_lens,
                                                                      compression)
         if counts is None:
             per_query["block_counts"] = block_counts
-        return unroll(attention(q, k, v, **per_query, block_size=block_size, compress_block_size=compression[0],
-                                compress_stride=compression[1], window_size=window_size, scale=scale, kv_lens=kv_lens,
-                                k_cmp=k_cmp, v_cmp=v_cmp, implementation=implementation))
+        keys = dict(k=k, v=v, kv_lens=kv_lens, k_cmp=k_cmp, v_cmp=v_cmp)
+        if pools is not None and T == 1:  # a decode step over the pages, as they are
+            keys = dict(cache=cache.replace(lens=kv_lens))
+        return unroll(attention(q, **keys, **per_query, block_size=block_size, compress_block_size=compression[0],
+                                compress_stride=compression[1], window_size=window_size, scale=scale,
+                                implementation=implementation))
     kv_lens = _key_lens(kv_lens, q, k, cu_seqlens, lens_name)
     q, scale = _scaled(q, scale)  # a traced scale is folded into q once, for every branch
     windows = dict(block_size=compression[0], stride=compression[1])
@@ -444,8 +454,10 @@ def attention(q: Array, k: Optional[Array] = None, v: Optional[Array] = None, *,
     if g_cmp is not None and v_cmp is None:
         v_cmp = compress(v, **windows, cu_seqlens=cu_seqlens)
 
-    def branches(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, kv_lens):
-        """The output from the branches' ops, one after another."""
+    def branches(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, kv_lens, page_table=None):
+        """The output from the branches' ops, one after another (a paged cache's pools gathered first)."""
+        if page_table is not None:
+            k, v, k_cmp, v_cmp = gathered(page_table, k, v, k_cmp, v_cmp)
         common = dict(scale=scale, cu_seqlens=cu_seqlens, kv_lens=kv_lens, implementation=implementation)
         gated = []
         lse_cmp = None
@@ -464,8 +476,13 @@ def attention(q: Array, k: Optional[Array] = None, v: Optional[Array] = None, *,
         o = sum(o_b.astype(acc) if g is None else g[..., None].astype(acc) * o_b.astype(acc) for g, o_b in gated)
         return o.astype(q.dtype)
 
-    arrays = Step(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, kv_lens)
-    if kv_lens is not None and block_indices is None and g_cmp is not None:  # a serving step: maybe fused
+    serving = kv_lens is not None and block_indices is None and g_cmp is not None  # maybe a fused step
+    if pools is not None and not serving:
+        k, v, k_cmp, v_cmp = gathered(page_table, *pools)
+    elif pools is not None:  # the fused step reads the pages through the table; the ops gather them (`branches`)
+        k, v, k_cmp, v_cmp = pools
+    arrays = Step(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, kv_lens, page_table if serving else None)
+    if serving:
         static = _statics(block_counts=_slots(block_counts), block_size=block_size, compress_block_size=compression[0],
                           compress_stride=compression[1], window_size=window_size, scale=scale)
         return _dispatch.decode_step(implementation, static, branches, arrays)

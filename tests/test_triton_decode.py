@@ -15,6 +15,7 @@ runs too.
 import contextlib
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -128,8 +129,11 @@ def _check(got, ref, x):
     assert_close(lse[seen], lse_ref[seen], TOLERANCE[x.dtype], "lse")
 
 
+# each group at TQ = 1 and 5, the dtypes taking turns (each group and each TQ in every dtype of the CPU's
+# interpreter; on a GPU every combination): a dtype changes the loads' and stores' types, not the program
 CASES = pytest.mark.parametrize("group, TQ, dtype", [
-    pytest.param(g, tq, d, id=f"{g}-TQ{tq}-{d}") for g in GROUPS for tq in (1, 5) for d in DTYPES])
+    pytest.param(g, tq, d, id=f"{g}-TQ{tq}-{d}") for i, g in enumerate(GROUPS) for j, tq in enumerate((1, 5))
+    for n, d in enumerate(DTYPES) if ON_GPU or n == (i + j) % len(DTYPES)])
 
 
 @CASES
@@ -237,6 +241,66 @@ def test_fused_step_equals_the_ops(group, TQ, gated, window_size, gradient, monk
         assert not calls, "the fused kernels ran under jax.grad"
         for g, g_ops in zip(grads, grads_ops):
             np.testing.assert_array_equal(np.asarray(g), np.asarray(g_ops))
+
+
+def _paged(x, k_cmp, v_cmp, page, rng):
+    """x's contiguous cache (k, v and the compressed rows k_cmp, v_cmp of block 4) in pages of `page` tokens, as an
+    nsa.PagedKVCache: the sequences' pages in a random order in a pool with spare pages, every row nobody owns NaN;
+    sequence 0's table holds -1 and a page of sequence 1 past its length (rows it never reads)."""
+    MP = TK // page
+    P = B * MP + 3
+    order = rng.permutation(P)[:B * MP].reshape(B, MP)
+    table = order.copy()
+    table[0, 1] = order[1, 2]  # sequence 0 has TQ + 2 <= 7 tokens: page 0 alone holds them
+    table[0, 2:] = -1
+    pools = []
+    for seq, unit in ((x.k, 1), (x.v, 1), (k_cmp, 4), (v_cmp, 4)):
+        rows = page // unit
+        pool = np.full((P, rows) + seq.shape[2:], np.nan, np.float32)
+        for b in range(B):
+            for j in range(MP):
+                if table[b, j] == order[b, j]:
+                    pool[order[b, j]] = np.asarray(seq[b, j * rows:(j + 1) * rows], np.float32)
+        pools.append(jnp.asarray(pool, seq.dtype))
+    return nsa.PagedKVCache(*pools, page_table=jnp.asarray(table, jnp.int32), lens=jnp.asarray(x.lens),
+                            block_size=4)
+
+
+@pytest.mark.parametrize("group, TQ", [("G3", 1), ("G1", 5)], ids=["G3-decode", "G1-5-tokens"])
+def test_fused_step_reads_a_paged_cache_through_its_table(group, TQ, monkeypatch):
+    """nsa.attention over an nsa.PagedKVCache runs the fused kernels on its pools and page table (no gather of the
+    cache into each sequence's order: the step's jaxpr has no gather of a cache-sized array), and its output equals
+    that over the same rows in a contiguous KVCache bitwise: the same kernels read the same rows (pages of 16 tokens
+    in a random order, a NaN pool, -1 and another sequence's page in the table past a sequence's length)."""
+    x = Cache(group, TQ, "float32", seed=5)
+    k_cmp, v_cmp = (nsa.compress(y, block_size=4) for y in (x.k, x.v))
+    paged = _paged(x, k_cmp, v_cmp, 16, x.rng)
+    contiguous = nsa.KVCache(x.k, x.v, k_cmp, v_cmp, jnp.asarray(x.lens), block_size=4)
+    gates = [jnp.asarray(x.rng.uniform(0, 1, x.q.shape[:3]), jnp.float32) for _ in range(3)]
+
+    def step(q, cache):
+        return nsa.attention(q, cache=cache, g_cmp=gates[0], g_slc=gates[1], g_swa=gates[2], block_counts=3,
+                             window_size=24, implementation="triton")
+
+    calls = []
+    monkeypatch.setattr(decode, "attention", lambda *a, **kw: calls.append(decode.Step(*a)) or FUSED(*a, **kw))
+    got = step(x.q, paged)
+    assert len(calls) == 1 and calls[0].page_table is not None and calls[0].k.shape == paged.k.shape
+    want = step(x.q, contiguous)
+    assert calls[1].page_table is None
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert np.all(np.isfinite(np.asarray(got)))
+
+    def gathers(jaxpr):  # the output shapes of every gather, sub-jaxprs included
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "gather":
+                yield from (v.aval.shape for v in eqn.outvars)
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                yield from gathers(sub)
+
+    cache_rows = B * TK  # every sequence's rows [B, MP, S, H, D]: what `nsa._kvcache.gathered` makes of the pages
+    shapes = list(gathers(jax.make_jaxpr(step)(x.q, paged).jaxpr))
+    assert not [s for s in shapes if np.prod(s[:-2]) >= cache_rows], shapes
 
 
 def test_default_config_and_applies():

@@ -8,6 +8,7 @@ x * LOG2E in base 2, and a base-2 value y is y * LN2 in natural log (the lse eve
 
 import math
 
+import jax.numpy as jnp
 import triton
 import triton.language as tl
 
@@ -47,10 +48,45 @@ def online_step(m, l_sum, acc, s, v, visible, IEEE: tl.constexpr):
 
 
 @triton.jit
+def sequence_rows(b, pos, load, h, NK: tl.constexpr, H: tl.constexpr):
+    """The int64 rows (b * NK + pos) * H + h of a contiguous cache [B, NK, H, D] seen as rows of D: positions pos
+    [N] of sequence b (int64), KV head h; where not `load`, position 0's (in bounds, for a masked load)."""
+    return (b * NK + tl.where(load, pos, 0)) * H + h
+
+
+@triton.jit
+def cache_rows(PAGES, b, pos, load, h, NK: tl.constexpr, H: tl.constexpr, PAGE: tl.constexpr, MP: tl.constexpr,
+               NP: tl.constexpr):
+    """The int64 rows of positions pos [N] of sequence b (int64), KV head h, in a cache seen as rows of D: PAGE = 0,
+    a contiguous cache [B, NK, H, D] (`sequence_rows`; PAGES unused); PAGE > 0, a pool of NP pages of PAGE rows
+    [NP, PAGE, H, D] that the page table PAGES int32 [B, MP] maps each sequence onto (position j of sequence b is
+    row j % PAGE of page PAGES[b, j // PAGE]): (page * PAGE + pos % PAGE) * H + h, the page table read only where
+    `load`, a page id outside [0, NP) clipped into the pool (a step never reads past it, whatever the table
+    holds)."""
+    if PAGE > 0:
+        pos = tl.where(load, pos, 0)
+        page = tl.load(PAGES + b * MP + pos // PAGE, mask=load, other=0)
+        page = tl.minimum(tl.maximum(page, 0), NP - 1).to(tl.int64)
+        rows = (page * PAGE + pos % PAGE) * H + h
+    else:
+        rows = sequence_rows(b, pos, load, h, NK=NK, H=H)
+    return rows
+
+
+@triton.jit
 def runs(first_a, last_a, runs_a, first_b, last_b, runs_b):
     """Combine of an associative scan: (first value, last value, number of runs of equal values) of a stretch
     of a sequence, from those of its two halves (a sorted tile's ranks: its distinct values counted)."""
     return first_a, last_b, runs_a + runs_b - (last_a == first_b).to(tl.int32)
+
+
+def paging(page_table, pool):
+    """(the PAGES input, the constexprs PAGE, MP, NP): how a kernel finds each sequence's rows (`cache_rows`) in
+    `pool` [NP, PAGE, H, D] through page_table int [B, MP]; page_table None: a contiguous cache (PAGE = 0, PAGES
+    unread)."""
+    if page_table is None:
+        return jnp.zeros((1,), jnp.int32), dict(PAGE=0, MP=1, NP=1)
+    return page_table.astype(jnp.int32), dict(PAGE=pool.shape[1], MP=page_table.shape[1], NP=pool.shape[0])
 
 
 def device():

@@ -22,18 +22,15 @@ CURRENT, PREVIOUS, FIRST = (tl.constexpr(r) for r in (reference.CURRENT, referen
 
 
 @triton.jit
-def logits(q_tile, k_cmp, rows, load, b, h,
-           NC: tl.constexpr, H: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr,
-           SCALE: tl.constexpr, IEEE: tl.constexpr):
-    """Base-2 logits [M, BC] of the tile's query rows q_tile [M, DKP] against the compressed rows
-    `rows` [BC] of KV head h; loads the key chunk transposed, k_cmp [B, NC, H, DK] -> [DKP, BC], only
-    the rows where `load` (the others read as 0). The caller masks the logits of rows a query does not
-    see: a row loaded for another token of the tile may hold anything (NaN too), and it only spoils its
-    own column."""
+def logits(q_tile, k_cmp, k_rows, load, DK: tl.constexpr, DKP: tl.constexpr, SCALE: tl.constexpr,
+           IEEE: tl.constexpr):
+    """Base-2 logits [M, BC] of the tile's query rows q_tile [M, DKP] against a chunk of compressed rows: k_rows
+    [BC], their int64 rows of k_cmp seen as rows of DK (`nsa.triton._common.sequence_rows`, `cache_rows`); loads
+    the chunk transposed, [DKP, BC], only where `load` (the others read as 0). The caller masks the logits of rows
+    a query does not see: a row loaded for another token of the tile may hold anything (NaN too), and it only
+    spoils its own column."""
     dk = tl.arange(0, DKP)
-    k_row = b * NC + tl.where(load, rows, 0)  # masked lanes keep an in-bounds address
-    k_t = tl.load(k_cmp + (k_row * H + h)[None, :] * DK + dk[:, None],
-                  mask=load[None, :] & (dk < DK)[:, None], other=0.0)
+    k_t = tl.load(k_cmp + k_rows[None, :] * DK + dk[:, None], mask=load[None, :] & (dk < DK)[:, None], other=0.0)
     if IEEE:
         s = tl.dot(q_tile, k_t, input_precision="ieee")
     else:

@@ -46,11 +46,11 @@ import jax.numpy as jnp
 import triton
 import triton.language as tl
 
-from nsa._config import Shapes, Step, expect, positive, power_of_two, validated
+from nsa._config import Shapes, Step, expect, as_sequences, positive, power_of_two, validated
 from nsa._device import KiB
 from nsa._varlen import cdiv
 from nsa.triton import _launch, _splits, decode_select
-from nsa.triton._common import LN2, LOG2E, check, check_keys, device, online_step, pow2, runs
+from nsa.triton._common import LN2, LOG2E, cache_rows, check, check_keys, device, online_step, paging, pow2, runs
 from nsa.triton._splits import split_stats
 from nsa.triton._topk import complete_rows
 
@@ -122,13 +122,15 @@ def _store_partial(ACC, M, L, m, l_sum, acc, bh, split, r, ok, R: tl.constexpr, 
 
 
 @triton.jit
-def _interval(Q, K, V, KV_LENS, bh, split, NSPLIT: tl.constexpr, TQ: tl.constexpr, NK: tl.constexpr,
+def _interval(Q, K, V, KV_LENS, PAGES, bh, split, NSPLIT: tl.constexpr, TQ: tl.constexpr, NK: tl.constexpr,
               HQ: tl.constexpr, H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexpr,
               DVP: tl.constexpr, RP: tl.constexpr, BLOCK_N: tl.constexpr, COMPRESSED: tl.constexpr,
-              WINDOW: tl.constexpr, BS: tl.constexpr, STRIDE: tl.constexpr, SCALE: tl.constexpr):
+              WINDOW: tl.constexpr, BS: tl.constexpr, STRIDE: tl.constexpr, SCALE: tl.constexpr,
+              PAGE: tl.constexpr, MP: tl.constexpr, NP: tl.constexpr):
     """The window or compressed attention of one (b * H + h = bh, split) program, as softmax state.
 
-    Row r (token t at position p = kv_lens[b] - TQ + t) sees the key rows [lo, hi] of K [B, NK, H, DK]:
+    Row r (token t at position p = kv_lens[b] - TQ + t) sees the key rows [lo, hi] of its sequence in K
+    ([B, NK, H, DK], or with PAGE > 0 a pool of pages through the page table PAGES: `cache_rows`):
     window (COMPRESSED false), [p - WINDOW + 1, p]; compressed (windows of BS tokens every STRIDE), the rows i
     with i * STRIDE + BS <= p + 1, [0, (p + 1) // BS - 1] when STRIDE = BS; both clipped to
     [0, NK - 1]. The rows any token sees, [k_lo, k_hi], are cut into tiles of BLOCK_N keys and the tiles into
@@ -164,7 +166,8 @@ def _interval(Q, K, V, KV_LENS, bh, split, NSPLIT: tl.constexpr, TQ: tl.constexp
     for i in range(first, last):
         offs = k_lo + i * BLOCK_N + tl.arange(0, BLOCK_N)
         load = offs <= k_hi
-        k_t, v = _keys(K, V, (b * NK + tl.where(load, offs, 0)) * H + h, load, DK=DK, DV=DV, DKP=DKP, DVP=DVP)
+        rows = cache_rows(PAGES, b, offs, load, h, NK=NK, H=H, PAGE=PAGE, MP=MP, NP=NP)
+        k_t, v = _keys(K, V, rows, load, DK=DK, DV=DV, DKP=DKP, DVP=DVP)
         s = tl.dot(q, k_t, input_precision="ieee") * (SCALE * LOG2E)
         visible = seen[:, None] & (offs[None, :] >= lo[:, None]) & (offs[None, :] <= hi[:, None])
         m, l_sum, acc = online_step(m, l_sum, acc, s, v, visible, IEEE=True)
@@ -172,30 +175,31 @@ def _interval(Q, K, V, KV_LENS, bh, split, NSPLIT: tl.constexpr, TQ: tl.constexp
 
 
 @triton.jit
-def _interval_kernel(Q, K, V, KV_LENS, O, LSE,
+def _interval_kernel(Q, K, V, KV_LENS, PAGES, O, LSE,
                      TQ: tl.constexpr, NK: tl.constexpr, HQ: tl.constexpr, H: tl.constexpr, DK: tl.constexpr,
                      DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr, RP: tl.constexpr,
                      BLOCK_N: tl.constexpr, COMPRESSED: tl.constexpr, WINDOW: tl.constexpr, BS: tl.constexpr,
-                     STRIDE: tl.constexpr, SCALE: tl.constexpr):
+                     STRIDE: tl.constexpr, SCALE: tl.constexpr, PAGE: tl.constexpr, MP: tl.constexpr,
+                     NP: tl.constexpr):
     """Window or compressed decode attention, one split: o [B, TQ, HQ, DV] and lse [B, TQ, HQ].
 
     Grid (B * H,). Loads q [B, TQ, HQ, DK] (the tile's RP x DKP rows), kv_lens [B], then every key tile
     the tile's tokens see (`_interval`); stores o and lse of its R = TQ * G rows.
     """
-    m, l_sum, acc, r, ok, q_rows = _interval(Q, K, V, KV_LENS, tl.program_id(0), 0, NSPLIT=1, TQ=TQ, NK=NK, HQ=HQ,
-                                             H=H, DK=DK, DV=DV, DKP=DKP, DVP=DVP, RP=RP, BLOCK_N=BLOCK_N,
+    m, l_sum, acc, r, ok, q_rows = _interval(Q, K, V, KV_LENS, PAGES, tl.program_id(0), 0, NSPLIT=1, TQ=TQ, NK=NK,
+                                             HQ=HQ, H=H, DK=DK, DV=DV, DKP=DKP, DVP=DVP, RP=RP, BLOCK_N=BLOCK_N,
                                              COMPRESSED=COMPRESSED, WINDOW=WINDOW, BS=BS, STRIDE=STRIDE,
-                                             SCALE=SCALE)
+                                             SCALE=SCALE, PAGE=PAGE, MP=MP, NP=NP)
     _store_final(O, LSE, m, l_sum, acc, q_rows, ok, DV=DV, DVP=DVP)
 
 
 @triton.jit
-def _interval_split_kernel(Q, K, V, KV_LENS, ACC, M, L,
+def _interval_split_kernel(Q, K, V, KV_LENS, PAGES, ACC, M, L,
                            TQ: tl.constexpr, NK: tl.constexpr, HQ: tl.constexpr, H: tl.constexpr,
                            DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr,
                            RP: tl.constexpr, BLOCK_N: tl.constexpr, COMPRESSED: tl.constexpr,
                            WINDOW: tl.constexpr, BS: tl.constexpr, STRIDE: tl.constexpr, SCALE: tl.constexpr,
-                           NSPLIT: tl.constexpr):
+                           PAGE: tl.constexpr, MP: tl.constexpr, NP: tl.constexpr, NSPLIT: tl.constexpr):
     """Window or compressed decode attention, NSPLIT splits: float32 partials for `_combine_kernel`.
 
     Grid (B * H, NSPLIT). Loads q (RP x DKP), kv_lens [B] and the key tiles of its share (`_interval`);
@@ -204,17 +208,18 @@ def _interval_split_kernel(Q, K, V, KV_LENS, ACC, M, L,
     """
     bh = tl.program_id(0)
     split = tl.program_id(1)
-    m, l_sum, acc, r, ok, _ = _interval(Q, K, V, KV_LENS, bh, split, NSPLIT=NSPLIT, TQ=TQ, NK=NK, HQ=HQ, H=H, DK=DK,
-                                        DV=DV, DKP=DKP, DVP=DVP, RP=RP, BLOCK_N=BLOCK_N, COMPRESSED=COMPRESSED,
-                                        WINDOW=WINDOW, BS=BS, STRIDE=STRIDE, SCALE=SCALE)
+    m, l_sum, acc, r, ok, _ = _interval(Q, K, V, KV_LENS, PAGES, bh, split, NSPLIT=NSPLIT, TQ=TQ, NK=NK, HQ=HQ, H=H,
+                                        DK=DK, DV=DV, DKP=DKP, DVP=DVP, RP=RP, BLOCK_N=BLOCK_N, COMPRESSED=COMPRESSED,
+                                        WINDOW=WINDOW, BS=BS, STRIDE=STRIDE, SCALE=SCALE, PAGE=PAGE, MP=MP, NP=NP)
     _store_partial(ACC, M, L, m, l_sum, acc, bh, split, r, ok, R=TQ * (HQ // H), NSPLIT=NSPLIT, DV=DV, DVP=DVP)
 
 
 @triton.jit
-def _selected(Q, K, V, IDX, COUNTS, KV_LENS, bh, split, NSPLIT: tl.constexpr, TQ: tl.constexpr,
+def _selected(Q, K, V, IDX, COUNTS, KV_LENS, PAGES, bh, split, NSPLIT: tl.constexpr, TQ: tl.constexpr,
               TK: tl.constexpr, HQ: tl.constexpr, H: tl.constexpr, S: tl.constexpr, DK: tl.constexpr,
               DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr, RP: tl.constexpr, TQP: tl.constexpr,
-              SP: tl.constexpr, BS: tl.constexpr, BSP: tl.constexpr, NSUB: tl.constexpr, SCALE: tl.constexpr):
+              SP: tl.constexpr, BS: tl.constexpr, BSP: tl.constexpr, NSUB: tl.constexpr, SCALE: tl.constexpr,
+              PAGE: tl.constexpr, MP: tl.constexpr, NP: tl.constexpr):
     """The selected attention of one (b * H + h = bh, split) program, as softmax state.
 
     Token t (position p_t = kv_lens[b] - TQ + t) lists the blocks IDX[b, t, h, :COUNTS[b, t, h]] (IDX
@@ -223,7 +228,8 @@ def _selected(Q, K, V, IDX, COUNTS, KV_LENS, bh, split, NSPLIT: tl.constexpr, TQ
     distinct blocks are the values of ranks 1 .. num, in increasing order, cut into NSPLIT shares. This
     program walks share `split`: block i is the value of rank i + 1 (computed from i alone, so the loop
     carries no block state), loaded once for all RP rows in NSUB chunks of BSP keys (k transposed
-    [DKP, BSP], v [BSP, DVP]; only keys before kv_lens[b]). Row r sees key u of the block iff its token
+    [DKP, BSP], v [BSP, DVP]; only keys before kv_lens[b]; with PAGE > 0 from the pool of pages K, V through
+    the page table PAGES, `cache_rows`). Row r sees key u of the block iff its token
     lists the block and u <= its position; a token that lists it k times adds log2(k) to its rows' logits
     (attended k times). Returns (m, l_sum, acc, r, ok, q_rows).
     """
@@ -266,8 +272,8 @@ def _selected(Q, K, V, IDX, COUNTS, KV_LENS, bh, split, NSPLIT: tl.constexpr, TQ
             j = chunk * BSP + tl.arange(0, BSP)
             key_pos = blk * BS + j
             load = (j < BS) & (key_pos < key_end)
-            k_t, v = _keys(K, V, (b * TK + tl.where(load, key_pos, 0)) * H + h, load, DK=DK, DV=DV, DKP=DKP,
-                           DVP=DVP)
+            rows = cache_rows(PAGES, b, key_pos, load, h, NK=TK, H=H, PAGE=PAGE, MP=MP, NP=NP)
+            k_t, v = _keys(K, V, rows, load, DK=DK, DV=DV, DKP=DKP, DVP=DVP)
             s = tl.dot(q, k_t, input_precision="ieee") * (SCALE * LOG2E) + bias[:, None]
             visible = (times > 0)[:, None] & load[None, :] & (key_pos[None, :] <= p_row[:, None])
             m, l_sum, acc = online_step(m, l_sum, acc, s, v, visible, IEEE=True)
@@ -275,29 +281,31 @@ def _selected(Q, K, V, IDX, COUNTS, KV_LENS, bh, split, NSPLIT: tl.constexpr, TQ
 
 
 @triton.jit
-def _selected_kernel(Q, K, V, IDX, COUNTS, KV_LENS, O, LSE,
+def _selected_kernel(Q, K, V, IDX, COUNTS, KV_LENS, PAGES, O, LSE,
                      TQ: tl.constexpr, TK: tl.constexpr, HQ: tl.constexpr, H: tl.constexpr, S: tl.constexpr,
                      DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr, RP: tl.constexpr,
                      TQP: tl.constexpr, SP: tl.constexpr, BS: tl.constexpr, BSP: tl.constexpr,
-                     NSUB: tl.constexpr, SCALE: tl.constexpr):
+                     NSUB: tl.constexpr, SCALE: tl.constexpr, PAGE: tl.constexpr, MP: tl.constexpr,
+                     NP: tl.constexpr):
     """Selected decode attention, one split: o [B, TQ, HQ, DV] and lse [B, TQ, HQ].
 
     Grid (B * H,). Loads q (RP x DKP), kv_lens [B], the slots IDX [B, TQ, H, S] and COUNTS [B, TQ, H] of
     its TQ tokens, then each distinct listed block once (`_selected`); stores o and lse of its R rows.
     """
-    m, l_sum, acc, r, ok, q_rows = _selected(Q, K, V, IDX, COUNTS, KV_LENS, tl.program_id(0), 0, NSPLIT=1, TQ=TQ,
-                                             TK=TK, HQ=HQ, H=H, S=S, DK=DK, DV=DV, DKP=DKP, DVP=DVP, RP=RP, TQP=TQP,
-                                             SP=SP, BS=BS, BSP=BSP, NSUB=NSUB, SCALE=SCALE)
+    m, l_sum, acc, r, ok, q_rows = _selected(Q, K, V, IDX, COUNTS, KV_LENS, PAGES, tl.program_id(0), 0, NSPLIT=1,
+                                             TQ=TQ, TK=TK, HQ=HQ, H=H, S=S, DK=DK, DV=DV, DKP=DKP, DVP=DVP, RP=RP,
+                                             TQP=TQP, SP=SP, BS=BS, BSP=BSP, NSUB=NSUB, SCALE=SCALE, PAGE=PAGE, MP=MP,
+                                             NP=NP)
     _store_final(O, LSE, m, l_sum, acc, q_rows, ok, DV=DV, DVP=DVP)
 
 
 @triton.jit
-def _selected_split_kernel(Q, K, V, IDX, COUNTS, KV_LENS, ACC, M, L,
+def _selected_split_kernel(Q, K, V, IDX, COUNTS, KV_LENS, PAGES, ACC, M, L,
                            TQ: tl.constexpr, TK: tl.constexpr, HQ: tl.constexpr, H: tl.constexpr,
                            S: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexpr,
                            DVP: tl.constexpr, RP: tl.constexpr, TQP: tl.constexpr, SP: tl.constexpr,
                            BS: tl.constexpr, BSP: tl.constexpr, NSUB: tl.constexpr, SCALE: tl.constexpr,
-                           NSPLIT: tl.constexpr):
+                           PAGE: tl.constexpr, MP: tl.constexpr, NP: tl.constexpr, NSPLIT: tl.constexpr):
     """Selected decode attention, NSPLIT splits: float32 partials for `_combine_kernel`.
 
     Grid (B * H, NSPLIT). Loads as `_selected_kernel`, but only the blocks of its share; stores acc
@@ -305,9 +313,9 @@ def _selected_split_kernel(Q, K, V, IDX, COUNTS, KV_LENS, ACC, M, L,
     """
     bh = tl.program_id(0)
     split = tl.program_id(1)
-    m, l_sum, acc, r, ok, _ = _selected(Q, K, V, IDX, COUNTS, KV_LENS, bh, split, NSPLIT=NSPLIT, TQ=TQ, TK=TK, HQ=HQ,
-                                        H=H, S=S, DK=DK, DV=DV, DKP=DKP, DVP=DVP, RP=RP, TQP=TQP, SP=SP, BS=BS,
-                                        BSP=BSP, NSUB=NSUB, SCALE=SCALE)
+    m, l_sum, acc, r, ok, _ = _selected(Q, K, V, IDX, COUNTS, KV_LENS, PAGES, bh, split, NSPLIT=NSPLIT, TQ=TQ, TK=TK,
+                                        HQ=HQ, H=H, S=S, DK=DK, DV=DV, DKP=DKP, DVP=DVP, RP=RP, TQP=TQP, SP=SP, BS=BS,
+                                        BSP=BSP, NSUB=NSUB, SCALE=SCALE, PAGE=PAGE, MP=MP, NP=NP)
     _store_partial(ACC, M, L, m, l_sum, acc, bh, split, r, ok, R=TQ * (HQ // H), NSPLIT=NSPLIT, DV=DV, DVP=DVP)
 
 
@@ -368,32 +376,35 @@ def _combine_kernel(ACC, M, L, O, LSE,
 
 
 @triton.jit
-def _cmp_window_split_kernel(Q, K, V, K_CMP, V_CMP, KV_LENS, ACC_C, M_C, L_C, ACC_W, M_W, L_W,
+def _cmp_window_split_kernel(Q, K, V, K_CMP, V_CMP, KV_LENS, PAGES, ACC_C, M_C, L_C, ACC_W, M_W, L_W,
                              TQ: tl.constexpr, TK: tl.constexpr, NC: tl.constexpr, HQ: tl.constexpr,
                              H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexpr,
                              DVP: tl.constexpr, RP: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_W: tl.constexpr,
                              WINDOW: tl.constexpr, BS: tl.constexpr, STRIDE: tl.constexpr, SCALE: tl.constexpr,
-                             NS_C: tl.constexpr,
-                             NS_W: tl.constexpr):
+                             NS_C: tl.constexpr, NS_W: tl.constexpr, PAGE: tl.constexpr, PAGE_C: tl.constexpr,
+                             MP: tl.constexpr, NP: tl.constexpr):
     """The fused decode step's first launch: compressed and window attention, float32 partials of each.
 
     Grid (B * H, NS_C + NS_W): programs (bh, s < NS_C) take share s of the compressed rows K_CMP, V_CMP
     [B, NC, H, D] (tiles of BLOCK_C), the others share s - NS_C of the window's keys K, V [B, TK, H, D]
     (tiles of BLOCK_W), as `_interval_split_kernel`; stores acc, m and l into ACC_C, M_C, L_C [B * H, NS_C,
-    R, ..] or ACC_W, M_W, L_W [B * H, NS_W, R, ..].
+    R, ..] or ACC_W, M_W, L_W [B * H, NS_W, R, ..]. A paged cache (PAGE > 0): K, V are pools of pages of PAGE
+    rows, K_CMP, V_CMP of PAGE_C = PAGE / STRIDE compressed rows, both through the page table PAGES [B, MP].
     """
     bh = tl.program_id(0)
     split = tl.program_id(1)
     R: tl.constexpr = TQ * (HQ // H)
     if split < NS_C:
-        m, l_sum, acc, r, ok, _ = _interval(Q, K_CMP, V_CMP, KV_LENS, bh, split, NSPLIT=NS_C, TQ=TQ, NK=NC, HQ=HQ, H=H,
-                                            DK=DK, DV=DV, DKP=DKP, DVP=DVP, RP=RP, BLOCK_N=BLOCK_C, COMPRESSED=True,
-                                            WINDOW=0, BS=BS, STRIDE=STRIDE, SCALE=SCALE)
+        m, l_sum, acc, r, ok, _ = _interval(Q, K_CMP, V_CMP, KV_LENS, PAGES, bh, split, NSPLIT=NS_C, TQ=TQ, NK=NC,
+                                            HQ=HQ, H=H, DK=DK, DV=DV, DKP=DKP, DVP=DVP, RP=RP, BLOCK_N=BLOCK_C,
+                                            COMPRESSED=True, WINDOW=0, BS=BS, STRIDE=STRIDE, SCALE=SCALE,
+                                            PAGE=PAGE_C, MP=MP, NP=NP)
         _store_partial(ACC_C, M_C, L_C, m, l_sum, acc, bh, split, r, ok, R=R, NSPLIT=NS_C, DV=DV, DVP=DVP)
     else:
-        m, l_sum, acc, r, ok, _ = _interval(Q, K, V, KV_LENS, bh, split - NS_C, NSPLIT=NS_W, TQ=TQ, NK=TK, HQ=HQ, H=H,
-                                            DK=DK, DV=DV, DKP=DKP, DVP=DVP, RP=RP, BLOCK_N=BLOCK_W, COMPRESSED=False,
-                                            WINDOW=WINDOW, BS=1, STRIDE=1, SCALE=SCALE)
+        m, l_sum, acc, r, ok, _ = _interval(Q, K, V, KV_LENS, PAGES, bh, split - NS_C, NSPLIT=NS_W, TQ=TQ, NK=TK,
+                                            HQ=HQ, H=H, DK=DK, DV=DV, DKP=DKP, DVP=DVP, RP=RP, BLOCK_N=BLOCK_W,
+                                            COMPRESSED=False, WINDOW=WINDOW, BS=1, STRIDE=1, SCALE=SCALE, PAGE=PAGE,
+                                            MP=MP, NP=NP)
         _store_partial(ACC_W, M_W, L_W, m, l_sum, acc, bh, split - NS_C, r, ok, R=R, NSPLIT=NS_W, DV=DV, DVP=DVP)
 
 
@@ -568,10 +579,11 @@ def window(q, k, v, kv_lens, *, window_size, scale, config=None):
     _check(q, k, v, kv_lens)
     W = min(int(window_size), k.shape[1])  # a wider window sees the same keys
     cfg = default_config(Shapes.of(q, k, v, window_size=W), q.dtype, device()) if config is None else config
+    pages, pages_meta = paging(None, k)
     meta = dict(_meta(q, k, v, scale, cfg), NK=k.shape[1], BLOCK_N=cfg.block_n, COMPRESSED=False, WINDOW=W, BS=1,
-                STRIDE=1)
+                STRIDE=1, **pages_meta)
     return _run(_interval_kernel, _interval_split_kernel, q, v,
-                dict(Q=q, K=k, V=v, KV_LENS=kv_lens.astype(jnp.int32)), cfg, meta)
+                dict(Q=q, K=k, V=v, KV_LENS=kv_lens.astype(jnp.int32), PAGES=pages), cfg, meta)
 
 
 def compressed(q, k_cmp, v_cmp, kv_lens, *, block_size, stride, scale, config=None):
@@ -582,10 +594,11 @@ def compressed(q, k_cmp, v_cmp, kv_lens, *, block_size, stride, scale, config=No
     _check(q, k_cmp, v_cmp, kv_lens, ("k_cmp", "v_cmp"))
     shapes = Shapes.of(q, k_cmp, v_cmp, block_size=int(block_size))
     cfg = default_config(shapes, q.dtype, device()) if config is None else config
+    pages, pages_meta = paging(None, k_cmp)
     meta = dict(_meta(q, k_cmp, v_cmp, scale, cfg), NK=k_cmp.shape[1], BLOCK_N=cfg.block_n, COMPRESSED=True,
-                WINDOW=0, BS=int(block_size), STRIDE=int(stride))
+                WINDOW=0, BS=int(block_size), STRIDE=int(stride), **pages_meta)
     return _run(_interval_kernel, _interval_split_kernel, q, v_cmp,
-                dict(Q=q, K=k_cmp, V=v_cmp, KV_LENS=kv_lens.astype(jnp.int32)), cfg, meta)
+                dict(Q=q, K=k_cmp, V=v_cmp, KV_LENS=kv_lens.astype(jnp.int32), PAGES=pages), cfg, meta)
 
 
 def selected(q, k, v, block_indices, block_counts, kv_lens, *, block_size, scale, config=None):
@@ -599,8 +612,12 @@ def selected(q, k, v, block_indices, block_counts, kv_lens, *, block_size, scale
     return _run(_selected_kernel, _selected_split_kernel, q, v, inputs, cfg, meta)
 
 
-def _selected_launch(q, k, v, block_indices, block_counts, kv_lens, *, block_size, scale, config):
-    """The inputs, Config and constexprs of the selected kernels (`selected`)."""
+def _selected_launch(q, k, v, block_indices, block_counts, kv_lens, *, block_size, scale, config, page_table=None):
+    """The inputs, Config and constexprs of the selected kernels (`selected`; with a page_table [B, MP], k and v
+    are pools of pages, nsa._config.Step's)."""
+    pages, pages_meta = paging(page_table, k)
+    k_pool, v_pool = k, v
+    k, v = as_sequences(k, page_table), as_sequences(v, page_table)
     _check(q, k, v, kv_lens)
     B, TQ, _, _ = q.shape
     TK, H, S = k.shape[1], k.shape[2], block_indices.shape[-1]
@@ -616,8 +633,9 @@ def _selected_launch(q, k, v, block_indices, block_counts, kv_lens, *, block_siz
         idx = jnp.clip(idx, -1, TK // bs + 1).astype(jnp.int32)  # the same validity
     tqp = triton.next_power_of_2(TQ)
     meta = dict(_meta(q, k, v, scale, cfg), TK=TK, S=S, TQP=tqp, SP=max(triton.next_power_of_2(S), 16 // tqp),
-                BS=bs, BSP=cfg.block_n, NSUB=cdiv(bs, cfg.block_n))
-    inputs = dict(Q=q, K=k, V=v, IDX=idx, COUNTS=block_counts.astype(jnp.int32), KV_LENS=kv_lens.astype(jnp.int32))
+                BS=bs, BSP=cfg.block_n, NSUB=cdiv(bs, cfg.block_n), **pages_meta)
+    inputs = dict(Q=q, K=k_pool, V=v_pool, IDX=idx, COUNTS=block_counts.astype(jnp.int32),
+                  KV_LENS=kv_lens.astype(jnp.int32), PAGES=pages)
     return inputs, cfg, meta
 
 
@@ -632,12 +650,21 @@ def attention(*arrays, block_counts, block_size, compress_block_size, compress_s
     attention's lse from those partials; (4) `_selected_split_kernel`; (5) `_attention_combine_kernel`: every
     branch's splits merged, rounded to q's dtype and gated, as nsa.attention sums them. Each split count and
     tile is its op's `default_config`; the first launch takes the larger warps and the fewer stages of its two
-    branches.
+    branches. A paged cache (the Step's page_table [B, MP]): every kernel reads the pools' rows through the page
+    table itself (`nsa.triton._common.cache_rows`), nothing is gathered.
     """
     step = Step(*arrays)
-    q, k, v, k_cmp, v_cmp = step.q, step.k, step.v, step.k_cmp, step.v_cmp
+    table = step.page_table
+    q, k, v, k_cmp, v_cmp = step.q, *(as_sequences(x, table) for x in (step.k, step.v, step.k_cmp, step.v_cmp))
     _check(q, k, v, step.kv_lens)
     _check(q, k_cmp, v_cmp, step.kv_lens, ("k_cmp", "v_cmp"))
+    pages, pages_meta = paging(table, step.k)
+    if table is not None:
+        check(table.ndim == 2 and table.shape[0] == q.shape[0], "page_table", f"shape [B, MP] with B = {q.shape[0]}",
+              tuple(table.shape))
+        check(step.k_cmp.shape[0] == step.k.shape[0] and step.k_cmp.shape[1] * int(compress_stride) == step.k.shape[1],
+              "k_cmp", f"a pool of {step.k.shape[0]} pages of {step.k.shape[1]} // compress_stride = "
+              f"{step.k.shape[1] // int(compress_stride)} rows (k's pages, compressed)", tuple(step.k_cmp.shape))
     B, TQ, HQ, _ = q.shape
     TK, NC, H, Dv = k.shape[1], k_cmp.shape[1], k.shape[2], v.shape[3]
     R = TQ * (HQ // H)
@@ -650,19 +677,19 @@ def attention(*arrays, block_counts, block_size, compress_block_size, compress_s
     cmp_parts, win_parts = _partials(B, H, cfg_c.splits, R, Dv), _partials(B, H, max(1, ns_w), R, Dv)
     acc_c, m_c, l_c, acc_w, m_w, l_w = _launch.launch(
         _cmp_window_split_kernel, grid=(B * H, cfg_c.splits + ns_w),
-        inputs=dict(Q=q, K=k, V=v, K_CMP=k_cmp, V_CMP=v_cmp, KV_LENS=kv_lens),
+        inputs=dict(Q=q, K=step.k, V=step.v, K_CMP=step.k_cmp, V_CMP=step.v_cmp, KV_LENS=kv_lens, PAGES=pages),
         outputs={f"{name}_{branch}": shape for branch, parts in (("C", cmp_parts), ("W", win_parts))
                  for name, shape in parts.items()},
         **dict(_meta(q, k, v, scale, cfg_c), num_warps=max(cfg_c.num_warps, cfg_w.num_warps),
                num_stages=min(cfg_c.num_stages, cfg_w.num_stages)),
         TK=TK, NC=NC, BLOCK_C=cfg_c.block_n, BLOCK_W=cfg_w.block_n, WINDOW=W, BS=int(compress_block_size),
-        STRIDE=int(compress_stride), NS_C=cfg_c.splits,
-        NS_W=ns_w)
-    idx = decode_select.forward(q, k_cmp, None, kv_lens, block_counts=block_counts, block_size=block_size,
-                                scale=scale, lse_parts=(m_c, l_c))
+        STRIDE=int(compress_stride), NS_C=cfg_c.splits, NS_W=ns_w, PAGE_C=pages_meta["PAGE"] // int(compress_stride),
+        **pages_meta)
+    idx = decode_select.forward(q, step.k_cmp, None, kv_lens, block_counts=block_counts, block_size=block_size,
+                                scale=scale, lse_parts=(m_c, l_c), page_table=table)
     counts = jnp.full(idx.shape[:3], idx.shape[3], jnp.int32)  # every slot (unused ones are -1)
-    inputs, cfg_s, meta = _selected_launch(q, k, v, idx, counts, kv_lens, block_size=block_size, scale=scale,
-                                           config=None)
+    inputs, cfg_s, meta = _selected_launch(q, step.k, step.v, idx, counts, kv_lens, block_size=block_size,
+                                           scale=scale, config=None, page_table=table)
     acc_s, m_s, l_s = _launch.launch(_selected_split_kernel, grid=(B * H, cfg_s.splits), inputs=inputs,
                                      outputs=_partials(B, H, cfg_s.splits, R, Dv), NSPLIT=cfg_s.splits, **meta)
     gates = dict(G_CMP=step.g_cmp, G_SLC=step.g_slc, G_SWA=step.g_swa)

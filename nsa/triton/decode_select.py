@@ -17,10 +17,10 @@ import jax.numpy as jnp
 import triton
 import triton.language as tl
 
-from nsa._config import Shapes, positive, power_of_two, validated
+from nsa._config import Shapes, as_sequences, positive, power_of_two, validated
 from nsa._varlen import cdiv
 from nsa.triton import _launch, _splits, _topk
-from nsa.triton._common import LOG2E, check, device
+from nsa.triton._common import LOG2E, cache_rows, check, device, paging
 from nsa.triton._splits import split_stats
 from nsa.triton._topk import ids, keys, logits, merge_top, store_top
 
@@ -35,12 +35,12 @@ MAX_SPLITS = 64
 
 
 @triton.jit
-def _decode_split_kernel(q, k_cmp, lse, m_cmp, l_cmp, kv_lens, top, out,
+def _decode_split_kernel(q, k_cmp, lse, m_cmp, l_cmp, kv_lens, pages, top, out,
                          TQ: tl.constexpr, NC: tl.constexpr, H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr,
                          BS: tl.constexpr, S: tl.constexpr, SCALE: tl.constexpr, GR: tl.constexpr,
                          TQP: tl.constexpr, DKP: tl.constexpr, BC: tl.constexpr, SP: tl.constexpr,
                          IEEE: tl.constexpr, NSPLIT: tl.constexpr, LSE_SPLITS: tl.constexpr,
-                         LSE_NSP: tl.constexpr):
+                         LSE_NSP: tl.constexpr, PAGE: tl.constexpr, MP: tl.constexpr, NP: tl.constexpr):
     """Decode: the running top of the TQ queries of one KV head over one share of the candidate blocks.
 
     The TQ queries are the last tokens of batch row b (query t at position p_t = kv_lens[b] - TQ + t, its
@@ -50,7 +50,8 @@ def _decode_split_kernel(q, k_cmp, lse, m_cmp, l_cmp, kv_lens, top, out,
     query rows, row i = token i // GR, head h * G + i % GR (heads >= G and tokens >= TQ masked; TQP * GR >=
     16 for tl.dot). Loads q [B, TQ, HQ, DK] (M x DKP) and lse [B, TQ, HQ] (compressed attention's) once,
     kv_lens [B], then each chunk of k_cmp [B, NC, H, DK] transposed (DKP x BC), only the rows some query
-    sees (below min(NC, (p_last + 1) // BS)). The lse of each row is compressed attention's: lse [B, TQ, HQ]
+    sees (below min(NC, (p_last + 1) // BS)); with PAGE > 0, k_cmp is a pool of pages of PAGE compressed rows
+    read through the page table pages [B, MP] (`cache_rows`). The lse of each row is compressed attention's: lse [B, TQ, HQ]
     (natural log), or with LSE_SPLITS > 0 merged here from the decode kernel's partial statistics m_cmp and
     l_cmp [B * H, LSE_SPLITS, TQ * G] (base 2; `split_stats`, LSE_NSP = LSE_SPLITS padded to a power of two),
     which saves the fused decode step (nsa/triton/decode.py's `attention`) a combine before the selection. Each
@@ -93,7 +94,9 @@ def _decode_split_kernel(q, k_cmp, lse, m_cmp, l_cmp, kv_lens, top, out,
     best = tl.full([TQP, SP], -1, tl.int64)  # ascending keys: slot SP - 1 ranks first
     for chunk in range(split * per, tl.minimum(chunks, split * per + per)):
         rows = chunk * BC + tl.arange(0, BC)
-        s = logits(q_tile, k_cmp, rows, rows < vis_end, b, h, NC=NC, H=H, DK=DK, DKP=DKP, SCALE=SCALE, IEEE=IEEE)
+        load = rows < vis_end
+        k_rows = cache_rows(pages, b, rows, load, h, NK=NC, H=H, PAGE=PAGE, MP=MP, NP=NP)
+        s = logits(q_tile, k_cmp, k_rows, load, DK=DK, DKP=DKP, SCALE=SCALE, IEEE=IEEE)
         p = tl.where((rows[None, :] < end_row[:, None]) & seen[:, None], tl.exp2(s - lse2[:, None]), 0.0)
         score = tl.sum(tl.reshape(p, [TQP, GR, BC]), 1) / G
         best = merge_top(best, keys(score, rows[None, :], cur), S=S, SP=SP)
@@ -127,10 +130,6 @@ def _decode_merge_kernel(top, out, TQ: tl.constexpr, H: tl.constexpr, S: tl.cons
     keys = (high.to(tl.int64) << 32) | (low.to(tl.int64) & 0xFFFFFFFF)
     slot = tl.arange(0, SP)
     tl.store(out + ((b * TQ + t) * H + h) * S + slot, ids(tl.topk(keys, SP)), mask=slot < S)
-
-
-# ------------------------------------------------------------------------------------ wrappers
-
 
 
 # ------------------------------------------------------------------------------------ wrappers
@@ -182,12 +181,16 @@ def default_config(shapes, dtype, device):
     return Config(bc, splits, 8 if largest > 16384 else 4, 2 if cdiv(chunks, splits) >= 4 else 1)
 
 
-def forward(q, k_cmp, lse, kv_lens, *, block_counts, block_size, scale, config=None, lse_parts=None):
+def forward(q, k_cmp, lse, kv_lens, *, block_counts, block_size, scale, config=None, lse_parts=None,
+            page_table=None):
     """block_indices int32 [B, TQ, H, block_counts] for a few queries q [B, TQ, HQ, Dk] at the end of a cache
     (kv_lens int [B]) against its compressed keys k_cmp [B, NC, H, Dk], as nsa.reference.select with kv_lens:
     `_decode_split_kernel`, then `_decode_merge_kernel` when NSPLIT > 1. Compressed attention's lse is given as
     lse [B, TQ, HQ] float32, or as lse_parts (then lse is None): the (m, l) partial statistics [B * H, NSPLIT,
-    TQ * G] of the decode kernels' compressed splits. config: a Config (None: `default_config`)."""
+    TQ * G] of the decode kernels' compressed splits. config: a Config (None: `default_config`). With page_table
+    int [B, MP] (a paged cache), k_cmp is its pool of pages [P, S / d, H, Dk], read through the table."""
+    pages, pages_meta = paging(page_table, k_cmp)
+    k_pool, k_cmp = k_cmp, as_sequences(k_cmp, page_table)
     B, TQ, HQ, Dk = q.shape
     NC, H = k_cmp.shape[1], k_cmp.shape[2]
     check((lse is None) != (lse_parts is None), "lse, lse_parts", "exactly one of them",
@@ -206,12 +209,12 @@ def forward(q, k_cmp, lse, kv_lens, *, block_counts, block_size, scale, config=N
     top = _launch.shape_dtype((B * H, cfg.splits, tqp, SP, 2) if cfg.splits > 1 else (1,), jnp.int32)
     top, idx = _launch.launch(
         _decode_split_kernel, grid=(B * H, cfg.splits),
-        inputs=dict(q=q, k_cmp=k_cmp, lse=unused if lse is None else lse.astype(jnp.float32), m_cmp=m_cmp, l_cmp=l_cmp,
-                    kv_lens=kv_lens),
+        inputs=dict(q=q, k_cmp=k_pool, lse=unused if lse is None else lse.astype(jnp.float32), m_cmp=m_cmp,
+                    l_cmp=l_cmp, kv_lens=kv_lens, pages=pages),
         outputs=dict(top=top, out=out), num_warps=cfg.num_warps, num_stages=cfg.num_stages, TQ=TQ, NC=NC, H=H,
         G=HQ // H, DK=Dk, BS=block_size, SCALE=float(scale), IEEE=bool(q.dtype == jnp.float32), TQP=tqp,
         BC=cfg.chunk, NSPLIT=cfg.splits, LSE_SPLITS=lse_splits, LSE_NSP=triton.next_power_of_2(max(1, lse_splits)),
-        **sized)
+        **sized, **pages_meta)
     if cfg.splits > 1:
         [idx] = _launch.launch(_decode_merge_kernel, grid=(B * H * TQ,), inputs=dict(top=top), outputs=dict(out=out),
                                num_warps=4, num_stages=1, TQ=TQ, H=H, S=S, TQP=tqp, SP=SP, NSPLIT=cfg.splits,

@@ -45,7 +45,7 @@ from nsa._varlen import cdiv, tokens
 from nsa.reference.select import unless_one_row_per_block
 from nsa.triton import _launch, _splits, _topk, decode_select
 from nsa.triton import decode as flash_decoding
-from nsa.triton._common import LOG2E, check, device
+from nsa.triton._common import LOG2E, check, device, sequence_rows
 from nsa.triton._topk import complete_rows, eq9_keys, eq9_step, keys, logits, merge_top, store_top
 
 _ROWS = 64  # query rows per tile (TB tokens x GR heads): the M of one wgmma
@@ -122,7 +122,9 @@ def _select_kernel(q, k_cmp, lse, pos, cmp_start, out,
         l_sum = tl.zeros([M], tl.float32)
         for r0 in range(lo, vis_end, BC):
             rows = r0 + c
-            s = logits(q_tile, k_cmp, rows, rows < vis_end, b, h, NC=NC, H=H, DK=DK, DKP=DKP, SCALE=SCALE, IEEE=IEEE)
+            load = rows < vis_end
+            s = logits(q_tile, k_cmp, sequence_rows(b, rows, load, h, NK=NC, H=H), load, DK=DK, DKP=DKP, SCALE=SCALE,
+                       IEEE=IEEE)
             s = tl.where((rows[None, :] >= first_row[:, None]) & (rows[None, :] < end_row[:, None]), s,
                          float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))
@@ -143,8 +145,9 @@ def _select_kernel(q, k_cmp, lse, pos, cmp_start, out,
         end = tl.max(first + (BS // CD) * cur, 0) + 1
     for r0 in range(start, end, STEP):
         rows = r0 + c
-        s = logits(q_tile, k_cmp, rows, (rows >= 0) & (rows < vis_end), b, h, NC=NC, H=H, DK=DK, DKP=DKP,
-                   SCALE=SCALE, IEEE=IEEE)
+        load = (rows >= 0) & (rows < vis_end)
+        s = logits(q_tile, k_cmp, sequence_rows(b, rows, load, h, NK=NC, H=H), load, DK=DK, DKP=DKP, SCALE=SCALE,
+                   IEEE=IEEE)
         vis = (rows[None, :] >= first_row[:, None]) & (rows[None, :] < end_row[:, None]) & seen[:, None]
         p = tl.where(vis, tl.exp2(s - lse2[:, None]), 0.0)
         score = tl.sum(tl.reshape(p, [TB, GR, BC]), 1) / G
