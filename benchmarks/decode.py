@@ -9,6 +9,8 @@ Standard heads: HQ = 64, H = 4, D = 128, bf16, block_size 64, 16 selected blocks
   nsa-<impl>    nsa.attention(q [B, 1, HQ, D], cache.k, cache.v, k_cmp=..., v_cmp=..., kv_lens=...) with all
                 three gates: compressed attention over the cache's compressed keys, the top-16 selection,
                 selected attention and the window;
+  nsa-<impl>-paged  the same step over the same rows in an nsa.PagedKVCache (--paged PAGE: pages of PAGE tokens,
+                each sequence's pages at random places in the pool), nsa.attention(q, cache=...);
   dense-cudnn   jax.nn.dot_product_attention over the whole cache with per-sequence lengths
   dense-xla     (key_value_seq_lengths), cuDNN's and XLA's;
   fla           fla's parallel_nsa with TQ = 1 (no window without flash-attn, no per-sequence lengths, and it
@@ -56,6 +58,20 @@ def cache_arrays(B, TK, ragged, seed=0):
     return q, gates, k, v, k_cmp, v_cmp, jnp.asarray(lens, jnp.int32)
 
 
+def paged_cache(k, v, k_cmp, v_cmp, lens, page, seed=0):
+    """The cache k, v [B, TK, H, D], k_cmp, v_cmp [B, TK / BS, H, D] as an nsa.PagedKVCache of pages of `page`
+    tokens: the B * TK / page pages in a random order in the pool, the page table listing each sequence's."""
+    B, TK = k.shape[:2]
+    if TK % page or page % BS:
+        raise ValueError(f"--paged {page}: a page must divide TK = {TK} and be a multiple of block_size = {BS}")
+    MP = TK // page
+    order = jnp.asarray(np.random.default_rng(seed).permutation(B * MP), jnp.int32)
+    pool = lambda x: jnp.zeros_like(x).reshape(B * MP, -1, *x.shape[2:]).at[order].set(
+        x.reshape(B * MP, -1, *x.shape[2:]))
+    return nsa.PagedKVCache(pool(k), pool(v), pool(k_cmp), pool(v_cmp), page_table=order.reshape(B, MP), lens=lens,
+                            block_size=BS)
+
+
 def useful_bytes(lens, sparse):
     """Bytes a step must read: per (sequence, KV head) the keys and values of its visible compressed rows, S
     selected blocks and the window (sparse), or of all its tokens (dense)."""
@@ -92,6 +108,14 @@ def nsa_step(implementation):
         return nsa.attention(q, k, v, g_cmp=g_cmp, g_slc=g_slc, g_swa=g_swa, k_cmp=k_cmp, v_cmp=v_cmp,
                              kv_lens=lens, block_counts=S, block_size=BS, window_size=WINDOW,
                              implementation=implementation)
+
+    return step
+
+
+def nsa_paged_step(implementation):
+    def step(q, g_cmp, g_slc, g_swa, cache):
+        return nsa.attention(q, cache=cache, g_cmp=g_cmp, g_slc=g_slc, g_swa=g_swa, block_counts=S,
+                             window_size=WINDOW, implementation=implementation)
 
     return step
 
@@ -137,6 +161,9 @@ def rows_for(args, B, TK):
         fn = chained(nsa_step(impl))
         yield timed(f"nsa-{impl}", True,
                     lambda: time_jax(fn, (q, *gates, k, v, k_cmp, v_cmp, lens), args.iters) / STEPS)
+        if args.paged:
+            paged, paged_fn = paged_cache(k, v, k_cmp, v_cmp, lens, args.paged), chained(nsa_paged_step(impl))
+            yield timed(f"nsa-{impl}-paged", True, lambda: time_jax(paged_fn, (q, *gates, paged), args.iters) / STEPS)
     for impl in args.dense:
         fn = chained(dense_step(impl))
         yield timed(f"dense-{impl}", False, lambda: time_jax(fn, (q, k, v, lens), args.iters) / STEPS)
@@ -195,6 +222,8 @@ def main(argv=None):
     parser.add_argument("--dense", nargs="*", default=["cudnn", "xla"], help="dense implementations to time")
     parser.add_argument("--no-fla", action="store_true")
     parser.add_argument("--ragged", action="store_true", help="sequence lengths drawn from [TK / 2, TK]")
+    parser.add_argument("--paged", type=int, default=0, metavar="PAGE",
+                        help="also time each nsa implementation over a paged cache of pages of PAGE tokens")
     parser.add_argument("--xla-max-tokens", type=int, default=1 << 17, help="B * TK above which nsa-xla is skipped")
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--name", default="decode", help="the results' file name (without .json)")

@@ -16,6 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import nsa._kvcache
+
 from benchmarks import tpu, tpu_roofline
 from benchmarks.common import STANDARD, jax_inputs, useful_flops
 
@@ -134,17 +136,23 @@ def test_decode_benchmark_runs_on_a_cpu(tmp_path):
     compressed rows, S blocks and the window, capped by the length)."""
     from benchmarks import decode
 
+    arrays = decode.cache_arrays(2, 1024, ragged=True)
+    _, _, k, v, k_cmp, v_cmp, lens = arrays
+    paged = decode.paged_cache(k, v, k_cmp, v_cmp, lens, 256)  # the paged rows' cache holds the same rows
+    for got, want in zip(nsa._kvcache.sequences(paged), (k, v, k_cmp, v_cmp)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
     rows = decode.main(["--out", str(tmp_path), "--batches", "2", "--contexts", "1024", "--long", "--impls", "xla",
-                        "--dense", "xla", "--no-fla", "--ragged", "--iters", "1"])
-    assert [r["impl"] for r in rows] == ["nsa-xla", "dense-xla"]
+                        "--dense", "xla", "--no-fla", "--ragged", "--paged", "256", "--iters", "1"])
+    assert [r["impl"] for r in rows] == ["nsa-xla", "nsa-xla-paged", "dense-xla"]
     for row in rows:
         assert "error" not in row, row
         assert math.isfinite(row["step_us"]) and row["step_us"] > 0
     lens = np.random.default_rng(0).integers(512, 1025, 2)
     per_token = 2 * STANDARD.D * 2 * STANDARD.H
-    assert rows[1]["bytes_read"] == per_token * lens.sum()
+    assert rows[2]["bytes_read"] == per_token * lens.sum()
     nsa_tokens = lens // 64 + np.minimum(16 * 64, lens) + np.minimum(512, lens)
-    assert rows[0]["bytes_read"] == per_token * nsa_tokens.sum()
+    assert rows[0]["bytes_read"] == rows[1]["bytes_read"] == per_token * nsa_tokens.sum()
     assert json.loads((tmp_path / "decode.json").read_text())["rows"] == rows
 
 

@@ -23,6 +23,12 @@ LN2 = math.log(2.0)
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))  # wgmma on float32 is TF32: too coarse
 
 
+def tokens_at_once(q):
+    """The tokens of q [B, T, ...] one launch sees: B * T, or T where B is symbolic (jax.export's batch: its
+    sequences run one at a time)."""
+    return (q.shape[0] if isinstance(q.shape[0], int) else 1) * q.shape[1]
+
+
 def check_dtype(dtype, argument):
     """TypeError naming `argument` unless the Mosaic GPU kernels take `dtype`."""
     if jnp.dtype(dtype) not in DTYPES:

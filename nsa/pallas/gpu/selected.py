@@ -70,7 +70,7 @@ from nsa._varlen import round_up, tokens
 from nsa.pallas._batch import per_sequence
 from nsa.pallas.gpu._common import (COLS, LN2, LOG2E, ROWS, by_row, call, check_dtype, iota, kernel_name,
                                     key_gradients, matmul, matmul_add, padded_dim, pipelined, smem_tile, store,
-                                    tma_rows, zero_rows_past)
+                                    tma_rows, tokens_at_once, zero_rows_past)
 
 ROWS_PER_TILE = 64  # wgmma's M
 MAX_BLOCK = 256  # the rows of one TMA copy
@@ -155,8 +155,7 @@ def packs_dq(residuals, do, *, block_size, scale):
     way."""
     del do, scale
     q, k, v, block_indices, block_counts, cu_seqlens, kv_lens = residuals[:7]
-    batch = q.shape[0] if isinstance(q.shape[0], int) else 1  # a symbolic batch: its sequences run one at a time
-    if batch * q.shape[1] < MIN_DQ_TOKENS:
+    if tokens_at_once(q) < MIN_DQ_TOKENS:
         return False
     return _packs(q, k, v, block_indices, block_counts, cu_seqlens, kv_lens, block_size, PACKED_DQ, vectors=2)
 

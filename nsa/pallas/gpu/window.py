@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from nsa._device import facts
 from nsa._plan import window_keys, window_uncut
 from nsa.pallas.gpu import _flash
-from nsa.pallas.gpu._common import padded_dim
+from nsa.pallas.gpu._common import padded_dim, tokens_at_once
 
 # the calls (B * T tokens) below which this backward outruns Triton's on the H200 (bf16, HQ = 64, H = 4, D = 128,
 # window 512; benchmarks/results/ops-window-8192-65536.json, each backward as forward+backward less forward): 3.00
@@ -44,8 +44,7 @@ def outruns_backward(residuals, do, *, window_size, scale, config=None):
     on a KV cache's queries (kv_lens: not measured)."""
     del do, window_size, scale
     q, k, v, _, kv_lens = residuals[:5]
-    batch = q.shape[0] if isinstance(q.shape[0], int) else 1  # a symbolic batch: its sequences run one at a time
-    if kv_lens is not None or batch * q.shape[1] >= BACKWARD_TOKENS:
+    if kv_lens is not None or tokens_at_once(q) >= BACKWARD_TOKENS:
         return False
     device = facts("cuda")
     tiles = _flash._config(config, q, k, v, device)
