@@ -44,9 +44,10 @@ SHAPES = {
 # kind -> (shape name, dtype) cases: "forward" results, "attention" (the whole pipeline), "shapes" (the
 # tests that take the implementation's first dtype), "gradients".
 CASES = {
-    # every shape in float32 and float64; the half-precision dtypes on two shapes (rounding is what they add)
+    # every shape in float32; float64 and the half-precision dtypes on two shapes (the same program in another
+    # dtype: rounding is what they add)
     "forward": [(name, dtype) for name in SHAPES for dtype in ALL_DTYPES
-                if dtype in ("float32", "float64") or name in ("G2", "G3-dv8")],
+                if dtype == "float32" or name in ("G2", "G3-dv8")],
     "shapes": [(name, None) for name in SHAPES],
     "gradients": [("G2", "float32"), ("G3-dv8", "float32"), ("T<bs", "float32"), ("G2", "float64"),
                   ("G2", "bfloat16"), ("G3-dv8", "float16")],
@@ -475,6 +476,9 @@ class NSATestBase:
 
     @cases("varlen")
     def test_varlen_equals_each_sequence_alone(self, name):
+        """Packed sequences give each sequence's result alone, with a concrete and a traced cu_seqlens (interpreted
+        kernels: the two packed runs only, each alone run a compile of its own; test_varlen_against_oracle checks
+        their packed result, and the compiled bases run them alone)."""
         dtype = self.dtypes[0]
         with precision(dtype):
             x = Inputs(VARLEN_SHAPE, dtype)
@@ -484,7 +488,7 @@ class NSATestBase:
             traced = jax.jit(call)(*args, CU_SEQLENS)
             for a, b in zip(packed, traced):  # a traced cu_seqlens pads k_cmp to a static bound
                 np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
-            for lo, hi in zip(CU_SEQLENS[:-1], CU_SEQLENS[1:]):
+            for lo, hi in zip(CU_SEQLENS[:-1], CU_SEQLENS[1:]) if not self.interpreted else ():
                 if lo == hi:
                     continue
                 alone = call(*jax.tree_util.tree_map(lambda a: a[:, lo:hi], args), None)
