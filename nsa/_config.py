@@ -64,7 +64,9 @@ class Step(NamedTuple):
     q [B, TQ, HQ, Dk] at the end of the cache k [B, TK, H, Dk], v [B, TK, H, Dv], its compressed rows k_cmp
     [B, NC, H, Dk] and v_cmp [B, NC, H, Dv], the gates [B, TQ, HQ] (None: weight 1) and kv_lens int [B]. A paged
     cache (nsa.PagedKVCache) adds its page_table int32 [B, MP]: k, v, k_cmp and v_cmp are then its pools of pages
-    ([P, S, H, D] and [P, S / d, H, D]), each sequence's rows found through the table (`as_sequences`)."""
+    ([P, S, H, D] and [P, S / d, H, D]), each sequence's rows found through the table (`as_sequences`). A ragged
+    step adds q_lens int [B]: sequence b's queries are the first q_lens[b] rows of q, its last q_lens[b] tokens (at
+    positions kv_lens[b] - q_lens[b] + t); the other rows are padding, their output 0."""
 
     q: jax.Array
     k: jax.Array
@@ -76,6 +78,7 @@ class Step(NamedTuple):
     g_swa: Optional[jax.Array]
     kv_lens: jax.Array
     page_table: Optional[jax.Array] = None
+    q_lens: Optional[jax.Array] = None
 
 
 def as_sequences(x, page_table):

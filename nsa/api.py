@@ -429,23 +429,40 @@ def attention(q: Array, k: Optional[Array] = None, v: Optional[Array] = None, *,
     if block_counts is not None:
         block_counts = _checks.block_counts(block_counts, B, T, H)
     lens_name = "cache.lens" if cache is not None else "kv_lens"
-    if q_lens is not None:  # a ragged step: the ops on rolled rows (`_ragged`)
+    if q_lens is not None:  # a ragged step
         q_lens, kv_lens = _checks.ragged_lens(q_lens, kv_lens, B, T, k.shape[1], cu_seqlens, lens_name)
         counts = None if block_counts is None or isinstance(block_counts, int) else jnp.broadcast_to(
             jnp.asarray(block_counts, jnp.int32), (B, T, H))
-        per_query = dict(g_cmp=g_cmp, g_slc=g_slc, g_swa=g_swa, block_indices=block_indices, block_counts=counts)
-        if pools is not None and T > 1:  # the rows past each sequence are zeroed (`_ragged`): gathered first
-            k, v, k_cmp, v_cmp = gathered(page_table, *pools)
-        q, k, v, k_cmp, v_cmp, per_query, kv_lens, unroll = _ragged(q, k, v, k_cmp, v_cmp, per_query, q_lens, kv_lens,
-                                                                     compression)
-        if counts is None:
-            per_query["block_counts"] = block_counts
-        keys = dict(k=k, v=v, kv_lens=kv_lens, k_cmp=k_cmp, v_cmp=v_cmp)
-        if pools is not None and T == 1:  # a decode step over the pages, as they are
-            keys = dict(cache=cache.replace(lens=kv_lens))
-        return unroll(attention(q, **keys, **per_query, block_size=block_size, compress_block_size=compression[0],
-                                compress_stride=compression[1], window_size=window_size, scale=scale,
-                                implementation=implementation))
+        blocks = dict(block_size=block_size, compress_block_size=compression[0], compress_stride=compression[1])
+
+        def rolled(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, kv_lens, page_table=None, q_lens=None):
+            """The ragged step as the ops take it (`_ragged`: rows rolled), over arrays or over the pools of pages of
+            page_table (as they are at T = 1, gathered otherwise: the rows past each sequence are zeroed)."""
+            per_query = dict(g_cmp=g_cmp, g_slc=g_slc, g_swa=g_swa, block_indices=block_indices, block_counts=counts)
+            if page_table is not None and T > 1:
+                k, v, k_cmp, v_cmp = gathered(page_table, k, v, k_cmp, v_cmp)
+            q, k, v, k_cmp, v_cmp, per_query, ops_lens, unroll = _ragged(q, k, v, k_cmp, v_cmp, per_query, q_lens,
+                                                                          kv_lens, compression)
+            if counts is None:
+                per_query["block_counts"] = block_counts
+            keys = dict(k=k, v=v, kv_lens=ops_lens, k_cmp=k_cmp, v_cmp=v_cmp)
+            if page_table is not None and T == 1:  # a decode step over the pages, as they are
+                keys = dict(cache=PagedKVCache(k, v, k_cmp, v_cmp, page_table, ops_lens, **blocks))
+            return unroll(attention(q, **keys, **per_query, **blocks, window_size=window_size, scale=scale,
+                                    implementation=implementation))
+
+        keys = pools if pools is not None else (k, v, k_cmp, v_cmp)
+        if block_indices is not None or g_cmp is None or counts is not None or k_cmp is None or v_cmp is None:
+            return rolled(q, *keys, g_cmp, g_slc, g_swa, kv_lens, page_table, q_lens)
+        # a serving step: a fused step takes q_lens itself (no roll, nothing of the cache moves); `rolled` otherwise
+        q, scale = _scaled(q, scale)
+        valid = jnp.arange(T) < q_lens[:, None]
+        padding_zeroed = lambda x: None if x is None else jnp.where(
+            valid.reshape(valid.shape + (1,) * (x.ndim - 2)), x, 0).astype(x.dtype)
+        arrays = Step(padding_zeroed(q), *keys, *map(padding_zeroed, (g_cmp, g_slc, g_swa)), kv_lens, page_table,
+                      q_lens)
+        static = _statics(block_counts=_slots(block_counts), **blocks, window_size=window_size, scale=scale)
+        return _dispatch.decode_step(implementation, static, rolled, arrays)
     kv_lens = _key_lens(kv_lens, q, k, cu_seqlens, lens_name)
     q, scale = _scaled(q, scale)  # a traced scale is folded into q once, for every branch
     windows = dict(block_size=compression[0], stride=compression[1])
@@ -454,8 +471,9 @@ def attention(q: Array, k: Optional[Array] = None, v: Optional[Array] = None, *,
     if g_cmp is not None and v_cmp is None:
         v_cmp = compress(v, **windows, cu_seqlens=cu_seqlens)
 
-    def branches(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, kv_lens, page_table=None):
-        """The output from the branches' ops, one after another (a paged cache's pools gathered first)."""
+    def branches(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, kv_lens, page_table=None, q_lens=None):
+        """The output from the branches' ops, one after another (a paged cache's pools gathered first; q_lens: a
+        ragged step's, never given here, a Step's field)."""
         if page_table is not None:
             k, v, k_cmp, v_cmp = gathered(page_table, k, v, k_cmp, v_cmp)
         common = dict(scale=scale, cu_seqlens=cu_seqlens, kv_lens=kv_lens, implementation=implementation)

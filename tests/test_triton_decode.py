@@ -303,6 +303,36 @@ def test_fused_step_reads_a_paged_cache_through_its_table(group, TQ, monkeypatch
     assert not [s for s in shapes if np.prod(s[:-2]) >= cache_rows], shapes
 
 
+def test_fused_step_takes_a_ragged_steps_rows(monkeypatch):
+    """A ragged step (q_lens: sequence b's queries are the first q_lens[b] of the TQ = 5 rows) runs the fused kernels
+    on q_lens itself (no roll): each query equals the ops' (the rows rolled, nsa.api._ragged) and the reference's,
+    and the padding rows are exactly 0 (NaN keys past each sequence, its padding rows' q and gates NaN too)."""
+    x = Cache("G3", 5, "float32", seed=6)
+    k_cmp, v_cmp = (nsa.compress(y, block_size=4) for y in (x.k, x.v))
+    q_lens = jnp.asarray([2, 5], jnp.int32)
+    padding = np.arange(5)[None, :] >= np.asarray(q_lens)[:, None]  # [B, TQ]
+    poison = lambda y: jnp.where(padding.reshape(padding.shape + (1,) * (y.ndim - 2)), jnp.nan, y)
+    gates = [poison(jnp.asarray(x.rng.uniform(0, 1, x.q.shape[:3]), jnp.float32)) for _ in range(3)]
+
+    def step(implementation="triton"):
+        return nsa.attention(poison(x.q), x.k, x.v, g_cmp=gates[0], g_slc=gates[1], g_swa=gates[2], k_cmp=k_cmp,
+                             v_cmp=v_cmp, kv_lens=jnp.asarray(x.lens), q_lens=q_lens, block_counts=3, block_size=4,
+                             window_size=24, implementation=implementation)
+
+    calls = []
+    monkeypatch.setattr(decode, "attention", lambda *a, **kw: calls.append(decode.Step(*a)) or FUSED(*a, **kw))
+    got = np.asarray(step())
+    assert len(calls) == 1 and calls[0].q_lens is not None and calls[0].q.shape == x.q.shape
+    with monkeypatch.context() as m:
+        m.setattr(nsa.triton, "fused_step", lambda q, k, static: None)  # the family has no fused step: the ops run
+        ops = np.asarray(step())
+    reference = np.asarray(step("xla"))
+    np.testing.assert_array_equal(got[padding], 0.0)
+    np.testing.assert_array_equal(reference[padding], 0.0)
+    assert_close(got[~padding], ops[~padding], 1e-6, "fused against the ops")
+    assert_close(got[~padding], reference[~padding], TOLERANCE["float32"], "fused against the reference")
+
+
 def test_default_config_and_applies():
     """The heuristic at the standard serving shape (HQ = 64, H = 4, D = 128, bf16, block 64, 16 slots,
     window 512, TK = 65536) on an H200: 33 splits wanted at B = 1 (132 SMs / 4 heads), capped by the work

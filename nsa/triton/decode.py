@@ -122,14 +122,15 @@ def _store_partial(ACC, M, L, m, l_sum, acc, bh, split, r, ok, R: tl.constexpr, 
 
 
 @triton.jit
-def _interval(Q, K, V, KV_LENS, PAGES, bh, split, NSPLIT: tl.constexpr, TQ: tl.constexpr, NK: tl.constexpr,
+def _interval(Q, K, V, KV_LENS, Q_LENS, PAGES, bh, split, NSPLIT: tl.constexpr, TQ: tl.constexpr, NK: tl.constexpr,
               HQ: tl.constexpr, H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexpr,
               DVP: tl.constexpr, RP: tl.constexpr, BLOCK_N: tl.constexpr, COMPRESSED: tl.constexpr,
               WINDOW: tl.constexpr, BS: tl.constexpr, STRIDE: tl.constexpr, SCALE: tl.constexpr,
               PAGE: tl.constexpr, MP: tl.constexpr, NP: tl.constexpr):
     """The window or compressed attention of one (b * H + h = bh, split) program, as softmax state.
 
-    Row r (token t at position p = kv_lens[b] - TQ + t) sees the key rows [lo, hi] of its sequence in K
+    Row r (token t at position p = kv_lens[b] - q_lens[b] + t; a token t >= q_lens[b], a ragged step's padding,
+    sees nothing) sees the key rows [lo, hi] of its sequence in K
     ([B, NK, H, DK], or with PAGE > 0 a pool of pages through the page table PAGES: `cache_rows`):
     window (COMPRESSED false), [p - WINDOW + 1, p]; compressed (windows of BS tokens every STRIDE), the rows i
     with i * STRIDE + BS <= p + 1, [0, (p + 1) // BS - 1] when STRIDE = BS; both clipped to
@@ -143,7 +144,8 @@ def _interval(Q, K, V, KV_LENS, PAGES, bh, split, NSPLIT: tl.constexpr, TQ: tl.c
     h = bh % H
     r, ok, t, q_rows = _group_rows(b, h, TQ=TQ, HQ=HQ, G=G, RP=RP)
     q = _query_tile(Q, q_rows, ok, DK=DK, DKP=DKP)
-    p = tl.load(KV_LENS + b) - TQ + t
+    q_len = tl.load(Q_LENS + b)
+    p = tl.load(KV_LENS + b) - q_len + t
     if COMPRESSED:
         lo = tl.zeros_like(p)
         hi = complete_rows(p, STRIDE, BS, STRIDE) - 1  # windows of BS every STRIDE: (p + 1) // BS if STRIDE = BS
@@ -152,7 +154,7 @@ def _interval(Q, K, V, KV_LENS, PAGES, bh, split, NSPLIT: tl.constexpr, TQ: tl.c
         hi = p
     lo = tl.maximum(lo, 0)
     hi = tl.minimum(hi, NK - 1)
-    seen = ok & (p >= 0) & (lo <= hi)
+    seen = ok & (t < q_len) & (p >= 0) & (lo <= hi)
     k_lo = tl.min(tl.where(seen, lo, NK), 0)
     k_hi = tl.max(tl.where(seen, hi, -1), 0)
     tiles = (tl.maximum(k_hi - k_lo + 1, 0) + BLOCK_N - 1) // BLOCK_N
@@ -175,7 +177,7 @@ def _interval(Q, K, V, KV_LENS, PAGES, bh, split, NSPLIT: tl.constexpr, TQ: tl.c
 
 
 @triton.jit
-def _interval_kernel(Q, K, V, KV_LENS, PAGES, O, LSE,
+def _interval_kernel(Q, K, V, KV_LENS, Q_LENS, PAGES, O, LSE,
                      TQ: tl.constexpr, NK: tl.constexpr, HQ: tl.constexpr, H: tl.constexpr, DK: tl.constexpr,
                      DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr, RP: tl.constexpr,
                      BLOCK_N: tl.constexpr, COMPRESSED: tl.constexpr, WINDOW: tl.constexpr, BS: tl.constexpr,
@@ -186,7 +188,7 @@ def _interval_kernel(Q, K, V, KV_LENS, PAGES, O, LSE,
     Grid (B * H,). Loads q [B, TQ, HQ, DK] (the tile's RP x DKP rows), kv_lens [B], then every key tile
     the tile's tokens see (`_interval`); stores o and lse of its R = TQ * G rows.
     """
-    m, l_sum, acc, r, ok, q_rows = _interval(Q, K, V, KV_LENS, PAGES, tl.program_id(0), 0, NSPLIT=1, TQ=TQ, NK=NK,
+    m, l_sum, acc, r, ok, q_rows = _interval(Q, K, V, KV_LENS, Q_LENS, PAGES, tl.program_id(0), 0, NSPLIT=1, TQ=TQ, NK=NK,
                                              HQ=HQ, H=H, DK=DK, DV=DV, DKP=DKP, DVP=DVP, RP=RP, BLOCK_N=BLOCK_N,
                                              COMPRESSED=COMPRESSED, WINDOW=WINDOW, BS=BS, STRIDE=STRIDE,
                                              SCALE=SCALE, PAGE=PAGE, MP=MP, NP=NP)
@@ -194,7 +196,7 @@ def _interval_kernel(Q, K, V, KV_LENS, PAGES, O, LSE,
 
 
 @triton.jit
-def _interval_split_kernel(Q, K, V, KV_LENS, PAGES, ACC, M, L,
+def _interval_split_kernel(Q, K, V, KV_LENS, Q_LENS, PAGES, ACC, M, L,
                            TQ: tl.constexpr, NK: tl.constexpr, HQ: tl.constexpr, H: tl.constexpr,
                            DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr,
                            RP: tl.constexpr, BLOCK_N: tl.constexpr, COMPRESSED: tl.constexpr,
@@ -208,21 +210,22 @@ def _interval_split_kernel(Q, K, V, KV_LENS, PAGES, ACC, M, L,
     """
     bh = tl.program_id(0)
     split = tl.program_id(1)
-    m, l_sum, acc, r, ok, _ = _interval(Q, K, V, KV_LENS, PAGES, bh, split, NSPLIT=NSPLIT, TQ=TQ, NK=NK, HQ=HQ, H=H,
+    m, l_sum, acc, r, ok, _ = _interval(Q, K, V, KV_LENS, Q_LENS, PAGES, bh, split, NSPLIT=NSPLIT, TQ=TQ, NK=NK, HQ=HQ, H=H,
                                         DK=DK, DV=DV, DKP=DKP, DVP=DVP, RP=RP, BLOCK_N=BLOCK_N, COMPRESSED=COMPRESSED,
                                         WINDOW=WINDOW, BS=BS, STRIDE=STRIDE, SCALE=SCALE, PAGE=PAGE, MP=MP, NP=NP)
     _store_partial(ACC, M, L, m, l_sum, acc, bh, split, r, ok, R=TQ * (HQ // H), NSPLIT=NSPLIT, DV=DV, DVP=DVP)
 
 
 @triton.jit
-def _selected(Q, K, V, IDX, COUNTS, KV_LENS, PAGES, bh, split, NSPLIT: tl.constexpr, TQ: tl.constexpr,
+def _selected(Q, K, V, IDX, COUNTS, KV_LENS, Q_LENS, PAGES, bh, split, NSPLIT: tl.constexpr, TQ: tl.constexpr,
               TK: tl.constexpr, HQ: tl.constexpr, H: tl.constexpr, S: tl.constexpr, DK: tl.constexpr,
               DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr, RP: tl.constexpr, TQP: tl.constexpr,
               SP: tl.constexpr, BS: tl.constexpr, BSP: tl.constexpr, NSUB: tl.constexpr, SCALE: tl.constexpr,
               PAGE: tl.constexpr, MP: tl.constexpr, NP: tl.constexpr):
     """The selected attention of one (b * H + h = bh, split) program, as softmax state.
 
-    Token t (position p_t = kv_lens[b] - TQ + t) lists the blocks IDX[b, t, h, :COUNTS[b, t, h]] (IDX
+    Token t (position p_t = kv_lens[b] - q_lens[b] + t; tokens t >= q_lens[b] list nothing) lists the blocks
+    IDX[b, t, h, :COUNTS[b, t, h]] (IDX
     [B, TQ, H, S] int32); a slot is skipped when negative or after p_t // BS. The valid
     slots of the TQ tokens (a [TQP, SP] tile) are sorted and ranked by an associative scan: the tile's
     distinct blocks are the values of ranks 1 .. num, in increasing order, cut into NSPLIT shares. This
@@ -240,16 +243,17 @@ def _selected(Q, K, V, IDX, COUNTS, KV_LENS, PAGES, bh, split, NSPLIT: tl.conste
     q = _query_tile(Q, q_rows, ok, DK=DK, DKP=DKP)
     kv_len = tl.load(KV_LENS + b)
     key_end = tl.minimum(kv_len, TK)  # loads stay in the cache even for a kv_lens past it
-    p_row = tl.where(ok, kv_len - TQ + t, -1)
+    q_len = tl.load(Q_LENS + b)
+    p_row = tl.where(ok & (t < q_len), kv_len - q_len + t, -1)
 
     tok = tl.arange(0, TQP)
-    p_tok = kv_len - TQ + tok
+    p_tok = kv_len - q_len + tok
     slots = tl.arange(0, SP)
     lists = (b * TQ + tl.minimum(tok, TQ - 1)) * H + h
     listed = tl.load(IDX + lists[:, None] * S + slots[None, :], mask=(tok < TQ)[:, None] & (slots < S)[None, :],
                      other=-1)
     count = tl.load(COUNTS + lists, mask=tok < TQ, other=0)
-    valid = ((slots[None, :] < count[:, None]) & (listed >= 0) & (p_tok >= 0)[:, None]
+    valid = ((slots[None, :] < count[:, None]) & (listed >= 0) & ((tok < q_len) & (p_tok >= 0))[:, None]
              & (listed <= (tl.maximum(p_tok, 0) // BS)[:, None]))
     firsts = tl.where(valid, listed, _NONE)  # [TQP, SP]
     in_order = tl.sort(tl.reshape(firsts, [TQP * SP]))
@@ -281,7 +285,7 @@ def _selected(Q, K, V, IDX, COUNTS, KV_LENS, PAGES, bh, split, NSPLIT: tl.conste
 
 
 @triton.jit
-def _selected_kernel(Q, K, V, IDX, COUNTS, KV_LENS, PAGES, O, LSE,
+def _selected_kernel(Q, K, V, IDX, COUNTS, KV_LENS, Q_LENS, PAGES, O, LSE,
                      TQ: tl.constexpr, TK: tl.constexpr, HQ: tl.constexpr, H: tl.constexpr, S: tl.constexpr,
                      DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr, RP: tl.constexpr,
                      TQP: tl.constexpr, SP: tl.constexpr, BS: tl.constexpr, BSP: tl.constexpr,
@@ -292,7 +296,7 @@ def _selected_kernel(Q, K, V, IDX, COUNTS, KV_LENS, PAGES, O, LSE,
     Grid (B * H,). Loads q (RP x DKP), kv_lens [B], the slots IDX [B, TQ, H, S] and COUNTS [B, TQ, H] of
     its TQ tokens, then each distinct listed block once (`_selected`); stores o and lse of its R rows.
     """
-    m, l_sum, acc, r, ok, q_rows = _selected(Q, K, V, IDX, COUNTS, KV_LENS, PAGES, tl.program_id(0), 0, NSPLIT=1,
+    m, l_sum, acc, r, ok, q_rows = _selected(Q, K, V, IDX, COUNTS, KV_LENS, Q_LENS, PAGES, tl.program_id(0), 0, NSPLIT=1,
                                              TQ=TQ, TK=TK, HQ=HQ, H=H, S=S, DK=DK, DV=DV, DKP=DKP, DVP=DVP, RP=RP,
                                              TQP=TQP, SP=SP, BS=BS, BSP=BSP, NSUB=NSUB, SCALE=SCALE, PAGE=PAGE, MP=MP,
                                              NP=NP)
@@ -300,7 +304,7 @@ def _selected_kernel(Q, K, V, IDX, COUNTS, KV_LENS, PAGES, O, LSE,
 
 
 @triton.jit
-def _selected_split_kernel(Q, K, V, IDX, COUNTS, KV_LENS, PAGES, ACC, M, L,
+def _selected_split_kernel(Q, K, V, IDX, COUNTS, KV_LENS, Q_LENS, PAGES, ACC, M, L,
                            TQ: tl.constexpr, TK: tl.constexpr, HQ: tl.constexpr, H: tl.constexpr,
                            S: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexpr,
                            DVP: tl.constexpr, RP: tl.constexpr, TQP: tl.constexpr, SP: tl.constexpr,
@@ -313,7 +317,7 @@ def _selected_split_kernel(Q, K, V, IDX, COUNTS, KV_LENS, PAGES, ACC, M, L,
     """
     bh = tl.program_id(0)
     split = tl.program_id(1)
-    m, l_sum, acc, r, ok, _ = _selected(Q, K, V, IDX, COUNTS, KV_LENS, PAGES, bh, split, NSPLIT=NSPLIT, TQ=TQ, TK=TK,
+    m, l_sum, acc, r, ok, _ = _selected(Q, K, V, IDX, COUNTS, KV_LENS, Q_LENS, PAGES, bh, split, NSPLIT=NSPLIT, TQ=TQ, TK=TK,
                                         HQ=HQ, H=H, S=S, DK=DK, DV=DV, DKP=DKP, DVP=DVP, RP=RP, TQP=TQP, SP=SP, BS=BS,
                                         BSP=BSP, NSUB=NSUB, SCALE=SCALE, PAGE=PAGE, MP=MP, NP=NP)
     _store_partial(ACC, M, L, m, l_sum, acc, bh, split, r, ok, R=TQ * (HQ // H), NSPLIT=NSPLIT, DV=DV, DVP=DVP)
@@ -376,7 +380,7 @@ def _combine_kernel(ACC, M, L, O, LSE,
 
 
 @triton.jit
-def _cmp_window_split_kernel(Q, K, V, K_CMP, V_CMP, KV_LENS, PAGES, ACC_C, M_C, L_C, ACC_W, M_W, L_W,
+def _cmp_window_split_kernel(Q, K, V, K_CMP, V_CMP, KV_LENS, Q_LENS, PAGES, ACC_C, M_C, L_C, ACC_W, M_W, L_W,
                              TQ: tl.constexpr, TK: tl.constexpr, NC: tl.constexpr, HQ: tl.constexpr,
                              H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexpr,
                              DVP: tl.constexpr, RP: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_W: tl.constexpr,
@@ -395,13 +399,13 @@ def _cmp_window_split_kernel(Q, K, V, K_CMP, V_CMP, KV_LENS, PAGES, ACC_C, M_C, 
     split = tl.program_id(1)
     R: tl.constexpr = TQ * (HQ // H)
     if split < NS_C:
-        m, l_sum, acc, r, ok, _ = _interval(Q, K_CMP, V_CMP, KV_LENS, PAGES, bh, split, NSPLIT=NS_C, TQ=TQ, NK=NC,
+        m, l_sum, acc, r, ok, _ = _interval(Q, K_CMP, V_CMP, KV_LENS, Q_LENS, PAGES, bh, split, NSPLIT=NS_C, TQ=TQ, NK=NC,
                                             HQ=HQ, H=H, DK=DK, DV=DV, DKP=DKP, DVP=DVP, RP=RP, BLOCK_N=BLOCK_C,
                                             COMPRESSED=True, WINDOW=0, BS=BS, STRIDE=STRIDE, SCALE=SCALE,
                                             PAGE=PAGE_C, MP=MP, NP=NP)
         _store_partial(ACC_C, M_C, L_C, m, l_sum, acc, bh, split, r, ok, R=R, NSPLIT=NS_C, DV=DV, DVP=DVP)
     else:
-        m, l_sum, acc, r, ok, _ = _interval(Q, K, V, KV_LENS, PAGES, bh, split - NS_C, NSPLIT=NS_W, TQ=TQ, NK=TK,
+        m, l_sum, acc, r, ok, _ = _interval(Q, K, V, KV_LENS, Q_LENS, PAGES, bh, split - NS_C, NSPLIT=NS_W, TQ=TQ, NK=TK,
                                             HQ=HQ, H=H, DK=DK, DV=DV, DKP=DKP, DVP=DVP, RP=RP, BLOCK_N=BLOCK_W,
                                             COMPRESSED=False, WINDOW=WINDOW, BS=1, STRIDE=1, SCALE=SCALE, PAGE=PAGE,
                                             MP=MP, NP=NP)
@@ -565,6 +569,11 @@ def _run(kernel, split_kernel, q, v, inputs, cfg, meta):
         CR=cr, CD=cd, CS=min(cfg.combine_splits, nsp), num_warps=cfg.combine_warps, num_stages=1)
 
 
+def _all_queries(q):
+    """q_lens int32 [B] when every row of q [B, TQ, ...] is a query: TQ each."""
+    return jnp.full((q.shape[0],), q.shape[1], jnp.int32)
+
+
 def _check(q, k, v, kv_lens, names=("k", "v")):
     """q, k, v as `check_keys` takes them (names: how the caller calls k and v) and kv_lens [B]: a ValueError
     names the argument that does not fit."""
@@ -583,7 +592,8 @@ def window(q, k, v, kv_lens, *, window_size, scale, config=None):
     meta = dict(_meta(q, k, v, scale, cfg), NK=k.shape[1], BLOCK_N=cfg.block_n, COMPRESSED=False, WINDOW=W, BS=1,
                 STRIDE=1, **pages_meta)
     return _run(_interval_kernel, _interval_split_kernel, q, v,
-                dict(Q=q, K=k, V=v, KV_LENS=kv_lens.astype(jnp.int32), PAGES=pages), cfg, meta)
+                dict(Q=q, K=k, V=v, KV_LENS=kv_lens.astype(jnp.int32), Q_LENS=_all_queries(q), PAGES=pages), cfg,
+                meta)
 
 
 def compressed(q, k_cmp, v_cmp, kv_lens, *, block_size, stride, scale, config=None):
@@ -598,7 +608,8 @@ def compressed(q, k_cmp, v_cmp, kv_lens, *, block_size, stride, scale, config=No
     meta = dict(_meta(q, k_cmp, v_cmp, scale, cfg), NK=k_cmp.shape[1], BLOCK_N=cfg.block_n, COMPRESSED=True,
                 WINDOW=0, BS=int(block_size), STRIDE=int(stride), **pages_meta)
     return _run(_interval_kernel, _interval_split_kernel, q, v_cmp,
-                dict(Q=q, K=k_cmp, V=v_cmp, KV_LENS=kv_lens.astype(jnp.int32), PAGES=pages), cfg, meta)
+                dict(Q=q, K=k_cmp, V=v_cmp, KV_LENS=kv_lens.astype(jnp.int32), Q_LENS=_all_queries(q), PAGES=pages),
+                cfg, meta)
 
 
 def selected(q, k, v, block_indices, block_counts, kv_lens, *, block_size, scale, config=None):
@@ -612,9 +623,11 @@ def selected(q, k, v, block_indices, block_counts, kv_lens, *, block_size, scale
     return _run(_selected_kernel, _selected_split_kernel, q, v, inputs, cfg, meta)
 
 
-def _selected_launch(q, k, v, block_indices, block_counts, kv_lens, *, block_size, scale, config, page_table=None):
+def _selected_launch(q, k, v, block_indices, block_counts, kv_lens, *, block_size, scale, config, page_table=None,
+                     q_lens=None):
     """The inputs, Config and constexprs of the selected kernels (`selected`; with a page_table [B, MP], k and v
-    are pools of pages, nsa._config.Step's)."""
+    are pools of pages, and with q_lens int32 [B] sequence b's queries are its first q_lens[b] rows:
+    nsa._config.Step's)."""
     pages, pages_meta = paging(page_table, k)
     k_pool, v_pool = k, v
     k, v = as_sequences(k, page_table), as_sequences(v, page_table)
@@ -635,7 +648,8 @@ def _selected_launch(q, k, v, block_indices, block_counts, kv_lens, *, block_siz
     meta = dict(_meta(q, k, v, scale, cfg), TK=TK, S=S, TQP=tqp, SP=max(triton.next_power_of_2(S), 16 // tqp),
                 BS=bs, BSP=cfg.block_n, NSUB=cdiv(bs, cfg.block_n), **pages_meta)
     inputs = dict(Q=q, K=k_pool, V=v_pool, IDX=idx, COUNTS=block_counts.astype(jnp.int32),
-                  KV_LENS=kv_lens.astype(jnp.int32), PAGES=pages)
+                  KV_LENS=kv_lens.astype(jnp.int32), PAGES=pages,
+                  Q_LENS=_all_queries(q) if q_lens is None else q_lens)
     return inputs, cfg, meta
 
 
@@ -651,7 +665,9 @@ def attention(*arrays, block_counts, block_size, compress_block_size, compress_s
     branch's splits merged, rounded to q's dtype and gated, as nsa.attention sums them. Each split count and
     tile is its op's `default_config`; the first launch takes the larger warps and the fewer stages of its two
     branches. A paged cache (the Step's page_table [B, MP]): every kernel reads the pools' rows through the page
-    table itself (`nsa.triton._common.cache_rows`), nothing is gathered.
+    table itself (`nsa.triton._common.cache_rows`), nothing is gathered. A ragged step (the Step's q_lens [B]):
+    sequence b's queries are the first q_lens[b] rows of q, at positions kv_lens[b] - q_lens[b] + t; the other rows
+    see nothing, their output 0 (their gates must be finite: nsa.attention zeroes them).
     """
     step = Step(*arrays)
     table = step.page_table
@@ -659,6 +675,8 @@ def attention(*arrays, block_counts, block_size, compress_block_size, compress_s
     _check(q, k, v, step.kv_lens)
     _check(q, k_cmp, v_cmp, step.kv_lens, ("k_cmp", "v_cmp"))
     pages, pages_meta = paging(table, step.k)
+    q_lens = _all_queries(q) if step.q_lens is None else step.q_lens.astype(jnp.int32)
+    check(q_lens.shape == (q.shape[0],), "q_lens", f"shape [B] = ({q.shape[0]},)", tuple(q_lens.shape))
     if table is not None:
         check(table.ndim == 2 and table.shape[0] == q.shape[0], "page_table", f"shape [B, MP] with B = {q.shape[0]}",
               tuple(table.shape))
@@ -677,7 +695,8 @@ def attention(*arrays, block_counts, block_size, compress_block_size, compress_s
     cmp_parts, win_parts = _partials(B, H, cfg_c.splits, R, Dv), _partials(B, H, max(1, ns_w), R, Dv)
     acc_c, m_c, l_c, acc_w, m_w, l_w = _launch.launch(
         _cmp_window_split_kernel, grid=(B * H, cfg_c.splits + ns_w),
-        inputs=dict(Q=q, K=step.k, V=step.v, K_CMP=step.k_cmp, V_CMP=step.v_cmp, KV_LENS=kv_lens, PAGES=pages),
+        inputs=dict(Q=q, K=step.k, V=step.v, K_CMP=step.k_cmp, V_CMP=step.v_cmp, KV_LENS=kv_lens, Q_LENS=q_lens,
+                    PAGES=pages),
         outputs={f"{name}_{branch}": shape for branch, parts in (("C", cmp_parts), ("W", win_parts))
                  for name, shape in parts.items()},
         **dict(_meta(q, k, v, scale, cfg_c), num_warps=max(cfg_c.num_warps, cfg_w.num_warps),
@@ -686,10 +705,10 @@ def attention(*arrays, block_counts, block_size, compress_block_size, compress_s
         STRIDE=int(compress_stride), NS_C=cfg_c.splits, NS_W=ns_w, PAGE_C=pages_meta["PAGE"] // int(compress_stride),
         **pages_meta)
     idx = decode_select.forward(q, step.k_cmp, None, kv_lens, block_counts=block_counts, block_size=block_size,
-                                scale=scale, lse_parts=(m_c, l_c), page_table=table)
+                                scale=scale, lse_parts=(m_c, l_c), page_table=table, q_lens=q_lens)
     counts = jnp.full(idx.shape[:3], idx.shape[3], jnp.int32)  # every slot (unused ones are -1)
     inputs, cfg_s, meta = _selected_launch(q, step.k, step.v, idx, counts, kv_lens, block_size=block_size,
-                                           scale=scale, config=None, page_table=table)
+                                           scale=scale, config=None, page_table=table, q_lens=q_lens)
     acc_s, m_s, l_s = _launch.launch(_selected_split_kernel, grid=(B * H, cfg_s.splits), inputs=inputs,
                                      outputs=_partials(B, H, cfg_s.splits, R, Dv), NSPLIT=cfg_s.splits, **meta)
     gates = dict(G_CMP=step.g_cmp, G_SLC=step.g_slc, G_SWA=step.g_swa)

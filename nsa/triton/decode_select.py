@@ -35,7 +35,7 @@ MAX_SPLITS = 64
 
 
 @triton.jit
-def _decode_split_kernel(q, k_cmp, lse, m_cmp, l_cmp, kv_lens, pages, top, out,
+def _decode_split_kernel(q, k_cmp, lse, m_cmp, l_cmp, kv_lens, q_lens, pages, top, out,
                          TQ: tl.constexpr, NC: tl.constexpr, H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr,
                          BS: tl.constexpr, S: tl.constexpr, SCALE: tl.constexpr, GR: tl.constexpr,
                          TQP: tl.constexpr, DKP: tl.constexpr, BC: tl.constexpr, SP: tl.constexpr,
@@ -43,7 +43,8 @@ def _decode_split_kernel(q, k_cmp, lse, m_cmp, l_cmp, kv_lens, pages, top, out,
                          LSE_NSP: tl.constexpr, PAGE: tl.constexpr, MP: tl.constexpr, NP: tl.constexpr):
     """Decode: the running top of the TQ queries of one KV head over one share of the candidate blocks.
 
-    The TQ queries are the last tokens of batch row b (query t at position p_t = kv_lens[b] - TQ + t, its
+    The queries are the last tokens of batch row b: its first q_lens[b] rows (all TQ unless a ragged step; the
+    others get no block), query t at position p_t = kv_lens[b] - q_lens[b] + t, its
     candidates the blocks 0 .. p_t // BS, block c scored from row c of k_cmp). Grid (B * H, NSPLIT): program
     (b * H + h, split) takes share `split` of the chunks of BC blocks up to the tile's last candidate (cut
     into NSPLIT even shares at run time, so a ragged batch splits each row's own range). Tile: M = TQP * GR
@@ -66,16 +67,17 @@ def _decode_split_kernel(q, k_cmp, lse, m_cmp, l_cmp, kv_lens, pages, top, out,
     h = bh % H
     M: tl.constexpr = TQP * GR
     kv_len = tl.load(kv_lens + b)
+    q_len = tl.load(q_lens + b)  # the row's queries: its first q_len tokens
 
     tok = tl.arange(0, TQP)
-    p_tok = kv_len - TQ + tok
-    tok_ok = (tok < TQ) & (p_tok >= 0)
+    p_tok = kv_len - q_len + tok
+    tok_ok = (tok < q_len) & (p_tok >= 0)
     cur = tl.where(tok_ok, p_tok // BS, -1)  # each token's current block (-1: no candidates)
 
     i = tl.arange(0, M)
     t_row = i // GR
-    p_row = kv_len - TQ + t_row
-    row_ok = (i % GR < G) & (t_row < TQ) & (p_row >= 0)
+    p_row = kv_len - q_len + t_row
+    row_ok = (i % GR < G) & (t_row < q_len) & (p_row >= 0)
     end_row = tl.where(row_ok, tl.minimum((p_row + 1) // BS, NC), 0)  # the row's visible rows [0, end_row)
     q_row = (b * TQ + t_row) * (H * G) + h * G + i % GR  # int64 row of q and lse
     dk = tl.arange(0, DKP)
@@ -182,13 +184,15 @@ def default_config(shapes, dtype, device):
 
 
 def forward(q, k_cmp, lse, kv_lens, *, block_counts, block_size, scale, config=None, lse_parts=None,
-            page_table=None):
+            page_table=None, q_lens=None):
     """block_indices int32 [B, TQ, H, block_counts] for a few queries q [B, TQ, HQ, Dk] at the end of a cache
     (kv_lens int [B]) against its compressed keys k_cmp [B, NC, H, Dk], as nsa.reference.select with kv_lens:
     `_decode_split_kernel`, then `_decode_merge_kernel` when NSPLIT > 1. Compressed attention's lse is given as
     lse [B, TQ, HQ] float32, or as lse_parts (then lse is None): the (m, l) partial statistics [B * H, NSPLIT,
     TQ * G] of the decode kernels' compressed splits. config: a Config (None: `default_config`). With page_table
-    int [B, MP] (a paged cache), k_cmp is its pool of pages [P, S / d, H, Dk], read through the table."""
+    int [B, MP] (a paged cache), k_cmp is its pool of pages [P, S / d, H, Dk], read through the table. With q_lens
+    int32 [B], sequence b's queries are the first q_lens[b] rows of q (its last q_lens[b] tokens), the others get
+    no block (-1)."""
     pages, pages_meta = paging(page_table, k_cmp)
     k_pool, k_cmp = k_cmp, as_sequences(k_cmp, page_table)
     B, TQ, HQ, Dk = q.shape
@@ -210,7 +214,8 @@ def forward(q, k_cmp, lse, kv_lens, *, block_counts, block_size, scale, config=N
     top, idx = _launch.launch(
         _decode_split_kernel, grid=(B * H, cfg.splits),
         inputs=dict(q=q, k_cmp=k_pool, lse=unused if lse is None else lse.astype(jnp.float32), m_cmp=m_cmp,
-                    l_cmp=l_cmp, kv_lens=kv_lens, pages=pages),
+                    l_cmp=l_cmp, kv_lens=kv_lens, q_lens=jnp.full((B,), TQ, jnp.int32) if q_lens is None else q_lens,
+                    pages=pages),
         outputs=dict(top=top, out=out), num_warps=cfg.num_warps, num_stages=cfg.num_stages, TQ=TQ, NC=NC, H=H,
         G=HQ // H, DK=Dk, BS=block_size, SCALE=float(scale), IEEE=bool(q.dtype == jnp.float32), TQP=tqp,
         BC=cfg.chunk, NSPLIT=cfg.splits, LSE_SPLITS=lse_splits, LSE_NSP=triton.next_power_of_2(max(1, lse_splits)),
