@@ -34,7 +34,8 @@ SUITE_ONLY_FLAG = "--xla_backend_optimization_level=0"
 @pytest.mark.notebook
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[os.path.basename(p) for p in NOTEBOOKS])
 def test_runs_top_to_bottom(path, monkeypatch):
-    monkeypatch.setenv("XLA_FLAGS", " ".join(f for f in os.environ.get("XLA_FLAGS", "").split() if f != SUITE_ONLY_FLAG))
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if f != SUITE_ONLY_FLAG]
+    monkeypatch.setenv("XLA_FLAGS", " ".join(flags))
     executed, _ = runner.execute(path)
     assert _images(executed) >= 1, "a notebook draws at least one picture"
 

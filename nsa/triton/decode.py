@@ -188,7 +188,8 @@ def _interval_kernel(Q, K, V, KV_LENS, Q_LENS, PAGES, O, LSE,
     Grid (B * H,). Loads q [B, TQ, HQ, DK] (the tile's RP x DKP rows), kv_lens [B], then every key tile
     the tile's tokens see (`_interval`); stores o and lse of its R = TQ * G rows.
     """
-    m, l_sum, acc, r, ok, q_rows = _interval(Q, K, V, KV_LENS, Q_LENS, PAGES, tl.program_id(0), 0, NSPLIT=1, TQ=TQ, NK=NK,
+    m, l_sum, acc, r, ok, q_rows = _interval(Q, K, V, KV_LENS, Q_LENS, PAGES, tl.program_id(0), 0, NSPLIT=1, TQ=TQ,
+                                             NK=NK,
                                              HQ=HQ, H=H, DK=DK, DV=DV, DKP=DKP, DVP=DVP, RP=RP, BLOCK_N=BLOCK_N,
                                              COMPRESSED=COMPRESSED, WINDOW=WINDOW, BS=BS, STRIDE=STRIDE,
                                              SCALE=SCALE, PAGE=PAGE, MP=MP, NP=NP)
@@ -210,7 +211,8 @@ def _interval_split_kernel(Q, K, V, KV_LENS, Q_LENS, PAGES, ACC, M, L,
     """
     bh = tl.program_id(0)
     split = tl.program_id(1)
-    m, l_sum, acc, r, ok, _ = _interval(Q, K, V, KV_LENS, Q_LENS, PAGES, bh, split, NSPLIT=NSPLIT, TQ=TQ, NK=NK, HQ=HQ, H=H,
+    m, l_sum, acc, r, ok, _ = _interval(Q, K, V, KV_LENS, Q_LENS, PAGES, bh, split, NSPLIT=NSPLIT, TQ=TQ, NK=NK, HQ=HQ,
+                                        H=H,
                                         DK=DK, DV=DV, DKP=DKP, DVP=DVP, RP=RP, BLOCK_N=BLOCK_N, COMPRESSED=COMPRESSED,
                                         WINDOW=WINDOW, BS=BS, STRIDE=STRIDE, SCALE=SCALE, PAGE=PAGE, MP=MP, NP=NP)
     _store_partial(ACC, M, L, m, l_sum, acc, bh, split, r, ok, R=TQ * (HQ // H), NSPLIT=NSPLIT, DV=DV, DVP=DVP)
@@ -296,7 +298,8 @@ def _selected_kernel(Q, K, V, IDX, COUNTS, KV_LENS, Q_LENS, PAGES, O, LSE,
     Grid (B * H,). Loads q (RP x DKP), kv_lens [B], the slots IDX [B, TQ, H, S] and COUNTS [B, TQ, H] of
     its TQ tokens, then each distinct listed block once (`_selected`); stores o and lse of its R rows.
     """
-    m, l_sum, acc, r, ok, q_rows = _selected(Q, K, V, IDX, COUNTS, KV_LENS, Q_LENS, PAGES, tl.program_id(0), 0, NSPLIT=1,
+    m, l_sum, acc, r, ok, q_rows = _selected(Q, K, V, IDX, COUNTS, KV_LENS, Q_LENS, PAGES, tl.program_id(0), 0,
+                                             NSPLIT=1,
                                              TQ=TQ, TK=TK, HQ=HQ, H=H, S=S, DK=DK, DV=DV, DKP=DKP, DVP=DVP, RP=RP,
                                              TQP=TQP, SP=SP, BS=BS, BSP=BSP, NSUB=NSUB, SCALE=SCALE, PAGE=PAGE, MP=MP,
                                              NP=NP)
@@ -317,7 +320,8 @@ def _selected_split_kernel(Q, K, V, IDX, COUNTS, KV_LENS, Q_LENS, PAGES, ACC, M,
     """
     bh = tl.program_id(0)
     split = tl.program_id(1)
-    m, l_sum, acc, r, ok, _ = _selected(Q, K, V, IDX, COUNTS, KV_LENS, Q_LENS, PAGES, bh, split, NSPLIT=NSPLIT, TQ=TQ, TK=TK,
+    m, l_sum, acc, r, ok, _ = _selected(Q, K, V, IDX, COUNTS, KV_LENS, Q_LENS, PAGES, bh, split, NSPLIT=NSPLIT, TQ=TQ,
+                                        TK=TK,
                                         HQ=HQ, H=H, S=S, DK=DK, DV=DV, DKP=DKP, DVP=DVP, RP=RP, TQP=TQP, SP=SP, BS=BS,
                                         BSP=BSP, NSUB=NSUB, SCALE=SCALE, PAGE=PAGE, MP=MP, NP=NP)
     _store_partial(ACC, M, L, m, l_sum, acc, bh, split, r, ok, R=TQ * (HQ // H), NSPLIT=NSPLIT, DV=DV, DVP=DVP)
@@ -399,13 +403,15 @@ def _cmp_window_split_kernel(Q, K, V, K_CMP, V_CMP, KV_LENS, Q_LENS, PAGES, ACC_
     split = tl.program_id(1)
     R: tl.constexpr = TQ * (HQ // H)
     if split < NS_C:
-        m, l_sum, acc, r, ok, _ = _interval(Q, K_CMP, V_CMP, KV_LENS, Q_LENS, PAGES, bh, split, NSPLIT=NS_C, TQ=TQ, NK=NC,
+        m, l_sum, acc, r, ok, _ = _interval(Q, K_CMP, V_CMP, KV_LENS, Q_LENS, PAGES, bh, split, NSPLIT=NS_C, TQ=TQ,
+                                            NK=NC,
                                             HQ=HQ, H=H, DK=DK, DV=DV, DKP=DKP, DVP=DVP, RP=RP, BLOCK_N=BLOCK_C,
                                             COMPRESSED=True, WINDOW=0, BS=BS, STRIDE=STRIDE, SCALE=SCALE,
                                             PAGE=PAGE_C, MP=MP, NP=NP)
         _store_partial(ACC_C, M_C, L_C, m, l_sum, acc, bh, split, r, ok, R=R, NSPLIT=NS_C, DV=DV, DVP=DVP)
     else:
-        m, l_sum, acc, r, ok, _ = _interval(Q, K, V, KV_LENS, Q_LENS, PAGES, bh, split - NS_C, NSPLIT=NS_W, TQ=TQ, NK=TK,
+        m, l_sum, acc, r, ok, _ = _interval(Q, K, V, KV_LENS, Q_LENS, PAGES, bh, split - NS_C, NSPLIT=NS_W, TQ=TQ,
+                                            NK=TK,
                                             HQ=HQ, H=H, DK=DK, DV=DV, DKP=DKP, DVP=DVP, RP=RP, BLOCK_N=BLOCK_W,
                                             COMPRESSED=False, WINDOW=WINDOW, BS=1, STRIDE=1, SCALE=SCALE, PAGE=PAGE,
                                             MP=MP, NP=NP)
