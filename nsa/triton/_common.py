@@ -89,6 +89,11 @@ def paging(page_table, pool):
     return page_table.astype(jnp.int32), dict(PAGE=pool.shape[1], MP=page_table.shape[1], NP=pool.shape[0])
 
 
+def all_queries(q):
+    """q_lens int32 [B] when every row of q [B, TQ, ...] is a query (not a ragged step): TQ each."""
+    return jnp.full((q.shape[0],), q.shape[1], jnp.int32)
+
+
 def device():
     """The `nsa._device.Device` the default configs plan for: this process's CUDA GPU (read at trace time)."""
     return _device.facts("cuda")

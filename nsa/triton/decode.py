@@ -50,7 +50,8 @@ from nsa._config import Shapes, Step, expect, as_sequences, positive, power_of_t
 from nsa._device import KiB
 from nsa._varlen import cdiv
 from nsa.triton import _launch, _splits, decode_select
-from nsa.triton._common import LN2, LOG2E, cache_rows, check, check_keys, device, online_step, paging, pow2, runs
+from nsa.triton._common import (LN2, LOG2E, all_queries, cache_rows, check, check_keys, device, online_step, paging,
+                               pow2, runs)
 from nsa.triton._splits import split_stats
 from nsa.triton._topk import complete_rows
 
@@ -575,11 +576,6 @@ def _run(kernel, split_kernel, q, v, inputs, cfg, meta):
         CR=cr, CD=cd, CS=min(cfg.combine_splits, nsp), num_warps=cfg.combine_warps, num_stages=1)
 
 
-def _all_queries(q):
-    """q_lens int32 [B] when every row of q [B, TQ, ...] is a query: TQ each."""
-    return jnp.full((q.shape[0],), q.shape[1], jnp.int32)
-
-
 def _check(q, k, v, kv_lens, names=("k", "v")):
     """q, k, v as `check_keys` takes them (names: how the caller calls k and v) and kv_lens [B]: a ValueError
     names the argument that does not fit."""
@@ -598,7 +594,7 @@ def window(q, k, v, kv_lens, *, window_size, scale, config=None):
     meta = dict(_meta(q, k, v, scale, cfg), NK=k.shape[1], BLOCK_N=cfg.block_n, COMPRESSED=False, WINDOW=W, BS=1,
                 STRIDE=1, **pages_meta)
     return _run(_interval_kernel, _interval_split_kernel, q, v,
-                dict(Q=q, K=k, V=v, KV_LENS=kv_lens.astype(jnp.int32), Q_LENS=_all_queries(q), PAGES=pages), cfg,
+                dict(Q=q, K=k, V=v, KV_LENS=kv_lens.astype(jnp.int32), Q_LENS=all_queries(q), PAGES=pages), cfg,
                 meta)
 
 
@@ -614,7 +610,7 @@ def compressed(q, k_cmp, v_cmp, kv_lens, *, block_size, stride, scale, config=No
     meta = dict(_meta(q, k_cmp, v_cmp, scale, cfg), NK=k_cmp.shape[1], BLOCK_N=cfg.block_n, COMPRESSED=True,
                 WINDOW=0, BS=int(block_size), STRIDE=int(stride), **pages_meta)
     return _run(_interval_kernel, _interval_split_kernel, q, v_cmp,
-                dict(Q=q, K=k_cmp, V=v_cmp, KV_LENS=kv_lens.astype(jnp.int32), Q_LENS=_all_queries(q), PAGES=pages),
+                dict(Q=q, K=k_cmp, V=v_cmp, KV_LENS=kv_lens.astype(jnp.int32), Q_LENS=all_queries(q), PAGES=pages),
                 cfg, meta)
 
 
@@ -655,7 +651,7 @@ def _selected_launch(q, k, v, block_indices, block_counts, kv_lens, *, block_siz
                 BS=bs, BSP=cfg.block_n, NSUB=cdiv(bs, cfg.block_n), **pages_meta)
     inputs = dict(Q=q, K=k_pool, V=v_pool, IDX=idx, COUNTS=block_counts.astype(jnp.int32),
                   KV_LENS=kv_lens.astype(jnp.int32), PAGES=pages,
-                  Q_LENS=_all_queries(q) if q_lens is None else q_lens)
+                  Q_LENS=all_queries(q) if q_lens is None else q_lens)
     return inputs, cfg, meta
 
 
@@ -681,7 +677,7 @@ def attention(*arrays, block_counts, block_size, compress_block_size, compress_s
     _check(q, k, v, step.kv_lens)
     _check(q, k_cmp, v_cmp, step.kv_lens, ("k_cmp", "v_cmp"))
     pages, pages_meta = paging(table, step.k)
-    q_lens = _all_queries(q) if step.q_lens is None else step.q_lens.astype(jnp.int32)
+    q_lens = all_queries(q) if step.q_lens is None else step.q_lens.astype(jnp.int32)
     check(q_lens.shape == (q.shape[0],), "q_lens", f"shape [B] = ({q.shape[0]},)", tuple(q_lens.shape))
     if table is not None:
         check(table.ndim == 2 and table.shape[0] == q.shape[0], "page_table", f"shape [B, MP] with B = {q.shape[0]}",

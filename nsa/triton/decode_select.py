@@ -20,7 +20,7 @@ import triton.language as tl
 from nsa._config import Shapes, as_sequences, positive, power_of_two, validated
 from nsa._varlen import cdiv
 from nsa.triton import _launch, _splits, _topk
-from nsa.triton._common import LOG2E, cache_rows, check, device, paging
+from nsa.triton._common import LOG2E, all_queries, cache_rows, check, device, paging
 from nsa.triton._splits import split_stats
 from nsa.triton._topk import ids, keys, logits, merge_top, store_top
 
@@ -214,7 +214,7 @@ def forward(q, k_cmp, lse, kv_lens, *, block_counts, block_size, scale, config=N
     top, idx = _launch.launch(
         _decode_split_kernel, grid=(B * H, cfg.splits),
         inputs=dict(q=q, k_cmp=k_pool, lse=unused if lse is None else lse.astype(jnp.float32), m_cmp=m_cmp,
-                    l_cmp=l_cmp, kv_lens=kv_lens, q_lens=jnp.full((B,), TQ, jnp.int32) if q_lens is None else q_lens,
+                    l_cmp=l_cmp, kv_lens=kv_lens, q_lens=all_queries(q) if q_lens is None else q_lens,
                     pages=pages),
         outputs=dict(top=top, out=out), num_warps=cfg.num_warps, num_stages=cfg.num_stages, TQ=TQ, NC=NC, H=H,
         G=HQ // H, DK=Dk, BS=block_size, SCALE=float(scale), IEEE=bool(q.dtype == jnp.float32), TQP=tqp,
