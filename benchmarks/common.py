@@ -8,6 +8,7 @@ against a baseline row the benchmark names; `write_json` writes {meta, rows}.
 """
 
 import json
+import os
 import platform
 import statistics
 import time
@@ -288,9 +289,11 @@ def table(rows, baseline_name, is_baseline):
 
 
 def meta(shape=STANDARD, **extra):
-    """The run's metadata: date, device kind, jax version, Python version, shape, then `extra`."""
+    """The run's metadata: date, device kind, jax version, Python version, shape, XLA_FLAGS where set, then
+    `extra`."""
+    flags = {"xla_flags": os.environ["XLA_FLAGS"]} if os.environ.get("XLA_FLAGS") else {}
     return dict(date=time.strftime("%Y-%m-%d"), device=str(jax.devices()[0].device_kind), jax=jax.__version__,
-                python=platform.python_version(), shape=shape.describe(), **extra)
+                python=platform.python_version(), shape=shape.describe(), **flags, **extra)
 
 
 def module_versions(names):

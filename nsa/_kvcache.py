@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from nsa import _checks
+from nsa._plan import window_start
 from nsa._varlen import cdiv
 
 
@@ -103,6 +104,51 @@ def gathered(page_table, *pools):
                                                                                               *x.shape[2:])
     return tuple(gather(x) for x in pools)
 
+
+def read_rows(pool, page_table, rows):
+    """The rows at positions rows int [B, N] of each sequence of a pool of pages [P, S, H, D] (page_table int
+    [B, MP]): [B, N, H, D], or at per-head positions rows int [B, N, H]: [B, N, H, D] (KV head h's row of its own
+    position). What `gathered(page_table, pool)[b, rows]` holds (positions and page ids clipped as it clips them),
+    read without gathering the rest."""
+    B, N = rows.shape[:2]
+    P, S = pool.shape[:2]
+    rows = jnp.clip(rows.astype(jnp.int32), 0, page_table.shape[1] * S - 1)
+    table = page_table.astype(jnp.int32)
+    page = jnp.clip(jnp.take_along_axis(table, (rows // S).reshape(B, -1), axis=1).reshape(rows.shape), 0, P - 1)
+    if rows.ndim == 2:
+        return pool[page, rows % S]
+    return pool[page, rows % S, jnp.arange(pool.shape[2])]
+
+
+def paged_window(page_table, k, v, kv_lens, T, window_size):
+    """The rows the sliding window of a step of T queries reads, through the page table: (k, v [B, L, H, D] and
+    kv_lens - start), the L = T + W - 1 rows from start = max(kv_lens - L, 0) on (`nsa._plan.window_keys`' cut,
+    made on the pages, so the window's op cuts nothing more); None where those rows span the whole capacity."""
+    start = window_start(T, page_table.shape[1] * k.shape[1], window_size, kv_lens)
+    if start is None:
+        return None
+    rows = start[:, None] + jnp.arange(T + int(window_size) - 1, dtype=jnp.int32)
+    return read_rows(k, page_table, rows), read_rows(v, page_table, rows), kv_lens - start
+
+
+def paged_selected(page_table, k, v, block_indices, kv_lens, block_size):
+    """The blocks a decode step (T = 1) selects, read through the page table: (k, v [B, (S + 1) * bs, H, D],
+    block_indices [B, 1, H, S], kv_lens [B]) on which the selected branch attends as it would on the whole
+    sequences. Slot s of KV head h holds the block block_indices[b, 0, h, s] names: rows [s * bs, (s + 1) * bs)
+    when it lies wholly before the query, the last slot S when it is the query's own block (q at position
+    p = kv_lens - 1 of block p // bs, seen up to p % bs: the new lengths are S * bs + p % bs + 1). Entries outside
+    [0, p // bs] become -1 (skipped, as the op skips them); a block listed twice is read twice (and attended
+    twice, as the op does). O(B * H * S * bs) rows: nothing of the cache's size."""
+    B, _, H, S = block_indices.shape
+    pos = kv_lens.astype(jnp.int32) - 1
+    own = (pos // block_size)[:, None, None]  # [B, 1, 1]: the query's own block (-1 for an empty sequence)
+    blocks = block_indices[:, 0].astype(jnp.int32)  # [B, H, S]
+    valid = (blocks >= 0) & (blocks <= own)
+    slots = jnp.where(valid, jnp.where(blocks == own, S, jnp.arange(S, dtype=jnp.int32)), -1)
+    read = jnp.concatenate([jnp.where(valid & (blocks != own), blocks, 0), jnp.broadcast_to(own, (B, H, 1))], -1)
+    rows = (read[..., None] * block_size + jnp.arange(block_size)).reshape(B, H, -1).transpose(0, 2, 1)
+    lens = jnp.where(pos >= 0, S * block_size + pos % block_size + 1, 0)
+    return read_rows(k, page_table, rows), read_rows(v, page_table, rows), slots[:, None], lens
 
 
 def cache_blocks(cache: Cache) -> tuple[int, int, int]:

@@ -147,7 +147,7 @@ def packed_attend_backward(backward_fn, q, k, v, lo, hi, o, lse, do, dlse, query
 # ------------------------------------------------------------------------------------------ the sliding window
 
 
-def _window_start(T, TK, window_size, kv_lens):
+def window_start(T, TK, window_size, kv_lens):
     """With a KV cache longer than the L = T + W - 1 key rows its T queries' windows span (a decode step):
     int32 [B], the first of them in each batch row (kv_lens[b] - L, or 0 for a shorter sequence); else None."""
     if kv_lens is None or window_size < 1 or T + window_size - 1 >= TK:
@@ -168,7 +168,7 @@ def window_keys(q, k, v, cu_seqlens, kv_lens, window_size):
     relays out, the rest of the cache), and start int32 [B] the first of them; else k and v themselves and start
     None. lo, hi `nsa._varlen.window_key_range` of those rows; span = W = min(window_size, rows) (at least 1):
     both the most key rows one query sees and the most queries one key row is seen by."""
-    start = _window_start(q.shape[1], k.shape[1], window_size, kv_lens)
+    start = window_start(q.shape[1], k.shape[1], window_size, kv_lens)
     if start is not None:
         rows = q.shape[1] + int(window_size) - 1
         k, v, kv_lens = _cut(k, start, rows), _cut(v, start, rows), kv_lens - start

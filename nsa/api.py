@@ -16,7 +16,7 @@ import numpy as np
 
 from nsa import _checks, _dispatch
 from nsa._config import Step, as_sequences
-from nsa._kvcache import Cache, PagedKVCache, check_cache, gathered
+from nsa._kvcache import Cache, PagedKVCache, check_cache, gathered, paged_selected, paged_window
 from nsa._varlen import concrete, num_compressed_blocks
 from nsa.reference.compress import row_tokens
 
@@ -472,10 +472,14 @@ def attention(q: Array, k: Optional[Array] = None, v: Optional[Array] = None, *,
         v_cmp = compress(v, **windows, cu_seqlens=cu_seqlens)
 
     def branches(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, kv_lens, page_table=None, q_lens=None):
-        """The output from the branches' ops, one after another (a paged cache's pools gathered first; q_lens: a
-        ragged step's, never given here, a Step's field)."""
+        """The output from the branches' ops, one after another (q_lens: a ragged step's, never given here, a Step's
+        field). A paged cache's compressed pools are gathered (O(cache / d)); a decode step reads its selected
+        blocks and its window through the page table (`paged_selected`, `paged_window`), a longer step gathers the
+        whole pools first."""
         if page_table is not None:
-            k, v, k_cmp, v_cmp = gathered(page_table, k, v, k_cmp, v_cmp)
+            k_cmp, v_cmp = gathered(page_table, k_cmp, v_cmp)
+            if T > 1:
+                (k, v), page_table = gathered(page_table, k, v), None
         common = dict(scale=scale, cu_seqlens=cu_seqlens, kv_lens=kv_lens, implementation=implementation)
         gated = []
         lse_cmp = None
@@ -486,10 +490,19 @@ def attention(q: Array, k: Optional[Array] = None, v: Optional[Array] = None, *,
         if indices is None:  # the selection reuses the compressed branch's lse when it has one
             indices = _select(q, k_cmp, lse_cmp, _slots(block_counts), block_size, compression, scale, cu_seqlens,
                               kv_lens, implementation)
-        o_slc = selected_attention(q, k, v, indices, block_counts=block_counts, block_size=block_size, **common)
+        selected = (k, v, indices, kv_lens)
+        if page_table is not None:
+            selected = paged_selected(page_table, k, v, indices, kv_lens, block_size)
+        o_slc = selected_attention(q, *selected[:3], block_counts=block_counts, block_size=block_size,
+                                   **dict(common, kv_lens=selected[3]))
         gated.append((g_slc, o_slc))
         if window_size > 0:
-            gated.append((g_swa, sliding_window_attention(q, k, v, window_size=window_size, **common)))
+            window = (k, v, kv_lens) if page_table is None else paged_window(page_table, k, v, kv_lens, T, window_size)
+            if window is None:  # the window spans each sequence's whole capacity
+                window = (*gathered(page_table, k, v), kv_lens)
+            o_swa = sliding_window_attention(*((q,) + window[:2]), window_size=window_size,
+                                             **dict(common, kv_lens=window[2]))
+            gated.append((g_swa, o_swa))
         acc = jnp.promote_types(q.dtype, jnp.float32)
         o = sum(o_b.astype(acc) if g is None else g[..., None].astype(acc) * o_b.astype(acc) for g, o_b in gated)
         return o.astype(q.dtype)

@@ -266,22 +266,36 @@ def test_compressed_rows_written_a_token_at_a_time_equal_compress_bitwise():
     np.testing.assert_array_equal(np.asarray(cache.k_cmp[:, :rows]), np.asarray(nsa.compress(k, block_size=BS))[:, :rows])
 
 
-def test_a_decode_step_never_touches_the_whole_cache():
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_a_decode_step_never_touches_the_whole_cache(paged):
     """nsa.attention of one new token per sequence over a cache of TK = 65536 (the standard heads, traced, not
     run): no intermediate is anywhere near the size of the cache's k (a copy, a cast or a pad of the whole
-    cache would be): the reference reads the compressed rows, the selected blocks and the window only."""
-    Bd, TK, HQ, Hd, D, bs = 4, 65536, 64, 4, 128, 64
+    cache would be): the reference reads the compressed rows, the selected blocks and the window only. Over a
+    paged cache (pages of 256 tokens in a pool of Bd * TK / 256) the same: the window and the selected blocks
+    are read through the page table, only the compressed rows are gathered."""
+    Bd, TK, HQ, Hd, D, bs, page = 4, 65536, 64, 4, 128, 64, 256
     q = jax.ShapeDtypeStruct((Bd, 1, HQ, D), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((Bd, TK, Hd, D), jnp.bfloat16)
     cmp = jax.ShapeDtypeStruct((Bd, TK // bs, Hd, D), jnp.bfloat16)
     g = jax.ShapeDtypeStruct((Bd, 1, HQ), jnp.bfloat16)
     lens = jax.ShapeDtypeStruct((Bd,), jnp.int32)
+    gates = dict(block_counts=16, window_size=512, implementation="xla")
 
     def decode(q, k, v, k_cmp, v_cmp, lens, a, b, c):
         return nsa.attention(q, k, v, g_cmp=a, g_slc=b, g_swa=c, k_cmp=k_cmp, v_cmp=v_cmp, kv_lens=lens,
-                             block_counts=16, block_size=bs, window_size=512, implementation="xla")
+                             block_size=bs, **gates)
 
-    largest = largest_intermediate(jax.make_jaxpr(decode)(q, kv, kv, cmp, cmp, lens, g, g, g).jaxpr)
+    def paged_decode(q, cache, a, b, c):
+        return nsa.attention(q, cache=cache, g_cmp=a, g_slc=b, g_swa=c, **gates)
+
+    if paged:
+        pool = lambda rows: jax.ShapeDtypeStruct((Bd * TK // page, rows, Hd, D), jnp.bfloat16)
+        cache = nsa.PagedKVCache(pool(page), pool(page), pool(page // bs), pool(page // bs),
+                                 jax.ShapeDtypeStruct((Bd, TK // page), jnp.int32), lens, block_size=bs)
+        jaxpr = jax.make_jaxpr(paged_decode)(q, cache, g, g, g)
+    else:
+        jaxpr = jax.make_jaxpr(decode)(q, kv, kv, cmp, cmp, lens, g, g, g)
+    largest = largest_intermediate(jaxpr.jaxpr)
     cache_bytes = Bd * TK * Hd * D * 2
     assert largest <= cache_bytes // 16, f"largest intermediate {largest / 2 ** 20:.1f} MiB of a {cache_bytes >> 20} MiB k"
 
@@ -411,3 +425,46 @@ def test_ragged_step_gradients():
         assert_close(grads[0][b, :m], want[0][0, n - m:], 1e-5, f"dq[{b}]", 1e-2)
         assert_close(grads[1][b, :n], want[1][0], 1e-5, f"dk[{b}]", 1e-2)
         assert_close(grads[2][b, :n], want[2][0], 1e-5, f"dv[{b}]", 1e-2)
+
+
+@pytest.mark.parametrize("l, d", [(8, 8), (16, 8)], ids=["l8-d8", "l16-d8"])
+def test_a_paged_decode_step_equals_the_contiguous_one_with_its_gradients(l, d):
+    """A decode step over a paged cache (pages in random order, NaN in every row no sequence wrote; one sequence
+    ends mid-page, one on a page boundary) reads its window and selected blocks through the page table: its output
+    equals the contiguous cache's bitwise (XLA), and so do the gradients of q, of every gate and of each
+    sequence's rows of k, v, k_cmp, v_cmp (the pools' gradients read through the table); every other row of the
+    pools (pages no sequence owns, rows past each sequence) gets exactly 0."""
+    table = [[7, 2, 11, 0, 5], [3, 12, 9, -1, -1]]
+    blocks = dict(block_size=BS, compress_block_size=l, compress_stride=d)
+    lens = np.array([61, 32])
+    k, v = _tokens(int(lens.max()), seed=11)
+    fill = lambda cache: nsa.append_to_cache(cache, k, v, lens=lens)
+    paged = fill(_paged(table, **blocks))
+    contiguous = fill(nsa.empty_cache(B, N, H, DK, head_dim_v=DV, dtype=jnp.float32, **blocks))
+    rng = np.random.default_rng(12)
+    q, do = (jnp.asarray(rng.standard_normal((B, 1, 4, n)), jnp.float32) for n in (DK, DV))
+    gates = [jnp.asarray(rng.uniform(size=(B, 1, 4)), jnp.float32) for _ in range(3)]
+
+    def loss(q, cache, *gates):
+        o = nsa.attention(q, cache=cache, **dict(zip(("g_cmp", "g_slc", "g_swa"), gates)), block_counts=3,
+                          window_size=5, implementation="xla")
+        return jnp.sum(o * do), o
+
+    (_, o_paged), grads_paged = jax.jit(jax.value_and_grad(loss, (0, 1, 2, 3, 4), has_aux=True, allow_int=True))(
+        q, paged, *gates)
+    (_, o), grads = jax.jit(jax.value_and_grad(loss, (0, 1, 2, 3, 4), has_aux=True, allow_int=True))(q, contiguous, *gates)
+    assert np.all(np.isfinite(np.asarray(o)))
+    np.testing.assert_array_equal(np.asarray(o_paged), np.asarray(o))
+    for i in (0, 2, 3, 4):  # q and the gates
+        np.testing.assert_array_equal(np.asarray(grads_paged[i]), np.asarray(grads[i]))
+    dpaged, dcontiguous = grads_paged[1].replace(page_table=paged.page_table), grads[1]  # its table: float0
+    pools = (dpaged.k, dpaged.v, dpaged.k_cmp, dpaged.v_cmp)
+    for pool, got, want, per_row in zip(pools, sequences(dpaged), sequences(dcontiguous), (1, 1, d, d)):
+        owned = np.zeros(pool.shape[0] * pool.shape[1], bool)  # the pool's rows some sequence wrote
+        for b, n in enumerate(lens):
+            rows = -(-n // per_row)
+            np.testing.assert_array_equal(np.asarray(got[b, :rows]), np.asarray(want[b, :rows]))
+            np.testing.assert_array_equal(np.asarray(want[b, rows:]), 0.0)
+            page_rows = PAGE // per_row
+            owned[(np.asarray(table[b])[:, None] * page_rows + np.arange(page_rows)).reshape(-1)[:rows]] = True
+        np.testing.assert_array_equal(np.asarray(pool).reshape(-1, *pool.shape[2:])[~owned], 0.0)

@@ -132,23 +132,44 @@ def _cache_sized_writes(module, TK):
     return found
 
 
+def _paged(k, v, k_cmp, v_cmp, kv_lens, page=256):
+    """A PagedKVCache of ShapeDtypeStructs holding B sequences of TK rows (k [B, TK, H, D]...) in pages of `page`
+    tokens: a pool of B * TK / page pages [P, page, H, D] and a page table int32 [B, TK / page]."""
+    B, TK = k.shape[:2]
+    pool = lambda x, rows: jax.ShapeDtypeStruct((B * TK // page, rows, *x.shape[2:]), x.dtype)
+    table = jax.ShapeDtypeStruct((B, TK // page), jnp.int32)
+    return nsa.PagedKVCache(pool(k, page), pool(v, page), pool(k_cmp, page // 64), pool(v_cmp, page // 64), table,
+                            kv_lens, block_size=64)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 @pytest.mark.parametrize("implementation", ["pallas", "xla"])
-def test_decode_step_copies_nothing_of_the_cache_size(implementation):
+def test_decode_step_copies_nothing_of_the_cache_size(implementation, paged):
     """A decode step over a 64k-row cache (B = 16, TQ = 1), exported for TPU, writes no array of the cache's
     size outside the kernels: the window's rows are cut and the selected blocks gathered before any
     layout change, so it reads O(TK / block_size + S * block_size + window) rows per KV head. (Before the
     cut and the gather the Pallas step padded and transposed the whole k and v, and viewed them as
-    [B, TK, H * D]: this finds each.)"""
+    [B, TK, H * D]: this finds each.) Over a paged cache (pages of 256 tokens) the same: the compressed rows are
+    gathered through the page table (O(TK / block_size)), the window's rows and the selected blocks read through it
+    (`nsa._kvcache.paged_window`, `paged_selected`); gathering the whole pools in each sequence's order, as
+    before, wrote two [16, 65536, 4, 128] arrays."""
     B, TQ, TK = SERVING["decode"]
+    q, k, v, kv_lens, k_cmp, v_cmp, g_cmp, g_slc, g_swa = _serving_args(B, TQ, TK)
+    kw = dict(block_counts=16, window_size=512, implementation=implementation)
 
     def step(q, k, v, kv_lens, k_cmp, v_cmp, g_cmp, g_slc, g_swa):
         return nsa.attention(q, k, v, g_cmp=g_cmp, g_slc=g_slc, g_swa=g_swa, kv_lens=kv_lens, k_cmp=k_cmp,
-                             v_cmp=v_cmp, block_size=64, block_counts=16, window_size=512,
-                             implementation=implementation)
+                             v_cmp=v_cmp, block_size=64, **kw)
 
-    module = jax.export.export(jax.jit(step), platforms=["tpu"])(*_serving_args(B, TQ, TK)).mlir_module()
+    def paged_step(q, cache, g_cmp, g_slc, g_swa):
+        return nsa.attention(q, cache=cache, g_cmp=g_cmp, g_slc=g_slc, g_swa=g_swa, **kw)
+
+    args = (q, _paged(k, v, k_cmp, v_cmp, kv_lens), g_cmp, g_slc, g_swa) if paged else _serving_args(B, TQ, TK)
+    module = jax.export.export(jax.jit(paged_step if paged else step), platforms=["tpu"])(*args).mlir_module()
     assert _cache_sized_writes(module, TK) == []
     assert _cache_sized_writes(module, TK // 64) != []  # the scan sees arrays: k_cmp's rows are written
+    if implementation == "pallas":
+        assert set(_mosaic_kernels(module)) == FORWARD_KERNELS
 
 
 @pytest.mark.parametrize("B, TQ, TK", SERVING.values(), ids=SERVING.keys())
