@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nsa import _checks, _dispatch
+from nsa import _checks, _dispatch, context
 from nsa._config import Step, as_sequences
 from nsa._kvcache import Cache, PagedKVCache, check_cache, gathered, paged_selected, paged_window
 from nsa._varlen import concrete, num_compressed_blocks
@@ -364,13 +364,61 @@ def _ragged(q, k, v, k_cmp, v_cmp, per_query, q_lens, kv_lens, compression):
             lambda o: padding_zeroed(roll(o, -shift)))
 
 
+def _in_context(q, k, v, k_cmp, v_cmp, local, axis, layout, static):
+    """nsa.attention of the local rows q [B, T, HQ, Dk] of one sequence split over mesh axis `axis` in `layout`
+    (`nsa.context`): k, v (k_cmp, v_cmp where given) gathered over the axis, each local chunk of queries attending
+    as the last queries of a sequence ending where the chunk ends. `local`: the arguments sharded like q (gates,
+    block_indices, an array block_counts; None where not given); `static`: the rest. Under jax.checkpoint, so the
+    backward gathers k and v again instead of keeping them."""
+    if k is None or v is None:
+        raise TypeError("attention with context_axis needs the local keys and values k and v")
+    P = jax.lax.axis_size(axis)
+    B, T = q.shape[:2]
+    context.check_local(T, P, layout)
+    for name, x in (("k", k), ("v", v)):
+        if x.shape[:2] != (B, T):
+            raise ValueError(f"with context_axis, {name} must be sharded like q: [B, T, ...] = {(B, T)}, got "
+                             f"{name}.shape = {tuple(x.shape)}")
+    chunks = context.local_chunks(T, P, jax.lax.axis_index(axis), layout)
+    l, d = _checks.compression(_checks.positive_int("block_size", 64 if static["block_size"] is None
+                                                    else static["block_size"]),
+                               static["compress_block_size"], static["compress_stride"])
+    for name, x in (("k_cmp", k_cmp), ("v_cmp", v_cmp)):
+        if x is not None and (chunks[0][1] % d or x.shape[1] * d != T):
+            raise ValueError(f"with context_axis, {name} must be sharded like q, the compressed rows of each local "
+                             f"chunk of {chunks[0][1]} tokens (a multiple of compress_stride = {d}): [B, T / d, ...] "
+                             f"= [{B}, {T / d:g}, ...], got {name}.shape = {tuple(x.shape)}")
+
+    def run(q, k, v, k_cmp, v_cmp, local):
+        k, v, k_cmp, v_cmp = (context.gathered(x, axis, layout) for x in (k, v, k_cmp, v_cmp))
+        if k_cmp is None and (local["g_cmp"] is not None or local["block_indices"] is None):
+            k_cmp = compress(k, block_size=l, stride=d)
+        if v_cmp is None and local["g_cmp"] is not None:
+            v_cmp = compress(v, block_size=l, stride=d)
+        outs = []
+        for first, rows, end in chunks:
+            cut = lambda x: None if x is None else jax.lax.slice_in_dim(x, first, first + rows, axis=1)
+            counts = static["block_counts"] if static["block_counts"] is not None else cut(local["block_counts"])
+            chunk_static = dict(static, block_counts=counts)
+            outs.append(attention(cut(q), k, v, **{name: cut(x) for name, x in local.items() if name != "block_counts"},
+                                  k_cmp=k_cmp, v_cmp=v_cmp, kv_lens=jnp.full((B,), end, jnp.int32), **chunk_static))
+        return jnp.concatenate(outs, axis=1)
+
+    if static["implementation"] == "pallas" and jax.default_backend() == "cpu":
+        # Pallas's TPU interpret mode (nsa.pallas) runs its kernels as host callbacks, effects jax.checkpoint cannot
+        # partially evaluate: there (a CPU, where memory is no concern) the gathered k and v stay residuals
+        return run(q, k, v, k_cmp, v_cmp, local)
+    return jax.checkpoint(run)(q, k, v, k_cmp, v_cmp, local)
+
+
 def attention(q: Array, k: Optional[Array] = None, v: Optional[Array] = None, *, g_cmp: Optional[Array] = None,
               g_slc: Optional[Array] = None, g_swa: Optional[Array] = None, block_indices: Optional[Array] = None,
               block_counts: Union[int, Indices] = 16, block_size: Optional[int] = None,
               compress_block_size: Optional[int] = None, compress_stride: Optional[int] = None, window_size: int = 0,
               scale: Optional[float] = None, cu_seqlens: Optional[Indices] = None, kv_lens: Optional[Indices] = None,
               k_cmp: Optional[Array] = None, v_cmp: Optional[Array] = None, cache: Optional[Cache] = None,
-              q_lens: Optional[Indices] = None, implementation: Implementation = None) -> Array:
+              q_lens: Optional[Indices] = None, context_axis: Optional[str] = None,
+              context_layout: context.Layout = "zigzag", implementation: Implementation = None) -> Array:
     """Native Sparse Attention: o = g_cmp * o_cmp + g_slc * o_slc + g_swa * o_swa.
 
     - compressed branch (o_cmp, `compressed_attention` on `compress(k)`, `compress(v)`): on iff g_cmp
@@ -402,7 +450,24 @@ def attention(q: Array, k: Optional[Array] = None, v: Optional[Array] = None, *,
     v_cmp [B, NC, H, Dv], a learned compression's (`compression_windows`) or the cache's compressed keys and
     values (NC = ceil(TK / d), as `compress` gives them), replace `compress(k)`, `compress(v)`; given with TK > T
     they need kv_lens; gradients then flow to them instead of through the compression to k and v.
+
+    Context parallelism (`nsa.context`): inside jax.shard_map over a mesh axis that splits the sequence,
+    context_axis names that axis: q, k, v, the gates (and k_cmp, v_cmp, block_indices, per-query block_counts
+    where given) are the local rows of one sequence of P * T tokens in context_layout ("zigzag", the default, or
+    "contiguous"); the output is the local rows of the unsharded attention, and so are the gradients.
     """
+    if context_axis is not None:
+        given = dict(cache=cache, kv_lens=kv_lens, q_lens=q_lens, cu_seqlens=cu_seqlens)
+        passed = [name for name, x in given.items() if x is not None]
+        if passed:
+            raise ValueError(f"context_axis (one sequence split over a mesh axis) cannot be given with "
+                             f"{' or '.join(passed)} (not supported yet)")
+        blocks = dict(block_size=block_size, compress_block_size=compress_block_size, compress_stride=compress_stride)
+        local = dict(g_cmp=g_cmp, g_slc=g_slc, g_swa=g_swa, block_indices=block_indices,
+                     block_counts=None if isinstance(block_counts, int) else block_counts)
+        return _in_context(q, k, v, k_cmp, v_cmp, local, context_axis, context_layout,
+                           dict(blocks, block_counts=block_counts if isinstance(block_counts, int) else None,
+                                window_size=window_size, scale=scale, implementation=implementation))
     pools = page_table = None  # a paged cache's (k, v, k_cmp, v_cmp) pools of pages, and its page table
     if cache is not None:
         k, v, k_cmp, v_cmp, kv_lens, page_table, (block_size, compress_block_size, compress_stride) = _from_cache(

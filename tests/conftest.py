@@ -14,6 +14,9 @@ import sys
 import jax
 import pytest
 
+# the context-parallel tests (tests/test_context.py) split one sequence over meshes of up to 8 CPU devices; set
+# before jax starts its backends (jax.default_backend below)
+os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8"
 ON_GPU = jax.default_backend() == "gpu"
 if ON_GPU:  # float32 matmuls of the XLA reference would otherwise run in TF32 (about 4e-4 error)
     jax.config.update("jax_default_matmul_precision", "highest")

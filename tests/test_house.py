@@ -26,7 +26,7 @@ LAYERS = [
     ("nsa.triton.", "nsa.pallas."),  # the kernel modules of each family
     ("nsa.triton", "nsa.pallas"),  # the families' descriptions
     ("nsa._families",),
-    ("nsa._checks", "nsa._dispatch", "nsa._kvcache"),
+    ("nsa._checks", "nsa._dispatch", "nsa._kvcache", "nsa.context"),
     ("nsa.api",),
     ("nsa.cache", "nsa.packing"),
     ("nsa.nnx", "nsa.demo", "nsa"),

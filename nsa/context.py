@@ -1,0 +1,103 @@
+"""Context parallelism: one long sequence over the P devices of a mesh axis.
+
+Inside `jax.shard_map` over a mesh axis that splits the sequence, `nsa.attention(..., context_axis="sp")` gives the
+local queries' rows of the unsharded attention, forward and backward, every branch and gate. q, k, v and the gates
+arrive sharded alike along T, in a layout of the whole sequence of T = P * T_local tokens:
+
+- "zigzag" (the default: causal work balanced): the sequence in 2P chunks of C = T / (2P) tokens; device r holds
+  chunks r and 2P - 1 - r, in that order;
+- "contiguous": device r holds tokens [r * T / P, (r + 1) * T / P).
+
+`to_context_layout(x, P)` reorders a [B, T, ...] array so that shard_map's split of its T axis into P equal parts
+hands each device its rows; `from_context_layout` undoes it; `context_positions(T, P)` is each row's global
+position (RoPE's positions, in the same order).
+
+The design (Llama 3's all-gather context parallelism, mdy666's NSA): q stays local; k and v are all-gathered over
+the axis (and k_cmp, v_cmp where given), the compressed keys made from the gathered keys; each local chunk of
+queries then runs the ops as the last queries of a sequence that ends where the chunk ends (kv_lens): the
+selection is local, the window is cut from the gathered keys. The gathered k and v are not kept for the backward:
+the step runs under jax.checkpoint, which keeps only its local inputs, so the backward gathers k and v again and
+recomputes the forward (one more forward of the attention: measured cost on GPUs still to come). The gradients of
+k and v reach each device's own rows through the all-gather's transpose, a reduce-scatter.
+"""
+
+from typing import Literal, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+Layout = Literal["zigzag", "contiguous"]
+LAYOUTS = ("zigzag", "contiguous")
+
+
+def _chunks(layout, P):
+    """The number of chunks a sequence is cut into, and the order device 0, 1, ... holds them in."""
+    if layout == "contiguous":
+        return P, list(range(P))
+    return 2 * P, [c for r in range(P) for c in (r, 2 * P - 1 - r)]
+
+
+def _check(T, P, layout, name="T"):
+    if layout not in LAYOUTS:
+        raise ValueError(f"context_layout must be one of {LAYOUTS}, got {layout!r}")
+    if not isinstance(P, (int, np.integer)) or P < 1:
+        raise ValueError(f"the number of devices P must be a positive int, got {P!r}")
+    chunks = _chunks(layout, P)[0]
+    if T % chunks:
+        raise ValueError(f"{name} = {T} tokens must split into {chunks} equal chunks (the {layout!r} layout over "
+                         f"P = {P} devices), got {T} % {chunks} = {T % chunks}")
+
+
+def context_positions(T: int, P: int, layout: Layout = "zigzag") -> np.ndarray:
+    """int32 [T]: the global position of each row of a sequence of T tokens in `layout` over P devices (rows
+    [r * T / P, (r + 1) * T / P) are device r's): RoPE's positions for the rows as `to_context_layout` orders them."""
+    _check(T, P, layout)
+    chunks, order = _chunks(layout, P)
+    C = T // chunks
+    return np.concatenate([np.arange(c * C, (c + 1) * C) for c in order]).astype(np.int32)
+
+
+def _reorder(x, order, chunks, axis):
+    shape = x.shape
+    x = x.reshape(shape[:axis] + (chunks, shape[axis] // chunks) + shape[axis + 1:])
+    return jnp.take(x, np.asarray(order), axis=axis).reshape(shape)
+
+
+def to_context_layout(x: jax.Array, P: int, layout: Layout = "zigzag", *, axis: int = 1) -> jax.Array:
+    """x [B, T, ...] (T along `axis`) reordered into `layout` over P devices: shard_map's split of that axis into
+    P equal parts gives device r its rows (`context_positions`)."""
+    _check(x.shape[axis], P, layout, f"x.shape[{axis}]")
+    chunks, order = _chunks(layout, P)
+    return _reorder(x, order, chunks, axis)
+
+
+def from_context_layout(x: jax.Array, P: int, layout: Layout = "zigzag", *, axis: int = 1) -> jax.Array:
+    """The inverse of `to_context_layout`: x in `layout` over P devices back in sequence order."""
+    _check(x.shape[axis], P, layout, f"x.shape[{axis}]")
+    chunks, order = _chunks(layout, P)
+    return _reorder(x, np.argsort(order), chunks, axis)
+
+
+def check_local(T_local: int, P: int, layout: Layout):
+    """ValueError unless a device's T_local rows split into its chunks of `layout` over P devices."""
+    _check(T_local * P, P, layout, f"the sequence of P * T = {P} * {T_local}")
+
+
+def local_chunks(T_local: int, P: int, r, layout: Layout):
+    """The chunks of device r's T_local rows: [(first row, rows, global end)] (r traced: the axis index), the
+    global end being the position one past the chunk's last token."""
+    if layout == "contiguous":
+        return [(0, T_local, (r + 1) * T_local)]
+    C = T_local // 2
+    return [(0, C, (r + 1) * C), (C, C, (2 * P - r) * C)]
+
+
+def gathered(x: Optional[jax.Array], axis_name: str, layout: Layout) -> Optional[jax.Array]:
+    """x [B, T_local, ...], sharded along its rows over mesh axis `axis_name` in `layout`: all of it [B, T, ...] in
+    sequence order (an all-gather; its transpose, the gradient's path, a reduce-scatter)."""
+    if x is None:
+        return None
+    P = lax.axis_size(axis_name)
+    return from_context_layout(lax.all_gather(x, axis_name, axis=1, tiled=True), P, layout)
