@@ -3,7 +3,9 @@ layer nsa.nnx.NativeSparseAttention, so it needs flax) and matches a full recomp
 examples/serving.py serves requests by continuous batching over a paged cache (ragged steps of chunked prefill and
 decode, pages handed out and reused) and matches a full recompute at every generated token;
 examples/learned_compression.py trains the paper's learned phi inside NSA, its loss falls below the uniform
-guess, and phi's gradients agree with finite differences."""
+guess, and phi's gradients agree with finite differences; examples/context_parallel.py trains a model with its
+sequence split over 4 CPU devices (nsa.attention(..., context_axis=)) and its loss equals the one-device run's at
+every step."""
 
 import importlib.util
 import pathlib
@@ -40,3 +42,11 @@ def test_learned_compression_learns_and_its_gradients_agree():
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout + done.stderr
     assert ": learned" in done.stdout and "gradients agree" in done.stdout and done.stdout.rstrip().endswith("PASS")
+
+
+def test_context_parallel_training_equals_one_device():
+    # its own process: the example makes its 4 CPU devices before jax starts
+    done = subprocess.run([sys.executable, str(EXAMPLES / "context_parallel.py"), "--steps", "20"],
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "losses agree at every step: True" in done.stdout and done.stdout.rstrip().endswith("PASS")

@@ -47,6 +47,12 @@ def test_the_cache_step_equals_the_full_recompute(api):
     _close(api["o_new"], full[:, -1:])
 
 
+def test_the_context_parallel_step_equals_the_call_on_one_device(api):
+    full = api["nsa"].attention(*(api[n] for n in "qkv"), g_cmp=api["g_cmp"], block_counts=4, block_size=32,
+                                window_size=64)
+    _close(api["o_cp"], full)
+
+
 def test_the_ragged_paged_step_equals_the_full_recompute(api):
     nsa, q, k, v, o_step = api["nsa"], api["q"], api["k"], api["v"], np.asarray(api["o_step"])
     for b, (length, n) in enumerate([(121, 1), (103, 3)]):
