@@ -49,7 +49,8 @@ LOSS_TOLERANCE = 1e-4  # the sharded and the one-device loss at every step, rela
 def init(key):
     keys = jax.random.split(key, 7)
     dense = lambda key, n, m: jax.random.normal(key, (n, m), jnp.float32) / math.sqrt(n)
-    return dict(embed=0.5 * jax.random.normal(keys[0], (VOCAB, DIM)), position=0.02 * jax.random.normal(keys[1], (T, DIM)),
+    return dict(embed=0.5 * jax.random.normal(keys[0], (VOCAB, DIM)),
+                position=0.02 * jax.random.normal(keys[1], (T, DIM)),
                 wq=dense(keys[2], DIM, HQ * D), wk=dense(keys[3], DIM, H * D), wv=dense(keys[4], DIM, H * D),
                 wg=dense(keys[5], DIM, 3 * HQ), wo=dense(keys[6], HQ * D, VOCAB))
 
