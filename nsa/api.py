@@ -7,6 +7,7 @@ cache) the queries are the last T tokens of each sequence: query i of sequence b
 kv_lens[b] - T + i (kv_lens int [B], each sequence's length in the padded cache, default TK).
 """
 
+import functools
 from collections.abc import Sequence
 from typing import Literal, Optional, Union
 
@@ -152,7 +153,8 @@ def compression_windows(x: Array, *, block_size: int, stride: Optional[int] = No
 
 def compressed_attention(q: Array, k_cmp: Array, v_cmp: Array, *, block_size: int, stride: Optional[int] = None,
                          scale: Optional[float] = None, cu_seqlens: Optional[Indices] = None,
-                         kv_lens: Optional[Indices] = None,
+                         kv_lens: Optional[Indices] = None, context_axis: Optional[str] = None,
+                         context_layout: context.Layout = "zigzag",
                          implementation: Implementation = None) -> tuple[Array, Array]:
     """Attention of each query to the compressed rows whose windows lie wholly in its past.
 
@@ -165,10 +167,19 @@ def compressed_attention(q: Array, k_cmp: Array, v_cmp: Array, *, block_size: in
     Returns:
       o [B, T, HQ, Dv] in q's dtype and lse [B, T, HQ] float32 (natural log); a query that sees no
       block gets o = 0 and lse = -inf. Gradients flow through both.
+
+    context_axis, context_layout: q's and k_cmp's, v_cmp's rows (a device's) of one sequence split over a mesh axis,
+    as `attention`'s.
     """
     _checks.array("q", q, 4)
     block_size = _checks.positive_int("block_size", block_size)
     stride = _checks.stride(stride, block_size)
+    if context_axis is not None:
+        _context_refuses(kv_lens=kv_lens, cu_seqlens=cu_seqlens)
+        call = functools.partial(compressed_attention, block_size=block_size, stride=stride, scale=scale,
+                                 implementation=implementation)
+        keys = dict(k_cmp=(k_cmp, stride), v_cmp=(v_cmp, stride))
+        return _in_context(context_axis, context_layout, q, keys, {}, call, implementation)
     cu_seqlens = _checks.cu_seqlens(cu_seqlens, q.shape[0], q.shape[1])
     kv_lens = _compressed_kv(q, k_cmp, v_cmp, block_size, stride, cu_seqlens, kv_lens)
     q, scale = _scaled(q, scale)
@@ -183,7 +194,8 @@ def compressed_attention(q: Array, k_cmp: Array, v_cmp: Array, *, block_size: in
 def select_blocks(q: Array, k_cmp: Array, *, block_counts: int, block_size: int,
                   compress_block_size: Optional[int] = None, compress_stride: Optional[int] = None,
                   scale: Optional[float] = None, cu_seqlens: Optional[Indices] = None,
-                  kv_lens: Optional[Indices] = None, implementation: Implementation = None) -> Array:
+                  kv_lens: Optional[Indices] = None, context_axis: Optional[str] = None,
+                  context_layout: context.Layout = "zigzag", implementation: Implementation = None) -> Array:
     """The `block_counts` selection blocks of l' = `block_size` tokens each KV head attends, from the compressed
     attention scores.
 
@@ -199,12 +211,20 @@ def select_blocks(q: Array, k_cmp: Array, *, block_counts: int, block_size: int,
 
     Returns:
       int32 [B, T, H, block_counts] in-sequence block ids, -1 in unused slots. The order inside a row
-      is the rank order. No gradient flows through the selection.
+      is the rank order. No gradient flows through the selection. context_axis, context_layout: as
+    `compressed_attention`'s.
     """
     _checks.array("q", q, 4)
     block_size = _checks.positive_int("block_size", block_size)
     block_counts = _checks.positive_int("block_counts", block_counts)
     compression = _checks.compression(block_size, compress_block_size, compress_stride)
+    if context_axis is not None:
+        _context_refuses(kv_lens=kv_lens, cu_seqlens=cu_seqlens)
+        call = functools.partial(select_blocks, block_counts=block_counts, block_size=block_size,
+                                 compress_block_size=compress_block_size, compress_stride=compress_stride, scale=scale,
+                                 implementation=implementation)
+        return _in_context(context_axis, context_layout, q, dict(k_cmp=(k_cmp, compression[1])), {}, call,
+                           implementation)
     cu_seqlens = _checks.cu_seqlens(cu_seqlens, q.shape[0], q.shape[1])
     kv_lens = _compressed_kv(q, k_cmp, None, *compression, cu_seqlens, kv_lens)
     q, scale = _scaled(q, scale)
@@ -226,7 +246,8 @@ def _select(q, k_cmp, lse, block_counts, block_size, compression, scale, cu_seql
 def selected_attention(q: Array, k: Array, v: Array, block_indices: Array, *,
                        block_counts: Union[int, Indices, None] = None, block_size: int = 64,
                        scale: Optional[float] = None, cu_seqlens: Optional[Indices] = None,
-                       kv_lens: Optional[Indices] = None, implementation: Implementation = None) -> Array:
+                       kv_lens: Optional[Indices] = None, context_axis: Optional[str] = None,
+                       context_layout: context.Layout = "zigzag", implementation: Implementation = None) -> Array:
     """Attention of each query to the raw tokens of its KV head's selected blocks.
 
     Query t of KV head h attends to the tokens at positions <= t of the blocks listed in
@@ -236,8 +257,16 @@ def selected_attention(q: Array, k: Array, v: Array, block_indices: Array, *,
     k, v [B, TK, H, D] with TK > T hold longer sequences (a KV cache) whose last T tokens the queries are:
     sequence b has kv_lens[b] tokens (int [B], default TK) and its keys past them are never read.
 
-    Returns o [B, T, HQ, Dv] in q's dtype; gradients for q, k and v.
+    Returns o [B, T, HQ, Dv] in q's dtype; gradients for q, k and v. context_axis, context_layout: q's, k's, v's,
+    block_indices' (and an array block_counts') rows of one sequence split over a mesh axis, as `attention`'s.
     """
+    if context_axis is not None:
+        _context_refuses(kv_lens=kv_lens, cu_seqlens=cu_seqlens)
+        per_query = _checks.is_array(block_counts)  # then sharded like q, else the same for every query
+        call = functools.partial(selected_attention, block_size=block_size, scale=scale, implementation=implementation,
+                                 **({} if per_query else dict(block_counts=block_counts)))
+        local = dict(block_indices=block_indices, **(dict(block_counts=block_counts) if per_query else {}))
+        return _in_context(context_axis, context_layout, q, dict(k=(k, 1), v=(v, 1)), local, call, implementation)
     B, T, HQ, H = _checks.qkv(q, k, v)
     _checks.block_indices(block_indices, B, T, H)
     block_size = _checks.positive_int("block_size", block_size)
@@ -257,12 +286,19 @@ def selected_attention(q: Array, k: Array, v: Array, block_indices: Array, *,
 
 def sliding_window_attention(q: Array, k: Array, v: Array, *, window_size: int, scale: Optional[float] = None,
                              cu_seqlens: Optional[Indices] = None, kv_lens: Optional[Indices] = None,
+                             context_axis: Optional[str] = None, context_layout: context.Layout = "zigzag",
                              implementation: Implementation = None) -> Array:
     """Attention of query t to the keys j of its sequence with t - window_size < j <= t.
 
     k, v [B, TK, H, D] with TK > T: as `selected_attention` (kv_lens, keys past them never read).
-    Returns o [B, T, HQ, Dv] in q's dtype (0 where window_size = 0); gradients for q, k and v.
+    Returns o [B, T, HQ, Dv] in q's dtype (0 where window_size = 0); gradients for q, k and v. context_axis,
+    context_layout: q's, k's and v's rows of one sequence split over a mesh axis, as `attention`'s.
     """
+    if context_axis is not None:
+        _context_refuses(kv_lens=kv_lens, cu_seqlens=cu_seqlens)
+        call = functools.partial(sliding_window_attention, window_size=window_size, scale=scale,
+                                 implementation=implementation)
+        return _in_context(context_axis, context_layout, q, dict(k=(k, 1), v=(v, 1)), {}, call, implementation)
     B, T, HQ, H = _checks.qkv(q, k, v)
     window_size = _checks.non_negative_int("window_size", window_size)
     cu_seqlens = _checks.cu_seqlens(cu_seqlens, B, T)
@@ -364,51 +400,51 @@ def _ragged(q, k, v, k_cmp, v_cmp, per_query, q_lens, kv_lens, compression):
             lambda o: padding_zeroed(roll(o, -shift)))
 
 
-def _in_context(q, k, v, k_cmp, v_cmp, local, axis, layout, static):
-    """nsa.attention of the local rows q [B, T, HQ, Dk] of one sequence split over mesh axis `axis` in `layout`
-    (`nsa.context`): k, v (k_cmp, v_cmp where given) gathered over the axis, each local chunk of queries attending
-    as the last queries of a sequence ending where the chunk ends. `local`: the arguments sharded like q (gates,
-    block_indices, an array block_counts; None where not given); `static`: the rest. Under jax.checkpoint, so the
-    backward gathers k and v again instead of keeping them."""
-    if k is None or v is None:
-        raise TypeError("attention with context_axis needs the local keys and values k and v")
+def _in_context(axis, layout, q, keys, local, call, implementation, prepare=None):
+    """The local rows of an op over one sequence split over mesh axis `axis` in `layout` (`nsa.context`). q
+    [B, T, ...] and `local` (a dict of arrays sharded like q: gates, block_indices, per-query counts; None where not
+    given) are the device's rows. `keys`: {name: (array or None, stride)}: k and v (stride 1) or compressed rows
+    (stride d: [B, T / d, ...], each local chunk's, so its tokens must be a multiple of d), gathered over the axis
+    in sequence order, then finished once by `prepare(gathered dict) -> dict` where given. Each local chunk of
+    queries runs call(q_chunk, **keys, kv_lens=its end, **local_chunk), as the last queries of a sequence that ends
+    where the chunk ends; the outputs (arrays, or tuples of them) are concatenated along T. Under jax.checkpoint,
+    which keeps only these inputs: the backward gathers k and v again."""
     P = jax.lax.axis_size(axis)
     B, T = q.shape[:2]
     context.check_local(T, P, layout)
-    for name, x in (("k", k), ("v", v)):
-        if x.shape[:2] != (B, T):
-            raise ValueError(f"with context_axis, {name} must be sharded like q: [B, T, ...] = {(B, T)}, got "
-                             f"{name}.shape = {tuple(x.shape)}")
     chunks = context.local_chunks(T, P, jax.lax.axis_index(axis), layout)
-    l, d = _checks.compression(_checks.positive_int("block_size", 64 if static["block_size"] is None
-                                                    else static["block_size"]),
-                               static["compress_block_size"], static["compress_stride"])
-    for name, x in (("k_cmp", k_cmp), ("v_cmp", v_cmp)):
-        if x is not None and (chunks[0][1] % d or x.shape[1] * d != T):
-            raise ValueError(f"with context_axis, {name} must be sharded like q, the compressed rows of each local "
-                             f"chunk of {chunks[0][1]} tokens (a multiple of compress_stride = {d}): [B, T / d, ...] "
-                             f"= [{B}, {T / d:g}, ...], got {name}.shape = {tuple(x.shape)}")
+    for name, (x, stride) in keys.items():
+        if x is not None and (chunks[0][1] % stride or x.shape[:2] != (B, T // stride)):
+            rows = f"T / {stride}" if stride > 1 else "T"
+            chunk = f" (the compressed rows of local chunks of {chunks[0][1]} tokens, a multiple of {stride})"
+            raise ValueError(f"with context_axis, {name} must be sharded like q: [B, {rows}, ...] = "
+                             f"[{B}, {T / stride:g}, ...]{chunk if stride > 1 else ''}, got {name}.shape = "
+                             f"{tuple(x.shape)}")
 
-    def run(q, k, v, k_cmp, v_cmp, local):
-        k, v, k_cmp, v_cmp = (context.gathered(x, axis, layout) for x in (k, v, k_cmp, v_cmp))
-        if k_cmp is None and (local["g_cmp"] is not None or local["block_indices"] is None):
-            k_cmp = compress(k, block_size=l, stride=d)
-        if v_cmp is None and local["g_cmp"] is not None:
-            v_cmp = compress(v, block_size=l, stride=d)
+    def run(q, keys, local):
+        whole = {name: context.gathered(x, axis, layout) for name, x in keys.items()}
+        whole = prepare(whole) if prepare is not None else whole
         outs = []
         for first, rows, end in chunks:
             cut = lambda x: None if x is None else jax.lax.slice_in_dim(x, first, first + rows, axis=1)
-            counts = static["block_counts"] if static["block_counts"] is not None else cut(local["block_counts"])
-            chunk_static = dict(static, block_counts=counts)
-            outs.append(attention(cut(q), k, v, **{name: cut(x) for name, x in local.items() if name != "block_counts"},
-                                  k_cmp=k_cmp, v_cmp=v_cmp, kv_lens=jnp.full((B,), end, jnp.int32), **chunk_static))
-        return jnp.concatenate(outs, axis=1)
+            outs.append(call(cut(q), **whole, kv_lens=jnp.full((B,), end, jnp.int32),
+                             **{name: cut(x) for name, x in local.items()}))
+        return jax.tree_util.tree_map(lambda *xs: jnp.concatenate(xs, axis=1), *outs)
 
-    if static["implementation"] == "pallas" and jax.default_backend() == "cpu":
+    arrays = (q, {name: x for name, (x, _) in keys.items()}, local)
+    if implementation == "pallas" and jax.default_backend() == "cpu":
         # Pallas's TPU interpret mode (nsa.pallas) runs its kernels as host callbacks, effects jax.checkpoint cannot
         # partially evaluate: there (a CPU, where memory is no concern) the gathered k and v stay residuals
-        return run(q, k, v, k_cmp, v_cmp, local)
-    return jax.checkpoint(run)(q, k, v, k_cmp, v_cmp, local)
+        return run(*arrays)
+    return jax.checkpoint(run)(*arrays)
+
+
+def _context_refuses(**given):
+    """ValueError if any of `given` (the arguments context_axis cannot take yet) is not None."""
+    passed = [name for name, x in given.items() if x is not None]
+    if passed:
+        raise ValueError(f"context_axis (one sequence split over a mesh axis) cannot be given with "
+                         f"{' or '.join(passed)} (not supported yet)")
 
 
 def attention(q: Array, k: Optional[Array] = None, v: Optional[Array] = None, *, g_cmp: Optional[Array] = None,
@@ -457,17 +493,30 @@ def attention(q: Array, k: Optional[Array] = None, v: Optional[Array] = None, *,
     "contiguous"); the output is the local rows of the unsharded attention, and so are the gradients.
     """
     if context_axis is not None:
-        given = dict(cache=cache, kv_lens=kv_lens, q_lens=q_lens, cu_seqlens=cu_seqlens)
-        passed = [name for name, x in given.items() if x is not None]
-        if passed:
-            raise ValueError(f"context_axis (one sequence split over a mesh axis) cannot be given with "
-                             f"{' or '.join(passed)} (not supported yet)")
-        blocks = dict(block_size=block_size, compress_block_size=compress_block_size, compress_stride=compress_stride)
-        local = dict(g_cmp=g_cmp, g_slc=g_slc, g_swa=g_swa, block_indices=block_indices,
-                     block_counts=None if isinstance(block_counts, int) else block_counts)
-        return _in_context(q, k, v, k_cmp, v_cmp, local, context_axis, context_layout,
-                           dict(blocks, block_counts=block_counts if isinstance(block_counts, int) else None,
-                                window_size=window_size, scale=scale, implementation=implementation))
+        _context_refuses(cache=cache, kv_lens=kv_lens, q_lens=q_lens, cu_seqlens=cu_seqlens)
+        if k is None or v is None:
+            raise TypeError("attention with context_axis needs the local keys and values k and v")
+        l, d = _checks.compression(_checks.positive_int("block_size", 64 if block_size is None else block_size),
+                                   compress_block_size, compress_stride)
+        counts = None if isinstance(block_counts, int) or block_counts is None else block_counts
+
+        def compressed(keys):  # made once from the whole sequence's keys, where needed and not given
+            if keys["k_cmp"] is None and (g_cmp is not None or block_indices is None):
+                keys["k_cmp"] = compress(keys["k"], block_size=l, stride=d)
+            if keys["v_cmp"] is None and g_cmp is not None:
+                keys["v_cmp"] = compress(keys["v"], block_size=l, stride=d)
+            return keys
+
+        def call(q, **rest):  # rest: the gathered keys, kv_lens and the chunk's rows of the local arrays
+            return attention(q, **{"block_counts": block_counts, **rest}, block_size=block_size,
+                             compress_block_size=compress_block_size, compress_stride=compress_stride,
+                             window_size=window_size, scale=scale, implementation=implementation)
+
+        keys = dict(k=(k, 1), v=(v, 1), k_cmp=(k_cmp, d), v_cmp=(v_cmp, d))
+        local = dict(g_cmp=g_cmp, g_slc=g_slc, g_swa=g_swa, block_indices=block_indices)
+        if counts is not None:  # per query: sharded like q
+            local["block_counts"] = counts
+        return _in_context(context_axis, context_layout, q, keys, local, call, implementation, compressed)
     pools = page_table = None  # a paged cache's (k, v, k_cmp, v_cmp) pools of pages, and its page table
     if cache is not None:
         k, v, k_cmp, v_cmp, kv_lens, page_table, (block_size, compress_block_size, compress_stride) = _from_cache(

@@ -96,6 +96,49 @@ def test_a_learned_compression_and_given_blocks(layout):
         assert_close(got, want, GRAD_TOLERANCE["float32"], what, 1e-2)
 
 
+def _joined(o, lse):
+    """compressed_attention's o [B, T, HQ, Dv] and lse [B, T, HQ] as one array [B, T, HQ, Dv + 1]."""
+    return jnp.concatenate([o, lse[..., None]], -1)
+
+
+@pytest.mark.parametrize("layout", context.LAYOUTS)
+def test_each_branch_op_takes_the_context_axis(layout):
+    """compressed_attention (o and lse), select_blocks (the same ids), selected_attention (per-query counts) and
+    sliding_window_attention with context_axis over 4 devices equal each op on the whole sequence; so do the
+    gradients of the attention ops."""
+    P, (B, T, HQ, H, D, bs) = 4, (2, 128, 4, 2, 16, 8)
+    x = Inputs((B, T, HQ, H, D, D, bs), "float32", seed=9)
+    k_cmp, v_cmp = (nsa.compress(y, block_size=bs) for y in (x.k, x.v))
+    rng = np.random.default_rng(10)
+    indices = jnp.asarray(rng.integers(-1, T // bs, (B, T, H, 3)), jnp.int32)
+    counts = jnp.asarray(rng.integers(0, 4, (B, T, H)), jnp.int32)
+    ops = {  # name: (op of arrays [B, T or T / bs, ...], the arguments, those differentiated)
+        "compressed_attention": (lambda q, kc, vc, **c: _joined(*nsa.compressed_attention(q, kc, vc, block_size=bs,
+                                                                                           **c)),
+                                 (x.q, k_cmp, v_cmp), (0, 1, 2)),
+        "select_blocks": (lambda q, kc, **c: nsa.select_blocks(q, kc, block_counts=3, block_size=bs, **c),
+                          (x.q, k_cmp), ()),
+        "selected_attention": (lambda q, k, v, i, n, **c: nsa.selected_attention(q, k, v, i, block_counts=n,
+                                                                                  block_size=bs, **c),
+                               (x.q, x.k, x.v, indices, counts), (0, 1, 2)),
+        "sliding_window_attention": (lambda q, k, v, **c: nsa.sliding_window_attention(q, k, v, window_size=20, **c),
+                                     (x.q, x.k, x.v), (0, 1, 2)),
+    }
+    for name, (op, args, wrt) in ops.items():
+        sharded = _sharded(functools.partial(op, context_axis="sp", context_layout=layout), P, layout, len(args))
+        got, want = jax.jit(sharded)(*args), jax.jit(op)(*args)
+        if name == "select_blocks":
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+            continue
+        finite = np.isfinite(np.asarray(want))  # lse: -inf where a query sees no compressed row
+        np.testing.assert_array_equal(np.isfinite(np.asarray(got)), finite)
+        assert_close(np.asarray(got)[finite], np.asarray(want)[finite], TOLERANCE["float32"], name)
+        first = lambda f: lambda *a: f(*a)[..., :D]  # o
+        grad = lambda f: jax.jit(jax.grad(lambda *a: jnp.sum(first(f)(*a) * x.do), argnums=wrt))(*args)
+        for i, (g_got, g_want) in enumerate(zip(grad(sharded), grad(op))):
+            assert_close(g_got, g_want, GRAD_TOLERANCE["float32"], f"{name} d{i}", 1e-2)
+
+
 def test_layout_helpers():
     """Zig-zag: device r holds chunks r and 2P - 1 - r (of 2P); contiguous: its T / P tokens in order;
     from_context_layout undoes to_context_layout; context_positions is where each row came from."""
@@ -129,13 +172,14 @@ def test_errors_name_the_argument():
     with pytest.raises(ValueError, match=r"context_axis .* cannot be given with kv_lens or cu_seqlens"):
         run(lambda q, k, v: nsa.attention(q, k, v, block_size=8, kv_lens=[12], cu_seqlens=[0, 12],
                                           context_axis="sp"))
-    with pytest.raises(ValueError, match=r"with context_axis, k must be sharded like q: \[B, T, ...\] = \(1, 12\), "
-                                         r"got k.shape = \(1, 24, 2, 8\)"):
+    with pytest.raises(ValueError, match=r"with context_axis, k must be sharded like q: \[B, T, ...\] = \[1, 12, "
+                                         r"...\], got k.shape = \(1, 24, 2, 8\)"):
         jax.shard_map(lambda q, k, v: nsa.attention(q, k, v, block_size=8, context_axis="sp"), mesh=_mesh(2),
                       in_specs=(SEQ, PartitionSpec(), PartitionSpec()), out_specs=SEQ)(x.q, x.k, x.v)
     k_cmp = jnp.zeros((1, 6, 2, 8))
-    with pytest.raises(ValueError, match=r"with context_axis, k_cmp must be sharded like q, the compressed rows of "
-                                         r"each local chunk of 6 tokens \(a multiple of compress_stride = 4\)"):
+    with pytest.raises(ValueError, match=r"with context_axis, k_cmp must be sharded like q: \[B, T / 4, ...\] = "
+                                         r"\[1, 3, ...\] \(the compressed rows of local chunks of 6 tokens, a "
+                                         r"multiple of 4\), got k_cmp.shape = \(1, 3, 2, 8\)"):
         jax.shard_map(lambda q, k, v, c: nsa.attention(q, k, v, k_cmp=c, v_cmp=c, g_cmp=q[..., 0], block_size=4,
                                                        context_axis="sp"),
                       mesh=_mesh(2), in_specs=(SEQ,) * 4, out_specs=SEQ)(x.q, x.k, x.v, k_cmp)
