@@ -21,6 +21,7 @@ recomputes the forward (one more forward of the attention: measured cost on GPUs
 k and v reach each device's own rows through the all-gather's transpose, a reduce-scatter.
 """
 
+import functools
 from typing import Literal, Optional
 
 import jax
@@ -96,8 +97,28 @@ def local_chunks(T_local: int, P: int, r, layout: Layout):
 
 def gathered(x: Optional[jax.Array], axis_name: str, layout: Layout) -> Optional[jax.Array]:
     """x [B, T_local, ...], sharded along its rows over mesh axis `axis_name` in `layout`: all of it [B, T, ...] in
-    sequence order (an all-gather; its transpose, the gradient's path, a reduce-scatter)."""
+    sequence order (an all-gather). Its gradient is the reduce-scatter of the whole sequence's, summed in float32
+    (`_gather`)."""
     if x is None:
         return None
-    P = lax.axis_size(axis_name)
-    return from_context_layout(lax.all_gather(x, axis_name, axis=1, tiled=True), P, layout)
+    return from_context_layout(_gather(x, axis_name), lax.axis_size(axis_name), layout)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _gather(x, axis_name):
+    """lax.all_gather of x [B, T_local, ...] along its rows; the transpose reduce-scatters the cotangent in float32
+    (P devices' bf16 gradients of k and v summed without rounding between them), then casts it to x's dtype."""
+    return lax.all_gather(x, axis_name, axis=1, tiled=True)
+
+
+def _gather_fwd(x, axis_name):
+    return _gather(x, axis_name), None
+
+
+def _gather_bwd(axis_name, _, cotangent):
+    acc = jnp.promote_types(cotangent.dtype, jnp.float32)
+    summed = lax.psum_scatter(cotangent.astype(acc), axis_name, scatter_dimension=1, tiled=True)
+    return (summed.astype(cotangent.dtype),)
+
+
+_gather.defvjp(_gather_fwd, _gather_bwd)

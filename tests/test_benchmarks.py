@@ -206,3 +206,18 @@ def test_gpu_runs_merge_into_one_table(tmp_path):
     (tmp_path / "b.json").write_text(json.dumps(dict(meta=dict(meta, jax="0.10.2"), rows=files["b.json"])))
     with pytest.raises(ValueError, match=r"b.json is not of the same run as .*a.json: \['jax'\] differ"):
         gpu.merge(paths, str(tmp_path))
+
+
+def test_context_model_counts():
+    """benchmarks/context_model.py: the bytes a device moves are (P - 1) / P of k, v gathered twice and dk, dv
+    (float32) scattered once; its compute falls as 1 / P; it writes its rows."""
+    from benchmarks import context_model as cm
+
+    T, P = 1 << 20, 8
+    r = cm.row(T, P)
+    kv = T * cm.H * cm.D * 2 * 2
+    assert r["bytes_moved_GB"] == pytest.approx((P - 1) / P * 4 * kv / 1e9)
+    assert r["tflops"] == pytest.approx(2 * cm.row(T, 2 * P)["tflops"])
+    assert r["NVLink_ms"] == pytest.approx(r["400Gb/s_ms"] * cm.LINKS["400Gb/s"] / cm.LINKS["NVLink"])
+    rows = cm.main([])
+    assert len(rows) == len(cm.TOKENS) * len(cm.DEVICES)

@@ -227,8 +227,8 @@ def test_the_kernels_inside_a_context_axis(implementation, layout, interpreted):
 
 def test_a_training_step_exported_for_tpu():
     """The gradient of a context-parallel step over 4 devices, exported for TPU with implementation=None: Mosaic
-    kernels, k and v all-gathered (forward and again in the backward), dk and dv reduce-scattered, and no other
-    collective."""
+    kernels, k and v all-gathered (forward and again in the backward), dk and dv reduce-scattered in float32 (k and v
+    are bf16), and no other collective."""
     from tests.test_pallas import _mosaic_kernels
 
     P = 4
@@ -244,3 +244,5 @@ def test_a_training_step_exported_for_tpu():
     collectives = re.findall(r"stablehlo\.(all_gather|reduce_scatter|all_reduce|all_to_all|collective_permute)",
                              module)
     assert sorted(collectives) == ["all_gather"] * 4 + ["reduce_scatter"] * 2, collectives
+    scattered = re.findall(r"stablehlo\.reduce_scatter.*?\) -> tensor<([\dx]+)x(\w+)>", module, re.S)
+    assert sorted(scattered) == [("1x256x2x128", "f32")] * 2, scattered  # dk, dv of bf16 k, v: summed in float32
