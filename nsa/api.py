@@ -175,11 +175,11 @@ def compressed_attention(q: Array, k_cmp: Array, v_cmp: Array, *, block_size: in
     block_size = _checks.positive_int("block_size", block_size)
     stride = _checks.stride(stride, block_size)
     if context_axis is not None:
-        _context_refuses(kv_lens=kv_lens, cu_seqlens=cu_seqlens)
+        _context_refuses(kv_lens=kv_lens)
         call = functools.partial(compressed_attention, block_size=block_size, stride=stride, scale=scale,
                                  implementation=implementation)
         keys = dict(k_cmp=(k_cmp, stride), v_cmp=(v_cmp, stride))
-        return _in_context(context_axis, context_layout, q, keys, {}, call, implementation)
+        return _in_context(context_axis, context_layout, q, keys, {}, call, implementation, cu_seqlens=cu_seqlens)
     cu_seqlens = _checks.cu_seqlens(cu_seqlens, q.shape[0], q.shape[1])
     kv_lens = _compressed_kv(q, k_cmp, v_cmp, block_size, stride, cu_seqlens, kv_lens)
     q, scale = _scaled(q, scale)
@@ -219,12 +219,12 @@ def select_blocks(q: Array, k_cmp: Array, *, block_counts: int, block_size: int,
     block_counts = _checks.positive_int("block_counts", block_counts)
     compression = _checks.compression(block_size, compress_block_size, compress_stride)
     if context_axis is not None:
-        _context_refuses(kv_lens=kv_lens, cu_seqlens=cu_seqlens)
+        _context_refuses(kv_lens=kv_lens)
         call = functools.partial(select_blocks, block_counts=block_counts, block_size=block_size,
                                  compress_block_size=compress_block_size, compress_stride=compress_stride, scale=scale,
                                  implementation=implementation)
         return _in_context(context_axis, context_layout, q, dict(k_cmp=(k_cmp, compression[1])), {}, call,
-                           implementation)
+                           implementation, cu_seqlens=cu_seqlens)
     cu_seqlens = _checks.cu_seqlens(cu_seqlens, q.shape[0], q.shape[1])
     kv_lens = _compressed_kv(q, k_cmp, None, *compression, cu_seqlens, kv_lens)
     q, scale = _scaled(q, scale)
@@ -261,12 +261,13 @@ def selected_attention(q: Array, k: Array, v: Array, block_indices: Array, *,
     block_indices' (and an array block_counts') rows of one sequence split over a mesh axis, as `attention`'s.
     """
     if context_axis is not None:
-        _context_refuses(kv_lens=kv_lens, cu_seqlens=cu_seqlens)
+        _context_refuses(kv_lens=kv_lens)
         per_query = _checks.is_array(block_counts)  # then sharded like q, else the same for every query
         call = functools.partial(selected_attention, block_size=block_size, scale=scale, implementation=implementation,
                                  **({} if per_query else dict(block_counts=block_counts)))
         local = dict(block_indices=block_indices, **(dict(block_counts=block_counts) if per_query else {}))
-        return _in_context(context_axis, context_layout, q, dict(k=(k, 1), v=(v, 1)), local, call, implementation)
+        return _in_context(context_axis, context_layout, q, dict(k=(k, 1), v=(v, 1)), local, call, implementation,
+                           cu_seqlens=cu_seqlens)
     B, T, HQ, H = _checks.qkv(q, k, v)
     _checks.block_indices(block_indices, B, T, H)
     block_size = _checks.positive_int("block_size", block_size)
@@ -295,10 +296,11 @@ def sliding_window_attention(q: Array, k: Array, v: Array, *, window_size: int, 
     context_layout: q's, k's and v's rows of one sequence split over a mesh axis, as `attention`'s.
     """
     if context_axis is not None:
-        _context_refuses(kv_lens=kv_lens, cu_seqlens=cu_seqlens)
+        _context_refuses(kv_lens=kv_lens)
         call = functools.partial(sliding_window_attention, window_size=window_size, scale=scale,
                                  implementation=implementation)
-        return _in_context(context_axis, context_layout, q, dict(k=(k, 1), v=(v, 1)), {}, call, implementation)
+        return _in_context(context_axis, context_layout, q, dict(k=(k, 1), v=(v, 1)), {}, call, implementation,
+                           cu_seqlens=cu_seqlens)
     B, T, HQ, H = _checks.qkv(q, k, v)
     window_size = _checks.non_negative_int("window_size", window_size)
     cu_seqlens = _checks.cu_seqlens(cu_seqlens, B, T)
@@ -400,19 +402,22 @@ def _ragged(q, k, v, k_cmp, v_cmp, per_query, q_lens, kv_lens, compression):
             lambda o: padding_zeroed(roll(o, -shift)))
 
 
-def _in_context(axis, layout, q, keys, local, call, implementation, prepare=None):
+def _in_context(axis, layout, q, keys, local, call, implementation, prepare=None, cu_seqlens=None):
     """The local rows of an op over one sequence split over mesh axis `axis` in `layout` (`nsa.context`). q
     [B, T, ...] and `local` (a dict of arrays sharded like q: gates, block_indices, per-query counts; None where not
     given) are the device's rows. `keys`: {name: (array or None, stride)}: k and v (stride 1) or compressed rows
     (stride d: [B, T / d, ...], each local chunk's, so its tokens must be a multiple of d), gathered over the axis
     in sequence order, then finished once by `prepare(gathered dict) -> dict` where given. Each local chunk of
     queries runs call(q_chunk, **keys, kv_lens=its end, **local_chunk), as the last queries of a sequence that ends
-    where the chunk ends; the outputs (arrays, or tuples of them) are concatenated along T. Under jax.checkpoint,
-    which keeps only these inputs: the backward gathers k and v again."""
+    where the chunk ends (packed, cu_seqlens over the whole sequence: `_packed_chunk`); the outputs (arrays, or
+    tuples of them) are concatenated along T. Under jax.checkpoint, which keeps only these inputs: the backward
+    gathers k and v again."""
     P = jax.lax.axis_size(axis)
     B, T = q.shape[:2]
     context.check_local(T, P, layout)
     chunks = context.local_chunks(T, P, jax.lax.axis_index(axis), layout)
+    if cu_seqlens is not None:
+        cu_seqlens = _context_packing(cu_seqlens, B, P * T, keys)
     for name, (x, stride) in keys.items():
         if x is not None and (chunks[0][1] % stride or x.shape[:2] != (B, T // stride)):
             rows = f"T / {stride}" if stride > 1 else "T"
@@ -421,22 +426,63 @@ def _in_context(axis, layout, q, keys, local, call, implementation, prepare=None
                              f"[{B}, {T / stride:g}, ...]{chunk if stride > 1 else ''}, got {name}.shape = "
                              f"{tuple(x.shape)}")
 
-    def run(q, keys, local):
+    def run(q, keys, local, cu):
         whole = {name: context.gathered(x, axis, layout) for name, x in keys.items()}
         whole = prepare(whole) if prepare is not None else whole
         outs = []
         for first, rows, end in chunks:
             cut = lambda x: None if x is None else jax.lax.slice_in_dim(x, first, first + rows, axis=1)
-            outs.append(call(cut(q), **whole, kv_lens=jnp.full((B,), end, jnp.int32),
-                             **{name: cut(x) for name, x in local.items()}))
+            chunk = {name: cut(x) for name, x in local.items()}
+            if cu is None:
+                outs.append(call(cut(q), **whole, kv_lens=jnp.full((B,), end, jnp.int32), **chunk))
+            else:
+                outs.append(_packed_chunk(call, cut(q), whole, chunk, cu, rows, end))
         return jax.tree_util.tree_map(lambda *xs: jnp.concatenate(xs, axis=1), *outs)
 
-    arrays = (q, {name: x for name, (x, _) in keys.items()}, local)
+    arrays = (q, {name: x for name, (x, _) in keys.items()}, local, cu_seqlens)
     if implementation == "pallas" and jax.default_backend() == "cpu":
         # Pallas's TPU interpret mode (nsa.pallas) runs its kernels as host callbacks, effects jax.checkpoint cannot
         # partially evaluate: there (a CPU, where memory is no concern) the gathered k and v stay residuals
         return run(*arrays)
     return jax.checkpoint(run)(*arrays)
+
+
+def _context_packing(cu_seqlens, B, tokens, keys):
+    """cu_seqlens [N + 1] with context_axis: the packing of the whole sequence of `tokens` = P * T tokens (the same
+    on every device), checked as the ops check it; ValueError where compressed rows are among `keys` (packed, a
+    sequence's rows are not laid out like its tokens)."""
+    given = [name for name, (x, stride) in keys.items() if x is not None and stride > 1]
+    if given:
+        raise ValueError(f"with context_axis and cu_seqlens, {' and '.join(given)} cannot be given: packed, each "
+                         f"sequence's compressed rows are not split over the devices as its tokens are (`attention` "
+                         f"given k and v alone makes them from the gathered keys)")
+    values = concrete(np.asarray(cu_seqlens) if isinstance(cu_seqlens, (list, tuple)) else cu_seqlens)
+    if values is not None and values.ndim == 1 and values.size and values[-1] != tokens:
+        raise ValueError(f"with context_axis, cu_seqlens packs the whole sequence of P * T = {tokens} tokens (T: the "
+                         f"local rows) and must end there, got cu_seqlens[-1] = {values[-1]}")
+    return _checks.cu_seqlens(cu_seqlens, B, tokens)
+
+
+def _packed_chunk(call, q, whole, local, cu, rows, end):
+    """The output of one local chunk of packed sequences: its `rows` queries are the global tokens [s, end),
+    s = end - rows, of the whole sequence's keys `whole` packed by cu (B = 1). Two calls of the op, no new kernel:
+    the tokens of the sequence holding token s (which may start on an earlier device, at a) run as the last queries
+    of that sequence, over the keys rolled to start at a (kv_lens = end - a); the tokens of the sequences starting
+    inside the chunk run packed over the chunk's own keys. Each row takes the call that placed it right."""
+    s, N = end - rows, cu.shape[0] - 1
+    cu = cu.astype(jnp.int32)
+    first = jnp.clip(jnp.searchsorted(cu, s, side="right") - 1, 0, N - 1)  # the sequence holding token s
+    start, stop = cu[first], cu[first + 1]
+    rolled = {name: None if x is None else jnp.roll(x, -start, axis=1) for name, x in whole.items()}
+    straddling = call(q, **rolled, kv_lens=jnp.reshape(end - start, (1,)), **local)
+    own = {name: None if x is None else jax.lax.dynamic_slice_in_dim(x, s, rows, axis=1) for name, x in whole.items()}
+    inside = call(q, **own, cu_seqlens=jnp.clip(cu - s, 0, rows), **local)
+    takes_first = s + jnp.arange(rows) < stop  # [rows]: the row is a token of the sequence holding token s
+
+    def pick(a, b):
+        return jnp.where(takes_first.reshape((1, rows) + (1,) * (a.ndim - 2)), a, b)
+
+    return jax.tree_util.tree_map(pick, straddling, inside)
 
 
 def _context_refuses(**given):
@@ -490,10 +536,11 @@ def attention(q: Array, k: Optional[Array] = None, v: Optional[Array] = None, *,
     Context parallelism (`nsa.context`): inside jax.shard_map over a mesh axis that splits the sequence,
     context_axis names that axis: q, k, v, the gates (and k_cmp, v_cmp, block_indices, per-query block_counts
     where given) are the local rows of one sequence of P * T tokens in context_layout ("zigzag", the default, or
-    "contiguous"); the output is the local rows of the unsharded attention, and so are the gradients.
+    "contiguous"); the output is the local rows of the unsharded attention, and so are the gradients. Packed
+    sequences: B = 1 and cu_seqlens over the whole sequence of P * T tokens (in sequence order, on every device).
     """
     if context_axis is not None:
-        _context_refuses(cache=cache, kv_lens=kv_lens, q_lens=q_lens, cu_seqlens=cu_seqlens)
+        _context_refuses(cache=cache, kv_lens=kv_lens, q_lens=q_lens)
         if k is None or v is None:
             raise TypeError("attention with context_axis needs the local keys and values k and v")
         l, d = _checks.compression(_checks.positive_int("block_size", 64 if block_size is None else block_size),
@@ -516,7 +563,8 @@ def attention(q: Array, k: Optional[Array] = None, v: Optional[Array] = None, *,
         local = dict(g_cmp=g_cmp, g_slc=g_slc, g_swa=g_swa, block_indices=block_indices)
         if counts is not None:  # per query: sharded like q
             local["block_counts"] = counts
-        return _in_context(context_axis, context_layout, q, keys, local, call, implementation, compressed)
+        return _in_context(context_axis, context_layout, q, keys, local, call, implementation,
+                           None if cu_seqlens is not None else compressed, cu_seqlens)
     pools = page_table = None  # a paged cache's (k, v, k_cmp, v_cmp) pools of pages, and its page table
     if cache is not None:
         k, v, k_cmp, v_cmp, kv_lens, page_table, (block_size, compress_block_size, compress_stride) = _from_cache(

@@ -8,6 +8,9 @@ arrive sharded alike along T, in a layout of the whole sequence of T = P * T_loc
   chunks r and 2P - 1 - r, in that order;
 - "contiguous": device r holds tokens [r * T / P, (r + 1) * T / P).
 
+Packed sequences (B = 1): `cu_seqlens` over the whole sequence of P * T_local tokens, in sequence order (not the
+layout's), the same on every device.
+
 `to_context_layout(x, P)` reorders a [B, T, ...] array so that shard_map's split of its T axis into P equal parts
 hands each device its rows; `from_context_layout` undoes it; `context_positions(T, P)` is each row's global
 position (RoPE's positions, in the same order).

@@ -139,6 +139,48 @@ def test_each_branch_op_takes_the_context_axis(layout):
             assert_close(g_got, g_want, GRAD_TOLERANCE["float32"], f"{name} d{i}", 1e-2)
 
 
+# packings of the whole sequence (B = 1), each crossing shard boundaries: (P, layout, T, cu_seqlens)
+PACKED = {
+    "P4-zigzag": (4, "zigzag", 128, [0, 5, 37, 38, 90, 128]),  # chunks of 16: sequences span up to 4 of them
+    "P2-contiguous-empty": (2, "contiguous", 64, [0, 0, 29, 29, 64]),  # empty sequences; one spans both devices
+    "P8-zigzag-one-sequence": (8, "zigzag", 128, [0, 128]),
+}
+
+
+@pytest.mark.parametrize("P, layout, T, cu", PACKED.values(), ids=PACKED.keys())
+def test_packed_sequences_across_shards(P, layout, T, cu):
+    """cu_seqlens over the whole sequence (the same on every device; here a traced one under jit): attention with
+    every branch and gate, and selected_attention and sliding_window_attention, equal the single-device packed
+    call, output and gradients of q, k, v and the gates."""
+    x = Inputs((1, T, 4, 2, 16, 16, 8), "float32", seed=P + 20)
+    cu = jnp.asarray(cu, jnp.int32)
+    kw = dict(block_counts=3, block_size=8, window_size=12, implementation="xla")
+    names = ("g_cmp", "g_slc", "g_swa")
+    rng = np.random.default_rng(P)
+    indices = jnp.asarray(rng.integers(-1, T // 8, (1, T, 2, 3)), jnp.int32)
+    ops = {  # name: (op of (arrays [1, T, ...], cu_seqlens, **context), its arrays, names of their gradients)
+        "attention": (lambda q, k, v, a, b, c, cu_seqlens, **more: nsa.attention(
+            q, k, v, **dict(zip(names, (a, b, c))), cu_seqlens=cu_seqlens, **kw, **more),
+            (x.q, x.k, x.v, *(g[0] for g in x.gates)), ("dq", "dk", "dv", "dg_cmp", "dg_slc", "dg_swa")),
+        "selected_attention": (lambda q, k, v, i, cu_seqlens, **more: nsa.selected_attention(
+            q, k, v, i, block_size=8, cu_seqlens=cu_seqlens, implementation="xla", **more),
+            (x.q, x.k, x.v, indices), ("dq", "dk", "dv")),
+        "sliding_window_attention": (lambda q, k, v, cu_seqlens, **more: nsa.sliding_window_attention(
+            q, k, v, window_size=20, cu_seqlens=cu_seqlens, implementation="xla", **more),
+            (x.q, x.k, x.v), ("dq", "dk", "dv")),
+    }
+    for name, (op, args, wrt) in ops.items():
+        n = len(args)
+        local = jax.shard_map(lambda *a: op(*a[:n], a[n], context_axis="sp", context_layout=layout), mesh=_mesh(P),
+                              in_specs=(SEQ,) * n + (PartitionSpec(),), out_specs=SEQ)
+        sharded = lambda *a: context.from_context_layout(
+            local(*(context.to_context_layout(y, P, layout) for y in a[:n]), a[n]), P, layout)
+        assert_close(jax.jit(sharded)(*args, cu), jax.jit(op)(*args, cu), TOLERANCE["float32"], f"{name} o")
+        grad = lambda f: jax.jit(jax.grad(lambda *a: jnp.sum(f(*a) * x.do), argnums=tuple(range(len(wrt)))))(*args, cu)
+        for got, want, what in zip(grad(sharded), grad(op), wrt):
+            assert_close(got, want, GRAD_TOLERANCE["float32"], f"{name} {what}", 1e-2)
+
+
 def test_layout_helpers():
     """Zig-zag: device r holds chunks r and 2P - 1 - r (of 2P); contiguous: its T / P tokens in order;
     from_context_layout undoes to_context_layout; context_positions is where each row came from."""
@@ -169,9 +211,14 @@ def test_errors_name_the_argument():
     with pytest.raises(ValueError, match=r"the sequence of P \* T = 8 \* 3 = 24 tokens must split into 16 equal "
                                          r"chunks"):
         run(lambda q, k, v: nsa.attention(q, k, v, block_size=8, context_axis="sp"), P=8)
-    with pytest.raises(ValueError, match=r"context_axis .* cannot be given with kv_lens or cu_seqlens"):
-        run(lambda q, k, v: nsa.attention(q, k, v, block_size=8, kv_lens=[12], cu_seqlens=[0, 12],
-                                          context_axis="sp"))
+    with pytest.raises(ValueError, match=r"context_axis .* cannot be given with kv_lens \(not supported yet\)"):
+        run(lambda q, k, v: nsa.attention(q, k, v, block_size=8, kv_lens=[12], context_axis="sp"))
+    with pytest.raises(ValueError, match=r"with context_axis, cu_seqlens packs the whole sequence of P \* T = 24 "
+                                         r"tokens \(T: the local rows\) and must end there, got cu_seqlens\[-1\] = 12"):
+        run(lambda q, k, v: nsa.attention(q, k, v, block_size=8, cu_seqlens=[0, 5, 12], context_axis="sp"))
+    with pytest.raises(ValueError, match=r"with context_axis and cu_seqlens, k_cmp and v_cmp cannot be given"):
+        run(lambda q, k, v: nsa.compressed_attention(q, k, v, block_size=4, cu_seqlens=[0, 5, 24],
+                                                     context_axis="sp"))
     with pytest.raises(ValueError, match=r"with context_axis, k must be sharded like q: \[B, T, ...\] = \[1, 12, "
                                          r"...\], got k.shape = \(1, 24, 2, 8\)"):
         jax.shard_map(lambda q, k, v: nsa.attention(q, k, v, block_size=8, context_axis="sp"), mesh=_mesh(2),
@@ -206,12 +253,14 @@ def test_the_backward_gathers_k_and_v_again():
 
 
 @pytest.mark.interpreted
-@pytest.mark.parametrize("implementation, layout", [("pallas", "zigzag"), ("triton", "contiguous")])
-def test_the_kernels_inside_a_context_axis(implementation, layout, interpreted):
-    """Pallas (TPU interpret mode) and Triton (its interpreter) at a small shape over 2 devices: output and
-    gradients equal the XLA reference's single-device call."""
+@pytest.mark.parametrize("implementation, layout, cu", [("pallas", "zigzag", None), ("triton", "contiguous", None),
+                                                        ("triton", "zigzag", (0, 11, 40, 64))],
+                         ids=["pallas-zigzag", "triton-contiguous", "triton-zigzag-packed"])
+def test_the_kernels_inside_a_context_axis(implementation, layout, cu, interpreted):
+    """Pallas (TPU interpret mode) and Triton (its interpreter) at a small shape over 2 devices, one sequence or
+    packed ones crossing the shards: output and gradients equal the XLA reference's single-device call."""
     P, x = 2, Inputs((1, 64, 4, 2, 16, 16, 8), "float32", seed=3)
-    kw = dict(block_counts=2, block_size=8, window_size=12)
+    kw = dict(block_counts=2, block_size=8, window_size=12, cu_seqlens=cu)
     g = [gi[0] for gi in x.gates]
     local = lambda q, k, v, a, b, c: nsa.attention(q, k, v, g_cmp=a, g_slc=b, g_swa=c, context_axis="sp",
                                                    context_layout=layout, implementation=implementation, **kw)
