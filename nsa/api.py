@@ -440,9 +440,10 @@ def _in_context(axis, layout, q, keys, local, call, implementation, prepare=None
         return jax.tree_util.tree_map(lambda *xs: jnp.concatenate(xs, axis=1), *outs)
 
     arrays = (q, {name: x for name, (x, _) in keys.items()}, local, cu_seqlens)
-    if implementation == "pallas" and jax.default_backend() == "cpu":
-        # Pallas's TPU interpret mode (nsa.pallas) runs its kernels as host callbacks, effects jax.checkpoint cannot
-        # partially evaluate: there (a CPU, where memory is no concern) the gathered k and v stay residuals
+    if P == 1 or (implementation == "pallas" and jax.default_backend() == "cpu"):
+        # P = 1: the gathered keys are the local ones, residuals anyway (no recompute: the plain ops' cost). Pallas's
+        # TPU interpret mode (nsa.pallas) runs its kernels as host callbacks, effects jax.checkpoint cannot partially
+        # evaluate: there (a CPU, where memory is no concern) the gathered k and v stay residuals
         return run(*arrays)
     return jax.checkpoint(run)(*arrays)
 

@@ -91,8 +91,9 @@ def check_local(T_local: int, P: int, layout: Layout):
 
 def local_chunks(T_local: int, P: int, r, layout: Layout):
     """The chunks of device r's T_local rows: [(first row, rows, global end)] (r traced: the axis index), the
-    global end being the position one past the chunk's last token."""
-    if layout == "contiguous":
+    global end being the position one past the chunk's last token. Over P = 1 device both layouts are the sequence
+    in order: one chunk."""
+    if layout == "contiguous" or P == 1:
         return [(0, T_local, (r + 1) * T_local)]
     C = T_local // 2
     return [(0, C, (r + 1) * C), (C, C, (2 * P - r) * C)]
