@@ -448,6 +448,34 @@ def _in_context(axis, layout, q, keys, local, call, implementation, prepare=None
     return jax.checkpoint(run)(*arrays)
 
 
+def _compressed_locally(x, axis, layout, l, d):
+    """compress(x_whole, block_size=l, stride=d)'s rows of each local chunk of x [B, T, H, D] (the device's rows
+    over mesh axis `axis` in `layout`), [B, T / d, H, D] in the local chunks' order: what `_in_context` gathers as
+    a given k_cmp. Each chunk's windows reach l - d tokens into the next chunk in sequence order (another
+    device's): the first l - d rows of every chunk are all-gathered (tiny) for that. So the compressed rows (and
+    the compressed branch and the selection on them) need nothing of the full k and v gather, which can overlap
+    them. The last chunk's windows past the sequence's end take zeros for the missing tokens: no query sees those
+    rows (row j is seen from position j * d + l - 1), so they change no output and no gradient. None where the
+    chunks do not allow it (a chunk not a multiple of d, or shorter than l - d tokens; P = 1): then the compressed
+    rows are made from the gathered keys."""
+    P, (B, T) = jax.lax.axis_size(axis), x.shape[:2]
+    chunks = context.local_chunks(T, P, jax.lax.axis_index(axis), layout)
+    rows, halo = chunks[0][1], l - d
+    if P == 1 or rows % d or halo > rows:
+        return None
+    if halo:  # the first `halo` rows of every chunk of the sequence, in sequence order, then zeros past the last
+        heads = context.gathered(jnp.concatenate([x[:, first:first + halo] for first, _, _ in chunks], axis=1), axis,
+                                 layout)
+        heads = jnp.pad(heads, [(0, 0), (0, halo)] + [(0, 0)] * (x.ndim - 2))
+    parts = []
+    for first, _, end in chunks:
+        part = x[:, first:first + rows]
+        if halo:  # chunk end // rows is the next one in sequence order
+            part = jnp.concatenate([part, jax.lax.dynamic_slice_in_dim(heads, end // rows * halo, halo, axis=1)], 1)
+        parts.append(compress(part, block_size=l, stride=d)[:, :rows // d])
+    return jnp.concatenate(parts, axis=1)
+
+
 def _context_packing(cu_seqlens, B, tokens, keys):
     """cu_seqlens [N + 1] with context_axis: the packing of the whole sequence of `tokens` = P * T tokens (the same
     on every device), checked as the ops check it; ValueError where compressed rows are among `keys` (packed, a
@@ -548,7 +576,7 @@ def attention(q: Array, k: Optional[Array] = None, v: Optional[Array] = None, *,
                                    compress_block_size, compress_stride)
         counts = None if isinstance(block_counts, int) or block_counts is None else block_counts
 
-        def compressed(keys):  # made once from the whole sequence's keys, where needed and not given
+        def compressed(keys):  # made once from the whole sequence's keys, where needed and not made locally
             if keys["k_cmp"] is None and (g_cmp is not None or block_indices is None):
                 keys["k_cmp"] = compress(keys["k"], block_size=l, stride=d)
             if keys["v_cmp"] is None and g_cmp is not None:
@@ -560,6 +588,11 @@ def attention(q: Array, k: Optional[Array] = None, v: Optional[Array] = None, *,
                              compress_block_size=compress_block_size, compress_stride=compress_stride,
                              window_size=window_size, scale=scale, implementation=implementation)
 
+        if cu_seqlens is None and k_cmp is None and v_cmp is None:  # made before k and v are gathered, where it can
+            if g_cmp is not None or block_indices is None:
+                k_cmp = _compressed_locally(k, context_axis, context_layout, l, d)
+            if g_cmp is not None:
+                v_cmp = _compressed_locally(v, context_axis, context_layout, l, d)
         keys = dict(k=(k, 1), v=(v, 1), k_cmp=(k_cmp, d), v_cmp=(v_cmp, d))
         local = dict(g_cmp=g_cmp, g_slc=g_slc, g_swa=g_swa, block_indices=block_indices)
         if counts is not None:  # per query: sharded like q

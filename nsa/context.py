@@ -15,8 +15,9 @@ layout's), the same on every device.
 hands each device its rows; `from_context_layout` undoes it; `context_positions(T, P)` is each row's global
 position (RoPE's positions, in the same order).
 
-The design (Llama 3's all-gather context parallelism, mdy666's NSA): q stays local; k and v are all-gathered over
-the axis (and k_cmp, v_cmp where given), the compressed keys made from the gathered keys; each local chunk of
+The design (Llama 3's all-gather context parallelism, mdy666's NSA): q stays local; each device compresses its own
+chunks (the windows' overhang into the next chunk all-gathered), and the compressed rows are all-gathered (tiny)
+apart from k and v, so that the compressed branch and the selection need not wait for k and v; each local chunk of
 queries then runs the ops as the last queries of a sequence that ends where the chunk ends (kv_lens): the
 selection is local, the window is cut from the gathered keys. The gathered k and v are not kept for the backward:
 the step runs under jax.checkpoint, which keeps only its local inputs, so the backward gathers k and v again and

@@ -232,10 +232,17 @@ def test_errors_name_the_argument():
                       mesh=_mesh(2), in_specs=(SEQ,) * 4, out_specs=SEQ)(x.q, x.k, x.v, k_cmp)
 
 
+def _collectives(text):
+    """{(collective, result type)}: count} of the all-gathers and reduce-scatters in a StableHLO module's text."""
+    found = re.findall(r"stablehlo\.(all_gather|reduce_scatter)\b.*?\) -> tensor<([\dx]+x\w+)>", text, re.S)
+    return {key: found.count(key) for key in set(found)}
+
+
 def test_the_backward_gathers_k_and_v_again():
-    """The residuals the forward keeps for the backward are each device's own rows (its inputs: nothing of the
-    whole sequence's length, no gathered k or v), and the gradient's program gathers k and v twice (forward, then
-    again in the backward) and reduce-scatters dk and dv."""
+    """The residuals the forward keeps for the backward are each device's own rows (its inputs and its chunks'
+    compressed rows: nothing of the whole sequence's length, no gathered k or v), and the gradient's program gathers
+    k and v (and the compressed rows, made locally before k and v are gathered) twice, forward then again in the
+    backward, and reduce-scatters their gradients."""
     P, layout = 4, "zigzag"
     x = Inputs((1, 128, 4, 2, 16, 16, 16), "float32")
     g = [gi[0] for gi in x.gates]
@@ -244,12 +251,14 @@ def test_the_backward_gathers_k_and_v_again():
     f = jax.shard_map(local, mesh=_mesh(P), in_specs=(SEQ,) * 6, out_specs=SEQ)
     _, vjp = jax.vjp(f, x.q, x.k, x.v, *g)
     inputs = (x.q, x.k, x.v, *g)
-    kept = [r.shape for r in jax.tree_util.tree_leaves(vjp) if jnp.issubdtype(getattr(r, "dtype", int), jnp.floating)]
-    assert sorted(kept) == sorted(y.shape for y in inputs), kept  # a gathered k: (P * B, T, H, D) = (4, 128, 2, 16)
+    kept = [r.shape for r in jax.tree_util.tree_leaves(vjp)
+            if jnp.issubdtype(getattr(r, "dtype", int), jnp.floating) and r.size]
+    compressed_rows = (P, 128 // P // 16, 2, 16)  # each device's (stacked over the P devices)
+    assert sorted(kept) == sorted([y.shape for y in inputs] + [compressed_rows] * 2), kept
     step = jax.value_and_grad(lambda *a: jnp.sum(f(*a)), argnums=(0, 1, 2))  # the loss too, as a training step
-    text = jax.jit(step).lower(x.q, x.k, x.v, *g).as_text()
-    assert len(re.findall(r"stablehlo\.all_gather", text)) == 4
-    assert len(re.findall(r"stablehlo\.reduce_scatter", text)) == 2
+    assert _collectives(jax.jit(step).lower(x.q, x.k, x.v, *g).as_text()) == {
+        ("all_gather", "1x128x2x16xf32"): 4, ("all_gather", "1x8x2x16xf32"): 4,
+        ("reduce_scatter", "1x32x2x16xf32"): 2, ("reduce_scatter", "1x2x2x16xf32"): 2}
 
 
 def test_one_device_runs_the_plain_ops():
@@ -295,8 +304,8 @@ def test_the_kernels_inside_a_context_axis(implementation, layout, cu, interpret
 
 def test_a_training_step_exported_for_tpu():
     """The gradient of a context-parallel step over 4 devices, exported for TPU with implementation=None: Mosaic
-    kernels, k and v all-gathered (forward and again in the backward), dk and dv reduce-scattered in float32 (k and v
-    are bf16), and no other collective."""
+    kernels, k and v and their compressed rows all-gathered (forward and again in the backward), their gradients
+    reduce-scattered in float32 (k and v are bf16), and no other collective."""
     from tests.test_pallas import _mosaic_kernels
 
     P = 4
@@ -309,8 +318,8 @@ def test_a_training_step_exported_for_tpu():
     step = jax.jit(jax.value_and_grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=(0, 1, 2)))
     module = jax.export.export(step, platforms=["tpu"])(q, kv, kv, g, g, g).mlir_module()
     assert _mosaic_kernels(module)
-    collectives = re.findall(r"stablehlo\.(all_gather|reduce_scatter|all_reduce|all_to_all|collective_permute)",
-                             module)
-    assert sorted(collectives) == ["all_gather"] * 4 + ["reduce_scatter"] * 2, collectives
-    scattered = re.findall(r"stablehlo\.reduce_scatter.*?\) -> tensor<([\dx]+)x(\w+)>", module, re.S)
-    assert sorted(scattered) == [("1x256x2x128", "f32")] * 2, scattered  # dk, dv of bf16 k, v: summed in float32
+    assert not re.search(r"stablehlo\.(all_reduce|all_to_all|collective_permute)", module)
+    # k, v and their compressed rows gathered in the forward and again in the backward; the gradients of the bf16
+    # k, v (and of the compressed rows) reduce-scattered in float32
+    assert _collectives(module) == {("all_gather", "1x1024x2x128xbf16"): 4, ("all_gather", "1x16x2x128xbf16"): 4,
+                                    ("reduce_scatter", "1x256x2x128xf32"): 2, ("reduce_scatter", "1x4x2x128xf32"): 2}
