@@ -33,8 +33,8 @@ class TestPallasInterpreted(NSATestBase):
 
     def test_gradient_under_checkpoint(self):
         """Interpret mode runs each kernel's memory operations as ordered host callbacks, effects that
-        jax.checkpoint cannot partially evaluate (a limit of Pallas's TPU interpret mode: NotImplementedError;
-        implementation="pallas" traces that branch on every platform). The Mosaic kernels have no effects:
+        jax.checkpoint cannot partially evaluate (a limit of Pallas's TPU interpret mode, which
+        implementation="pallas" runs on a CPU: NotImplementedError). The Mosaic kernels have no effects:
         with implementation=None the checkpointed gradient of nsa.attention lowers for TPU, to the same
         kernels as without checkpoint."""
         x = Inputs(SHAPES["G2"], "float32")
