@@ -143,7 +143,6 @@ def test_each_branch_op_takes_the_context_axis(layout):
 PACKED = {
     "P4-zigzag": (4, "zigzag", 128, [0, 5, 37, 38, 90, 128]),  # chunks of 16: sequences span up to 4 of them
     "P2-contiguous-empty": (2, "contiguous", 64, [0, 0, 29, 29, 64]),  # empty sequences; one spans both devices
-    "P8-zigzag-one-sequence": (8, "zigzag", 128, [0, 128]),
 }
 
 
