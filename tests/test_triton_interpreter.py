@@ -27,6 +27,15 @@ def _copy_from_program_one(X, O, N: tl.constexpr, NP: tl.constexpr):
 def test_masks_joining_a_scalar_comparison(interpreted):
     x = jnp.arange(5, dtype=jnp.float32) * 2.0
     o = interpreter.interpret_call(x, kernel=_copy_from_program_one, out_shape=jax.ShapeDtypeStruct((3, 8), x.dtype),
-                                   grid=(3,), N=5, NP=8)
+                                   grid=(3,), zeroed_outputs=(0,), N=5, NP=8)
     row = np.concatenate([np.asarray(x), np.zeros(3, np.float32)]) + 1.0
     np.testing.assert_array_equal(np.asarray(o), np.stack([np.zeros(8, np.float32), row, row]))
+
+
+def test_outputs_not_zeroed_start_undefined(interpreted):
+    """As on the GPU, only the outputs named in zeroed_outputs start at zero: program 0's row, which it never
+    writes, reads NaN otherwise (so a kernel that relies on a zeroed output it did not ask for fails here too)."""
+    x = jnp.arange(5, dtype=jnp.float32)
+    o = interpreter.interpret_call(x, kernel=_copy_from_program_one, out_shape=jax.ShapeDtypeStruct((2, 8), x.dtype),
+                                   grid=(2,), N=5, NP=8)
+    assert np.isnan(np.asarray(o)[0]).all() and not np.isnan(np.asarray(o)[1]).any()

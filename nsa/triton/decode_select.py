@@ -5,8 +5,8 @@ The TQ queries are the last tokens of each batch row's sequence (query t at posi
 contract is nsa.reference.select's with `kv_lens`. At decode, select's training kernel runs one program per
 (tokens, b * H + h): at B = 1, H = 4, four programs walk every compressed row of the cache. Here each (b, h)
 cuts its candidate blocks into NSPLIT shares (`_decode_split_kernel`, one program each, the TQ queries' G heads
-stacked into one tile), each keeping the running top of its share (nsa/triton/_topk.py); `_decode_merge_kernel`
-merges the shares' tops in a fixed order. Compressed attention's lse is given, as lse [B, TQ, HQ] or as the
+stacked into one tile), each keeping the running top of its share (nsa/triton/_topk.py); the last share of a
+(b, h) to finish merges the shares' tops in a fixed order (`_merge_tops`), so the selection is one launch. Compressed attention's lse is given, as lse [B, TQ, HQ] or as the
 partial statistics of the decode kernels' compressed splits (the fused step, nsa/triton/decode.py, saves its
 combine). Forward only; every array is row-major, token offsets in int64.
 """
@@ -35,12 +35,13 @@ MAX_SPLITS = 64
 
 
 @triton.jit
-def _decode_split_kernel(q, k_cmp, lse, m_cmp, l_cmp, kv_lens, q_lens, pages, top, out,
+def _decode_split_kernel(q, k_cmp, lse, m_cmp, l_cmp, kv_lens, q_lens, pages, top, count, out,
                          TQ: tl.constexpr, NC: tl.constexpr, H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr,
                          BS: tl.constexpr, S: tl.constexpr, SCALE: tl.constexpr, GR: tl.constexpr,
                          TQP: tl.constexpr, DKP: tl.constexpr, BC: tl.constexpr, SP: tl.constexpr,
                          IEEE: tl.constexpr, NSPLIT: tl.constexpr, LSE_SPLITS: tl.constexpr,
-                         LSE_NSP: tl.constexpr, PAGE: tl.constexpr, MP: tl.constexpr, NP: tl.constexpr):
+                         LSE_NSP: tl.constexpr, PAGE: tl.constexpr, MP: tl.constexpr, NP: tl.constexpr,
+                         NSP: tl.constexpr):
     """Decode: the running top of the TQ queries of one KV head over one share of the candidate blocks.
 
     The queries are the last tokens of batch row b: its first q_lens[b] rows (all TQ unless a ragged step; the
@@ -58,8 +59,10 @@ def _decode_split_kernel(q, k_cmp, lse, m_cmp, l_cmp, kv_lens, q_lens, pages, to
     which saves the fused decode step (nsa/triton/decode.py's `attention`) a combine before the selection. Each
     chunk's scores are merged into each token's running top (`merge_top`). With NSPLIT = 1 stores the ids
     into out [B, TQ, H, S] int32 (rank order, -1 unused, `store_top`), else the keys of its top
-    (ascending) into top [B * H, NSPLIT, TQP, SP, 2] int32 (each int64 key's high and low halves) for
-    `_decode_merge_kernel`.
+    (ascending) into top [B * H, NSPLIT, TQP, SP, 2] int32 (each int64 key's high and low halves), then counts
+    itself done in count [B * H] (int32, zero at launch; an atomic add, acquire-release at GPU scope, after a
+    barrier of its threads): the last split of (b, h) to finish merges the NSPLIT tops (`_merge_tops`). Which
+    split is last varies from run to run; what it computes does not.
     """
     bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -86,7 +89,8 @@ def _decode_split_kernel(q, k_cmp, lse, m_cmp, l_cmp, kv_lens, q_lens, pages, to
         lse2 = tl.load(lse + q_row, mask=row_ok, other=float("-inf")) * LOG2E
     else:
         part_row = bh.to(tl.int64) * LSE_SPLITS * (TQ * G) + t_row * G + i % GR  # split 0's row of m_cmp, l_cmp
-        _, _, lse2 = split_stats(m_cmp, l_cmp, part_row, row_ok, R=TQ * G, NSPLIT=LSE_SPLITS, NSP=LSE_NSP)
+        _, _, lse2 = split_stats(m_cmp, l_cmp, part_row, row_ok, R=TQ * G, NSPLIT=LSE_SPLITS, NSP=LSE_NSP,
+                                  CACHE="")
     seen = lse2 > float("-inf")  # rows that see no compressed row get p = 0, never NaN
     lse2 = tl.where(seen, lse2, 0.0)
 
@@ -109,29 +113,27 @@ def _decode_split_kernel(q, k_cmp, lse, m_cmp, l_cmp, kv_lens, q_lens, pages, to
         at = ((bh.to(tl.int64) * NSPLIT + split) * TQP + tok)[:, None] * SP + tl.arange(0, SP)[None, :]
         tl.store(top + 2 * at, (best >> 32).to(tl.int32))  # int32 halves: jax has no int64 without x64
         tl.store(top + 2 * at + 1, best.to(tl.int32))
+        tl.debug_barrier()  # every thread's stores before the release
+        if tl.atomic_add(count + bh, 1, sem="acq_rel", scope="gpu") == NSPLIT - 1:
+            _merge_tops(top, out, bh, b, h, TQ=TQ, H=H, S=S, TQP=TQP, SP=SP, NSPLIT=NSPLIT, NSP=NSP)
 
 
 @triton.jit
-def _decode_merge_kernel(top, out, TQ: tl.constexpr, H: tl.constexpr, S: tl.constexpr, TQP: tl.constexpr,
-                         SP: tl.constexpr, NSPLIT: tl.constexpr, NSP: tl.constexpr):
-    """Decode: the splits' tops of one query merged, in a fixed order (deterministic).
-
-    Grid (B * H * TQ,): program (b * H + h) * TQ + t loads the NSPLIT tops of token t of KV head h, top
-    [B * H, NSPLIT, TQP, SP, 2] int32 (NSP * SP int64 keys in halves, NSP = NSPLIT padded to a power of
-    two, -1 past NSPLIT), and stores the S best as block ids into out [B, TQ, H, S] int32 (rank order, -1
-    unused)."""
-    bh = tl.program_id(0) // TQ
-    t = tl.program_id(0) % TQ
-    b = (bh // H).to(tl.int64)
-    h = bh % H
+def _merge_tops(top, out, bh, b, h, TQ: tl.constexpr, H: tl.constexpr, S: tl.constexpr, TQP: tl.constexpr,
+                SP: tl.constexpr, NSPLIT: tl.constexpr, NSP: tl.constexpr):
+    """The NSPLIT splits' tops of KV head h of batch row b (bh = b * H + h) merged, token after token, in a fixed
+    order (deterministic): loads token t's tops from top [B * H, NSPLIT, TQP, SP, 2] int32 (NSP * SP int64 keys
+    in halves, NSP = NSPLIT padded to a power of two, -1 past NSPLIT; through L2, `.cg`: other SMs wrote them)
+    and stores its S best as block ids into out [B, TQ, H, S] int32 (rank order, -1 unused)."""
     j = tl.arange(0, NSP * SP)
     split = j // SP
-    at = ((bh.to(tl.int64) * NSPLIT + split) * TQP + t) * SP + j % SP
-    high = tl.load(top + 2 * at, mask=split < NSPLIT, other=-1)
-    low = tl.load(top + 2 * at + 1, mask=split < NSPLIT, other=-1)
-    keys = (high.to(tl.int64) << 32) | (low.to(tl.int64) & 0xFFFFFFFF)
     slot = tl.arange(0, SP)
-    tl.store(out + ((b * TQ + t) * H + h) * S + slot, ids(tl.topk(keys, SP)), mask=slot < S)
+    for t in range(TQ):
+        at = ((bh.to(tl.int64) * NSPLIT + split) * TQP + t) * SP + j % SP
+        high = tl.load(top + 2 * at, mask=split < NSPLIT, other=-1, cache_modifier=".cg")
+        low = tl.load(top + 2 * at + 1, mask=split < NSPLIT, other=-1, cache_modifier=".cg")
+        keys = (high.to(tl.int64) << 32) | (low.to(tl.int64) & 0xFFFFFFFF)
+        tl.store(out + ((b * TQ + t) * H + h) * S + slot, ids(tl.topk(keys, SP)), mask=slot < S)
 
 
 # ------------------------------------------------------------------------------------ wrappers
@@ -187,7 +189,7 @@ def forward(q, k_cmp, lse, kv_lens, *, block_counts, block_size, scale, config=N
             page_table=None, q_lens=None):
     """block_indices int32 [B, TQ, H, block_counts] for a few queries q [B, TQ, HQ, Dk] at the end of a cache
     (kv_lens int [B]) against its compressed keys k_cmp [B, NC, H, Dk], as nsa.reference.select with kv_lens:
-    `_decode_split_kernel`, then `_decode_merge_kernel` when NSPLIT > 1. Compressed attention's lse is given as
+    one launch of `_decode_split_kernel` (its last split of each (b, h) merges the splits' tops). Compressed attention's lse is given as
     lse [B, TQ, HQ] float32, or as lse_parts (then lse is None): the (m, l) partial statistics [B * H, NSPLIT,
     TQ * G] of the decode kernels' compressed splits. config: a Config (None: `default_config`). With page_table
     int [B, MP] (a paged cache), k_cmp is its pool of pages [P, S / d, H, Dk], read through the table. With q_lens
@@ -211,17 +213,15 @@ def forward(q, k_cmp, lse, kv_lens, *, block_counts, block_size, scale, config=N
     check(cfg.chunk >= SP, "config.chunk", f"at least SP = {SP} (the slots padded: tl.topk takes SP rows)", cfg.chunk)
     out = _launch.shape_dtype((B, TQ, H, S), jnp.int32)
     top = _launch.shape_dtype((B * H, cfg.splits, tqp, SP, 2) if cfg.splits > 1 else (1,), jnp.int32)
-    top, idx = _launch.launch(
+    count = _launch.shape_dtype((B * H,) if cfg.splits > 1 else (1,), jnp.int32)
+    _, _, idx = _launch.launch(
         _decode_split_kernel, grid=(B * H, cfg.splits),
         inputs=dict(q=q, k_cmp=k_pool, lse=unused if lse is None else lse.astype(jnp.float32), m_cmp=m_cmp,
                     l_cmp=l_cmp, kv_lens=kv_lens, q_lens=all_queries(q) if q_lens is None else q_lens,
                     pages=pages),
-        outputs=dict(top=top, out=out), num_warps=cfg.num_warps, num_stages=cfg.num_stages, TQ=TQ, NC=NC, H=H,
+        outputs=dict(top=top, count=count, out=out), zeroed=("count",), num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, TQ=TQ, NC=NC, H=H,
         G=HQ // H, DK=Dk, BS=block_size, SCALE=float(scale), IEEE=bool(q.dtype == jnp.float32), TQP=tqp,
         BC=cfg.chunk, NSPLIT=cfg.splits, LSE_SPLITS=lse_splits, LSE_NSP=triton.next_power_of_2(max(1, lse_splits)),
-        **sized, **pages_meta)
-    if cfg.splits > 1:
-        [idx] = _launch.launch(_decode_merge_kernel, grid=(B * H * TQ,), inputs=dict(top=top), outputs=dict(out=out),
-                               num_warps=4, num_stages=1, TQ=TQ, H=H, S=S, TQP=tqp, SP=SP, NSPLIT=cfg.splits,
-                               NSP=triton.next_power_of_2(cfg.splits))
+        NSP=triton.next_power_of_2(cfg.splits), **sized, **pages_meta)
     return jnp.pad(idx, [(0, 0)] * 3 + [(0, block_counts - S)], constant_values=-1)

@@ -63,9 +63,17 @@ class _Buffer:
         return self
 
 
+def _undefined(shape, dtype):
+    """An output's contents before the kernel writes it: NaN for floats, -7 for integers (neither zero nor -1, the
+    kernels' own fill values)."""
+    return np.full(shape, np.nan if np.issubdtype(dtype, np.floating) else -7, dtype)
+
+
 def interpret_call(*args, kernel, out_shape, grid, num_warps=None, num_stages=None, input_output_aliases=None,
                    zeroed_outputs=(), name="", **metaparams):
-    """jax_triton.triton_call's contract (outputs zero-initialized), run by the interpreter."""
+    """jax_triton.triton_call's contract, run by the interpreter: the outputs named in zeroed_outputs start at
+    zero, the others (undefined on the GPU) start filled with `_UNDEFINED`, so that a kernel that reads an output
+    it did not write fails here too."""
     single = not isinstance(out_shape, (list, tuple))
     outs = [out_shape] if single else list(out_shape)
     aliases = dict(input_output_aliases or {})
@@ -74,7 +82,8 @@ def interpret_call(*args, kernel, out_shape, grid, num_warps=None, num_stages=No
     def host(*arrays):
         arrays = iter(arrays)
         inputs = [np.array(next(arrays)) if arr else a for a, arr in zip(args, is_array)]
-        outputs = [np.zeros(o.shape, o.dtype) for o in outs]
+        outputs = [np.zeros(o.shape, o.dtype) if i in zeroed_outputs else _undefined(o.shape, o.dtype)
+                   for i, o in enumerate(outs)]
         for i, o in aliases.items():
             outputs[o][...] = inputs[i]
         launch = grid(metaparams) if callable(grid) else grid
