@@ -142,7 +142,7 @@ def _merge_tops(top, out, bh, b, h, TQ: tl.constexpr, H: tl.constexpr, S: tl.con
 @validated
 class Config(NamedTuple):
     """The launch of the decode select: BC compressed rows per step, NSPLIT splits of each (b, h)'s chunks (1: no
-    merge kernel), the split kernel's warps and pipeline stages."""
+    merge of their tops), the split kernel's warps and pipeline stages."""
 
     chunk: int
     splits: int

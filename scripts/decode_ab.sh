@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The decode step A/B in one GPU call: this tree's nsa against an earlier commit's, the same shapes in the same
+# session, then this tree's under XLA command buffers (CUDA graphs) with jax-triton's custom call captured.
+#   git archive <commit> nsa $(git ls-files 'benchmarks/*.py') | tar -x -C .old   # once, here (.old is ignored)
+#   run(command="bash scripts/decode_ab.sh", carry=[".whl", ".old"])
+# Results: $OUT/{new,old,graphs}/decode-*.json; any args go to benchmarks/decode.py (default: B = 1, 16, 64 at
+# TK = 65536, nsa-triton only).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-benchmarks/results}
+args=("$@")
+[[ ${#args[@]} == 0 ]] && args=(--batches 1 16 64 --contexts 65536 --long --impls triton --dense --no-fla)
+GRAPHS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONALS,WHILE"
+GRAPHS="$GRAPHS --legacy_command_buffer_custom_call_targets=triton_kernel_call"
+status=0
+echo "=== new: $(git log --oneline -1 2>/dev/null || echo this tree)"
+OUT="$out/new" bash scripts/gpu.sh decode --name decode-new "${args[@]}" || status=1
+if [[ -d .old/nsa ]]; then
+    echo "=== old: .old"
+    (cd .old && PYTHONPATH=/tmp/site:$PWD python3 benchmarks/decode.py --out "$out/old" --name decode-old \
+        "${args[@]}" 2>&1 | grep -v '^{') || status=1
+fi
+echo "=== graphs: XLA_FLAGS=$GRAPHS"
+XLA_FLAGS="$GRAPHS" OUT="$out/graphs" bash scripts/gpu.sh decode --name decode-graphs "${args[@]}" || status=1
+exit $status
