@@ -135,7 +135,7 @@ def _interval(Q, K, V, KV_LENS, Q_LENS, PAGES, bh, split, NSPLIT: tl.constexpr, 
               HQ: tl.constexpr, H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexpr,
               DVP: tl.constexpr, RP: tl.constexpr, BLOCK_N: tl.constexpr, COMPRESSED: tl.constexpr,
               WINDOW: tl.constexpr, BS: tl.constexpr, STRIDE: tl.constexpr, SCALE: tl.constexpr,
-              PAGE: tl.constexpr, MP: tl.constexpr, NP: tl.constexpr):
+              PAGE: tl.constexpr, MP: tl.constexpr, NP: tl.constexpr, LOGITS, KEEP: tl.constexpr):
     """The window or compressed attention of one (b * H + h = bh, split) program, as softmax state.
 
     Row r (token t at position p = kv_lens[b] - q_lens[b] + t; a token t >= q_lens[b], a ragged step's padding,
@@ -146,7 +146,9 @@ def _interval(Q, K, V, KV_LENS, Q_LENS, PAGES, bh, split, NSPLIT: tl.constexpr, 
     [0, NK - 1]. The rows any token sees, [k_lo, k_hi], are cut into tiles of BLOCK_N keys and the tiles into
     NSPLIT shares; this program walks share `split`, loading k (transposed, [DKP, BLOCK_N]) and v
     [BLOCK_N, DVP] of each tile once for all RP rows (nothing past k_hi: a window's keys end at p_last =
-    kv_lens[b] - 1, the compressed rows at kv_lens[b] // BS - 1). Returns (m, l_sum, acc, r, ok, q_rows).
+    kv_lens[b] - 1, the compressed rows at kv_lens[b] // BS - 1). With KEEP, it also stores the base-2 logits of
+    its rows' tiles into LOGITS [B * H, R, NK] float32 (row r of KV head bh, key rows k_lo .. k_hi; for the
+    selection, which then reads them instead of the keys). Returns (m, l_sum, acc, r, ok, q_rows).
     """
     G: tl.constexpr = HQ // H
     b = (bh // H).to(tl.int64)
@@ -180,6 +182,9 @@ def _interval(Q, K, V, KV_LENS, Q_LENS, PAGES, bh, split, NSPLIT: tl.constexpr, 
         rows = cache_rows(PAGES, b, offs, load, h, NK=NK, H=H, PAGE=PAGE, MP=MP, NP=NP)
         k_t, v = _keys(K, V, rows, load, DK=DK, DV=DV, DKP=DKP, DVP=DVP)
         s = tl.dot(q, k_t, input_precision="ieee") * (SCALE * LOG2E)
+        if KEEP:
+            tl.store(LOGITS + (bh.to(tl.int64) * (TQ * G) + r)[:, None] * NK + offs[None, :], s,
+                     mask=ok[:, None] & load[None, :])
         visible = seen[:, None] & (offs[None, :] >= lo[:, None]) & (offs[None, :] <= hi[:, None])
         m, l_sum, acc = online_step(m, l_sum, acc, s, v, visible, IEEE=True)
     return m, l_sum, acc, r, ok, q_rows
@@ -201,7 +206,7 @@ def _interval_kernel(Q, K, V, KV_LENS, Q_LENS, PAGES, O, LSE,
                                              NK=NK,
                                              HQ=HQ, H=H, DK=DK, DV=DV, DKP=DKP, DVP=DVP, RP=RP, BLOCK_N=BLOCK_N,
                                              COMPRESSED=COMPRESSED, WINDOW=WINDOW, BS=BS, STRIDE=STRIDE,
-                                             SCALE=SCALE, PAGE=PAGE, MP=MP, NP=NP)
+                                             SCALE=SCALE, PAGE=PAGE, MP=MP, NP=NP, LOGITS=Q, KEEP=False)
     _store_final(O, LSE, m, l_sum, acc, q_rows, ok, DV=DV, DVP=DVP)
 
 
@@ -223,7 +228,8 @@ def _interval_split_kernel(Q, K, V, KV_LENS, Q_LENS, PAGES, ACC, M, L,
     m, l_sum, acc, r, ok, _ = _interval(Q, K, V, KV_LENS, Q_LENS, PAGES, bh, split, NSPLIT=NSPLIT, TQ=TQ, NK=NK, HQ=HQ,
                                         H=H,
                                         DK=DK, DV=DV, DKP=DKP, DVP=DVP, RP=RP, BLOCK_N=BLOCK_N, COMPRESSED=COMPRESSED,
-                                        WINDOW=WINDOW, BS=BS, STRIDE=STRIDE, SCALE=SCALE, PAGE=PAGE, MP=MP, NP=NP)
+                                        WINDOW=WINDOW, BS=BS, STRIDE=STRIDE, SCALE=SCALE, PAGE=PAGE, MP=MP, NP=NP,
+                                        LOGITS=Q, KEEP=False)
     _store_partial(ACC, M, L, m, l_sum, acc, bh, split, r, ok, R=TQ * (HQ // H), NSPLIT=NSPLIT, DV=DV, DVP=DVP)
 
 
@@ -394,13 +400,13 @@ def _combine_kernel(ACC, M, L, O, LSE,
 
 
 @triton.jit
-def _cmp_window_split_kernel(Q, K, V, K_CMP, V_CMP, KV_LENS, Q_LENS, PAGES, ACC_C, M_C, L_C, ACC_W, M_W, L_W,
+def _cmp_window_split_kernel(Q, K, V, K_CMP, V_CMP, KV_LENS, Q_LENS, PAGES, ACC_C, M_C, L_C, ACC_W, M_W, L_W, LOGITS,
                              TQ: tl.constexpr, TK: tl.constexpr, NC: tl.constexpr, HQ: tl.constexpr,
                              H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexpr,
                              DVP: tl.constexpr, RP: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_W: tl.constexpr,
                              WINDOW: tl.constexpr, BS: tl.constexpr, STRIDE: tl.constexpr, SCALE: tl.constexpr,
                              NS_C: tl.constexpr, NS_W: tl.constexpr, PAGE: tl.constexpr, PAGE_C: tl.constexpr,
-                             MP: tl.constexpr, NP: tl.constexpr):
+                             MP: tl.constexpr, NP: tl.constexpr, KEEP: tl.constexpr):
     """The fused decode step's first launch: compressed and window attention, float32 partials of each.
 
     Grid (B * H, NS_C + NS_W): programs (bh, s < NS_C) take share s of the compressed rows K_CMP, V_CMP
@@ -408,6 +414,7 @@ def _cmp_window_split_kernel(Q, K, V, K_CMP, V_CMP, KV_LENS, Q_LENS, PAGES, ACC_
     (tiles of BLOCK_W), as `_interval_split_kernel`; stores acc, m and l into ACC_C, M_C, L_C [B * H, NS_C,
     R, ..] or ACC_W, M_W, L_W [B * H, NS_W, R, ..]. A paged cache (PAGE > 0): K, V are pools of pages of PAGE
     rows, K_CMP, V_CMP of PAGE_C = PAGE / STRIDE compressed rows, both through the page table PAGES [B, MP].
+    With KEEP, the compressed programs also store their base-2 logits into LOGITS [B * H, R, NC] (`_interval`).
     """
     bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -417,14 +424,14 @@ def _cmp_window_split_kernel(Q, K, V, K_CMP, V_CMP, KV_LENS, Q_LENS, PAGES, ACC_
                                             NK=NC,
                                             HQ=HQ, H=H, DK=DK, DV=DV, DKP=DKP, DVP=DVP, RP=RP, BLOCK_N=BLOCK_C,
                                             COMPRESSED=True, WINDOW=0, BS=BS, STRIDE=STRIDE, SCALE=SCALE,
-                                            PAGE=PAGE_C, MP=MP, NP=NP)
+                                            PAGE=PAGE_C, MP=MP, NP=NP, LOGITS=LOGITS, KEEP=KEEP)
         _store_partial(ACC_C, M_C, L_C, m, l_sum, acc, bh, split, r, ok, R=R, NSPLIT=NS_C, DV=DV, DVP=DVP)
     else:
         m, l_sum, acc, r, ok, _ = _interval(Q, K, V, KV_LENS, Q_LENS, PAGES, bh, split - NS_C, NSPLIT=NS_W, TQ=TQ,
                                             NK=TK,
                                             HQ=HQ, H=H, DK=DK, DV=DV, DKP=DKP, DVP=DVP, RP=RP, BLOCK_N=BLOCK_W,
                                             COMPRESSED=False, WINDOW=WINDOW, BS=1, STRIDE=1, SCALE=SCALE, PAGE=PAGE,
-                                            MP=MP, NP=NP)
+                                            MP=MP, NP=NP, LOGITS=LOGITS, KEEP=False)
         _store_partial(ACC_W, M_W, L_W, m, l_sum, acc, bh, split - NS_C, r, ok, R=R, NSPLIT=NS_W, DV=DV, DVP=DVP)
 
 
@@ -693,6 +700,14 @@ def _selected_launch(q, k, v, block_indices, block_counts, kv_lens, *, block_siz
     return inputs, cfg, meta
 
 
+def keeps_logits(R, Dk, dtype):
+    """Whether the fused step's compressed splits store their logits for the selection (`attention`): when a
+    compressed row's R float32 logits (R = TQ * G rows of a KV head's tile) take fewer bytes than its Dk keys in
+    `dtype`, which the selection would otherwise read again (at decode, G = 16, Dk = 128, bf16: 64 bytes
+    written and read once against 256 read)."""
+    return R * 4 < Dk * jnp.dtype(dtype).itemsize
+
+
 def attention(*arrays, block_counts, block_size, compress_block_size, compress_stride, window_size, scale):
     """One NSA decode step, fused: nsa.attention's output with the compressed branch on and the blocks
     selected, for the `Step` of arrays (positional, in its order); window_size 0 for no window. Returns
@@ -700,8 +715,9 @@ def attention(*arrays, block_counts, block_size, compress_block_size, compress_s
 
     Three launches instead of the ops' ten (and XLA's gating): a step's kernels take a few microseconds each,
     so launching them is most of its time. (1) `_cmp_window_split_kernel`: the compressed rows' and the
-    window's splits, float32 partials; (2) the selection (nsa/triton/decode_select.py) reading compressed
-    attention's lse from those partials, its last split of each (b, h) merging the splits' tops; (3)
+    window's splits, float32 partials, and where `keeps_logits`, the compressed logits; (2) the selection
+    (nsa/triton/decode_select.py) reading compressed attention's lse from those partials (and those logits
+    rather than q and k_cmp), its last split of each (b, h) merging the splits' tops; (3)
     `_selected_gated_kernel`: the selected splits, the last of each (b, h) merging every branch's splits, rounded
     to q's dtype and gated, as nsa.attention sums them. Each split count and tile is its op's `default_config`
     (the last launch's merge: FOLD_ROWS, FOLD_COLS, FOLD_SPLITS); the first launch takes the larger warps and the
@@ -734,19 +750,22 @@ def attention(*arrays, block_counts, block_size, compress_block_size, compress_s
     cfg_w = default_config(Shapes.of(q, k, v, window_size=W), q.dtype, facts) if W > 0 else cfg_c
     ns_w = cfg_w.splits if W > 0 else 0  # no window: no window programs, its (unread) partials of one split
     cmp_parts, win_parts = _partials(B, H, cfg_c.splits, R, Dv), _partials(B, H, max(1, ns_w), R, Dv)
-    acc_c, m_c, l_c, acc_w, m_w, l_w = _launch.launch(
+    keep = keeps_logits(R, k_cmp.shape[3], q.dtype)
+    logits = _launch.shape_dtype((B * H, R, NC) if keep else (1,), jnp.float32)
+    acc_c, m_c, l_c, acc_w, m_w, l_w, logits = _launch.launch(
         _cmp_window_split_kernel, grid=(B * H, cfg_c.splits + ns_w),
         inputs=dict(Q=q, K=step.k, V=step.v, K_CMP=step.k_cmp, V_CMP=step.v_cmp, KV_LENS=kv_lens, Q_LENS=q_lens,
                     PAGES=pages),
-        outputs={f"{name}_{branch}": shape for branch, parts in (("C", cmp_parts), ("W", win_parts))
-                 for name, shape in parts.items()},
+        outputs={**{f"{name}_{branch}": shape for branch, parts in (("C", cmp_parts), ("W", win_parts))
+                    for name, shape in parts.items()}, "LOGITS": logits},
         **dict(_meta(q, k, v, scale, cfg_c), num_warps=max(cfg_c.num_warps, cfg_w.num_warps),
                num_stages=min(cfg_c.num_stages, cfg_w.num_stages)),
         TK=TK, NC=NC, BLOCK_C=cfg_c.block_n, BLOCK_W=cfg_w.block_n, WINDOW=W, BS=int(compress_block_size),
         STRIDE=int(compress_stride), NS_C=cfg_c.splits, NS_W=ns_w, PAGE_C=pages_meta["PAGE"] // int(compress_stride),
-        **pages_meta)
+        KEEP=keep, **pages_meta)
     idx = decode_select.forward(q, step.k_cmp, None, kv_lens, block_counts=block_counts, block_size=block_size,
-                                scale=scale, lse_parts=(m_c, l_c), page_table=table, q_lens=q_lens)
+                                scale=scale, lse_parts=(m_c, l_c), page_table=table, q_lens=q_lens,
+                                logits=logits if keep else None)
     counts = jnp.full(idx.shape[:3], idx.shape[3], jnp.int32)  # every slot (unused ones are -1)
     inputs, cfg_s, meta = _selected_launch(q, step.k, step.v, idx, counts, kv_lens, block_size=block_size,
                                            scale=scale, config=None, page_table=table, q_lens=q_lens)
