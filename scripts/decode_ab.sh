@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# The decode step A/B in one GPU call: this tree's nsa against an earlier commit's, the same shapes in the same
+# The decode step A/B in one GPU call: this tree's nsa against earlier commits', the same shapes in the same
 # session, then this tree's under XLA command buffers (CUDA graphs) with jax-triton's custom call captured.
-#   git archive <commit> nsa $(git ls-files 'benchmarks/*.py') | tar -x -C .old   # once, here (.old is ignored)
-#   run(command="bash scripts/decode_ab.sh", carry=[".whl", ".old"])
-# Results: $OUT/{new,old,graphs}/decode-*.json; any args go to benchmarks/decode.py (default: B = 1, 16, 64 at
+#   mkdir -p .ab/NAME && git archive <commit> nsa $(git ls-files 'benchmarks/*.py') | tar -x -C .ab/NAME
+#   (here, once per earlier tree; .ab is ignored), then run(command="bash scripts/decode_ab.sh", carry=[".whl", ".ab"])
+# Results: $OUT/{new,NAME...,graphs}/decode-*.json; any args go to benchmarks/decode.py (default: B = 1, 16, 64 at
 # TK = 65536, nsa-triton only).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -15,11 +15,12 @@ GRAPHS="$GRAPHS --legacy_command_buffer_custom_call_targets=triton_kernel_call"
 status=0
 echo "=== new: $(git log --oneline -1 2>/dev/null || echo this tree)"
 OUT="$out/new" bash scripts/gpu.sh decode --name decode-new "${args[@]}" || status=1
-if [[ -d .old/nsa ]]; then
-    echo "=== old: .old"
-    (cd .old && PYTHONPATH=/tmp/site:$PWD python3 benchmarks/decode.py --out "$out/old" --name decode-old \
+for tree in .ab/*/; do
+    name=$(basename "$tree")
+    echo "=== $name: $tree"
+    (cd "$tree" && PYTHONPATH=/tmp/site:$PWD python3 benchmarks/decode.py --out "$out/$name" --name "decode-$name" \
         "${args[@]}" 2>&1 | grep -v '^{') || status=1
-fi
+done
 echo "=== graphs: XLA_FLAGS=$GRAPHS"
 XLA_FLAGS="$GRAPHS" OUT="$out/graphs" bash scripts/gpu.sh decode --name decode-graphs "${args[@]}" || status=1
 exit $status
