@@ -37,9 +37,12 @@ def out_struct(shape, dtype, like):
 
 
 def dot(a, b, precision, *, transpose_b=False):
-    """a @ b, or a @ b.T, with float32 accumulation."""
+    """a @ b, or a @ b.T, with float32 accumulation. precision None is lax.Precision.DEFAULT, said explicitly: left
+    as None, a caller's jax_default_matmul_precision("highest") reaches the kernel, and Mosaic refuses a float32
+    contraction of 16-bit operands ("Bad lhs type", seen on a TPU v5e)."""
     dims = (((1,), (1,)), ((), ())) if transpose_b else (((1,), (0,)), ((), ()))
-    return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
+    return lax.dot_general(a, b, dims, precision=lax.Precision.DEFAULT if precision is None else precision,
+                           preferred_element_type=jnp.float32)
 
 
 def params(q, interpret, semantics):

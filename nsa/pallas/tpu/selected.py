@@ -25,9 +25,10 @@ Layouts (all built in XLA around the kernels; D padded to Dp, a multiple of 128 
   lists each (rows past it are never seen), then the row of k's HBM array each is copied from. It is
   sorted in XLA, and each grid step gets only its own row in SMEM (a BlockSpec in SMEM): the whole table
   (B * H * NT * (2 + 3U) ints) would not fit in SMEM's 1 MiB at long T;
-- k [B, H, TK + BR, Dkp], v [.., Dvp] stay in HBM (memory_space ANY): a kernel copies a block's BR rows
-  (block_size rounded up to the sublane tile) from its source row (its name x) into the first rows of a
-  VMEM buffer of BK rows (block_size rounded up to 128) itself (`make_async_copy`); rows past the block,
+- k [B, H, TK + BR, Dkp], v [.., Dvp] stay in HBM (memory_space HBM: with ANY, XLA may place an array that fits
+  in VMEM, where Mosaic refuses a copy from a row not a multiple of the sublane tile, seen on a TPU v5e): a
+  kernel copies a block's BR rows (block_size rounded up to the sublane tile) from its source row (its name x)
+  into the first rows of a VMEM buffer of BK rows (block_size rounded up to 128) itself (`make_async_copy`); rows past the block,
   or past every query of the tile, are zeroed (`_block`). With a KV cache whose TK rows outnumber the
   NT * U * BR rows the tiles' unions can name (a decode step: 1 tile, U = T * S), the forward's k and v
   are instead those rows gathered from the cache, [B, H, NT * U * BR, Dp] (`_gathered_rows`: O(T * S *
@@ -420,7 +421,7 @@ def _query_grid(kernel, lay, blocks, tiled, k_rows, v_rows, outputs, scratch, *,
         return pl.BlockSpec((None, None, None) + shape[3:], lambda b, h, i: (b, h, i) + (0,) * (len(shape) - 3))
 
     compiler, dots = params(q, interpret, ("parallel", "parallel", "parallel"))
-    any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    any_spec = pl.BlockSpec(memory_space=pltpu.HBM)
     return pl.pallas_call(
         functools.partial(kernel, scale=float(scale), block_size=block_size, **dots),
         grid=(lay.B, lay.H, lay.nt),
@@ -503,7 +504,7 @@ def _dkdv_partials(lay, seg_table, k_rows, v_rows, tiled, *, q, k, v, scale, blo
     """The dk/dv kernel on the grid (NSEG,): float32 partials [NSEG, BR, Dkp] and [NSEG, BR, Dvp]."""
     nseg = seg_table.shape[0]
     compiler, dots = params(q, interpret, ("parallel",))
-    any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    any_spec = pl.BlockSpec(memory_space=pltpu.HBM)
     tile_buffer = lambda x: pltpu.VMEM((2,) + x.shape[3:], x.dtype)
     return pl.pallas_call(
         functools.partial(_dkdv_kernel, scale=float(scale), block_size=block_size, **dots),
@@ -524,7 +525,7 @@ def _reduced(lay, lists, dk_part, dv_part, *, interpret):
     """The reduce kernel on the grid (NL,): each list's partials summed in segment order, [NL, BR, Dp]."""
     num_lists = lists.shape[0]
     compiler, _ = params(dk_part, interpret, ("parallel",))
-    any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    any_spec = pl.BlockSpec(memory_space=pltpu.HBM)
     return pl.pallas_call(
         _reduce_kernel, grid=(num_lists,),
         in_specs=[pl.BlockSpec((None, 1, 2), lambda l: (l, 0, 0), memory_space=pltpu.SMEM), any_spec, any_spec],
