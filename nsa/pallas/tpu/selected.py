@@ -156,11 +156,13 @@ def _copied_rows(block_size, dtype):
     return round_up(block_size, sublanes(dtype))
 
 
-def _block_copies(k_hbm, v_hbm, k_buf, v_buf, sems, b, h, x, slot, block_size):
+def _block_copies(k_hbm, v_hbm, k_buf, v_buf, sems, b, h, x, slot, block_size, align):
     """The copies of the BR key and value rows from global row x of batch row b, KV head h, into the first
-    rows of buffer `slot` of k_buf [., BK, Dkp] and v_buf [., BK, Dvp]."""
+    rows of buffer `slot` of k_buf [., BK, Dkp] and v_buf [., BK, Dvp]. align: what x is known to be a multiple
+    of (`_Layout.align`), said to Mosaic, which compiles a copy from a tiled HBM array only at rows it can prove
+    aligned to its 8-row tile."""
     rows = pl.ds(0, _copied_rows(block_size, k_buf.dtype))
-    src = pl.ds(x, rows.size)
+    src = pl.ds(pl.multiple_of(x, align) if align > 1 else x, rows.size)
     return [pltpu.make_async_copy(k_hbm.at[b, h, src], k_buf.at[slot, rows], sems.at[0, slot]),
             pltpu.make_async_copy(v_hbm.at[b, h, src], v_buf.at[slot, rows], sems.at[1, slot])]
 
@@ -195,14 +197,14 @@ def _logits(q, k, bias, scale, precision):
     return s.reshape(q.shape[0] // bias.shape[0], *bias.shape) + bias[None]
 
 
-def _walk_union(blocks_ref, names, k_hbm, v_hbm, k_buf, v_buf, sems, body, *, block_size):
+def _walk_union(blocks_ref, names, k_hbm, v_hbm, k_buf, v_buf, sems, body, *, block_size, align):
     """body(k, v, bias) for each block of the step's token tile's union, in order: t0, the union's names, last
     key rows and source rows (in k_hbm) from the step's SMEM row blocks_ref [1, 2 + 3U], the tile's slot
     names [TB, S]; block u + 1's copy flies while block u is computed (`_pipelined`)."""
     b, h = pl.program_id(0), pl.program_id(1)
     U = (blocks_ref.shape[1] - 2) // 3
     copies = lambda u, slot: _block_copies(k_hbm, v_hbm, k_buf, v_buf, sems, b, h, blocks_ref[0, 2 + 2 * U + u],
-                                           slot, block_size)
+                                           slot, block_size, align)
 
     def step(u, slot):
         x = blocks_ref[0, 2 + u]
@@ -213,7 +215,7 @@ def _walk_union(blocks_ref, names, k_hbm, v_hbm, k_buf, v_buf, sems, body, *, bl
 
 
 def _fwd_kernel(blocks_ref, q_ref, names_ref, k_hbm, v_hbm, o_ref, lse_ref, k_buf, v_buf, sems, m_scr, l_scr,
-                acc_scr, *, scale, block_size, precision):
+                acc_scr, *, scale, block_size, precision, align):
     G, TB, _ = q_ref.shape
     q = q_ref[...].reshape(G * TB, q_ref.shape[2])
     m_scr[...] = jnp.full(m_scr.shape, -jnp.inf, jnp.float32)
@@ -232,7 +234,8 @@ def _fwd_kernel(blocks_ref, q_ref, names_ref, k_hbm, v_hbm, o_ref, lse_ref, k_bu
         pv = dot(p.reshape(G * TB, p.shape[2]).astype(v.dtype), v, precision).reshape(acc_scr.shape)
         acc_scr[...] = acc_scr[...] * alpha + pv
 
-    _walk_union(blocks_ref, names_ref[...], k_hbm, v_hbm, k_buf, v_buf, sems, attend, block_size=block_size)
+    _walk_union(blocks_ref, names_ref[...], k_hbm, v_hbm, k_buf, v_buf, sems, attend, block_size=block_size,
+                align=align)
     l = l_scr[...][:, :, :1]
     seen = l > 0
     o_ref[...] = (acc_scr[...] / jnp.where(seen, l, 1.0)).astype(o_ref.dtype)
@@ -254,7 +257,7 @@ def _dlogits(p, do, v, delta, precision):
 
 
 def _dq_kernel(blocks_ref, q_ref, names_ref, do_ref, lse_ref, delta_ref, k_hbm, v_hbm, dq_ref, k_buf, v_buf, sems,
-               acc_scr, *, scale, block_size, precision):
+               acc_scr, *, scale, block_size, precision, align):
     G, TB, _ = q_ref.shape
     q = q_ref[...].reshape(G * TB, q_ref.shape[2])
     do = do_ref[...].reshape(G * TB, do_ref.shape[2])
@@ -266,12 +269,13 @@ def _dq_kernel(blocks_ref, q_ref, names_ref, do_ref, lse_ref, delta_ref, k_hbm, 
         ds = _dlogits(p, do, v, delta, precision)
         acc_scr[...] += dot(ds.astype(k.dtype), k, precision)
 
-    _walk_union(blocks_ref, names_ref[...], k_hbm, v_hbm, k_buf, v_buf, sems, step, block_size=block_size)
+    _walk_union(blocks_ref, names_ref[...], k_hbm, v_hbm, k_buf, v_buf, sems, step, block_size=block_size,
+                align=align)
     dq_ref[...] = (acc_scr[...] * scale).reshape(dq_ref.shape).astype(dq_ref.dtype)
 
 
 def _dkdv_kernel(seg_ref, k_hbm, v_hbm, q_hbm, do_hbm, lse_hbm, delta_hbm, names_hbm, dk_ref, dv_ref, k_buf,
-                 v_buf, q_buf, do_buf, lse_buf, delta_buf, names_buf, sems, *, scale, block_size, precision):
+                 v_buf, q_buf, do_buf, lse_buf, delta_buf, names_buf, sems, *, scale, block_size, precision, align):
     """One segment, seg_ref [1, 5 + 2L] = (b, h, x, n, the offset of batch row b's key rows, the tiles of its
     L entries, the key row of the last token of each that lists x; n of them used): float32 partial dk and
     dv [BR, Dp] of block x (dk unscaled)."""
@@ -283,7 +287,7 @@ def _dkdv_kernel(seg_ref, k_hbm, v_hbm, q_hbm, do_hbm, lse_hbm, delta_hbm, names
 
     @pl.when(n > 0)
     def _copy_block():
-        copies = _block_copies(k_hbm, v_hbm, k_buf, v_buf, sems, b, h, x, 0, block_size)
+        copies = _block_copies(k_hbm, v_hbm, k_buf, v_buf, sems, b, h, x, 0, block_size, align)
         for c in copies:
             c.start()
         for c in copies:
@@ -342,6 +346,11 @@ class _Layout(Tiling):
         self.dkp, self.dvp = lane_padded(q.shape[3]), lane_padded(v.shape[3])
         # the forward reads the union's blocks gathered from a KV cache (`_gathered_rows`)
         self.gathered = kv_lens is not None and 0 < self.nt * self.union * self.br < self.TK
+        # what every source row of a block copy is a multiple of (1: nothing known), in `_key_rows` (block starts
+        # j * block_size; a packed sequence's start is anywhere) and in what the forward reads (`_gathered_rows`:
+        # multiples of BR)
+        self.key_align = math.gcd(block_size, 8) if cu_seqlens is None else 1
+        self.align = math.gcd(self.br, 8) if self.gathered else self.key_align
 
 
 def _query_tiles(x, lay, dp):
@@ -414,16 +423,17 @@ def _block_buffers(lay, k, v, copies):
 
 
 def _query_grid(kernel, lay, blocks, tiled, k_rows, v_rows, outputs, scratch, *, q, scale, block_size,
-                interpret, name):
+                interpret, name, align):
     """pallas_call of the forward or the dq kernel on the grid (B, H, NT): the tile's SMEM blocks row,
-    then the tiled inputs [B, H, NT, ...] (one block each), then k and v in HBM."""
+    then the tiled inputs [B, H, NT, ...] (one block each), then k and v in HBM (their copies' source rows
+    multiples of `align`)."""
     def tile_spec(shape):
         return pl.BlockSpec((None, None, None) + shape[3:], lambda b, h, i: (b, h, i) + (0,) * (len(shape) - 3))
 
     compiler, dots = params(q, interpret, ("parallel", "parallel", "parallel"))
     any_spec = pl.BlockSpec(memory_space=pltpu.HBM)
     return pl.pallas_call(
-        functools.partial(kernel, scale=float(scale), block_size=block_size, **dots),
+        functools.partial(kernel, scale=float(scale), block_size=block_size, align=align, **dots),
         grid=(lay.B, lay.H, lay.nt),
         in_specs=[pl.BlockSpec((None, None, None) + blocks.shape[3:], lambda b, h, i: (b, h, i, 0, 0),
                                memory_space=pltpu.SMEM)]
@@ -493,7 +503,7 @@ def _attention(q, k, v, block_indices, block_counts, cu_seqlens, kv_lens, *, blo
         [out_struct(tile_shape + (lay.dvp,), q.dtype, q), out_struct(tile_shape + (1,), jnp.float32, q)],
         _block_buffers(lay, k, v, 2) + [pltpu.VMEM((lay.G, lay.tb, lanes()), jnp.float32)] * 2
         + [pltpu.VMEM((lay.G, lay.tb, lay.dvp), jnp.float32)],
-        q=q, scale=scale, block_size=block_size, interpret=interpret, name="selected_forward")
+        q=q, scale=scale, block_size=block_size, interpret=interpret, name="selected_forward", align=lay.align)
     return _from_query_tiles(o, lay, v.shape[3]), _from_query_tiles(lse, lay, 1)[..., 0]
 
 
@@ -507,7 +517,7 @@ def _dkdv_partials(lay, seg_table, k_rows, v_rows, tiled, *, q, k, v, scale, blo
     any_spec = pl.BlockSpec(memory_space=pltpu.HBM)
     tile_buffer = lambda x: pltpu.VMEM((2,) + x.shape[3:], x.dtype)
     return pl.pallas_call(
-        functools.partial(_dkdv_kernel, scale=float(scale), block_size=block_size, **dots),
+        functools.partial(_dkdv_kernel, scale=float(scale), block_size=block_size, align=lay.key_align, **dots),
         grid=(nseg,),
         in_specs=[pl.BlockSpec((None,) + seg_table.shape[1:], lambda s: (s, 0, 0), memory_space=pltpu.SMEM)]
         + [any_spec] * (2 + len(tiled)),
@@ -558,7 +568,7 @@ def backward(residuals, do, *, block_size, scale, interpret=False, config=None):
         _dq_kernel, lay, blocks, [tiled[0], names] + tiled[1:4], k_rows, v_rows,
         [out_struct((lay.B, lay.H, lay.nt, lay.G, lay.tb, lay.dkp), q.dtype, q)],
         _block_buffers(lay, k, v, 2) + [pltpu.VMEM((lay.G * lay.tb, lay.dkp), jnp.float32)], name="selected_dq",
-        **common)
+        align=lay.key_align, **common)
 
     lists_offsets, tile, name, last = tile_lists(union, last, cu_seqlens, num_keys=lay.TK, block_size=block_size)
     seg_offsets, seg_list, lo, hi = segments(lists_offsets, tile.shape[0], cfg.segment)
