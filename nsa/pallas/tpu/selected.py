@@ -26,7 +26,9 @@ Layouts (all built in XLA around the kernels; D padded to Dp, a multiple of 128 
   sorted in XLA, and each grid step gets only its own row in SMEM (a BlockSpec in SMEM): the whole table
   (B * H * NT * (2 + 3U) ints) would not fit in SMEM's 1 MiB at long T;
 - k [B, H, TK + BR, Dkp], v [.., Dvp] stay in HBM (memory_space HBM: with ANY, XLA may place an array that fits
-  in VMEM, where Mosaic refuses a copy from a row not a multiple of the sublane tile, seen on a TPU v5e): a
+  in VMEM, where Mosaic refuses a copy from a row not a multiple of the sublane tile, seen on a TPU v5e; with
+  packed sequences, whose blocks start anywhere, [B, H, NR * BR, Dp]: each block's rows at a multiple of BR,
+  `_key_rows`, so that every copy starts at a row Mosaic can prove aligned): a
   kernel copies a block's BR rows (block_size rounded up to the sublane tile) from its source row (its name x)
   into the first rows of a VMEM buffer of BK rows (block_size rounded up to 128) itself (`make_async_copy`); rows past the block,
   or past every query of the tile, are zeroed (`_block`). With a KV cache whose TK rows outnumber the
@@ -60,7 +62,7 @@ rows and a float32 [R, Dkp] accumulator; the dk/dv kernel the same tiles (its ow
 one block, and float32 dk, dv [BR, Dp]. At the standard shape (G = 16, TB = 16, bf16, Dp = 128,
 block_size 64) that is about 1.1 MiB; float32 heads of 256 take 1.6 MiB at G = 16 and 4 MiB at G = 3
 (TB = 128), bf16 heads of 256 at G = 64 6.3 MiB: all under the 16 MiB of scoped VMEM. SMEM per step:
-one table row of 2 + 3U ints (forward, dq) or 5 + 2L (dk/dv), double-buffered. None of it depends on T or
+one table row of 2 + 3U ints (forward, dq) or 6 + 2L (dk/dv), double-buffered. None of it depends on T or
 TK, which set only the grids, the lists (B * H * NR of them) and the XLA work (k and v are copied,
 transposed, once per call, but for the gathered forward of a decode step).
 
@@ -276,25 +278,25 @@ def _dq_kernel(blocks_ref, q_ref, names_ref, do_ref, lse_ref, delta_ref, k_hbm, 
 
 def _dkdv_kernel(seg_ref, k_hbm, v_hbm, q_hbm, do_hbm, lse_hbm, delta_hbm, names_hbm, dk_ref, dv_ref, k_buf,
                  v_buf, q_buf, do_buf, lse_buf, delta_buf, names_buf, sems, *, scale, block_size, precision, align):
-    """One segment, seg_ref [1, 5 + 2L] = (b, h, x, n, the offset of batch row b's key rows, the tiles of its
-    L entries, the key row of the last token of each that lists x; n of them used): float32 partial dk and
-    dv [BR, Dp] of block x (dk unscaled)."""
+    """One segment, seg_ref [1, 6 + 2L] = (b, h, x, n, the offset of batch row b's key rows, the row of k_hbm
+    block x is copied from (`_copy_rows`), the tiles of its L entries, the key row of the last token of each that
+    lists x; n of them used): float32 partial dk and dv [BR, Dp] of block x (dk unscaled)."""
     b, h, x, n, offset = seg_ref[0, 0], seg_ref[0, 1], seg_ref[0, 2], seg_ref[0, 3], seg_ref[0, 4]
-    L = (seg_ref.shape[1] - 5) // 2
+    L = (seg_ref.shape[1] - 6) // 2
     _, G, TB, _ = q_buf.shape
     dk_ref[...] = jnp.zeros(dk_ref.shape, jnp.float32)
     dv_ref[...] = jnp.zeros(dv_ref.shape, jnp.float32)
 
     @pl.when(n > 0)
     def _copy_block():
-        copies = _block_copies(k_hbm, v_hbm, k_buf, v_buf, sems, b, h, x, 0, block_size, align)
+        copies = _block_copies(k_hbm, v_hbm, k_buf, v_buf, sems, b, h, seg_ref[0, 5], 0, block_size, align)
         for c in copies:
             c.start()
         for c in copies:
             c.wait()
 
     def copies(u, slot):
-        tile = seg_ref[0, 5 + u]
+        tile = seg_ref[0, 6 + u]
         return [pltpu.make_async_copy(src.at[b, h, tile], buf.at[slot], sems.at[2 + j, slot])
                 for j, (src, buf) in enumerate([(q_hbm, q_buf), (do_hbm, do_buf), (lse_hbm, lse_buf),
                                                 (delta_hbm, delta_buf), (names_hbm, names_buf)])]
@@ -302,9 +304,9 @@ def _dkdv_kernel(seg_ref, k_hbm, v_hbm, q_hbm, do_hbm, lse_hbm, delta_hbm, names
     def step(u, slot):
         q = q_buf[slot].reshape(G * TB, q_buf.shape[3])
         do = do_buf[slot].reshape(G * TB, do_buf.shape[3])
-        t0 = seg_ref[0, 5 + u] * TB + offset
+        t0 = seg_ref[0, 6 + u] * TB + offset
         bias = _block_bias(names_buf[slot], x, t0, block_size=block_size, rows=k_buf.shape[1])
-        k, v = _block(k_buf, v_buf, 0, x, seg_ref[0, 5 + L + u], block_size)
+        k, v = _block(k_buf, v_buf, 0, x, seg_ref[0, 6 + L + u], block_size)
         p = _probabilities(q, k, bias, lse_buf[slot], scale, precision)
         ds = _dlogits(p, do, v, delta_buf[slot], precision)
         rows = dk_ref.shape[0]  # BR of the BK rows: those of the block
@@ -346,10 +348,15 @@ class _Layout(Tiling):
         self.dkp, self.dvp = lane_padded(q.shape[3]), lane_padded(v.shape[3])
         # the forward reads the union's blocks gathered from a KV cache (`_gathered_rows`)
         self.gathered = kv_lens is not None and 0 < self.nt * self.union * self.br < self.TK
-        # what every source row of a block copy is a multiple of (1: nothing known), in `_key_rows` (block starts
-        # j * block_size; a packed sequence's start is anywhere) and in what the forward reads (`_gathered_rows`:
-        # multiples of BR)
-        self.key_align = math.gcd(block_size, 8) if cu_seqlens is None else 1
+        # packed sequences: k and v laid out block by block (`_block_starts`, `_key_rows`), each block at a row
+        # that is a multiple of BR, since a packed sequence starts anywhere and Mosaic copies only from rows of
+        # a tiled HBM array it can prove aligned to its 8-row tile (seen on a TPU v5e)
+        self.blocked = cu_seqlens is not None and kv_lens is None
+        self.cu = cu_seqlens
+        self.starts, self.before = _block_starts(cu_seqlens, self, block_size) if self.blocked else (None, None)
+        # what every source row of a block copy is a multiple of, in `_key_rows` (block starts j * block_size,
+        # or multiples of BR when blocked) and in what the forward reads (`_gathered_rows`: multiples of BR)
+        self.key_align = math.gcd(self.br if self.blocked else block_size, 8)
         self.align = math.gcd(self.br, 8) if self.gathered else self.key_align
 
 
@@ -374,8 +381,39 @@ def _row_tiles(x, lay, fill):
 
 def _key_rows(x, lay, dp):
     """[B, TK, H, D] -> [B, H, TK + BR, dp], zero-padded: a copy of BR rows from any block start x < TK
-    stays in bounds."""
+    stays in bounds. Packed sequences (lay.blocked): [B, H, NR * BR, dp], block n's BR rows from its first key
+    row lay.starts[n] (rows past TK clamped to it: `_block` zeroes them), so that every block starts at a
+    multiple of BR."""
+    if lay.blocked:
+        rows = jnp.minimum(lay.starts[:, None] + jnp.arange(lay.br, dtype=jnp.int32), lay.TK - 1)  # [NR, BR]
+        blocks = jnp.transpose(x[:, rows], (0, 3, 1, 2, 4))  # [B, H, NR, BR, D]
+        return padded(blocks, 4, dp).reshape(lay.B, lay.H, lay.num_rows * lay.br, dp)
     return jnp.transpose(padded(padded(x, 3, dp), 1, lay.TK + lay.br), (0, 2, 1, 3))
+
+
+def _block_starts(cu_seqlens, lay, block_size):
+    """Packed sequences, block by block: (int32 [NR]: the first key row of block n, block j of sequence s being
+    n = before[s] + j at cu_seqlens[s] + j * block_size, 0 past the last real block; before, int32 [N]: the
+    blocks of the sequences before each)."""
+    cu = cu_seqlens.astype(jnp.int32)
+    blocks = (cu[1:] - cu[:-1] + block_size - 1) // block_size  # [N]
+    ends = jnp.cumsum(blocks)
+    before = ends - blocks
+    n = jnp.arange(lay.num_rows, dtype=jnp.int32)
+    seq = jnp.minimum(jnp.searchsorted(ends, n, side="right"), blocks.shape[0] - 1)
+    real = n < ends[-1]
+    return jnp.where(real, cu[seq] + (n - before[seq]) * block_size, 0), before
+
+
+def _copy_rows(names, lay, block_size):
+    """int32 [...]: the row of `_key_rows` that block names (first key rows) are copied from: the names
+    themselves, or with packed sequences the block's place times BR (a name outside every sequence, e.g.
+    nsa._plan.PAST, gives a row that is never copied)."""
+    if not lay.blocked:
+        return names
+    cu = lay.cu.astype(jnp.int32)
+    seq = jnp.clip(jnp.searchsorted(cu, names, side="right") - 1, 0, cu.shape[0] - 2)
+    return jnp.clip(lay.before[seq] + (names - cu[seq]) // block_size, 0, lay.num_rows - 1) * lay.br
 
 
 def _gathered_rows(x, union, lay, dp):
@@ -389,11 +427,11 @@ def _gathered_rows(x, union, lay, dp):
     return padded(blocks, 5, dp).reshape(lay.B, lay.H, lay.nt * lay.union * lay.br, dp)
 
 
-def _source_rows(union, lay, gathered):
-    """int32 [B, H, NT, U]: the row of k_hbm each union block is copied from: its name (its row in
-    `_key_rows`), or its place in `_gathered_rows`."""
+def _source_rows(union, lay, gathered, block_size):
+    """int32 [B, H, NT, U]: the row of k_hbm each union block is copied from: its row in `_key_rows`
+    (`_copy_rows`), or its place in `_gathered_rows`."""
     if not gathered:
-        return union
+        return _copy_rows(union, lay, block_size)
     place = jnp.arange(lay.nt, dtype=jnp.int32)[:, None] * lay.union + jnp.arange(lay.union, dtype=jnp.int32)
     return jnp.broadcast_to(place * lay.br, union.shape)
 
@@ -412,7 +450,7 @@ def _tiles(block_indices, block_counts, cu_seqlens, kv_lens, lay, block_size, ga
     names = tile_names(block_names(block_indices, block_counts, cu_seqlens, kv_lens, block_size=block_size), lay.tb)
     union, last, count = tile_unions(names, offsets, lay.union)
     blocks = _smem_rows(count, tile_starts(offsets, (lay.B, lay.H, lay.nt), lay.tb), union, last,
-                        _source_rows(union, lay, gathered))
+                        _source_rows(union, lay, gathered, block_size))
     return names, blocks, union, last, offsets
 
 
@@ -576,7 +614,8 @@ def backward(residuals, do, *, block_size, scale, interpret=False, config=None):
     lists_per_b = lay.H * lay.num_rows
     seg_b = seg_list // lists_per_b
     seg_table = _smem_rows(seg_b, seg_list % lists_per_b // lay.num_rows, name[lo], hi - lo,
-                           jnp.broadcast_to(offsets, (lay.B,))[seg_b], tile[entry], last[entry])
+                           jnp.broadcast_to(offsets, (lay.B,))[seg_b], _copy_rows(name[lo], lay, block_size),
+                           tile[entry], last[entry])
     dk_part, dv_part = _dkdv_partials(lay, seg_table, k_rows, v_rows, tiled, k=k, v=v, **common)
     lists = _smem_rows(seg_offsets[:-1], seg_offsets[1:] - seg_offsets[:-1])
     dk_sum, dv_sum = _reduced(lay, lists, dk_part, dv_part, interpret=interpret)
