@@ -72,7 +72,7 @@ def _undefined(shape, dtype):
 def interpret_call(*args, kernel, out_shape, grid, num_warps=None, num_stages=None, input_output_aliases=None,
                    zeroed_outputs=(), name="", **metaparams):
     """jax_triton.triton_call's contract, run by the interpreter: the outputs named in zeroed_outputs start at
-    zero, the others (undefined on the GPU) start filled with `_UNDEFINED`, so that a kernel that reads an output
+    zero, the others (undefined on the GPU) start as `_undefined` fills them, so that a kernel that reads an output
     it did not write fails here too."""
     single = not isinstance(out_shape, (list, tuple))
     outs = [out_shape] if single else list(out_shape)

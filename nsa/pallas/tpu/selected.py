@@ -28,11 +28,11 @@ Layouts (all built in XLA around the kernels; D padded to Dp, a multiple of 128 
 - k [B, H, TK + BR, Dkp], v [.., Dvp] stay in HBM (memory_space HBM: with ANY, XLA may place an array that fits
   in VMEM, where Mosaic refuses a copy from a row not a multiple of the sublane tile, seen on a TPU v5e; with
   packed sequences, whose blocks start anywhere, [B, H, NR * BR, Dp]: each block's rows at a multiple of BR,
-  `_key_rows`, so that every copy starts at a row Mosaic can prove aligned): a
-  kernel copies a block's BR rows (block_size rounded up to the sublane tile) from its source row (its name x)
-  into the first rows of a VMEM buffer of BK rows (block_size rounded up to 128) itself (`make_async_copy`); rows past the block,
-  or past every query of the tile, are zeroed (`_block`). With a KV cache whose TK rows outnumber the
-  NT * U * BR rows the tiles' unions can name (a decode step: 1 tile, U = T * S), the forward's k and v
+  `_key_rows`, so that every copy starts at a row Mosaic can prove aligned): a kernel copies a block's BR rows
+  (block_size rounded up to the sublane tile) from its source row (its name x, or its place when packed) into
+  the first rows of a VMEM buffer of BK rows (block_size rounded up to 128) itself (`make_async_copy`); rows
+  past the block, or past every query of the tile, are zeroed (`_block`). With a KV cache whose TK rows
+  outnumber the NT * U * BR rows the tiles' unions can name (a decode step: 1 tile, U = T * S), the forward's k and v
   are instead those rows gathered from the cache, [B, H, NT * U * BR, Dp] (`_gathered_rows`: O(T * S *
   block_size) per KV head, never a transpose of the cache), block u of tile i at source row
   (i * U + u) * BR. BK makes every logits tile [R, BK] and every transpose in the dk/dv kernel (R and BK
