@@ -1,22 +1,41 @@
 #!/usr/bin/env bash
 # nsa's Pallas TPU kernels compiled and run on a real TPU (one call of the device tool, kind tpu-v5e):
 #   run(command="bash scripts/tpu_check.sh", kind="tpu-v5e")
-# scripts/tpu_ops.py (each op alone, plain and packed, forward and gradients, and a decode step), then
-# scripts/gpu_hostile.py --pallas (every case on hostile inputs, bfloat16, against the XLA reference on the host's
-# CPU: on a TPU, implementation="pallas" is Mosaic TPU) in its quick, --cache, --paged and --overlap sets (SETS), then
-# benchmarks/tpu.py at 8192 tokens. Logs in $OUT (default benchmarks/results/tpu-check).
+# PARTS (default "ops hostile bench") picks, in this order:
+#   ops      scripts/tpu_ops.py (each op alone, plain and packed, forward and gradients, and a decode step);
+#   hostile  scripts/gpu_hostile.py --pallas (every case on hostile inputs, bfloat16, against the XLA reference on
+#            the host's CPU: on a TPU, implementation="pallas" is Mosaic TPU) in its quick, --cache, --paged and
+#            --overlap sets (SETS), each under CASE_TIMEOUT s;
+#   decode   benchmarks/decode.py: one decode step over a contiguous and a paged KV cache, nsa's Pallas and XLA
+#            against XLA's dense decode, DECODE_ARGS (default B = 1 and 8 at 16k and 64k), bound at the datasheet's
+#            bandwidth;
+#   bench    benchmarks/tpu.py at 8192 tokens.
+# Logs in $OUT (default benchmarks/results/tpu-check).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-benchmarks/results/tpu-check}
 mkdir -p "$out"
+parts=" ${PARTS:-ops hostile bench} "
 python3 -c 'import jax, jaxlib; print("jax", jax.__version__, "jaxlib", jaxlib.__version__, jax.devices())'
 status=0
-timeout "${OPS_TIMEOUT:-200}" python3 scripts/tpu_ops.py 2>&1 | tee "$out/tpu-ops.log" | grep -E '^(ok|FAILED|MISMATCH)'
-for set in ${SETS:---quick --cache --paged --overlap}; do
-    start=$SECONDS
-    timeout "${CASE_TIMEOUT:-150}" python3 scripts/gpu_hostile.py --pallas $set > "$out/hostile${set}.log" 2>&1 || status=1
-    echo "hostile $set: $((SECONDS - start)) s, $(grep -c '^ok' "$out/hostile${set}.log") ok, $(grep -c '^MISMATCH' "$out/hostile${set}.log") mismatches, last: $(grep -E 'mismatches|Error' "$out/hostile${set}.log" | tail -1 | cut -c1-300)"
-done
-timeout "${BENCH_TIMEOUT:-150}" python3 benchmarks/tpu.py --out "$out" --seq-lens 8192 --iters 5 > "$out/tpu-bench.log" 2>&1 || status=1
-grep -v '^{' "$out/tpu-bench.log" | tail -12
+if [[ $parts == *" ops "* ]]; then
+    timeout "${OPS_TIMEOUT:-200}" python3 scripts/tpu_ops.py 2>&1 | tee "$out/tpu-ops.log" | grep -E '^(ok|FAILED|MISMATCH)'
+fi
+if [[ $parts == *" hostile "* ]]; then
+    for set in ${SETS:---quick --cache --paged --overlap}; do
+        start=$SECONDS
+        timeout "${CASE_TIMEOUT:-150}" python3 scripts/gpu_hostile.py --pallas $set > "$out/hostile${set}.log" 2>&1 || status=1
+        echo "hostile $set: $((SECONDS - start)) s, $(grep -c '^ok' "$out/hostile${set}.log") ok, $(grep -c '^MISMATCH' "$out/hostile${set}.log") mismatches, last: $(grep -E 'mismatches|Error' "$out/hostile${set}.log" | tail -1 | cut -c1-300)"
+    done
+fi
+if [[ $parts == *" decode "* ]]; then
+    timeout "${DECODE_TIMEOUT:-200}" python3 benchmarks/decode.py --out "$out" --name decode-tpu \
+        ${DECODE_ARGS:---batches 1 8 --contexts 16384 65536 --long --impls pallas xla --dense xla --no-fla --paged 64 --iters 5} \
+        > "$out/decode-tpu.log" 2>&1 || status=1
+    grep -v '^{' "$out/decode-tpu.log" | tail -16
+fi
+if [[ $parts == *" bench "* ]]; then
+    timeout "${BENCH_TIMEOUT:-150}" python3 benchmarks/tpu.py --out "$out" --seq-lens 8192 --iters 5 > "$out/tpu-bench.log" 2>&1 || status=1
+    grep -v '^{' "$out/tpu-bench.log" | tail -12
+fi
 exit $status
