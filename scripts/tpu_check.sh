@@ -9,12 +9,16 @@
 #   decode   benchmarks/decode.py: one decode step over a contiguous and a paged KV cache, nsa's Pallas and XLA
 #            against XLA's dense decode, DECODE_ARGS (default B = 1 and 8 at 16k and 64k), bound at the datasheet's
 #            bandwidth;
+#   ab       the same decode benchmark (AB_ARGS, default B = 8) in each earlier tree of .ab/ (ignored by git:
+#            mkdir -p .ab/NAME && git archive <commit> nsa $(git ls-files 'benchmarks/*.py') | tar -x -C .ab/NAME;
+#            carry [".ab"]; AB_TREES names some), so that this tree's step is compared with theirs on the same chip;
+#   trace    each kernel's device time in one decode step (benchmarks/decode.py --trace, TRACE_ARGS);
 #   bench    benchmarks/tpu.py at 8192 tokens.
 # Logs in $OUT (default benchmarks/results/tpu-check).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-benchmarks/results/tpu-check}
-mkdir -p "$out"
+mkdir -p "$out" && out=$(cd "$out" && pwd)
 parts=" ${PARTS:-ops hostile bench} "
 python3 -c 'import jax, jaxlib; print("jax", jax.__version__, "jaxlib", jaxlib.__version__, jax.devices())'
 status=0
@@ -33,6 +37,20 @@ if [[ $parts == *" decode "* ]]; then
         ${DECODE_ARGS:---batches 1 8 --contexts 16384 65536 --long --impls pallas xla --dense xla --no-fla --paged 64 --iters 5} \
         > "$out/decode-tpu.log" 2>&1 || status=1
     grep -v '^{' "$out/decode-tpu.log" | tail -16
+fi
+if [[ $parts == *" ab "* ]]; then  # the decode step of each earlier tree in .ab/ (git archive <commit> nsa benchmarks)
+    for name in ${AB_TREES:-$(ls .ab)}; do
+        tree=.ab/$name
+        (cd "$tree" && timeout "${DECODE_TIMEOUT:-200}" python3 benchmarks/decode.py --out "$out" --name "decode-tpu-$name" \
+            ${AB_ARGS:---batches 8 --contexts 16384 65536 --long --impls pallas --dense --no-fla --paged 64 --iters 5} \
+            > "$out/decode-tpu-$name.log" 2>&1) || status=1
+        echo "=== $name"; grep -E '^\| [0-9]' "$out/decode-tpu-$name.log"
+    done
+fi
+if [[ $parts == *" trace "* ]]; then  # each kernel's device time in one decode step
+    timeout "${TRACE_TIMEOUT:-120}" python3 benchmarks/decode.py --out "$out" --name decode-tpu --trace --impls pallas \
+        ${TRACE_ARGS:---batches 8 --contexts 16384 --long} --iters 5 > "$out/decode-tpu-trace.log" 2>&1 || status=1
+    head -n 30 "$out/decode-tpu-trace.log" | cut -c1-160
 fi
 if [[ $parts == *" bench "* ]]; then
     timeout "${BENCH_TIMEOUT:-150}" python3 benchmarks/tpu.py --out "$out" --seq-lens 8192 --iters 5 > "$out/tpu-bench.log" 2>&1 || status=1
