@@ -21,6 +21,8 @@ for tree in .ab/*/; do
     (cd "$tree" && PYTHONPATH=/tmp/site:$PWD python3 benchmarks/decode.py --out "$out/$name" --name "decode-$name" \
         "${args[@]}" 2>&1 | grep -v '^{') || status=1
 done
-echo "=== graphs: XLA_FLAGS=$GRAPHS"
-XLA_FLAGS="$GRAPHS" OUT="$out/graphs" bash scripts/gpu.sh decode --name decode-graphs "${args[@]}" || status=1
+if [[ -z ${NO_GRAPHS:-} ]]; then  # NO_GRAPHS=1: the trees only
+    echo "=== graphs: XLA_FLAGS=$GRAPHS"
+    XLA_FLAGS="$GRAPHS" OUT="$out/graphs" bash scripts/gpu.sh decode --name decode-graphs "${args[@]}" || status=1
+fi
 exit $status
