@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from nsa import _checks
-from nsa._plan import window_start
+from nsa._plan import row_slices, window_start
 from nsa._varlen import cdiv
 
 
@@ -146,9 +146,26 @@ def paged_selected(page_table, k, v, block_indices, kv_lens, block_size):
     valid = (blocks >= 0) & (blocks <= own)
     slots = jnp.where(valid, jnp.where(blocks == own, S, jnp.arange(S, dtype=jnp.int32)), -1)
     read = jnp.concatenate([jnp.where(valid & (blocks != own), blocks, 0), jnp.broadcast_to(own, (B, H, 1))], -1)
-    rows = (read[..., None] * block_size + jnp.arange(block_size)).reshape(B, H, -1).transpose(0, 2, 1)
     lens = jnp.where(pos >= 0, S * block_size + pos % block_size + 1, 0)
+    if k.shape[1] % block_size == 0:  # every block within one page: one slice a block
+        k, v = (read_blocks(x, page_table, read * block_size, block_size) for x in (k, v))
+        return k, v, slots[:, None], lens
+    rows = (read[..., None] * block_size + jnp.arange(block_size)).reshape(B, H, -1).transpose(0, 2, 1)
     return read_rows(k, page_table, rows), read_rows(v, page_table, rows), slots[:, None], lens
+
+
+def read_blocks(pool, page_table, starts, size):
+    """What `read_rows` reads at rows starts[b, h, n] + i (i < size) of KV head h, [B, N * size, H, D], for
+    blocks that each lie within one page (starts multiples of size, size dividing the page size S): one slice a
+    block (`nsa._plan.row_slices`)."""
+    B, H, N = starts.shape
+    S = pool.shape[1]
+    starts = jnp.clip(starts.astype(jnp.int32), 0, page_table.shape[1] * S - size)
+    page = jnp.take_along_axis(page_table.astype(jnp.int32), (starts // S).reshape(B, -1), axis=1)
+    page = jnp.clip(page.reshape(starts.shape), 0, pool.shape[0] - 1)
+    head = jnp.broadcast_to(jnp.arange(H, dtype=jnp.int32)[:, None], starts.shape)
+    blocks = row_slices(pool, page, starts % S, head, size)  # [B, H, N, size, D]
+    return blocks.reshape(B, H, N * size, -1).transpose(0, 2, 1, 3)
 
 
 def cache_blocks(cache: Cache) -> tuple[int, int, int]:

@@ -160,6 +160,18 @@ def _cut(x, start, rows):
     return jax.vmap(lambda x, s: lax.dynamic_slice_in_dim(x, s, rows, axis=0))(x, start)
 
 
+def row_slices(x, first, start, head, size):
+    """x [N, R, H, D] -> [..., size, D]: the `size` consecutive rows x[first, start + i, head] for each entry of
+    first, start and head (int, one shape [...]): one slice a block, so XLA gathers one index per block rather
+    than one per row (on a TPU a gather's cost follows its indices: a decode step's row-by-row gather of its
+    selected blocks took most of the step). Each slice must lie within the R rows: XLA moves one that would run
+    past them back to end at R."""
+    one = lambda f, s, h: lax.dynamic_slice(x, (f, s, h, 0), (1, size, 1, x.shape[3]))[0, :, 0]
+    for _ in range(first.ndim):
+        one = jax.vmap(one)
+    return one(first.astype(jnp.int32), start.astype(jnp.int32), head.astype(jnp.int32))
+
+
 def window_keys(q, k, v, cu_seqlens, kv_lens, window_size):
     """What a flash kernel takes for the sliding window of q [B, T, HQ, Dk] over k [B, TK, H, Dk], v [B, TK, H, Dv]
     (kv_lens None, TK = T, or int32 [B]): (k, v, lo, hi, span, start). With a KV cache longer than the

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import nsa
+from nsa import _kvcache
 from nsa._kvcache import sequences
 from tests.base import Inputs, assert_close, largest_intermediate
 
@@ -468,3 +469,16 @@ def test_a_paged_decode_step_equals_the_contiguous_one_with_its_gradients(l, d):
             page_rows = PAGE // per_row
             owned[(np.asarray(table[b])[:, None] * page_rows + np.arange(page_rows)).reshape(-1)[:rows]] = True
         np.testing.assert_array_equal(np.asarray(pool).reshape(-1, *pool.shape[2:])[~owned], 0.0)
+
+
+def test_read_blocks_reads_what_read_rows_reads():
+    """`read_blocks` (one slice a block, what a decode step's selected blocks are read with from pages a multiple of
+    the block size) holds, row for row, what `read_rows` reads at the blocks' rows: through a table with -1, ids
+    past the pool and repeated pages, at block starts before 0, inside and at the capacity's last block."""
+    rng = np.random.default_rng(0)
+    P, S, H, D, B, MP, bs = 9, 32, 3, 8, 3, 5, 16
+    pool = jnp.asarray(rng.standard_normal((P, S, H, D)), jnp.float32)
+    table = jnp.asarray(rng.integers(-1, P + 2, (B, MP)), jnp.int32)
+    starts = jnp.asarray(rng.integers(-1, MP * S // bs, (B, H, 7)) * bs, jnp.int32)
+    rows = (jnp.maximum(starts, 0)[..., None] + jnp.arange(bs)).reshape(B, H, -1).transpose(0, 2, 1)
+    np.testing.assert_array_equal(_kvcache.read_blocks(pool, table, starts, bs), _kvcache.read_rows(pool, table, rows))

@@ -81,7 +81,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from nsa._config import Shapes, expect, positive, validated
 from nsa._device import facts
-from nsa._plan import (PAST, Tiling, block_names, check_selected, kernel_delta, padded, per_key_row,
+from nsa._plan import (PAST, Tiling, block_names, check_selected, kernel_delta, padded, per_key_row, row_slices,
                        row_offsets, segments, tile_lists, tile_names, tile_starts, tile_unions)
 from nsa._varlen import cdiv, round_up
 from nsa.pallas._batch import per_sequence
@@ -416,14 +416,20 @@ def _copy_rows(names, lay, block_size):
     return jnp.clip(lay.before[seq] + (names - cu[seq]) // block_size, 0, lay.num_rows - 1) * lay.br
 
 
-def _gathered_rows(x, union, lay, dp):
+def _gathered_rows(x, union, lay, dp, block_size):
     """[B, TK, H, D] -> [B, H, NT * U * BR, dp]: the BR rows from each union block's first row, tile after
     tile (rows past TK clamped to it: `_block` zeroes them), zero-padded to dp. With a KV cache the forward
-    gathers these rows, O(T * S * block_size) per KV head, and never copies or transposes the cache."""
-    rows = jnp.where(union == PAST, 0, union)[..., None] + jnp.arange(lay.br, dtype=jnp.int32)
-    b = jnp.arange(lay.B)[:, None, None, None, None]
-    h = jnp.arange(lay.H)[None, :, None, None, None]
-    blocks = x[b, jnp.minimum(rows, lay.TK - 1), h]  # [B, H, NT, U, BR, D]
+    gathers these rows, O(T * S * block_size) per KV head, and never copies or transposes the cache: one slice
+    a block (`row_slices`) where every block's BR rows lie before TK (BR = block_size dividing TK), else row by
+    row."""
+    first = jnp.where(union == PAST, 0, union)  # [B, H, NT, U]
+    b = jnp.arange(lay.B)[:, None, None, None]
+    h = jnp.arange(lay.H)[None, :, None, None]
+    if lay.br == block_size and lay.TK % block_size == 0:
+        blocks = row_slices(x, jnp.broadcast_to(b, first.shape), first, jnp.broadcast_to(h, first.shape), lay.br)
+    else:
+        rows = jnp.minimum(first[..., None] + jnp.arange(lay.br, dtype=jnp.int32), lay.TK - 1)
+        blocks = x[b[..., None], rows, h[..., None]]  # [B, H, NT, U, BR, D]
     return padded(blocks, 5, dp).reshape(lay.B, lay.H, lay.nt * lay.union * lay.br, dp)
 
 
@@ -533,7 +539,7 @@ def _attention(q, k, v, block_indices, block_counts, cu_seqlens, kv_lens, *, blo
     lay = _Layout(q, k, v, block_indices, block_size, cu_seqlens, kv_lens, cfg)
     names, blocks, union, _, _ = _tiles(block_indices, block_counts, cu_seqlens, kv_lens, lay, block_size,
                                         lay.gathered)
-    rows = functools.partial(_gathered_rows, union=union) if lay.gathered else _key_rows
+    rows = functools.partial(_gathered_rows, union=union, block_size=block_size) if lay.gathered else _key_rows
     tile_shape = (lay.B, lay.H, lay.nt, lay.G, lay.tb)
     o, lse = _query_grid(
         _fwd_kernel, lay, blocks, [_query_tiles(q, lay, lay.dkp), names],
