@@ -162,14 +162,17 @@ def _cut(x, start, rows):
 
 def row_slices(x, first, start, head, size):
     """x [N, R, H, D] -> [..., size, D]: the `size` consecutive rows x[first, start + i, head] for each entry of
-    first, start and head (int, one shape [...]): one slice a block, so XLA gathers one index per block rather
-    than one per row (on a TPU a gather's cost follows its indices: a decode step's row-by-row gather of its
-    selected blocks took most of the step). Each slice must lie within the R rows: XLA moves one that would run
-    past them back to end at R."""
-    one = lambda f, s, h: lax.dynamic_slice(x, (f, s, h, 0), (1, size, 1, x.shape[3]))[0, :, 0]
+    first, start and head (int, one shape [...]), read as one slice of all H heads a block, [1, size, H, D]
+    (whole tiles of the cache's TPU layout, whose minor dims are H and D: a slice of one head made XLA relay out
+    the whole cache first), then each entry's own head. One gather index a block, not one a row (on a TPU v5e a
+    decode step's row-by-row gather of its selected blocks took a third of the step). Each slice must lie within
+    the R rows: XLA moves one that would run past them back to end at R."""
+    one = lambda f, s: lax.dynamic_slice(x, (f, s, 0, 0), (1, size) + x.shape[2:])[0]
     for _ in range(first.ndim):
         one = jax.vmap(one)
-    return one(first.astype(jnp.int32), start.astype(jnp.int32), head.astype(jnp.int32))
+    blocks = one(first.astype(jnp.int32), start.astype(jnp.int32))  # [..., size, H, D]
+    own = jnp.arange(x.shape[2], dtype=jnp.int32) == head.astype(jnp.int32)[..., None, None]  # [..., 1, H]
+    return jnp.where(own[..., None], blocks, 0).sum(axis=-2, dtype=x.dtype)
 
 
 def window_keys(q, k, v, cu_seqlens, kv_lens, window_size):
