@@ -44,6 +44,8 @@ B_, HQ, H, D, BS, S, WINDOW = STANDARD[:7]
 # the datasheet says 4.8. The bound below uses the measured figure there, and elsewhere the datasheet's
 # (nsa._device's table: 0.819 TB/s on a TPU v5e).
 COPY_BANDWIDTH = 4.3e12
+STEPS = 50  # decode steps per timed loop
+TRITON_CACHE_DIR = os.environ.get("TRITON_CACHE_DIR") or os.path.expanduser("~/.triton/cache")
 
 
 def bandwidth():
@@ -52,8 +54,6 @@ def bandwidth():
     if device.device_kind == "NVIDIA H200":
         return COPY_BANDWIDTH
     return _device.facts("tpu" if device.platform == "tpu" else "cuda").bandwidth
-STEPS = 50  # decode steps per timed loop
-TRITON_CACHE_DIR = os.environ.get("TRITON_CACHE_DIR") or os.path.expanduser("~/.triton/cache")
 
 
 def cache_arrays(B, TK, ragged, seed=0):
