@@ -1,0 +1,156 @@
+"""Which DMA reads a decode step's selected blocks straight from a KV cache on a TPU: a probe, run on the chip.
+
+A decode step (T = 1) reads, for each sequence b and KV head h, S blocks of block_size rows from the cache k
+[B, TK, H, D] (bf16). Today the Pallas TPU forward gathers those rows in XLA first (one gather index a row), which
+took a third of a step on a TPU v5e; a one-slice-a-block XLA gather made XLA relay out the whole cache. This
+probe tries kernels that copy the blocks from the cache in HBM themselves (every copy of a step in flight at
+once, then summed so that nothing is optimized away), and for each says whether Mosaic compiles it, whether it
+reads the right rows, its time against the bytes it must read, and whether the compiled program copies the
+cache (an XLA relayout ahead of the kernel):
+  one-head   grid (B, H): k.at[b, rows, h] ([BS, D]: one head of the tiled (H, D) minor dims);
+  all-heads  grid (B,): k.at[b, rows] ([BS, H, D]: whole tiles), then head h's rows in VMEM;
+  lanes      grid (B, H): k reshaped (in XLA) to [B, TK, H * D], then k.at[b, rows, h * D:(h + 1) * D].
+  python3 scripts/tpu_dma_probe.py [--interpret]   (interpret: the CPU, to check the probe itself)
+"""
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+STEPS = 20  # calls per timed loop
+
+
+def one_head(k, starts, bs, interpret):
+    B, TK, H, D = k.shape
+    S = starts.shape[2]
+
+    def kernel(starts_ref, k_hbm, o_ref, buf, sems):
+        b, h = pl.program_id(0), pl.program_id(1)
+        copies = [pltpu.make_async_copy(k_hbm.at[b, pl.ds(pl.multiple_of(starts_ref[b, h, s], bs), bs), h],
+                                        buf.at[s], sems.at[s]) for s in range(S)]
+        for c in copies:
+            c.start()
+        for c in copies:
+            c.wait()
+        o_ref[...] = jnp.sum(buf[...].astype(jnp.float32), axis=0)
+
+    return pl.pallas_call(
+        kernel, grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1, grid=(B, H), in_specs=[pl.BlockSpec(memory_space=pltpu.HBM)],
+            out_specs=pl.BlockSpec((None, None, bs, D), lambda b, h, st: (b, h, 0, 0)),
+            scratch_shapes=[pltpu.VMEM((S, bs, D), k.dtype), pltpu.SemaphoreType.DMA((S,))]),
+        out_shape=jax.ShapeDtypeStruct((B, H, bs, D), jnp.float32), interpret=interpret)(starts, k)
+
+
+def all_heads(k, starts, bs, interpret):
+    B, TK, H, D = k.shape
+    S = starts.shape[2]
+
+    def kernel(starts_ref, k_hbm, o_ref, buf, sems):
+        b = pl.program_id(0)
+        for h in range(H):
+            copies = [pltpu.make_async_copy(k_hbm.at[b, pl.ds(pl.multiple_of(starts_ref[b, h, s], bs), bs)],
+                                            buf.at[s], sems.at[s]) for s in range(S)]
+            for c in copies:
+                c.start()
+            for c in copies:
+                c.wait()
+            o_ref[h] = jnp.sum(buf[:, :, h, :].astype(jnp.float32), axis=0)
+
+    return pl.pallas_call(
+        kernel, grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1, grid=(B,), in_specs=[pl.BlockSpec(memory_space=pltpu.HBM)],
+            out_specs=pl.BlockSpec((None, H, bs, D), lambda b, st: (b, 0, 0, 0)),
+            scratch_shapes=[pltpu.VMEM((S, bs, H, D), k.dtype), pltpu.SemaphoreType.DMA((S,))]),
+        out_shape=jax.ShapeDtypeStruct((B, H, bs, D), jnp.float32), interpret=interpret)(starts, k)
+
+
+def lanes(k, starts, bs, interpret):
+    B, TK, H, D = k.shape
+    S = starts.shape[2]
+
+    def kernel(starts_ref, k_hbm, o_ref, buf, sems):
+        b, h = pl.program_id(0), pl.program_id(1)
+        copies = [pltpu.make_async_copy(
+            k_hbm.at[b, pl.ds(pl.multiple_of(starts_ref[b, h, s], bs), bs), pl.ds(pl.multiple_of(h * D, D), D)],
+            buf.at[s], sems.at[s]) for s in range(S)]
+        for c in copies:
+            c.start()
+        for c in copies:
+            c.wait()
+        o_ref[...] = jnp.sum(buf[...].astype(jnp.float32), axis=0)
+
+    return pl.pallas_call(
+        kernel, grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1, grid=(B, H), in_specs=[pl.BlockSpec(memory_space=pltpu.HBM)],
+            out_specs=pl.BlockSpec((None, None, bs, D), lambda b, h, st: (b, h, 0, 0)),
+            scratch_shapes=[pltpu.VMEM((S, bs, D), k.dtype), pltpu.SemaphoreType.DMA((S,))]),
+        out_shape=jax.ShapeDtypeStruct((B, H, bs, D), jnp.float32), interpret=interpret)(
+            starts, k.reshape(B, TK, H * D))
+
+
+def expected(k, starts, bs):
+    """[B, H, BS, D] float32: sum over s of k[b, starts[b, h, s] + i, h]."""
+    rows = starts[..., None] + jnp.arange(bs)  # [B, H, S, BS]
+    b = jnp.arange(k.shape[0])[:, None, None, None]
+    h = jnp.arange(k.shape[2])[None, :, None, None]
+    return k[b, rows, h].astype(jnp.float32).sum(axis=2)
+
+
+def copies_cache(fn, k, starts):
+    """The compiled program's ops (other than parameters) that make an array of the cache's size."""
+    text = jax.jit(fn).lower(k, starts).compile().as_text()
+    size = "%d,%d,%d,%d" % k.shape
+    flat = "%d,%d,%d" % (k.shape[0], k.shape[1], k.shape[2] * k.shape[3])
+    return [line.strip()[:160] for line in text.splitlines()
+            if ("[" + size + "]" in line or "[" + flat + "]" in line) and "parameter(" not in line
+            and "ROOT" not in line and "custom-call" not in line]
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--interpret", action="store_true")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--context", type=int, default=16384)
+    parser.add_argument("--iters", type=int, default=5)
+    args = parser.parse_args()
+    B, TK, H, D, BS, S = args.batch, args.context, 4, 128, 64, 16
+    if args.interpret:
+        B, TK = 2, 1024
+    print("jax", jax.__version__, jax.devices())
+    k = jax.random.normal(jax.random.key(0), (B, TK, H, D), jnp.float32).astype(jnp.bfloat16)
+    starts = jax.random.randint(jax.random.key(1), (B, H, S), 0, TK // BS, jnp.int32) * BS
+    want = expected(k, starts, BS)
+    ideal = B * H * S * BS * D * 2
+    for name, impl in (("one-head", one_head), ("all-heads", all_heads), ("lanes", lanes)):
+        fn = jax.jit(lambda k, s, impl=impl: impl(k, s, BS, args.interpret))
+        try:
+            got = jax.block_until_ready(fn(k, starts))
+        except Exception as e:  # noqa: BLE001: a probe reports what Mosaic refuses
+            print(f"{name}: FAILED {type(e).__name__}: {str(e).splitlines()[0][:300]}")
+            continue
+        err = float(jnp.max(jnp.abs(got - want)))
+        copies = [] if args.interpret else copies_cache(fn, k, starts)
+        loop = jax.jit(lambda k, s, impl=impl: lax.fori_loop(  # STEPS calls, each on other blocks
+            0, STEPS, lambda i, acc: acc + impl(k, (s + i * BS) % TK, BS, args.interpret), jnp.zeros_like(want)))
+        jax.block_until_ready(loop(k, starts))
+        times = []
+        for _ in range(args.iters):
+            t = time.perf_counter()
+            jax.block_until_ready(loop(k, starts))
+            times.append(time.perf_counter() - t)
+        us = float(np.median(times)) * 1e6 / STEPS
+        print(f"{name}: max err {err:.3g}; {us:.1f} us (the {ideal / 1e6:.1f} MB it must read: "
+              f"{ideal / us / 1e6:.3f} TB/s); cache-size ops in the compiled program: {len(copies)}")
+        for line in copies[:4]:
+            print("   ", line)
+
+
+if __name__ == "__main__":
+    main()
