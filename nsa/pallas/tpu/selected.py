@@ -32,10 +32,15 @@ Layouts (all built in XLA around the kernels; D padded to Dp, a multiple of 128 
   (block_size rounded up to the sublane tile) from its source row (its name x, or its place when packed) into
   the first rows of a VMEM buffer of BK rows (block_size rounded up to 128) itself (`make_async_copy`); rows
   past the block, or past every query of the tile, are zeroed (`_block`). With a KV cache whose TK rows
-  outnumber the NT * U * BR rows the tiles' unions can name (a decode step: 1 tile, U = T * S), the forward's k and v
-  are instead those rows gathered from the cache, [B, H, NT * U * BR, Dp] (`_gathered_rows`: O(T * S *
-  block_size) per KV head, never a transpose of the cache), block u of tile i at source row
-  (i * U + u) * BR. BK makes every logits tile [R, BK] and every transpose in the dk/dv kernel (R and BK
+  outnumber the NT * U * BR rows the tiles' unions can name (a decode step: 1 tile, U = T * S), the forward
+  reads only those (O(T * S * block_size) per KV head, never a transpose of the cache): from the cache as it
+  is, k [B, TK, H, Dk] in HBM (`_Layout.direct`: TK a multiple of block_size, D of 128), each copy a block's
+  block_size rows of every head, [block_size, H, D] (whole tiles of the cache's TPU layout, whose minor dims
+  are H and D: Mosaic refuses a copy of one head, an offset inside a tile, seen on a TPU v5e), into buffers
+  [2, BK, H, D] whose own head the kernel then takes (`_own_head`); H times the bytes of the head's rows, but
+  no XLA gather of them first, which took a third of a step's time on a TPU v5e (scripts/tpu_dma_probe.py).
+  Else those rows gathered from the cache in XLA, [B, H, NT * U * BR, Dp] (`_gathered_rows`), block u of
+  tile i at source row (i * U + u) * BR. BK makes every logits tile [R, BK] and every transpose in the dk/dv kernel (R and BK
   multiples of 128) lane-aligned: Mosaic has rejected matmuls with fewer than 128
   result lanes and padded transposes (jax issues 18388, 18370), and the MXU is 128 wide anyway.
 
@@ -61,10 +66,12 @@ holds q (G, TB, Dkp), do (G, TB, Dvp), lse, delta, names (TB, S), dq, two key an
 rows and a float32 [R, Dkp] accumulator; the dk/dv kernel the same tiles (its own DMA double buffers),
 one block, and float32 dk, dv [BR, Dp]. At the standard shape (G = 16, TB = 16, bf16, Dp = 128,
 block_size 64) that is about 1.1 MiB; float32 heads of 256 take 1.6 MiB at G = 16 and 4 MiB at G = 3
-(TB = 128), bf16 heads of 256 at G = 64 6.3 MiB: all under the 16 MiB of scoped VMEM. SMEM per step:
+(TB = 128), bf16 heads of 256 at G = 64 6.3 MiB: all under the 16 MiB of scoped VMEM. A direct forward's
+block buffers hold every head, [2, BK, H, D] with H padded to the sublane tile: 1 MiB for k and v at the
+standard shape (H = 4 of 16 rows, bf16), 4 MiB at H = 32. SMEM per step:
 one table row of 2 + 3U ints (forward, dq) or 6 + 2L (dk/dv), double-buffered. None of it depends on T or
 TK, which set only the grids, the lists (B * H * NR of them) and the XLA work (k and v are copied,
-transposed, once per call, but for the gathered forward of a decode step).
+transposed, once per call, but for the forward of a decode step).
 
 The Mosaic kernels carry names: selected_forward, selected_dq, selected_dkdv (the partials) and
 selected_dkdv_reduce.
@@ -162,7 +169,12 @@ def _block_copies(k_hbm, v_hbm, k_buf, v_buf, sems, b, h, x, slot, block_size, a
     """The copies of the BR key and value rows from global row x of batch row b, KV head h, into the first
     rows of buffer `slot` of k_buf [., BK, Dkp] and v_buf [., BK, Dvp]. align: what x is known to be a multiple
     of (`_Layout.align`), said to Mosaic, which compiles a copy from a tiled HBM array only at rows it can prove
-    aligned to its 8-row tile."""
+    aligned to its 8-row tile. From a KV cache as it is (`_Layout.direct`: k_hbm [B, TK, H, Dk], buffers
+    [., BK, H, D]): the block_size rows of every head, whole tiles of the cache's minor dims (H, D)."""
+    if k_buf.ndim == 4:
+        rows = pl.ds(0, block_size)
+        return [pltpu.make_async_copy(k_hbm.at[b, pl.ds(x, block_size)], k_buf.at[slot, rows], sems.at[0, slot]),
+                pltpu.make_async_copy(v_hbm.at[b, pl.ds(x, block_size)], v_buf.at[slot, rows], sems.at[1, slot])]
     rows = pl.ds(0, _copied_rows(block_size, k_buf.dtype))
     src = pl.ds(pl.multiple_of(x, align) if align > 1 else x, rows.size)
     return [pltpu.make_async_copy(k_hbm.at[b, h, src], k_buf.at[slot, rows], sems.at[0, slot]),
@@ -181,14 +193,26 @@ def _block_bias(names, x, t0, *, block_size, rows):
     return jnp.where(seen, jnp.log(jnp.maximum(listed, 1.0)), -jnp.inf)
 
 
-def _block(k_buf, v_buf, slot, x, last, block_size):
-    """The keys [BK, Dkp] and values [BK, Dvp] of block x in buffer `slot`, with the rows no token of the
-    tile sees (past the block, or past `last`, the key row of the last token of the tile listing it)
-    zeroed: they hold another block's or sequence's rows, a cache's rows past the sequence (possibly never
-    meant to be read) or stale VMEM past BR, and 0 * NaN would leak into p v and do v^T."""
+def _own_head(buf, slot, h):
+    """[BK, D]: KV head h's rows of buffer `slot` of buf [., BK, H, D] (h traced: one select per head)."""
+    rows = buf[slot, :, 0, :]
+    for j in range(1, buf.shape[2]):
+        rows = jnp.where(h == j, buf[slot, :, j, :], rows)
+    return rows
+
+
+def _block(k_buf, v_buf, slot, x, last, block_size, h=None):
+    """The keys [BK, Dkp] and values [BK, Dvp] of block x in buffer `slot` (of KV head h where the buffers hold
+    every head's, [., BK, H, D]), with the rows no token of the tile sees (past the block, or past `last`, the key
+    row of the last token of the tile listing it) zeroed: they hold another block's or sequence's rows, a cache's
+    rows past the sequence (possibly never meant to be read) or stale VMEM past BR, and 0 * NaN would leak into
+    p v and do v^T."""
     c = lax.broadcasted_iota(jnp.int32, (k_buf.shape[1], 1), 0)
     keep = (c < block_size) & (x + c <= last)
-    k, v = k_buf[slot], v_buf[slot]
+    if k_buf.ndim == 4:
+        k, v = _own_head(k_buf, slot, h), _own_head(v_buf, slot, h)
+    else:
+        k, v = k_buf[slot], v_buf[slot]
     return jnp.where(keep, k, jnp.zeros_like(k)), jnp.where(keep, v, jnp.zeros_like(v))
 
 
@@ -211,7 +235,7 @@ def _walk_union(blocks_ref, names, k_hbm, v_hbm, k_buf, v_buf, sems, body, *, bl
     def step(u, slot):
         x = blocks_ref[0, 2 + u]
         bias = _block_bias(names, x, blocks_ref[0, 1], block_size=block_size, rows=k_buf.shape[1])
-        body(*_block(k_buf, v_buf, slot, x, blocks_ref[0, 2 + U + u], block_size), bias)
+        body(*_block(k_buf, v_buf, slot, x, blocks_ref[0, 2 + U + u], block_size, h), bias)
 
     _pipelined(blocks_ref[0, 0], copies, step)
 
@@ -346,8 +370,13 @@ class _Layout(Tiling):
         self.br = _copied_rows(block_size, k.dtype)  # the rows copied per block, block_size rounded up to the sublanes
         self.bk = round_up(block_size, lanes())  # the rows of a key buffer, block_size rounded up to 128
         self.dkp, self.dvp = lane_padded(q.shape[3]), lane_padded(v.shape[3])
-        # the forward reads the union's blocks gathered from a KV cache (`_gathered_rows`)
-        self.gathered = kv_lens is not None and 0 < self.nt * self.union * self.br < self.TK
+        # the forward of a KV cache step whose tiles list fewer rows than the cache holds (a decode step) reads only
+        # those: from the cache as it is (direct: block_size rows of every head a copy, whole tiles of the cache's
+        # minor dims (H, D), since Mosaic copies no single head from a tiled dim: seen on a TPU v5e) where every
+        # block lies within TK and the heads need no padding, else gathered in XLA first (`_gathered_rows`)
+        few = kv_lens is not None and 0 < self.nt * self.union * self.br < self.TK
+        self.direct = few and self.TK % block_size == 0 and (self.dkp, self.dvp) == (q.shape[3], v.shape[3])
+        self.gathered = few and not self.direct
         # packed sequences: k and v laid out block by block (`_block_starts`, `_key_rows`), each block at a row
         # that is a multiple of BR, since a packed sequence starts anywhere and Mosaic copies only from rows of
         # a tiled HBM array it can prove aligned to its 8-row tile (seen on a TPU v5e)
@@ -454,10 +483,12 @@ def _tiles(block_indices, block_counts, cu_seqlens, kv_lens, lay, block_size, ga
     return names, blocks, union, last, offsets
 
 
-def _block_buffers(lay, k, v, copies):
-    """Double buffers of one block's keys and values, and the DMA semaphores of `copies` copy streams."""
-    return [pltpu.VMEM((2, lay.bk, lay.dkp), k.dtype), pltpu.VMEM((2, lay.bk, lay.dvp), v.dtype),
-            pltpu.SemaphoreType.DMA((copies, 2))]
+def _block_buffers(lay, k, v, copies, direct=False):
+    """Double buffers of one block's keys and values ([2, BK, H, D], every head's, when `direct`), and the DMA
+    semaphores of `copies` copy streams."""
+    heads = (lay.H,) if direct else ()
+    return [pltpu.VMEM((2, lay.bk) + heads + (lay.dkp,), k.dtype),
+            pltpu.VMEM((2, lay.bk) + heads + (lay.dvp,), v.dtype), pltpu.SemaphoreType.DMA((copies, 2))]
 
 
 def _query_grid(kernel, lay, blocks, tiled, k_rows, v_rows, outputs, scratch, *, q, scale, block_size,
@@ -533,13 +564,16 @@ def _attention(q, k, v, block_indices, block_counts, cu_seqlens, kv_lens, *, blo
     lay = _Layout(q, k, v, block_indices, block_size, cu_seqlens, kv_lens, cfg)
     names, blocks, union, _, _ = _tiles(block_indices, block_counts, cu_seqlens, kv_lens, lay, block_size,
                                         lay.gathered)
-    rows = functools.partial(_gathered_rows, union=union) if lay.gathered else _key_rows
+    if lay.direct:
+        rows = lambda x, lay, dp: x
+    else:
+        rows = functools.partial(_gathered_rows, union=union) if lay.gathered else _key_rows
     tile_shape = (lay.B, lay.H, lay.nt, lay.G, lay.tb)
     o, lse = _query_grid(
         _fwd_kernel, lay, blocks, [_query_tiles(q, lay, lay.dkp), names],
         rows(k, lay=lay, dp=lay.dkp), rows(v, lay=lay, dp=lay.dvp),
         [out_struct(tile_shape + (lay.dvp,), q.dtype, q), out_struct(tile_shape + (1,), jnp.float32, q)],
-        _block_buffers(lay, k, v, 2) + [pltpu.VMEM((lay.G, lay.tb, lanes()), jnp.float32)] * 2
+        _block_buffers(lay, k, v, 2, lay.direct) + [pltpu.VMEM((lay.G, lay.tb, lanes()), jnp.float32)] * 2
         + [pltpu.VMEM((lay.G, lay.tb, lay.dvp), jnp.float32)],
         q=q, scale=scale, block_size=block_size, interpret=interpret, name="selected_forward", align=lay.align)
     return _from_query_tiles(o, lay, v.shape[3]), _from_query_tiles(lse, lay, 1)[..., 0]
