@@ -203,25 +203,28 @@ def test_a_kv_cache():
 
 @pytest.mark.parametrize("layout", ["gathered", "direct"])
 def test_a_decode_step_reads_only_its_blocks(layout):
-    """Two queries at the end of sequences of 3 lengths (the cache's, 131 and 2) in a cache of TK rows, random
-    selections with invalid entries, NaN past each length: the forward copies only the blocks the queries list (6
-    of 16 rows per KV head, not the cache's TK rows) and matches the reference, and so does the backward (on the
-    full layout), with zero dk and dv past each length. gathered: TK = 300, not a multiple of the block of 16 (the
-    last block's copy reaches past the cache), heads of 32 and 24: the blocks gathered in XLA first. direct: TK =
-    320, heads of 128, H = 3: the kernel copies each block's rows of every head from the cache as it is and takes
-    its own head's (`_own_head`)."""
-    T, TK, D = (2, 300, (32, 24)) if layout == "gathered" else (2, 320, (128, 128))
-    lens = np.array([TK, 131, 2], np.int32)
+    """T queries at the end of sequences of 3 lengths (the cache's, 131 and T) in a cache of TK rows, random
+    selections of 3 slots with invalid entries, NaN past each length: the forward copies only the blocks the
+    queries list (at most 3 T of 16 rows per KV head, not the cache's TK rows) and matches the reference, and so
+    does the backward (on the full layout), with zero dk and dv past each length. gathered: T = 2, TK = 300, not
+    a multiple of the block of 16 (the last block's copy reaches past the cache), heads of 32 and 24: the blocks
+    gathered in XLA first. direct: a decode step (T = 1: a tile of one token, its G heads the rows), TK = 320,
+    heads of 128, H = 3: the kernel copies each block's rows of every head from the cache as it is and takes its
+    own head's (`_own_head`)."""
+    T, TK, D = (2, 300, (32, 24)) if layout == "gathered" else (1, 320, (128, 128))
+    lens = np.array([TK, 131, T], np.int32)
     H = 2 if layout == "gathered" else 3
     x = Inputs((3, TK, 3 * H, H) + D + (16,), "float32")
     last = lambda a: np.stack([np.asarray(a)[b, n - T:n] for b, n in enumerate(lens)])
     x.q, x.do = (jnp.asarray(last(a)) for a in (x.q, x.do))
     idx = last(x.block_indices(3))
     counts = jnp.asarray(np.random.default_rng(2).integers(0, 5, (3, T, H)), jnp.int32)
-    config = selected.default_config(Shapes.of(x.q, x.k, x.v, block_size=16), x.q.dtype, facts("tpu"))
+    shapes = Shapes.of(x.q, x.k, x.v, block_size=16)
+    config = selected.default_config(shapes, x.q.dtype, facts("tpu"), forward=True)
+    assert (config.tokens == 1) == (T == 1)
     lay = selected._Layout(x.q, x.k, x.v, idx, 16, None, lens, config)
     assert (lay.gathered, lay.direct) == (layout == "gathered", layout == "direct")
-    assert lay.nt * lay.union * lay.br == 96
+    assert lay.nt * lay.union * lay.br == 3 * T * 16
     past = (np.arange(TK)[None, :] >= lens[:, None])[..., None, None]
     keys = x.k, x.v
     x.k, x.v = (jnp.where(past, jnp.nan, a) for a in keys)

@@ -44,8 +44,9 @@ Layouts (all built in XLA around the kernels; D padded to Dp, a multiple of 128 
   multiples of 128) lane-aligned: Mosaic has rejected matmuls with fewer than 128
   result lanes and padded transposes (jax issues 18388, 18370), and the MXU is 128 wide anyway.
 
-Forward (`_fwd_kernel`), grid (B, H, NT), all parallel. A step owns a tile: it loads q (G, TB, Dkp) and
-the names (TB, S) through BlockSpecs, then walks the tile's union in order with a double-buffered DMA
+Forward (`_fwd_kernel`), grid (B, H, NT), all parallel. A step owns a tile: it loads q (R, Dkp) (flattened
+in XLA; a decode step's one token is a tile of TB = 1, its G heads the R rows) and the names (TB, S) through
+BlockSpecs, then walks the tile's union in order with a double-buffered DMA
 loop (`_pipelined`: block u + 1's keys and values are in flight while block u is computed). Row (g, j)
 sees key row x + c of block x iff token j lists x (m > 0 times), c < block_size and x + c <= its key row
 t0 + j; log(m) is added to its logits, so a block listed twice weighs twice. Online softmax in float32.
@@ -101,18 +102,23 @@ MXU_ROWS = 128  # a tile's rows (the G heads of TB tokens) are a multiple of one
 class Config(NamedTuple):
     """TB query tokens per tile (forward, dq, and the dk/dv entries) and L, the most entries (tiles) of
     one dk/dv segment. TB must be a multiple of the sublane tile (8, or 16 in 16-bit dtypes), and on a
-    TPU G * TB a multiple of 128 (`default_config`); interpret mode takes any multiple of 8."""
+    TPU G * TB a multiple of 128 (`default_config`); interpret mode takes any multiple of 8. TB = 1 is the
+    forward's tile of a decode step's one token (its G heads the tile's rows: `default_config(forward=True)`).
+    """
 
     tokens: int
     segment: int
 
     def check(self):
         positive(self, "tokens", "segment")
-        expect(self.tokens % facts("tpu").sublanes == 0, self, "tokens", "a multiple of the sublanes (8)")
+        expect(self.tokens == 1 or self.tokens % facts("tpu").sublanes == 0, self, "tokens",
+               "1 or a multiple of the sublanes (8)")
 
 
-def default_config(shapes: Shapes, dtype, device) -> Config:
-    """The Config of a call of `shapes` (q [B, T, HQ, Dk] against k [B, TK, H, Dk]) in `dtype` on `device`.
+def default_config(shapes: Shapes, dtype, device, *, forward=False) -> Config:
+    """The Config of a call of `shapes` (q [B, T, HQ, Dk] against k [B, TK, H, Dk]) in `dtype` on `device`;
+    forward: for the forward alone, which at T = 1 (a decode step) takes TB = 1, its tile's R = G rows its one
+    token's heads (no transposes there, and a 16-token tile would be 15/16 padding).
 
     - TB: the fewest tokens whose G heads make R = G * TB rows a multiple of MXU_ROWS = 128, rounded up
       to the sublane tile of q's dtype (8 rows in float32, 16 in 16-bit) so that the (G, TB, Dp) tile
@@ -128,7 +134,7 @@ def default_config(shapes: Shapes, dtype, device) -> Config:
     """
     del device
     tb = round_up(MXU_ROWS // math.gcd(shapes.G, MXU_ROWS), sublanes(dtype))
-    return Config(tokens=tb, segment=max(1, min(256, cdiv(shapes.T, tb))))
+    return Config(tokens=1 if forward and shapes.T == 1 else tb, segment=max(1, min(256, cdiv(shapes.T, tb))))
 
 
 # ------------------------------------------------------------------------------------------ kernels
@@ -194,11 +200,9 @@ def _block_bias(names, x, t0, *, block_size, rows):
 
 
 def _own_head(buf, slot, h):
-    """[BK, D]: KV head h's rows of buffer `slot` of buf [., BK, H, D] (h traced: one select per head)."""
-    rows = buf[slot, :, 0, :]
-    for j in range(1, buf.shape[2]):
-        rows = jnp.where(h == j, buf[slot, :, j, :], rows)
-    return rows
+    """[BK, D]: KV head h's rows of buffer `slot` of buf [., BK, H, D] (h traced: a switch over the heads, each
+    branch one strided load)."""
+    return lax.switch(h, [functools.partial(lambda j: buf[slot, :, j, :], j) for j in range(buf.shape[2])])
 
 
 def _block(k_buf, v_buf, slot, x, last, block_size, h=None):
@@ -242,30 +246,38 @@ def _walk_union(blocks_ref, names, k_hbm, v_hbm, k_buf, v_buf, sems, body, *, bl
 
 def _fwd_kernel(blocks_ref, q_ref, names_ref, k_hbm, v_hbm, o_ref, lse_ref, k_buf, v_buf, sems, m_scr, l_scr,
                 acc_scr, *, scale, block_size, precision, align):
-    G, TB, _ = q_ref.shape
-    q = q_ref[...].reshape(G * TB, q_ref.shape[2])
+    """One tile: q_ref (R, Dkp), its R = G * TB rows (head g, token j: row g * TB + j) laid out in XLA (no
+    reshape in the kernel: at TB = 1 one would gather (G, 1) tiles), o_ref (R, Dvp), lse_ref (R, 1); m, l
+    [R, 128] and acc [R, Dvp] float32."""
+    q = q_ref[...]
     m_scr[...] = jnp.full(m_scr.shape, -jnp.inf, jnp.float32)
     l_scr[...] = jnp.zeros(l_scr.shape, jnp.float32)
     acc_scr[...] = jnp.zeros(acc_scr.shape, jnp.float32)
 
     def attend(k, v, bias):
-        s = _logits(q, k, bias, scale, precision)  # [G, TB, BK]
-        m_prev = m_scr[...][:, :, :1]
-        m_new = jnp.maximum(m_prev, jnp.max(s, axis=2, keepdims=True))
+        s = dot(q, k, precision, transpose_b=True) * scale + _row_bias(bias, q.shape[0])  # [R, BK]
+        m_prev = m_scr[...][:, :1]
+        m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
         m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows that saw nothing yet: no NaN
         alpha = jnp.exp(m_prev - m_use)
         p = jnp.exp(s - m_use)
-        l_scr[...] = jnp.broadcast_to(l_scr[...][:, :, :1] * alpha + jnp.sum(p, axis=2, keepdims=True), l_scr.shape)
+        l_scr[...] = jnp.broadcast_to(l_scr[...][:, :1] * alpha + jnp.sum(p, axis=1, keepdims=True), l_scr.shape)
         m_scr[...] = jnp.broadcast_to(m_new, m_scr.shape)
-        pv = dot(p.reshape(G * TB, p.shape[2]).astype(v.dtype), v, precision).reshape(acc_scr.shape)
-        acc_scr[...] = acc_scr[...] * alpha + pv
+        acc_scr[...] = acc_scr[...] * alpha + dot(p.astype(v.dtype), v, precision)
 
     _walk_union(blocks_ref, names_ref[...], k_hbm, v_hbm, k_buf, v_buf, sems, attend, block_size=block_size,
                 align=align)
-    l = l_scr[...][:, :, :1]
+    l = l_scr[...][:, :1]
     seen = l > 0
     o_ref[...] = (acc_scr[...] / jnp.where(seen, l, 1.0)).astype(o_ref.dtype)
-    lse_ref[...] = jnp.where(seen, m_scr[...][:, :, :1] + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
+    lse_ref[...] = jnp.where(seen, m_scr[...][:, :1] + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
+
+
+def _row_bias(bias, rows):
+    """A tile's bias [TB, BK] per token as [rows, BK] per row (row g * TB + j: token j): itself at TB = 1 (it
+    broadcasts), else G copies stacked (TB a multiple of the sublane tile: a free reshape)."""
+    TB, BK = bias.shape
+    return bias if TB == 1 else jnp.broadcast_to(bias[None], (rows // TB, TB, BK)).reshape(rows, BK)
 
 
 def _probabilities(q, k, bias, lse, scale, precision):
@@ -530,12 +542,13 @@ def vmem_bytes(G, dk, dv, itemsize, block_size, num_slots, config):
     return max(forward, dq, dkdv, reduce)
 
 
-def _config(config, q, k, v, block_indices, block_size):
-    """config, or the default_config of q [B, T, HQ, Dk] against k [B, TK, H, Dk], v [B, TK, H, Dv]."""
+def _config(config, q, k, v, block_indices, block_size, forward=False):
+    """config, or the default_config of q [B, T, HQ, Dk] against k [B, TK, H, Dk], v [B, TK, H, Dv] (for the
+    forward alone where `forward`)."""
     if config is not None:
         return config
     shapes = Shapes.of(q, k, v, block_size=block_size, block_counts=block_indices.shape[3])
-    return default_config(shapes, q.dtype, facts("tpu"))
+    return default_config(shapes, q.dtype, facts("tpu"), forward=forward)
 
 
 # ------------------------------------------------------------------------------------------ forward
@@ -560,7 +573,7 @@ def forward(q, k, v, block_indices, block_counts, cu_seqlens, kv_lens=None, *, b
 def _attention(q, k, v, block_indices, block_counts, cu_seqlens, kv_lens, *, block_size, scale, interpret, config):
     """`forward`'s o and lse."""
     check_selected(q, k, block_indices, block_size)
-    cfg = _config(config, q, k, v, block_indices, block_size)
+    cfg = _config(config, q, k, v, block_indices, block_size, forward=True)
     lay = _Layout(q, k, v, block_indices, block_size, cu_seqlens, kv_lens, cfg)
     names, blocks, union, _, _ = _tiles(block_indices, block_counts, cu_seqlens, kv_lens, lay, block_size,
                                         lay.gathered)
@@ -568,15 +581,17 @@ def _attention(q, k, v, block_indices, block_counts, cu_seqlens, kv_lens, *, blo
         rows = lambda x, lay, dp: x
     else:
         rows = functools.partial(_gathered_rows, union=union) if lay.gathered else _key_rows
-    tile_shape = (lay.B, lay.H, lay.nt, lay.G, lay.tb)
+    R = lay.G * lay.tb
+    tile_shape = (lay.B, lay.H, lay.nt, R)
     o, lse = _query_grid(
-        _fwd_kernel, lay, blocks, [_query_tiles(q, lay, lay.dkp), names],
+        _fwd_kernel, lay, blocks, [_query_tiles(q, lay, lay.dkp).reshape(tile_shape + (lay.dkp,)), names],
         rows(k, lay=lay, dp=lay.dkp), rows(v, lay=lay, dp=lay.dvp),
         [out_struct(tile_shape + (lay.dvp,), q.dtype, q), out_struct(tile_shape + (1,), jnp.float32, q)],
-        _block_buffers(lay, k, v, 2, lay.direct) + [pltpu.VMEM((lay.G, lay.tb, lanes()), jnp.float32)] * 2
-        + [pltpu.VMEM((lay.G, lay.tb, lay.dvp), jnp.float32)],
+        _block_buffers(lay, k, v, 2, lay.direct) + [pltpu.VMEM((R, lanes()), jnp.float32)] * 2
+        + [pltpu.VMEM((R, lay.dvp), jnp.float32)],
         q=q, scale=scale, block_size=block_size, interpret=interpret, name="selected_forward", align=lay.align)
-    return _from_query_tiles(o, lay, v.shape[3]), _from_query_tiles(lse, lay, 1)[..., 0]
+    tiles = lambda x: x.reshape(lay.B, lay.H, lay.nt, lay.G, lay.tb, x.shape[-1])
+    return _from_query_tiles(tiles(o), lay, v.shape[3]), _from_query_tiles(tiles(lse), lay, 1)[..., 0]
 
 
 # ------------------------------------------------------------------------------------------ backward
