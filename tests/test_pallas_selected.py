@@ -293,6 +293,21 @@ def test_vmem_budget(G, dk, dv, dtype, block_size):
     assert selected.vmem_bytes(G, dk, dv, jnp.dtype(dtype).itemsize, block_size, S, config) <= 16 * 2 ** 20
 
 
+@pytest.mark.parametrize("H, dtype, block_size", [(4, jnp.bfloat16, 64), (32, jnp.bfloat16, 64),
+                                                  (8, jnp.float32, 128), (16, jnp.float32, 64)])
+def test_direct_decode_vmem_budget(H, dtype, block_size):
+    """A decode step's direct forward (one token, G = 16 heads of 128 a KV head, its DIRECT_SLOTS block buffers
+    of every KV head's rows) holds within the 16 MiB of scoped VMEM."""
+    G, D, S = 16, 128, 16
+    q = jax.ShapeDtypeStruct((8, 1, G * H, D), dtype)
+    k = jax.ShapeDtypeStruct((8, 65536, H, D), dtype)
+    config = selected.default_config(Shapes.of(q, k, k, block_size=block_size, block_counts=S), dtype, facts("tpu"),
+                                     forward=True)
+    assert config.tokens == 1
+    used = selected.vmem_bytes(G, D, D, jnp.dtype(dtype).itemsize, block_size, S, config, heads=H)
+    assert selected.vmem_bytes(G, D, D, jnp.dtype(dtype).itemsize, block_size, S, config) < used <= 16 * 2 ** 20
+
+
 def test_errors_name_the_argument():
     q, k = jnp.zeros((1, 8, 3, 16)), jnp.zeros((1, 8, 2, 16))
     with pytest.raises(ValueError, match="q:"):
