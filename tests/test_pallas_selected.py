@@ -296,7 +296,7 @@ def test_vmem_budget(G, dk, dv, dtype, block_size):
 @pytest.mark.parametrize("H, dtype, block_size", [(4, jnp.bfloat16, 64), (32, jnp.bfloat16, 64),
                                                   (8, jnp.float32, 128), (16, jnp.float32, 64)])
 def test_direct_decode_vmem_budget(H, dtype, block_size):
-    """A decode step's direct forward (one token, G = 16 heads of 128 a KV head, its DIRECT_SLOTS block buffers
+    """A decode step's direct forward (one token, G = 16 heads of 128 a KV head, its block buffers
     of every KV head's rows) holds within the 16 MiB of scoped VMEM."""
     G, D, S = 16, 128, 16
     q = jax.ShapeDtypeStruct((8, 1, G * H, D), dtype)

@@ -37,7 +37,7 @@ Layouts (all built in XLA around the kernels; D padded to Dp, a multiple of 128 
   is, k [B, TK, H, Dk] in HBM (`_Layout.direct`: TK a multiple of block_size, D of 128), each copy a block's
   block_size rows of every head, [block_size, H, D] (whole tiles of the cache's TPU layout, whose minor dims
   are H and D: Mosaic refuses a copy of one head, an offset inside a tile, seen on a TPU v5e), into buffers
-  [DIRECT_SLOTS, BK, H, D] whose own head the kernel then takes (`_own_head`); H times the bytes of the head's
+  [2, BK, H, D] whose own head the kernel then takes (`_own_head`); H times the bytes of the head's
   rows, but no XLA gather of them first, which took a third of a step's time on a TPU v5e
   (scripts/tpu_dma_probe.py). Else those rows gathered from the cache in XLA, [B, H, NT * U * BR, Dp]
   (`_gathered_rows`), block u of tile i at source row (i * U + u) * BR. BK makes every logits tile [R, BK]
@@ -48,10 +48,9 @@ Layouts (all built in XLA around the kernels; D padded to Dp, a multiple of 128 
 Forward (`_fwd_kernel`), grid (B, H, NT), all parallel. A step owns a tile: it loads q (R, Dkp) (flattened
 in XLA; a decode step's one token is a tile of TB = 1, its G heads the R rows) and the names (TB, S) through
 BlockSpecs, then walks the tile's union in order with a double-buffered DMA loop (`_pipelined`: block u + 1's
-keys and values are in flight while block u is computed; a direct decode step keeps DIRECT_SLOTS - 1 blocks in
-flight). Row (g, j) sees key row x + c of block x iff token j lists x (m > 0 times), c < block_size and
-x + c <= its key row t0 + j; log(m) is added to its logits, so a block listed twice weighs twice. Online
-softmax in float32.
+keys and values are in flight while block u is computed). Row (g, j) sees key row x + c of block x iff
+token j lists x (m > 0 times), c < block_size and x + c <= its key row t0 + j; log(m) is added to its
+logits, so a block listed twice weighs twice. Online softmax in float32.
 
 Backward. delta = sum(o * do) in XLA. `_dq_kernel` runs on the forward's grid and loop, recomputing p from
 lse. dk/dv inverts the selection (fla's decomposition): each (tile, union block) pair is an entry keyed
@@ -70,8 +69,8 @@ rows and a float32 [R, Dkp] accumulator; the dk/dv kernel the same tiles (its ow
 one block, and float32 dk, dv [BR, Dp]. At the standard shape (G = 16, TB = 16, bf16, Dp = 128,
 block_size 64) that is about 1.1 MiB; float32 heads of 256 take 1.6 MiB at G = 16 and 4 MiB at G = 3
 (TB = 128), bf16 heads of 256 at G = 64 6.3 MiB: all under the 16 MiB of scoped VMEM. A direct forward's
-block buffers hold every head, [DIRECT_SLOTS = 4, BK, H, D] with H padded to the sublane tile: 2 MiB for k and
-v at the standard shape (H = 4 of 16 rows, bf16), 8 MiB at H = 32. SMEM per step:
+block buffers hold every head, [2, BK, H, D] with H padded to the sublane tile: 1 MiB for k and v at the
+standard shape (H = 4 of 16 rows, bf16), 4 MiB at H = 32. SMEM per step:
 one table row of 2 + 3U ints (forward, dq) or 6 + 2L (dk/dv), double-buffered. None of it depends on T or
 TK, which set only the grids, the lists (B * H * NR of them) and the XLA work (k and v are copied,
 transposed, once per call, but for the forward of a decode step).
@@ -98,10 +97,6 @@ from nsa.pallas._batch import per_sequence
 from nsa.pallas.tpu._common import dot, lane_padded, lanes, out_struct, params, sublanes
 
 MXU_ROWS = 128  # a tile's rows (the G heads of TB tokens) are a multiple of one MXU pass
-# the blocks a direct forward (a decode step reading the cache as it is) keeps in flight: with 2 (one copy ahead)
-# its kernel took 800 us of a B = 8, 16k step on a TPU v5e, 1.6 us a block, where 16 copies in flight read a block
-# in 0.23 us (scripts/tpu_dma_probe.py); 4 slots of every head's rows take 4 MiB of VMEM at the standard shape
-DIRECT_SLOTS = 4
 
 
 @validated
@@ -146,25 +141,23 @@ def default_config(shapes: Shapes, dtype, device, *, forward=False) -> Config:
 # ------------------------------------------------------------------------------------------ kernels
 
 
-def _pipelined(n, copies, body, depth=2):
+def _pipelined(n, copies, body):
     """for u in range(n): body(u, slot), once the copies `copies(u, slot)` (a list of async copy
-    descriptors into buffer `slot` = u % depth) have landed; those of u + 1 .. u + depth - 1 fly while
-    body(u) runs."""
-    for u in range(depth - 1):
-        @pl.when(u < n)
-        def _first():
-            for c in copies(u, u):
-                c.start()
+    descriptors into buffer `slot` in {0, 1}) have landed; those of u + 1 fly while body(u) runs."""
+
+    @pl.when(n > 0)
+    def _first():
+        for c in copies(0, 0):
+            c.start()
 
     def step(u, carry):
-        ahead = u + depth - 1
+        slot = lax.rem(u, 2)
 
-        @pl.when(ahead < n)
+        @pl.when(u + 1 < n)
         def _next():
-            for c in copies(ahead, lax.rem(ahead, depth)):
+            for c in copies(u + 1, 1 - slot):
                 c.start()
 
-        slot = lax.rem(u, depth)
         for c in copies(u, slot):
             c.wait()
         body(u, slot)
@@ -238,8 +231,7 @@ def _logits(q, k, bias, scale, precision):
 def _walk_union(blocks_ref, names, k_hbm, v_hbm, k_buf, v_buf, sems, body, *, block_size, align):
     """body(k, v, bias) for each block of the step's token tile's union, in order: t0, the union's names, last
     key rows and source rows (in k_hbm) from the step's SMEM row blocks_ref [1, 2 + 3U], the tile's slot
-    names [TB, S]; the copies of the next blocks (as many as k_buf has slots, less one) fly while block u is
-    computed (`_pipelined`)."""
+    names [TB, S]; block u + 1's copy flies while block u is computed (`_pipelined`)."""
     b, h = pl.program_id(0), pl.program_id(1)
     U = (blocks_ref.shape[1] - 2) // 3
     copies = lambda u, slot: _block_copies(k_hbm, v_hbm, k_buf, v_buf, sems, b, h, blocks_ref[0, 2 + 2 * U + u],
@@ -250,7 +242,7 @@ def _walk_union(blocks_ref, names, k_hbm, v_hbm, k_buf, v_buf, sems, body, *, bl
         bias = _block_bias(names, x, blocks_ref[0, 1], block_size=block_size, rows=k_buf.shape[1])
         body(*_block(k_buf, v_buf, slot, x, blocks_ref[0, 2 + U + u], block_size, h), bias)
 
-    _pipelined(blocks_ref[0, 0], copies, step, depth=k_buf.shape[0])
+    _pipelined(blocks_ref[0, 0], copies, step)
 
 
 def _fwd_kernel(blocks_ref, q_ref, names_ref, k_hbm, v_hbm, o_ref, lse_ref, k_buf, v_buf, sems, m_scr, l_scr,
@@ -505,11 +497,12 @@ def _tiles(block_indices, block_counts, cu_seqlens, kv_lens, lay, block_size, ga
 
 
 def _block_buffers(lay, k, v, copies, direct=False):
-    """Double buffers of one block's keys and values (DIRECT_SLOTS of them, every head's, [., BK, H, D], when
-    `direct`), and the DMA semaphores of `copies` copy streams."""
-    slots, heads = (DIRECT_SLOTS, (lay.H,)) if direct else (2, ())
-    return [pltpu.VMEM((slots, lay.bk) + heads + (lay.dkp,), k.dtype),
-            pltpu.VMEM((slots, lay.bk) + heads + (lay.dvp,), v.dtype), pltpu.SemaphoreType.DMA((copies, slots))]
+    """Double buffers of one block's keys and values ([2, BK, H, D], every head's, when `direct`), and the DMA
+    semaphores of `copies` copy streams. (A direct decode step's forward ran no faster with 3 blocks in flight
+    than with 1 on a TPU v5e: 1291 against 1295 us a B = 8, 16k step.)"""
+    heads = (lay.H,) if direct else ()
+    return [pltpu.VMEM((2, lay.bk) + heads + (lay.dkp,), k.dtype),
+            pltpu.VMEM((2, lay.bk) + heads + (lay.dvp,), v.dtype), pltpu.SemaphoreType.DMA((copies, 2))]
 
 
 def _query_grid(kernel, lay, blocks, tiled, k_rows, v_rows, outputs, scratch, *, q, scale, block_size,
@@ -536,8 +529,8 @@ def _query_grid(kernel, lay, blocks, tiled, k_rows, v_rows, outputs, scratch, *,
 def vmem_bytes(G, dk, dv, itemsize, block_size, num_slots, config, heads=None):
     """The VMEM one grid step holds, the largest over the four kernels: BlockSpec blocks double-buffered
     (1-wide and int32 blocks padded to the lanes), the DMA buffers and the float32 scratch; heads: the H of
-    a direct forward (a decode step reading the cache as it is), whose DIRECT_SLOTS block buffers hold every
-    head's rows (H padded to the sublane tile of the cache's dtype)."""
+    a direct forward (a decode step reading the cache as it is), whose block buffers hold every head's rows
+    (H padded to the sublane tile of the cache's dtype)."""
     tb, lane = config.tokens, lanes()
     R = G * tb
     sub = facts("tpu").sublanes * 4 // itemsize  # the sublane tile's rows
@@ -546,7 +539,7 @@ def vmem_bytes(G, dk, dv, itemsize, block_size, num_slots, config, heads=None):
     slots = round_up(num_slots, lane)
     tile = (R * dkp + R * dvp) * itemsize + 2 * R * lane * 4 + tb * slots * 4  # q, do, lse, delta, names
     block = bk * (dkp + dvp) * itemsize
-    blocks = 2 * block if heads is None else DIRECT_SLOTS * block * round_up(heads, sub)
+    blocks = 2 * block * (1 if heads is None else round_up(heads, sub))
     forward = 2 * (R * dkp * itemsize + tb * slots * 4 + R * dvp * itemsize + R * lane * 4) + blocks \
         + (2 * R * lane + R * dvp) * 4
     dq = 2 * (tile + R * dkp * itemsize) + 2 * block + R * dkp * 4
