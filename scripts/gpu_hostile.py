@@ -233,6 +233,7 @@ def main():
     if "--cache" in sys.argv:  # only the KV-cache cases
         for TQ, B, TK, bs in ((1, 3, 300, 32), (37, 3, 300, 32), (1, 2, 2000, 16)):
             case_cache(dtypes[0], TQ, B, TK, 6, 2, 64, 32, bs)
+        case_cache(dtypes[0], 1, 3, 512, 8, 4, 128, 128, 64)  # heads of 128, TK a multiple of the block: read as is
         return report()
     if "--paged" in sys.argv:  # only the paged and ragged cases
         for dtype in dtypes:

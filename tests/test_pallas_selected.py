@@ -201,21 +201,30 @@ def test_a_kv_cache():
     assert np.all(np.asarray(dv)[np.broadcast_to(past, dv.shape)] == 0)
 
 
-def test_a_decode_step_gathers_its_blocks():
-    """Two queries at the end of sequences of 300, 131 and 2 tokens in a 300-row cache (not a multiple of the
-    block of 16: the last block's copy reaches past the cache), random selections with invalid entries, NaN
-    past each length: the forward copies only the blocks the queries list (the layout says so: 6 blocks of
-    16 rows per KV head, not the cache's 300 rows) and matches the reference, and so does the backward (on
-    the full layout), with zero dk and dv past each length."""
-    T, TK, lens = 2, 300, np.array([300, 131, 2], np.int32)
-    x = Inputs((3, TK, 6, 2, 32, 24, 16), "float32")
+@pytest.mark.parametrize("layout", ["gathered", "direct"])
+def test_a_decode_step_reads_only_its_blocks(layout):
+    """T queries at the end of sequences of 3 lengths (the cache's, 131 and T) in a cache of TK rows, random
+    selections of 3 slots with invalid entries, NaN past each length: the forward copies only the blocks the
+    queries list (at most 3 T of 16 rows per KV head, not the cache's TK rows) and matches the reference, and so
+    does the backward (on the full layout), with zero dk and dv past each length. gathered: T = 2, TK = 300, not
+    a multiple of the block of 16 (the last block's copy reaches past the cache), heads of 32 and 24: the blocks
+    gathered in XLA first. direct: a decode step (T = 1: a tile of one token, its G heads the rows), TK = 320,
+    heads of 128, H = 3: the kernel copies each block's rows of every head from the cache as it is and takes its
+    own head's (`_own_head`)."""
+    T, TK, D = (2, 300, (32, 24)) if layout == "gathered" else (1, 320, (128, 128))
+    lens = np.array([TK, 131, T], np.int32)
+    H = 2 if layout == "gathered" else 3
+    x = Inputs((3, TK, 3 * H, H) + D + (16,), "float32")
     last = lambda a: np.stack([np.asarray(a)[b, n - T:n] for b, n in enumerate(lens)])
     x.q, x.do = (jnp.asarray(last(a)) for a in (x.q, x.do))
     idx = last(x.block_indices(3))
-    counts = jnp.asarray(np.random.default_rng(2).integers(0, 5, (3, T, 2)), jnp.int32)
-    config = selected.default_config(Shapes.of(x.q, x.k, x.v, block_size=16), x.q.dtype, facts("tpu"))
+    counts = jnp.asarray(np.random.default_rng(2).integers(0, 5, (3, T, H)), jnp.int32)
+    shapes = Shapes.of(x.q, x.k, x.v, block_size=16)
+    config = selected.default_config(shapes, x.q.dtype, facts("tpu"), forward=True)
+    assert (config.tokens == 1) == (T == 1)
     lay = selected._Layout(x.q, x.k, x.v, idx, 16, None, lens, config)
-    assert lay.gathered and lay.nt * lay.union * lay.br == 96
+    assert (lay.gathered, lay.direct) == (layout == "gathered", layout == "direct")
+    assert lay.nt * lay.union * lay.br == 3 * T * 16
     past = (np.arange(TK)[None, :] >= lens[:, None])[..., None, None]
     keys = x.k, x.v
     x.k, x.v = (jnp.where(past, jnp.nan, a) for a in keys)
@@ -282,6 +291,21 @@ def test_vmem_budget(G, dk, dv, dtype, block_size):
     config = selected.default_config(Shapes.of(q, k, v, block_size=block_size, block_counts=S), dtype, facts("tpu"))
     assert config.tokens * G % 128 == 0
     assert selected.vmem_bytes(G, dk, dv, jnp.dtype(dtype).itemsize, block_size, S, config) <= 16 * 2 ** 20
+
+
+@pytest.mark.parametrize("H, dtype, block_size", [(4, jnp.bfloat16, 64), (32, jnp.bfloat16, 64),
+                                                  (8, jnp.float32, 128), (16, jnp.float32, 64)])
+def test_direct_decode_vmem_budget(H, dtype, block_size):
+    """A decode step's direct forward (one token, G = 16 heads of 128 a KV head, its block buffers
+    of every KV head's rows) holds within the 16 MiB of scoped VMEM."""
+    G, D, S = 16, 128, 16
+    q = jax.ShapeDtypeStruct((8, 1, G * H, D), dtype)
+    k = jax.ShapeDtypeStruct((8, 65536, H, D), dtype)
+    config = selected.default_config(Shapes.of(q, k, k, block_size=block_size, block_counts=S), dtype, facts("tpu"),
+                                     forward=True)
+    assert config.tokens == 1
+    used = selected.vmem_bytes(G, D, D, jnp.dtype(dtype).itemsize, block_size, S, config, heads=H)
+    assert selected.vmem_bytes(G, D, D, jnp.dtype(dtype).itemsize, block_size, S, config) < used <= 16 * 2 ** 20
 
 
 def test_errors_name_the_argument():

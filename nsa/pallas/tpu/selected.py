@@ -32,18 +32,25 @@ Layouts (all built in XLA around the kernels; D padded to Dp, a multiple of 128 
   (block_size rounded up to the sublane tile) from its source row (its name x, or its place when packed) into
   the first rows of a VMEM buffer of BK rows (block_size rounded up to 128) itself (`make_async_copy`); rows
   past the block, or past every query of the tile, are zeroed (`_block`). With a KV cache whose TK rows
-  outnumber the NT * U * BR rows the tiles' unions can name (a decode step: 1 tile, U = T * S), the forward's k and v
-  are instead those rows gathered from the cache, [B, H, NT * U * BR, Dp] (`_gathered_rows`: O(T * S *
-  block_size) per KV head, never a transpose of the cache), block u of tile i at source row
-  (i * U + u) * BR. BK makes every logits tile [R, BK] and every transpose in the dk/dv kernel (R and BK
-  multiples of 128) lane-aligned: Mosaic has rejected matmuls with fewer than 128
-  result lanes and padded transposes (jax issues 18388, 18370), and the MXU is 128 wide anyway.
+  outnumber the NT * U * BR rows the tiles' unions can name (a decode step: 1 tile, U = T * S), the forward
+  reads only those (O(T * S * block_size) per KV head, never a transpose of the cache): from the cache as it
+  is, k [B, TK, H, Dk] in HBM (`_Layout.direct`: TK a multiple of block_size, D of 128), each copy a block's
+  block_size rows of every head, [block_size, H, D] (whole tiles of the cache's TPU layout, whose minor dims
+  are H and D: Mosaic refuses a copy of one head, an offset inside a tile, seen on a TPU v5e), into buffers
+  [2, BK, H, D] whose own head the kernel then takes (`_own_head`); H times the bytes of the head's
+  rows, but no XLA gather of them first, which took a third of a step's time on a TPU v5e
+  (scripts/tpu_dma_probe.py). Else those rows gathered from the cache in XLA, [B, H, NT * U * BR, Dp]
+  (`_gathered_rows`), block u of tile i at source row (i * U + u) * BR. BK makes every logits tile [R, BK]
+  and every transpose in the dk/dv kernel (R and BK multiples of 128) lane-aligned: Mosaic has rejected
+  matmuls with fewer than 128 result lanes and padded transposes (jax issues 18388, 18370), and the MXU is
+  128 wide anyway.
 
-Forward (`_fwd_kernel`), grid (B, H, NT), all parallel. A step owns a tile: it loads q (G, TB, Dkp) and
-the names (TB, S) through BlockSpecs, then walks the tile's union in order with a double-buffered DMA
-loop (`_pipelined`: block u + 1's keys and values are in flight while block u is computed). Row (g, j)
-sees key row x + c of block x iff token j lists x (m > 0 times), c < block_size and x + c <= its key row
-t0 + j; log(m) is added to its logits, so a block listed twice weighs twice. Online softmax in float32.
+Forward (`_fwd_kernel`), grid (B, H, NT), all parallel. A step owns a tile: it loads q (R, Dkp) (flattened
+in XLA; a decode step's one token is a tile of TB = 1, its G heads the R rows) and the names (TB, S) through
+BlockSpecs, then walks the tile's union in order with a double-buffered DMA loop (`_pipelined`: block u + 1's
+keys and values are in flight while block u is computed). Row (g, j) sees key row x + c of block x iff
+token j lists x (m > 0 times), c < block_size and x + c <= its key row t0 + j; log(m) is added to its
+logits, so a block listed twice weighs twice. Online softmax in float32.
 
 Backward. delta = sum(o * do) in XLA. `_dq_kernel` runs on the forward's grid and loop, recomputing p from
 lse. dk/dv inverts the selection (fla's decomposition): each (tile, union block) pair is an entry keyed
@@ -61,10 +68,12 @@ holds q (G, TB, Dkp), do (G, TB, Dvp), lse, delta, names (TB, S), dq, two key an
 rows and a float32 [R, Dkp] accumulator; the dk/dv kernel the same tiles (its own DMA double buffers),
 one block, and float32 dk, dv [BR, Dp]. At the standard shape (G = 16, TB = 16, bf16, Dp = 128,
 block_size 64) that is about 1.1 MiB; float32 heads of 256 take 1.6 MiB at G = 16 and 4 MiB at G = 3
-(TB = 128), bf16 heads of 256 at G = 64 6.3 MiB: all under the 16 MiB of scoped VMEM. SMEM per step:
+(TB = 128), bf16 heads of 256 at G = 64 6.3 MiB: all under the 16 MiB of scoped VMEM. A direct forward's
+block buffers hold every head, [2, BK, H, D] with H padded to the sublane tile: 1 MiB for k and v at the
+standard shape (H = 4 of 16 rows, bf16), 4 MiB at H = 32. SMEM per step:
 one table row of 2 + 3U ints (forward, dq) or 6 + 2L (dk/dv), double-buffered. None of it depends on T or
 TK, which set only the grids, the lists (B * H * NR of them) and the XLA work (k and v are copied,
-transposed, once per call, but for the gathered forward of a decode step).
+transposed, once per call, but for the forward of a decode step).
 
 The Mosaic kernels carry names: selected_forward, selected_dq, selected_dkdv (the partials) and
 selected_dkdv_reduce.
@@ -94,18 +103,23 @@ MXU_ROWS = 128  # a tile's rows (the G heads of TB tokens) are a multiple of one
 class Config(NamedTuple):
     """TB query tokens per tile (forward, dq, and the dk/dv entries) and L, the most entries (tiles) of
     one dk/dv segment. TB must be a multiple of the sublane tile (8, or 16 in 16-bit dtypes), and on a
-    TPU G * TB a multiple of 128 (`default_config`); interpret mode takes any multiple of 8."""
+    TPU G * TB a multiple of 128 (`default_config`); interpret mode takes any multiple of 8. TB = 1 is the
+    forward's tile of a decode step's one token (its G heads the tile's rows: `default_config(forward=True)`).
+    """
 
     tokens: int
     segment: int
 
     def check(self):
         positive(self, "tokens", "segment")
-        expect(self.tokens % facts("tpu").sublanes == 0, self, "tokens", "a multiple of the sublanes (8)")
+        expect(self.tokens == 1 or self.tokens % facts("tpu").sublanes == 0, self, "tokens",
+               "1 or a multiple of the sublanes (8)")
 
 
-def default_config(shapes: Shapes, dtype, device) -> Config:
-    """The Config of a call of `shapes` (q [B, T, HQ, Dk] against k [B, TK, H, Dk]) in `dtype` on `device`.
+def default_config(shapes: Shapes, dtype, device, *, forward=False) -> Config:
+    """The Config of a call of `shapes` (q [B, T, HQ, Dk] against k [B, TK, H, Dk]) in `dtype` on `device`;
+    forward: for the forward alone, which at T = 1 (a decode step) takes TB = 1, its tile's R = G rows its one
+    token's heads (no transposes there, and a 16-token tile would be 15/16 padding).
 
     - TB: the fewest tokens whose G heads make R = G * TB rows a multiple of MXU_ROWS = 128, rounded up
       to the sublane tile of q's dtype (8 rows in float32, 16 in 16-bit) so that the (G, TB, Dp) tile
@@ -121,7 +135,7 @@ def default_config(shapes: Shapes, dtype, device) -> Config:
     """
     del device
     tb = round_up(MXU_ROWS // math.gcd(shapes.G, MXU_ROWS), sublanes(dtype))
-    return Config(tokens=tb, segment=max(1, min(256, cdiv(shapes.T, tb))))
+    return Config(tokens=1 if forward and shapes.T == 1 else tb, segment=max(1, min(256, cdiv(shapes.T, tb))))
 
 
 # ------------------------------------------------------------------------------------------ kernels
@@ -162,7 +176,12 @@ def _block_copies(k_hbm, v_hbm, k_buf, v_buf, sems, b, h, x, slot, block_size, a
     """The copies of the BR key and value rows from global row x of batch row b, KV head h, into the first
     rows of buffer `slot` of k_buf [., BK, Dkp] and v_buf [., BK, Dvp]. align: what x is known to be a multiple
     of (`_Layout.align`), said to Mosaic, which compiles a copy from a tiled HBM array only at rows it can prove
-    aligned to its 8-row tile."""
+    aligned to its 8-row tile. From a KV cache as it is (`_Layout.direct`: k_hbm [B, TK, H, Dk], buffers
+    [., BK, H, D]): the block_size rows of every head, whole tiles of the cache's minor dims (H, D)."""
+    if k_buf.ndim == 4:
+        rows = pl.ds(0, block_size)
+        return [pltpu.make_async_copy(k_hbm.at[b, pl.ds(x, block_size)], k_buf.at[slot, rows], sems.at[0, slot]),
+                pltpu.make_async_copy(v_hbm.at[b, pl.ds(x, block_size)], v_buf.at[slot, rows], sems.at[1, slot])]
     rows = pl.ds(0, _copied_rows(block_size, k_buf.dtype))
     src = pl.ds(pl.multiple_of(x, align) if align > 1 else x, rows.size)
     return [pltpu.make_async_copy(k_hbm.at[b, h, src], k_buf.at[slot, rows], sems.at[0, slot]),
@@ -181,14 +200,24 @@ def _block_bias(names, x, t0, *, block_size, rows):
     return jnp.where(seen, jnp.log(jnp.maximum(listed, 1.0)), -jnp.inf)
 
 
-def _block(k_buf, v_buf, slot, x, last, block_size):
-    """The keys [BK, Dkp] and values [BK, Dvp] of block x in buffer `slot`, with the rows no token of the
-    tile sees (past the block, or past `last`, the key row of the last token of the tile listing it)
-    zeroed: they hold another block's or sequence's rows, a cache's rows past the sequence (possibly never
-    meant to be read) or stale VMEM past BR, and 0 * NaN would leak into p v and do v^T."""
+def _own_head(buf, slot, h):
+    """[BK, D]: KV head h's rows of buffer `slot` of buf [., BK, H, D] (h traced: a switch over the heads, each
+    branch one strided load)."""
+    return lax.switch(h, [functools.partial(lambda j: buf[slot, :, j, :], j) for j in range(buf.shape[2])])
+
+
+def _block(k_buf, v_buf, slot, x, last, block_size, h=None):
+    """The keys [BK, Dkp] and values [BK, Dvp] of block x in buffer `slot` (of KV head h where the buffers hold
+    every head's, [., BK, H, D]), with the rows no token of the tile sees (past the block, or past `last`, the key
+    row of the last token of the tile listing it) zeroed: they hold another block's or sequence's rows, a cache's
+    rows past the sequence (possibly never meant to be read) or stale VMEM past BR, and 0 * NaN would leak into
+    p v and do v^T."""
     c = lax.broadcasted_iota(jnp.int32, (k_buf.shape[1], 1), 0)
     keep = (c < block_size) & (x + c <= last)
-    k, v = k_buf[slot], v_buf[slot]
+    if k_buf.ndim == 4:
+        k, v = _own_head(k_buf, slot, h), _own_head(v_buf, slot, h)
+    else:
+        k, v = k_buf[slot], v_buf[slot]
     return jnp.where(keep, k, jnp.zeros_like(k)), jnp.where(keep, v, jnp.zeros_like(v))
 
 
@@ -211,37 +240,45 @@ def _walk_union(blocks_ref, names, k_hbm, v_hbm, k_buf, v_buf, sems, body, *, bl
     def step(u, slot):
         x = blocks_ref[0, 2 + u]
         bias = _block_bias(names, x, blocks_ref[0, 1], block_size=block_size, rows=k_buf.shape[1])
-        body(*_block(k_buf, v_buf, slot, x, blocks_ref[0, 2 + U + u], block_size), bias)
+        body(*_block(k_buf, v_buf, slot, x, blocks_ref[0, 2 + U + u], block_size, h), bias)
 
     _pipelined(blocks_ref[0, 0], copies, step)
 
 
 def _fwd_kernel(blocks_ref, q_ref, names_ref, k_hbm, v_hbm, o_ref, lse_ref, k_buf, v_buf, sems, m_scr, l_scr,
                 acc_scr, *, scale, block_size, precision, align):
-    G, TB, _ = q_ref.shape
-    q = q_ref[...].reshape(G * TB, q_ref.shape[2])
+    """One tile: q_ref (R, Dkp), its R = G * TB rows (head g, token j: row g * TB + j) laid out in XLA (no
+    reshape in the kernel: at TB = 1 one would gather (G, 1) tiles), o_ref (R, Dvp), lse_ref (R, 1); m, l
+    [R, 128] and acc [R, Dvp] float32."""
+    q = q_ref[...]
     m_scr[...] = jnp.full(m_scr.shape, -jnp.inf, jnp.float32)
     l_scr[...] = jnp.zeros(l_scr.shape, jnp.float32)
     acc_scr[...] = jnp.zeros(acc_scr.shape, jnp.float32)
 
     def attend(k, v, bias):
-        s = _logits(q, k, bias, scale, precision)  # [G, TB, BK]
-        m_prev = m_scr[...][:, :, :1]
-        m_new = jnp.maximum(m_prev, jnp.max(s, axis=2, keepdims=True))
+        s = dot(q, k, precision, transpose_b=True) * scale + _row_bias(bias, q.shape[0])  # [R, BK]
+        m_prev = m_scr[...][:, :1]
+        m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
         m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows that saw nothing yet: no NaN
         alpha = jnp.exp(m_prev - m_use)
         p = jnp.exp(s - m_use)
-        l_scr[...] = jnp.broadcast_to(l_scr[...][:, :, :1] * alpha + jnp.sum(p, axis=2, keepdims=True), l_scr.shape)
+        l_scr[...] = jnp.broadcast_to(l_scr[...][:, :1] * alpha + jnp.sum(p, axis=1, keepdims=True), l_scr.shape)
         m_scr[...] = jnp.broadcast_to(m_new, m_scr.shape)
-        pv = dot(p.reshape(G * TB, p.shape[2]).astype(v.dtype), v, precision).reshape(acc_scr.shape)
-        acc_scr[...] = acc_scr[...] * alpha + pv
+        acc_scr[...] = acc_scr[...] * alpha + dot(p.astype(v.dtype), v, precision)
 
     _walk_union(blocks_ref, names_ref[...], k_hbm, v_hbm, k_buf, v_buf, sems, attend, block_size=block_size,
                 align=align)
-    l = l_scr[...][:, :, :1]
+    l = l_scr[...][:, :1]
     seen = l > 0
     o_ref[...] = (acc_scr[...] / jnp.where(seen, l, 1.0)).astype(o_ref.dtype)
-    lse_ref[...] = jnp.where(seen, m_scr[...][:, :, :1] + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
+    lse_ref[...] = jnp.where(seen, m_scr[...][:, :1] + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
+
+
+def _row_bias(bias, rows):
+    """A tile's bias [TB, BK] per token as [rows, BK] per row (row g * TB + j: token j): itself at TB = 1 (it
+    broadcasts), else G copies stacked (TB a multiple of the sublane tile: a free reshape)."""
+    TB, BK = bias.shape
+    return bias if TB == 1 else jnp.broadcast_to(bias[None], (rows // TB, TB, BK)).reshape(rows, BK)
 
 
 def _probabilities(q, k, bias, lse, scale, precision):
@@ -346,8 +383,13 @@ class _Layout(Tiling):
         self.br = _copied_rows(block_size, k.dtype)  # the rows copied per block, block_size rounded up to the sublanes
         self.bk = round_up(block_size, lanes())  # the rows of a key buffer, block_size rounded up to 128
         self.dkp, self.dvp = lane_padded(q.shape[3]), lane_padded(v.shape[3])
-        # the forward reads the union's blocks gathered from a KV cache (`_gathered_rows`)
-        self.gathered = kv_lens is not None and 0 < self.nt * self.union * self.br < self.TK
+        # the forward of a KV cache step whose tiles list fewer rows than the cache holds (a decode step) reads only
+        # those: from the cache as it is (direct: block_size rows of every head a copy, whole tiles of the cache's
+        # minor dims (H, D), since Mosaic copies no single head from a tiled dim: seen on a TPU v5e) where every
+        # block lies within TK and the heads need no padding, else gathered in XLA first (`_gathered_rows`)
+        few = kv_lens is not None and 0 < self.nt * self.union * self.br < self.TK
+        self.direct = few and self.TK % block_size == 0 and (self.dkp, self.dvp) == (q.shape[3], v.shape[3])
+        self.gathered = few and not self.direct
         # packed sequences: k and v laid out block by block (`_block_starts`, `_key_rows`), each block at a row
         # that is a multiple of BR, since a packed sequence starts anywhere and Mosaic copies only from rows of
         # a tiled HBM array it can prove aligned to its 8-row tile (seen on a TPU v5e)
@@ -454,10 +496,13 @@ def _tiles(block_indices, block_counts, cu_seqlens, kv_lens, lay, block_size, ga
     return names, blocks, union, last, offsets
 
 
-def _block_buffers(lay, k, v, copies):
-    """Double buffers of one block's keys and values, and the DMA semaphores of `copies` copy streams."""
-    return [pltpu.VMEM((2, lay.bk, lay.dkp), k.dtype), pltpu.VMEM((2, lay.bk, lay.dvp), v.dtype),
-            pltpu.SemaphoreType.DMA((copies, 2))]
+def _block_buffers(lay, k, v, copies, direct=False):
+    """Double buffers of one block's keys and values ([2, BK, H, D], every head's, when `direct`), and the DMA
+    semaphores of `copies` copy streams. (A direct decode step's forward ran no faster with 3 blocks in flight
+    than with 1 on a TPU v5e: 1291 against 1295 us a B = 8, 16k step.)"""
+    heads = (lay.H,) if direct else ()
+    return [pltpu.VMEM((2, lay.bk) + heads + (lay.dkp,), k.dtype),
+            pltpu.VMEM((2, lay.bk) + heads + (lay.dvp,), v.dtype), pltpu.SemaphoreType.DMA((copies, 2))]
 
 
 def _query_grid(kernel, lay, blocks, tiled, k_rows, v_rows, outputs, scratch, *, q, scale, block_size,
@@ -481,17 +526,21 @@ def _query_grid(kernel, lay, blocks, tiled, k_rows, v_rows, outputs, scratch, *,
     )(blocks, *tiled, k_rows, v_rows)
 
 
-def vmem_bytes(G, dk, dv, itemsize, block_size, num_slots, config):
+def vmem_bytes(G, dk, dv, itemsize, block_size, num_slots, config, heads=None):
     """The VMEM one grid step holds, the largest over the four kernels: BlockSpec blocks double-buffered
-    (1-wide and int32 blocks padded to the lanes), the DMA buffers and the float32 scratch."""
+    (1-wide and int32 blocks padded to the lanes), the DMA buffers and the float32 scratch; heads: the H of
+    a direct forward (a decode step reading the cache as it is), whose block buffers hold every head's rows
+    (H padded to the sublane tile of the cache's dtype)."""
     tb, lane = config.tokens, lanes()
     R = G * tb
-    br, bk = round_up(block_size, facts("tpu").sublanes * 4 // itemsize), round_up(block_size, lane)
+    sub = facts("tpu").sublanes * 4 // itemsize  # the sublane tile's rows
+    br, bk = round_up(block_size, sub), round_up(block_size, lane)
     dkp, dvp = lane_padded(dk), lane_padded(dv)
     slots = round_up(num_slots, lane)
     tile = (R * dkp + R * dvp) * itemsize + 2 * R * lane * 4 + tb * slots * 4  # q, do, lse, delta, names
     block = bk * (dkp + dvp) * itemsize
-    forward = 2 * (R * dkp * itemsize + tb * slots * 4 + R * dvp * itemsize + R * lane * 4) + 2 * block \
+    blocks = 2 * block * (1 if heads is None else round_up(heads, sub))
+    forward = 2 * (R * dkp * itemsize + tb * slots * 4 + R * dvp * itemsize + R * lane * 4) + blocks \
         + (2 * R * lane + R * dvp) * 4
     dq = 2 * (tile + R * dkp * itemsize) + 2 * block + R * dkp * 4
     dkdv = 2 * tile + block + 2 * br * (dkp + dvp) * 4
@@ -499,12 +548,13 @@ def vmem_bytes(G, dk, dv, itemsize, block_size, num_slots, config):
     return max(forward, dq, dkdv, reduce)
 
 
-def _config(config, q, k, v, block_indices, block_size):
-    """config, or the default_config of q [B, T, HQ, Dk] against k [B, TK, H, Dk], v [B, TK, H, Dv]."""
+def _config(config, q, k, v, block_indices, block_size, forward=False):
+    """config, or the default_config of q [B, T, HQ, Dk] against k [B, TK, H, Dk], v [B, TK, H, Dv] (for the
+    forward alone where `forward`)."""
     if config is not None:
         return config
     shapes = Shapes.of(q, k, v, block_size=block_size, block_counts=block_indices.shape[3])
-    return default_config(shapes, q.dtype, facts("tpu"))
+    return default_config(shapes, q.dtype, facts("tpu"), forward=forward)
 
 
 # ------------------------------------------------------------------------------------------ forward
@@ -529,20 +579,25 @@ def forward(q, k, v, block_indices, block_counts, cu_seqlens, kv_lens=None, *, b
 def _attention(q, k, v, block_indices, block_counts, cu_seqlens, kv_lens, *, block_size, scale, interpret, config):
     """`forward`'s o and lse."""
     check_selected(q, k, block_indices, block_size)
-    cfg = _config(config, q, k, v, block_indices, block_size)
+    cfg = _config(config, q, k, v, block_indices, block_size, forward=True)
     lay = _Layout(q, k, v, block_indices, block_size, cu_seqlens, kv_lens, cfg)
     names, blocks, union, _, _ = _tiles(block_indices, block_counts, cu_seqlens, kv_lens, lay, block_size,
                                         lay.gathered)
-    rows = functools.partial(_gathered_rows, union=union) if lay.gathered else _key_rows
-    tile_shape = (lay.B, lay.H, lay.nt, lay.G, lay.tb)
+    if lay.direct:
+        rows = lambda x, lay, dp: x
+    else:
+        rows = functools.partial(_gathered_rows, union=union) if lay.gathered else _key_rows
+    R = lay.G * lay.tb
+    tile_shape = (lay.B, lay.H, lay.nt, R)
     o, lse = _query_grid(
-        _fwd_kernel, lay, blocks, [_query_tiles(q, lay, lay.dkp), names],
+        _fwd_kernel, lay, blocks, [_query_tiles(q, lay, lay.dkp).reshape(tile_shape + (lay.dkp,)), names],
         rows(k, lay=lay, dp=lay.dkp), rows(v, lay=lay, dp=lay.dvp),
         [out_struct(tile_shape + (lay.dvp,), q.dtype, q), out_struct(tile_shape + (1,), jnp.float32, q)],
-        _block_buffers(lay, k, v, 2) + [pltpu.VMEM((lay.G, lay.tb, lanes()), jnp.float32)] * 2
-        + [pltpu.VMEM((lay.G, lay.tb, lay.dvp), jnp.float32)],
+        _block_buffers(lay, k, v, 2, lay.direct) + [pltpu.VMEM((R, lanes()), jnp.float32)] * 2
+        + [pltpu.VMEM((R, lay.dvp), jnp.float32)],
         q=q, scale=scale, block_size=block_size, interpret=interpret, name="selected_forward", align=lay.align)
-    return _from_query_tiles(o, lay, v.shape[3]), _from_query_tiles(lse, lay, 1)[..., 0]
+    tiles = lambda x: x.reshape(lay.B, lay.H, lay.nt, lay.G, lay.tb, x.shape[-1])
+    return _from_query_tiles(tiles(o), lay, v.shape[3]), _from_query_tiles(tiles(lse), lay, 1)[..., 0]
 
 
 # ------------------------------------------------------------------------------------------ backward
