@@ -11,25 +11,15 @@
 #  its args, e.g. --cache for the KV-cache cases only, --pallas for the Mosaic GPU kernels)
 # tests: PYTEST_ARGS (e.g. "-k 'selected and G1'") selects among the gpu tests; JOBS (default 4) pytest
 # processes run them side by side on the one GPU.
-# Installs the carried wheels (.whl/: jax-triton 0.3.1, fla-core) into /tmp/site first. Through the
-# device tool: run(command="bash scripts/gpu.sh all", carry=[".whl"]). Results go to $OUT (or
-# benchmarks/results when OUT is unset). The wheels (ignored by git) are fetched on the CPU machine with
-#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#     --platform manylinux2014_x86_64 --platform any -d .whl jax-triton==0.3.1 fla-core==0.6.0
+# Installs the carried wheels (.whl/: jax-triton 0.3.1, fla-core) into /tmp/site first (scripts/gpu_env.sh). Through
+# the device tool: run(command="bash scripts/gpu.sh all", carry=[".whl"]). Results go to $OUT (or
+# benchmarks/results when OUT is unset).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-all}; shift || true
 out=${OUT:-benchmarks/results}
 mkdir -p "$out"
-if ls .whl/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-    export PYTHONPATH=/tmp/site:$PWD
-else
-    export PYTHONPATH=$PWD
-fi
-export PYTHONUNBUFFERED=1
-export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}  # fla's autotuner needs a writable cache
-mkdir -p "$TRITON_CACHE_DIR"
+source scripts/gpu_env.sh
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c 'import jax, jax_triton, triton; print("jax", jax.__version__, "jax_triton", jax_triton.__version__, "triton", triton.__version__, jax.devices())'
 status=0

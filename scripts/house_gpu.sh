@@ -9,9 +9,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/house}; mkdir -p "$out"
 jobs=${JOBS:-12}; deadline=${DEADLINE:-480}
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-export TRITON_CACHE_DIR=/tmp/triton-cache; mkdir -p "$TRITON_CACHE_DIR"
+source scripts/gpu_env.sh
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c 'import jax, jax_triton, triton; print("jax", jax.__version__, "jax_triton", jax_triton.__version__, "triton", triton.__version__)'
 git rev-parse HEAD 2>/dev/null || true

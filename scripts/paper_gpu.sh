@@ -18,9 +18,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 what=${1:?check, bench or profile}; shift
 out=${OUT:-/tmp/paper}; mkdir -p "$out"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/triton-cache
-mkdir -p "$TRITON_CACHE_DIR"
+source scripts/gpu_env.sh
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c 'import jax, jax_triton, triton, torch; print("jax", jax.__version__, "jax_triton", jax_triton.__version__, "triton", triton.__version__, "torch", torch.__version__)'
 git rev-parse HEAD 2>/dev/null || true

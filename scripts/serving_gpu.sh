@@ -18,12 +18,12 @@ res=/tmp/serving-results; rm -rf "$res"; mkdir -p "$res"
 trap 'tar czf "$out/results.tgz" -C /tmp serving-results' EXIT
 summary="$out/summary.txt"
 note() { echo "$*" | tee -a "$summary"; }
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+source scripts/gpu_env.sh
 note "$(git log --oneline -1 2>/dev/null || echo this tree); $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader)"
 status=0
 if [[ $parts == *" context "* ]]; then
     start=$SECONDS
-    PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 timeout ${CONTEXT_TIMEOUT:-150} \
+    timeout ${CONTEXT_TIMEOUT:-150} \
         python3 benchmarks/context_overhead.py --out $res/context > "$res/context.log" 2>&1 || status=1
     note "context overhead: $((SECONDS - start)) s"
     grep -E '^\|' "$res/context.log" | tee -a "$summary"

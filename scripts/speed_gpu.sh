@@ -18,9 +18,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 what=${1:?bench, trace or dq}; shift
 out=${OUT:-/tmp/speed}; mkdir -p "$out"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/triton-cache
-mkdir -p "$TRITON_CACHE_DIR"
+source scripts/gpu_env.sh
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 git rev-parse HEAD 2>/dev/null || true
 status=0
