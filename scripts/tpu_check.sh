@@ -14,11 +14,17 @@
 #            carry [".ab"]; AB_TREES names some), so that this tree's step is compared with theirs on the same chip;
 #   trace    each kernel's device time in one decode step (benchmarks/decode.py --trace, TRACE_ARGS);
 #   bench    benchmarks/tpu.py at 8192 tokens.
-# Logs in $OUT (default benchmarks/results/tpu-check).
+# Logs and JSON in /tmp/tpu-check, packed at exit into $OUT/tpu-check.tgz (the device tool brings back 8 files at
+# most: one run's logs and JSON outnumber that); without OUT, into benchmarks/results/tpu-check.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out=${OUT:-benchmarks/results/tpu-check}
-mkdir -p "$out" && out=$(cd "$out" && pwd)
+out=/tmp/tpu-check
+rm -rf "$out" && mkdir -p "$out"
+if [[ -n ${OUT:-} ]]; then
+    trap 'tar czf "$OUT/tpu-check.tgz" -C /tmp tpu-check' EXIT
+else
+    trap 'mkdir -p benchmarks/results/tpu-check && cp -r "$out"/. benchmarks/results/tpu-check/' EXIT
+fi
 parts=" ${PARTS:-ops hostile bench} "
 python3 -c 'import jax, jaxlib; print("jax", jax.__version__, "jaxlib", jaxlib.__version__, jax.devices())'
 status=0
