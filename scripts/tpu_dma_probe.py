@@ -26,26 +26,36 @@ from jax.experimental.pallas import tpu as pltpu
 STEPS = 20  # calls per timed loop
 
 
-def one_head(k, starts, bs, interpret):
-    B, TK, H, D = k.shape
-    S = starts.shape[2]
+def _all_copied(copies):
+    """Starts every copy, then waits for each: all of them in flight at once."""
+    for c in copies:
+        c.start()
+    for c in copies:
+        c.wait()
 
-    def kernel(starts_ref, k_hbm, o_ref, buf, sems):
+
+def _per_head(x, starts, bs, D, interpret, source):
+    """Grid (B, H): the S blocks of KV head h copied from x in HBM, source(x_hbm, b, h, rows) each (rows: the
+    block's pl.ds), into [S, BS, D] and summed: [B, H, BS, D] float32."""
+    B, H, S = starts.shape
+
+    def kernel(starts_ref, x_hbm, o_ref, buf, sems):
         b, h = pl.program_id(0), pl.program_id(1)
-        copies = [pltpu.make_async_copy(k_hbm.at[b, pl.ds(pl.multiple_of(starts_ref[b, h, s], bs), bs), h],
-                                        buf.at[s], sems.at[s]) for s in range(S)]
-        for c in copies:
-            c.start()
-        for c in copies:
-            c.wait()
+        _all_copied([pltpu.make_async_copy(
+            source(x_hbm, b, h, pl.ds(pl.multiple_of(starts_ref[b, h, s], bs), bs)), buf.at[s], sems.at[s])
+            for s in range(S)])
         o_ref[...] = jnp.sum(buf[...].astype(jnp.float32), axis=0)
 
     return pl.pallas_call(
         kernel, grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1, grid=(B, H), in_specs=[pl.BlockSpec(memory_space=pltpu.HBM)],
             out_specs=pl.BlockSpec((None, None, bs, D), lambda b, h, st: (b, h, 0, 0)),
-            scratch_shapes=[pltpu.VMEM((S, bs, D), k.dtype), pltpu.SemaphoreType.DMA((S,))]),
-        out_shape=jax.ShapeDtypeStruct((B, H, bs, D), jnp.float32), interpret=interpret)(starts, k)
+            scratch_shapes=[pltpu.VMEM((S, bs, D), x.dtype), pltpu.SemaphoreType.DMA((S,))]),
+        out_shape=jax.ShapeDtypeStruct((B, H, bs, D), jnp.float32), interpret=interpret)(starts, x)
+
+
+def one_head(k, starts, bs, interpret):
+    return _per_head(k, starts, bs, k.shape[3], interpret, lambda k_hbm, b, h, rows: k_hbm.at[b, rows, h])
 
 
 def all_heads(k, starts, bs, interpret):
@@ -55,12 +65,8 @@ def all_heads(k, starts, bs, interpret):
     def kernel(starts_ref, k_hbm, o_ref, buf, sems):
         b = pl.program_id(0)
         for h in range(H):
-            copies = [pltpu.make_async_copy(k_hbm.at[b, pl.ds(pl.multiple_of(starts_ref[b, h, s], bs), bs)],
-                                            buf.at[s], sems.at[s]) for s in range(S)]
-            for c in copies:
-                c.start()
-            for c in copies:
-                c.wait()
+            _all_copied([pltpu.make_async_copy(k_hbm.at[b, pl.ds(pl.multiple_of(starts_ref[b, h, s], bs), bs)],
+                                               buf.at[s], sems.at[s]) for s in range(S)])
             o_ref[h] = jnp.sum(buf[:, :, h, :].astype(jnp.float32), axis=0)
 
     return pl.pallas_call(
@@ -73,26 +79,8 @@ def all_heads(k, starts, bs, interpret):
 
 def lanes(k, starts, bs, interpret):
     B, TK, H, D = k.shape
-    S = starts.shape[2]
-
-    def kernel(starts_ref, k_hbm, o_ref, buf, sems):
-        b, h = pl.program_id(0), pl.program_id(1)
-        copies = [pltpu.make_async_copy(
-            k_hbm.at[b, pl.ds(pl.multiple_of(starts_ref[b, h, s], bs), bs), pl.ds(pl.multiple_of(h * D, D), D)],
-            buf.at[s], sems.at[s]) for s in range(S)]
-        for c in copies:
-            c.start()
-        for c in copies:
-            c.wait()
-        o_ref[...] = jnp.sum(buf[...].astype(jnp.float32), axis=0)
-
-    return pl.pallas_call(
-        kernel, grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=1, grid=(B, H), in_specs=[pl.BlockSpec(memory_space=pltpu.HBM)],
-            out_specs=pl.BlockSpec((None, None, bs, D), lambda b, h, st: (b, h, 0, 0)),
-            scratch_shapes=[pltpu.VMEM((S, bs, D), k.dtype), pltpu.SemaphoreType.DMA((S,))]),
-        out_shape=jax.ShapeDtypeStruct((B, H, bs, D), jnp.float32), interpret=interpret)(
-            starts, k.reshape(B, TK, H * D))
+    return _per_head(k.reshape(B, TK, H * D), starts, bs, D, interpret,
+                     lambda k_hbm, b, h, rows: k_hbm.at[b, rows, pl.ds(pl.multiple_of(h * D, D), D)])
 
 
 def expected(k, starts, bs):
