@@ -220,21 +220,42 @@ def _cuda_reasons(op, dtype):
     return "; ".join(f"{name}: {reason(name)}" for name in sorted(_families.preferred(op, "cuda")))
 
 
-def _fused_step(implementation, static, q, k):
-    """The fused serving step nsa.attention's step (configuration `static`) on q [B, TQ, HQ, Dk] and the cache k
-    may run, as {platform: fn}: implementation=<name>: that family's where it has one that applies (any platform
-    it runs on); None: per platform, that of the family implementation=None runs selected attention with there."""
+def _offers(hook, implementation, dtype, *args):
+    """{platform: fn} (platform None: every platform): what the family that runs selected attention offers through
+    its optional `hook` (nsa._families: `fused_step`, `paged_selected`) for a call on `args` (its first a floating
+    array of `dtype`). implementation=<name>: that family's offer (any platform it names, or every one); None: per
+    platform, that of the family implementation=None runs selected attention with there, for that platform."""
     if implementation == "xla":
         return {}
     chosen = ({None: implementation} if implementation is not None else
-              {platform: _default_family("selected", q.dtype, platform) for platform in _families.PREFERENCE})
-    steps = {}
+              {platform: _default_family("selected", dtype, platform) for platform in _families.PREFERENCE})
+    offers = {}
     for platform, name in chosen.items():
-        fused = getattr(_families.family(name), "fused_step", None) if name is not None else None
-        step = fused(q, k, dict(static)) if fused is not None and _why_not("selected", name, q.dtype) is None else None
-        if step is not None:
-            steps[platform] = step
-    return steps
+        offer = getattr(_families.family(name), hook, None) if name is not None else None
+        offered = offer(*args) if offer is not None and _why_not("selected", name, dtype) is None else None
+        for where, fn in (offered or {}).items():
+            if platform is None or where in (None, platform):
+                offers[platform if platform is not None else where] = fn
+    return offers
+
+
+def _forward_of(steps, default, static, arrays):
+    """default(*arrays), or where `steps` ({platform: fn}, None: every platform) offers one, that function's forward
+    (fn(*arrays, **static)) with default's gradient: a step's own forward runs only when no gradient is taken."""
+    if not steps:
+        return default(*arrays)
+    steps = {platform: mapped_over_vmap(functools.partial(step, **dict(static))) for platform, step in steps.items()}
+    choose = steps[None] if None in steps else (lambda *a: platform_dependent(*a, default=default, **steps))
+
+    @jax.custom_vjp
+    def step(*arrays):
+        return choose(*arrays)
+
+    def step_fwd(*arrays):
+        return jax.vjp(default, *arrays)
+
+    step.defvjp(step_fwd, lambda vjp, cotangent: vjp(cotangent))
+    return step(*_as_jax(arrays))
 
 
 def decode_step(implementation, static, branches, arrays):
@@ -242,18 +263,16 @@ def decode_step(implementation, static, branches, arrays):
     (the ops one after another), or where the family that runs it has a fused serving step for this step's shape
     (a family's `fused_step`), that step. arrays: an nsa._config.Step, gates None or arrays. The gradient is
     always that of `branches`: a fused step runs only when no gradient is taken."""
-    steps = _fused_step(implementation, static, arrays.q, as_sequences(arrays.k, arrays.page_table))
-    if not steps:
-        return branches(*arrays)
-    steps = {platform: mapped_over_vmap(functools.partial(step, **dict(static))) for platform, step in steps.items()}
-    choose = steps[None] if None in steps else (lambda *a: platform_dependent(*a, default=branches, **steps))
+    steps = _offers("fused_step", implementation, arrays.q.dtype, arrays.q,
+                    as_sequences(arrays.k, arrays.page_table), dict(static))
+    return _forward_of(steps, branches, static, arrays)
 
-    @jax.custom_vjp
-    def step(*arrays):
-        return choose(*arrays)
 
-    def step_fwd(*arrays):
-        return jax.vjp(branches, *arrays)
-
-    step.defvjp(step_fwd, lambda vjp, cotangent: vjp(cotangent))
-    return step(*_as_jax(arrays))
+def paged_selected(implementation, static, gathered, arrays):
+    """Selected attention of a decode step over a paged cache, arrays = (q, k, v, block_indices, block_counts,
+    kv_lens, page_table) with k and v its pools of pages: `gathered(*arrays)` (the blocks gathered through the page
+    table in XLA, then the op), or where the family that runs selected attention reads the pages itself (its
+    `paged_selected`), that forward. The gradient is always that of `gathered`."""
+    q, k, v = arrays[:3]
+    steps = _offers("paged_selected", implementation, q.dtype, q, k, v, dict(static))
+    return _forward_of(steps, gathered, static, arrays)

@@ -17,7 +17,11 @@ nsa/pallas/__init__.py are the two there are):
   (`nsa._dispatch`). A claim on a backward may cover some of its gradients only: both families' backwards of op
   then take the keyword `grads` (the indices of the gradients to compute; None comes back at the others);
 - optionally `fused_step(q, k, static)`: a fused serving step for nsa.attention over a KV cache with q's shape
-  and the configuration `static` (`nsa._dispatch.decode_step`), or None where it does not apply.
+  and the configuration `static` (`nsa._dispatch.decode_step`), as {platform: fn} (None: every platform the family
+  runs on), or None where it does not apply;
+- optionally `paged_selected(q, k, v, static)`: selected attention's forward of a decode step that reads a paged
+  cache's pools k, v [P, S, H, D] through the page table itself (`nsa._dispatch.paged_selected`), as
+  {platform: fn}, or None where it does not apply.
 
 Adding a family is its folder plus one line of FAMILIES; PREFERENCE says where implementation=None runs it.
 """

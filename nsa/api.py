@@ -33,6 +33,22 @@ def _statics(**kwargs):
     return tuple(sorted(kwargs.items()))
 
 
+def _paged_selected_attention(q, k, v, block_indices, block_counts, kv_lens, page_table, *, block_size, scale,
+                              implementation):
+    """Selected attention of a decode step (T = 1) over a paged cache's pools k, v [P, S, H, D]: by a kernel that
+    reads the blocks through the page table itself where the family that runs the op has one (the Mosaic TPU
+    kernel's copies from the pages), else the blocks gathered through the table in XLA (`paged_selected`), then the
+    op; the gradient always through the latter (nsa._dispatch.paged_selected)."""
+    def gathered_blocks(q, k, v, block_indices, block_counts, kv_lens, page_table):
+        *blocks, lens = paged_selected(page_table, k, v, block_indices, kv_lens, block_size)
+        return selected_attention(q, *blocks, block_counts=block_counts, block_size=block_size, scale=scale,
+                                  kv_lens=lens, implementation=implementation)
+
+    arrays = (q, k, v, block_indices, jnp.asarray(block_counts, jnp.int32), kv_lens, page_table)
+    return _dispatch.paged_selected(implementation, _statics(block_size=block_size, scale=scale), gathered_blocks,
+                                    arrays)
+
+
 def _scaled(q, scale):
     """(q, scale) as the ops run them: `scale` checked (`_checks.scale`, None gives Dk ** -0.5). A traced
     scale (a learned temperature) is folded into q, q * scale rounded to q's dtype, and the op runs with
@@ -686,11 +702,11 @@ def attention(q: Array, k: Optional[Array] = None, v: Optional[Array] = None, *,
         if indices is None:  # the selection reuses the compressed branch's lse when it has one
             indices = _select(q, k_cmp, lse_cmp, _slots(block_counts), block_size, compression, scale, cu_seqlens,
                               kv_lens, implementation)
-        selected = (k, v, indices, kv_lens)
-        if page_table is not None:
-            selected = paged_selected(page_table, k, v, indices, kv_lens, block_size)
-        o_slc = selected_attention(q, *selected[:3], block_counts=block_counts, block_size=block_size,
-                                   **dict(common, kv_lens=selected[3]))
+        if page_table is None:
+            o_slc = selected_attention(q, k, v, indices, block_counts=block_counts, block_size=block_size, **common)
+        else:
+            o_slc = _paged_selected_attention(q, k, v, indices, block_counts, kv_lens, page_table,
+                                              block_size=block_size, scale=scale, implementation=implementation)
         gated.append((g_slc, o_slc))
         if window_size > 0:
             window = (k, v, kv_lens) if page_table is None else paged_window(page_table, k, v, kv_lens, T, window_size)

@@ -12,13 +12,14 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import nsa
 from nsa._config import Shapes
 from nsa._device import facts
 from nsa.pallas.tpu import select as pallas_select
-from tests.base import SHAPES, Inputs, NSATestBase
+from tests.base import GRAD_TOLERANCE, SHAPES, TOLERANCE, Inputs, NSATestBase, assert_close
 
 
 @pytest.mark.interpreted
@@ -152,7 +153,9 @@ def test_decode_step_copies_nothing_of_the_cache_size(implementation, paged):
     [B, TK, H * D]: this finds each.) Over a paged cache (pages of 256 tokens) the same: the compressed rows are
     gathered through the page table (O(TK / block_size)), the window's rows and the selected blocks read through it
     (`nsa._kvcache.paged_window`, `paged_selected`); gathering the whole pools in each sequence's order, as
-    before, wrote two [16, 65536, 4, 128] arrays."""
+    before, wrote two [16, 65536, 4, 128] arrays). With implementation="pallas" the paged step's selected kernel
+    takes the pools as they are and copies its blocks through the page table itself (`paged_forward`): no XLA
+    gather of the blocks first."""
     B, TQ, TK = SERVING["decode"]
     q, k, v, kv_lens, k_cmp, v_cmp, g_cmp, g_slc, g_swa = _serving_args(B, TQ, TK)
     kw = dict(block_counts=16, window_size=512, implementation=implementation)
@@ -170,6 +173,46 @@ def test_decode_step_copies_nothing_of_the_cache_size(implementation, paged):
     assert _cache_sized_writes(module, TK // 64) != []  # the scan sees arrays: k_cmp's rows are written
     if implementation == "pallas":
         assert set(_mosaic_kernels(module)) == FORWARD_KERNELS
+    if implementation == "pallas" and paged:
+        [call] = [line for line in module.splitlines() if 'kernel_name = "selected_forward"' in line]
+        pool = "tensor<{}xbf16>".format("x".join(map(str, args[1].k.shape)))
+        assert call.split(" -> ")[0].count(pool) == 2  # k's and v's pools, read through the table in the kernel
+
+
+def test_a_paged_decode_step_copies_its_blocks_in_the_kernel_and_equals_the_contiguous_one(monkeypatch):
+    """implementation="pallas" (interpret mode), heads of 128: a decode step over a paged cache (pages of 16 rows, so
+    each selection block of 32 spans two; pages in random order; NaN in every row no sequence wrote; lengths 70, 1
+    and 33) runs the selected kernel over the pools (`paged_forward`) and equals the same step over the contiguous
+    cache the same appends fill, and so does its gradient (taken through the blocks gathered in XLA)."""
+    from nsa.pallas.tpu import selected
+
+    B, HQ, H, D, page, MP = 3, 2, 1, 128, 16, 6
+    blocks = dict(block_size=32, compress_block_size=16, compress_stride=16)
+    lens = jnp.asarray([70, 1, 33], jnp.int32)
+    rng = np.random.default_rng(3)
+    k, v = (jnp.asarray(rng.standard_normal((B, 70, H, D)), jnp.float32) for _ in range(2))
+    q = jnp.asarray(rng.standard_normal((B, 1, HQ, D)), jnp.float32)
+    gates = tuple(jnp.asarray(rng.uniform(size=(B, 1, HQ)), jnp.float32) for _ in range(3))
+    nan = lambda x: jnp.full_like(x, jnp.nan)
+    paged = nsa.empty_paged_cache(B * MP + 1, page, B, MP, H, D, dtype=jnp.float32, **blocks)
+    paged = paged.replace(k=nan(paged.k), v=nan(paged.v), k_cmp=nan(paged.k_cmp), v_cmp=nan(paged.v_cmp),
+                          page_table=jnp.asarray(rng.permutation(B * MP + 1)[:B * MP].reshape(B, MP), jnp.int32))
+    caches = [nsa.append_to_cache(cache, k, v, lens=lens)
+              for cache in (paged, nsa.empty_cache(B, MP * page, H, D, dtype=jnp.float32, **blocks))]
+    calls, original = [], selected.paged_forward
+    monkeypatch.setattr(selected, "paged_forward", lambda *a, **kw: calls.append(kw) or original(*a, **kw))
+
+    def loss(q, cache, gates):
+        o = nsa.attention(q, cache=cache, **dict(zip(("g_cmp", "g_slc", "g_swa"), gates)), block_counts=2,
+                          window_size=8, implementation="pallas")
+        return jnp.sum(o * o), o
+
+    o_paged, o = (jax.jit(loss)(q, cache, gates)[1] for cache in caches)
+    assert len(calls) == 1 and np.all(np.isfinite(np.asarray(o_paged)))
+    assert_close(o_paged, o, TOLERANCE["float32"], "paged o")
+    grads_paged, grads = (jax.jit(jax.grad(loss, (0, 2), has_aux=True))(q, cache, gates) for cache in caches)
+    for got, want in zip(jax.tree_util.tree_leaves(grads_paged), jax.tree_util.tree_leaves(grads)):
+        assert_close(got, want, GRAD_TOLERANCE["float32"], "paged gradient")
 
 
 @pytest.mark.parametrize("B, TQ, TK", SERVING.values(), ids=SERVING.keys())

@@ -236,6 +236,51 @@ def test_a_decode_step_reads_only_its_blocks(layout):
     assert np.all(np.asarray(dv)[np.broadcast_to(past, dv.shape)] == 0)
 
 
+@pytest.mark.parametrize("page", [32, 16, 8], ids=["page-of-2-blocks", "page-of-1-block", "block-of-2-pages"])
+def test_a_paged_decode_step_copies_its_blocks_through_the_page_table(page):
+    """`paged_forward`: a decode step over a paged cache's pools (pages in random order, a page table with a
+    repeated page and unused -1 entries past the sequences, NaN in every row no sequence owns; lengths the
+    capacity, 0, one ending mid-page; random selections with invalid entries and per-head counts) copies each
+    block's rows from its page, or from the two pages a block spans, and equals the reference on the sequences
+    gathered through the table. A page size that neither holds whole blocks nor divides one is refused."""
+    B, HQ, H, D, bs, S, MP = 3, 6, 3, 128, 16, 4, 6
+    TK = MP * page
+    lens = np.array([TK, 0, TK // 2 + 3], np.int32)
+    rng = np.random.default_rng(7)
+    P = B * MP + 2
+    pages_of = lambda n: -(-n // page)
+    table = np.full((B, MP), -1, np.int32)
+    order = rng.permutation(P)
+    used = 0
+    for b, n in enumerate(lens):
+        table[b, :pages_of(n)] = order[used:used + pages_of(n)]
+        used += pages_of(n)
+    table[2, MP - 1] = table[0, 0]  # a repeated page, past sequence 2's length
+    owned = np.zeros((P, page), bool)
+    for b, n in enumerate(lens):
+        rows = np.arange(n)
+        owned[table[b, rows // page], rows % page] = True
+    pool = lambda: jnp.asarray(np.where(owned[..., None, None], rng.standard_normal((P, page, H, D)), np.nan),
+                               jnp.float32)
+    k, v = pool(), pool()
+    q = jnp.asarray(rng.standard_normal((B, 1, HQ, D)), jnp.float32)
+    idx = jnp.asarray(rng.integers(-1, TK // bs + 1, (B, 1, H, S)), jnp.int32)
+    counts = jnp.asarray(rng.integers(1, S + 1, (B, 1, H)), jnp.int32)
+    assert selected.reads_pages(q, k, v, bs)
+    o = jax.jit(lambda *a: selected.paged_forward(*a, block_size=bs, scale=0.1, interpret=INTERPRET))(
+        q, k, v, idx, counts, jnp.asarray(lens), jnp.asarray(table))
+    seq = lambda x: jnp.nan_to_num(x[jnp.clip(jnp.asarray(table), 0, P - 1)].reshape(B, TK, H, D))
+    o_ref, _ = reference.forward(q, seq(k), seq(v), idx, counts, None, jnp.asarray(lens), block_size=bs, scale=0.1)
+    assert np.all(np.asarray(o)[1] == 0)  # the empty sequence sees nothing
+    assert_close(o, o_ref, TOLERANCE["float32"], f"paged o (pages of {page})")
+
+    odd = jnp.zeros((P, 12, H, D), jnp.float32)  # pages of 12 rows: neither whole blocks of 16 nor a divisor
+    assert not selected.reads_pages(q, odd, odd, bs)
+    with pytest.raises(ValueError, match="page size"):
+        selected.paged_forward(q, odd, odd, idx, counts, jnp.asarray(lens), jnp.asarray(table), block_size=bs,
+                               scale=0.1)
+
+
 def test_rows_that_see_nothing():
     """Every other token sees nothing: o = 0, lse = -inf and dq = 0 there exactly; a call where no token
     sees anything gives zeros everywhere."""

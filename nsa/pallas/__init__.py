@@ -130,6 +130,19 @@ def runner(op, phase, dtype):
     return run
 
 
+def paged_selected(q, k, v, static):
+    """Selected attention's forward of a decode step over a paged cache's pools k, v, reading them through the page
+    table inside the kernel (nsa.pallas.tpu.selected.paged_forward), where it applies (`reads_pages`): {"tpu":
+    Mosaic, and "cpu": interpret mode on a machine whose default backend is the CPU}; None elsewhere. On a CUDA GPU
+    the blocks are gathered in XLA for Mosaic GPU's op (nsa._dispatch.paged_selected)."""
+    if not tpu.selected.reads_pages(q, k, v, static["block_size"]):
+        return None
+    offers = {"tpu": functools.partial(tpu.selected.paged_forward, interpret=False)}
+    if jax.default_backend() == "cpu":
+        offers["cpu"] = functools.partial(tpu.selected.paged_forward, interpret=pltpu.InterpretParams(**INTERPRET))
+    return offers
+
+
 def _refuse(message, *args, **static):
     """The CUDA branch of an explicit implementation="pallas" that cannot run there: traced only when a program is
     lowered for CUDA (nsa._platform.platform_dependent), which it stops."""

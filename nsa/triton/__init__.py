@@ -69,11 +69,11 @@ def claims(op, phase, platform):
 
 
 def fused_step(q, k, static):
-    """The fused decode step (nsa.triton.decode.attention: five launches instead of the ops' ten, on the arrays
-    of a `decode.Step`) where it applies to q [B, TQ, HQ, Dk] against the cache k (few queries:
-    `_splits.applies`) and its decode selection to the blocks of `static` (one compressed row per selection block),
-    else None."""
-    return decode.attention if _splits.applies(q, k) and one_row_per_block(**_blocks(static)) else None
+    """{None: the fused decode step} (nsa.triton.decode.attention: five launches instead of the ops' ten, on the
+    arrays of a `decode.Step`, wherever the family runs) where it applies to q [B, TQ, HQ, Dk] against the cache k
+    (few queries: `_splits.applies`) and its decode selection to the blocks of `static` (one compressed row per
+    selection block), else None."""
+    return {None: decode.attention} if _splits.applies(q, k) and one_row_per_block(**_blocks(static)) else None
 
 
 def _blocks(static):

@@ -88,7 +88,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from nsa._config import Shapes, expect, positive, validated
+from nsa._config import Shapes, as_sequences, expect, positive, validated
 from nsa._device import facts
 from nsa._plan import (PAST, Tiling, block_names, check_selected, kernel_delta, padded, per_key_row,
                        row_offsets, segments, tile_lists, tile_names, tile_starts, tile_unions)
@@ -172,16 +172,20 @@ def _copied_rows(block_size, dtype):
     return round_up(block_size, sublanes(dtype))
 
 
-def _block_copies(k_hbm, v_hbm, k_buf, v_buf, sems, b, h, x, slot, block_size, align):
-    """The copies of the BR key and value rows from global row x of batch row b, KV head h, into the first
-    rows of buffer `slot` of k_buf [., BK, Dkp] and v_buf [., BK, Dvp]. align: what x is known to be a multiple
-    of (`_Layout.align`), said to Mosaic, which compiles a copy from a tiled HBM array only at rows it can prove
-    aligned to its 8-row tile. From a KV cache as it is (`_Layout.direct`: k_hbm [B, TK, H, Dk], buffers
-    [., BK, H, D]): the block_size rows of every head, whole tiles of the cache's minor dims (H, D)."""
+def _block_copies(k_hbm, v_hbm, k_buf, v_buf, sems, h, sources, slot, block_size, align):
+    """The copies of one block's key and value rows into the first rows of buffer `slot` of k_buf and v_buf, from
+    sources, its pieces' (batch row or page, row) pairs (`_sources`). align: what a row is known to be a multiple of
+    (`_Layout.align`), said to Mosaic, which compiles a copy from a tiled HBM array only at rows it can prove aligned
+    to its 8-row tile: BR rows of KV head h, from k_hbm [B, H, rows, Dkp] into buffers [., BK, Dkp]. From a KV cache
+    as it is (`_Layout.direct`: k_hbm [B, TK, H, Dk], or a paged cache's pool [P, S, H, Dk]; buffers [., BK, H, D]):
+    every head's rows, whole tiles of the cache's minor dims (H, D), block_size / pieces rows from each source into
+    consecutive rows of the buffer (a block whose rows span several pages is several copies, one semaphore)."""
     if k_buf.ndim == 4:
-        rows = pl.ds(0, block_size)
-        return [pltpu.make_async_copy(k_hbm.at[b, pl.ds(x, block_size)], k_buf.at[slot, rows], sems.at[0, slot]),
-                pltpu.make_async_copy(v_hbm.at[b, pl.ds(x, block_size)], v_buf.at[slot, rows], sems.at[1, slot])]
+        piece = block_size // len(sources)
+        return [pltpu.make_async_copy(src.at[at, pl.ds(row, piece)], buf.at[slot, pl.ds(j * piece, piece)],
+                                      sems.at[i, slot])
+                for j, (at, row) in enumerate(sources) for i, (src, buf) in enumerate(((k_hbm, k_buf), (v_hbm, v_buf)))]
+    [(b, x)] = sources
     rows = pl.ds(0, _copied_rows(block_size, k_buf.dtype))
     src = pl.ds(pl.multiple_of(x, align) if align > 1 else x, rows.size)
     return [pltpu.make_async_copy(k_hbm.at[b, h, src], k_buf.at[slot, rows], sems.at[0, slot]),
@@ -228,14 +232,18 @@ def _logits(q, k, bias, scale, precision):
     return s.reshape(q.shape[0] // bias.shape[0], *bias.shape) + bias[None]
 
 
-def _walk_union(blocks_ref, names, k_hbm, v_hbm, k_buf, v_buf, sems, body, *, block_size, align):
+def _walk_union(blocks_ref, names, k_hbm, v_hbm, k_buf, v_buf, sems, body, *, block_size, align, pieces):
     """body(k, v, bias) for each block of the step's token tile's union, in order: t0, the union's names, last
-    key rows and source rows (in k_hbm) from the step's SMEM row blocks_ref [1, 2 + 3U], the tile's slot
-    names [TB, S]; block u + 1's copy flies while block u is computed (`_pipelined`)."""
-    b, h = pl.program_id(0), pl.program_id(1)
-    U = (blocks_ref.shape[1] - 2) // 3
-    copies = lambda u, slot: _block_copies(k_hbm, v_hbm, k_buf, v_buf, sems, b, h, blocks_ref[0, 2 + 2 * U + u],
-                                           slot, block_size, align)
+    key rows and sources (`pieces` (batch row or page, row) pairs each) from the step's SMEM row blocks_ref
+    [1, 2 + 2U + 2 * pieces * U], the tile's slot names [TB, S]; block u + 1's copy flies while block u is
+    computed (`_pipelined`)."""
+    h = pl.program_id(1)
+    U = (blocks_ref.shape[1] - 2) // (2 + 2 * pieces)
+
+    def copies(u, slot):
+        at = 2 + 2 * U + 2 * pieces * u
+        sources = [(blocks_ref[0, at + 2 * j], blocks_ref[0, at + 2 * j + 1]) for j in range(pieces)]
+        return _block_copies(k_hbm, v_hbm, k_buf, v_buf, sems, h, sources, slot, block_size, align)
 
     def step(u, slot):
         x = blocks_ref[0, 2 + u]
@@ -246,7 +254,7 @@ def _walk_union(blocks_ref, names, k_hbm, v_hbm, k_buf, v_buf, sems, body, *, bl
 
 
 def _fwd_kernel(blocks_ref, q_ref, names_ref, k_hbm, v_hbm, o_ref, lse_ref, k_buf, v_buf, sems, m_scr, l_scr,
-                acc_scr, *, scale, block_size, precision, align):
+                acc_scr, *, scale, block_size, precision, align, pieces):
     """One tile: q_ref (R, Dkp), its R = G * TB rows (head g, token j: row g * TB + j) laid out in XLA (no
     reshape in the kernel: at TB = 1 one would gather (G, 1) tiles), o_ref (R, Dvp), lse_ref (R, 1); m, l
     [R, 128] and acc [R, Dvp] float32."""
@@ -267,7 +275,7 @@ def _fwd_kernel(blocks_ref, q_ref, names_ref, k_hbm, v_hbm, o_ref, lse_ref, k_bu
         acc_scr[...] = acc_scr[...] * alpha + dot(p.astype(v.dtype), v, precision)
 
     _walk_union(blocks_ref, names_ref[...], k_hbm, v_hbm, k_buf, v_buf, sems, attend, block_size=block_size,
-                align=align)
+                align=align, pieces=pieces)
     l = l_scr[...][:, :1]
     seen = l > 0
     o_ref[...] = (acc_scr[...] / jnp.where(seen, l, 1.0)).astype(o_ref.dtype)
@@ -296,7 +304,7 @@ def _dlogits(p, do, v, delta, precision):
 
 
 def _dq_kernel(blocks_ref, q_ref, names_ref, do_ref, lse_ref, delta_ref, k_hbm, v_hbm, dq_ref, k_buf, v_buf, sems,
-               acc_scr, *, scale, block_size, precision, align):
+               acc_scr, *, scale, block_size, precision, align, pieces):
     G, TB, _ = q_ref.shape
     q = q_ref[...].reshape(G * TB, q_ref.shape[2])
     do = do_ref[...].reshape(G * TB, do_ref.shape[2])
@@ -309,7 +317,7 @@ def _dq_kernel(blocks_ref, q_ref, names_ref, do_ref, lse_ref, delta_ref, k_hbm, 
         acc_scr[...] += dot(ds.astype(k.dtype), k, precision)
 
     _walk_union(blocks_ref, names_ref[...], k_hbm, v_hbm, k_buf, v_buf, sems, step, block_size=block_size,
-                align=align)
+                align=align, pieces=pieces)
     dq_ref[...] = (acc_scr[...] * scale).reshape(dq_ref.shape).astype(dq_ref.dtype)
 
 
@@ -326,7 +334,7 @@ def _dkdv_kernel(seg_ref, k_hbm, v_hbm, q_hbm, do_hbm, lse_hbm, delta_hbm, names
 
     @pl.when(n > 0)
     def _copy_block():
-        copies = _block_copies(k_hbm, v_hbm, k_buf, v_buf, sems, b, h, seg_ref[0, 5], 0, block_size, align)
+        copies = _block_copies(k_hbm, v_hbm, k_buf, v_buf, sems, h, [(b, seg_ref[0, 5])], 0, block_size, align)
         for c in copies:
             c.start()
         for c in copies:
@@ -376,9 +384,11 @@ def _reduce_kernel(list_ref, dk_hbm, dv_hbm, dk_ref, dv_ref, dk_buf, dv_buf, sem
 
 class _Layout(Tiling):
     """The static sizes of one call (see the module docstring): nsa._plan.Tiling's for tiles of config.tokens
-    tokens, and BR, BK, Dkp, Dvp and whether the forward gathers its blocks."""
+    tokens, and BR, BK, Dkp, Dvp, whether the forward gathers its blocks or copies them from the cache as it is
+    (direct), and the pieces a direct copy of a block takes (a paged cache's page_size S: 1 where S is a multiple
+    of block_size, block_size / S where S divides it)."""
 
-    def __init__(self, q, k, v, block_indices, block_size, cu_seqlens, kv_lens, cfg):
+    def __init__(self, q, k, v, block_indices, block_size, cu_seqlens, kv_lens, cfg, page_size=None):
         super().__init__(q, k, block_indices, block_size, cu_seqlens, cfg.tokens)
         self.br = _copied_rows(block_size, k.dtype)  # the rows copied per block, block_size rounded up to the sublanes
         self.bk = round_up(block_size, lanes())  # the rows of a key buffer, block_size rounded up to 128
@@ -386,9 +396,13 @@ class _Layout(Tiling):
         # the forward of a KV cache step whose tiles list fewer rows than the cache holds (a decode step) reads only
         # those: from the cache as it is (direct: block_size rows of every head a copy, whole tiles of the cache's
         # minor dims (H, D), since Mosaic copies no single head from a tiled dim: seen on a TPU v5e) where every
-        # block lies within TK and the heads need no padding, else gathered in XLA first (`_gathered_rows`)
+        # block lies within TK and the heads need no padding, else gathered in XLA first (`_gathered_rows`). A
+        # paged cache's forward copies from its pool's pages, always (`paged_forward`, where `reads_pages`)
         few = kv_lens is not None and 0 < self.nt * self.union * self.br < self.TK
-        self.direct = few and self.TK % block_size == 0 and (self.dkp, self.dvp) == (q.shape[3], v.shape[3])
+        heads = (self.dkp, self.dvp) == (q.shape[3], v.shape[3])
+        self.pieces = 1 if page_size is None else max(1, block_size // page_size)
+        self.direct = heads and (few and self.TK % block_size == 0 if page_size is None
+                                 else page_size % block_size == 0 or block_size % page_size == 0)
         self.gathered = few and not self.direct
         # packed sequences: k and v laid out block by block (`_block_starts`, `_key_rows`), each block at a row
         # that is a multiple of BR, since a packed sequence starts anywhere and Mosaic copies only from rows of
@@ -478,21 +492,41 @@ def _source_rows(union, lay, gathered, block_size):
     return jnp.broadcast_to(place * lay.br, union.shape)
 
 
+def _sources(union, lay, block_size, gathered, pages=None):
+    """int32 [B, H, NT, U, 2 * pieces]: where the copies of each union block read, a (batch row or page, row) pair
+    per piece: (b, `_source_rows`) for k_hbm [B, H, rows, Dp] or a cache as it is [B, TK, H, D]; with a paged
+    cache, pages = (its page_table int [B, MP], the pool's P pages), the (page, row in it) of each piece's first row
+    x + j * block_size / pieces (page ids clipped to the pool as `nsa._kvcache.gathered` clips them; rows past a
+    sequence are never seen)."""
+    if pages is None:
+        rows = _source_rows(union, lay, gathered, block_size)
+        at = jnp.broadcast_to(jnp.arange(lay.B, dtype=jnp.int32)[:, None, None, None], rows.shape)
+        return jnp.stack([at, rows], -1)
+    page_table, pool = pages
+    S = lay.TK // page_table.shape[1]
+    rows = (jnp.where(union == PAST, 0, union)[..., None]
+            + jnp.arange(lay.pieces, dtype=jnp.int32) * (block_size // lay.pieces))  # [B, H, NT, U, pieces]
+    index = jnp.clip(rows // S, 0, page_table.shape[1] - 1).reshape(lay.B, -1)
+    at = jnp.take_along_axis(page_table.astype(jnp.int32), index, axis=1).reshape(rows.shape)
+    return jnp.stack([jnp.clip(at, 0, pool - 1), rows % S], -1).reshape(rows.shape[:4] + (2 * lay.pieces,))
+
+
 def _smem_rows(*columns):
     """Per-step SMEM tables: [..., 1, W] int32 from leading columns [...] and trailing tables [..., n]."""
     cols = [c[..., None] if c.ndim == columns[0].ndim else c for c in columns]
     return jnp.concatenate([c.astype(jnp.int32) for c in cols], axis=-1)[..., None, :]
 
 
-def _tiles(block_indices, block_counts, cu_seqlens, kv_lens, lay, block_size, gathered):
+def _tiles(block_indices, block_counts, cu_seqlens, kv_lens, lay, block_size, gathered, pages=None):
     """What the forward and the backward both build (nsa._plan): (names [B, H, NT, TB, S]; the tiles' SMEM rows
-    [B, H, NT, 1, 2 + 3U]: count, t0, union, last, source rows (`_source_rows`); union and last [B, H, NT, U];
-    the `row_offsets`)."""
+    [B, H, NT, 1, 2 + 2U + 2 * pieces * U]: count, t0, union, last, the `_sources` (pages: a paged cache's);
+    union and last [B, H, NT, U]; the `row_offsets`)."""
     offsets = row_offsets(kv_lens, lay.T)
     names = tile_names(block_names(block_indices, block_counts, cu_seqlens, kv_lens, block_size=block_size), lay.tb)
     union, last, count = tile_unions(names, offsets, lay.union)
+    sources = _sources(union, lay, block_size, gathered, pages)
     blocks = _smem_rows(count, tile_starts(offsets, (lay.B, lay.H, lay.nt), lay.tb), union, last,
-                        _source_rows(union, lay, gathered, block_size))
+                        sources.reshape(union.shape[:3] + (-1,)))
     return names, blocks, union, last, offsets
 
 
@@ -516,7 +550,8 @@ def _query_grid(kernel, lay, blocks, tiled, k_rows, v_rows, outputs, scratch, *,
     compiler, dots = params(q, interpret, ("parallel", "parallel", "parallel"))
     any_spec = pl.BlockSpec(memory_space=pltpu.HBM)
     return pl.pallas_call(
-        functools.partial(kernel, scale=float(scale), block_size=block_size, align=align, **dots),
+        functools.partial(kernel, scale=float(scale), block_size=block_size, align=align, pieces=lay.pieces,
+                          **dots),
         grid=(lay.B, lay.H, lay.nt),
         in_specs=[pl.BlockSpec((None, None, None) + blocks.shape[3:], lambda b, h, i: (b, h, i, 0, 0),
                                memory_space=pltpu.SMEM)]
@@ -576,13 +611,42 @@ def forward(q, k, v, block_indices, block_counts, cu_seqlens, kv_lens=None, *, b
     return o, (q, k, v, block_indices, block_counts, cu_seqlens, kv_lens, o, lse)
 
 
-def _attention(q, k, v, block_indices, block_counts, cu_seqlens, kv_lens, *, block_size, scale, interpret, config):
-    """`forward`'s o and lse."""
-    check_selected(q, k, block_indices, block_size)
-    cfg = _config(config, q, k, v, block_indices, block_size, forward=True)
-    lay = _Layout(q, k, v, block_indices, block_size, cu_seqlens, kv_lens, cfg)
+def reads_pages(q, k, v, block_size):
+    """Whether `paged_forward` runs q [B, T, HQ, Dk] against a paged cache's pools k [P, S, H, Dk], v [P, S, H, Dv]:
+    heads that need no padding (Dk, Dv multiples of 128) and pages of whole blocks, or blocks of whole pages (S a
+    multiple of block_size, or a divisor of it)."""
+    S = k.shape[1]
+    return (lane_padded(q.shape[3]), lane_padded(v.shape[3])) == (q.shape[3], v.shape[3]) and (
+        S % block_size == 0 or block_size % S == 0)
+
+
+def paged_forward(q, k, v, block_indices, block_counts, kv_lens, page_table, *, block_size, scale, interpret=False,
+                  config=None):
+    """o [B, T, HQ, Dv] (q's dtype): `forward` over a paged cache, without residuals (a step over pages takes its
+    gradient through the pages gathered in XLA: nsa._dispatch.paged_selected). k [P, S, H, Dk] and v [P, S, H, Dv]
+    are its pools of pages, page_table int [B, MP] each sequence's pages in order (its key rows are those of
+    `nsa._kvcache.gathered(page_table, k, v)`, MP * S of them), kv_lens int32 [B] its lengths. Each block's rows of
+    every head are copied from its page (or pages) in HBM straight into the kernel's buffers (`_sources`): nothing
+    of the pools is gathered. Where not `reads_pages`, a ValueError."""
+    if not reads_pages(q, k, v, block_size):
+        raise ValueError(f"paged_forward needs heads of multiples of 128 (Dk = {q.shape[3]}, Dv = {v.shape[3]}) and "
+                         f"a page size (k.shape[1] = {k.shape[1]}) that is a multiple or a divisor of block_size = "
+                         f"{block_size}")
+    o, _ = per_sequence(_attention)(q, k, v, block_indices, block_counts, None, kv_lens, page_table,
+                                    block_size=block_size, scale=scale, interpret=interpret, config=config)
+    return o
+
+
+def _attention(q, k, v, block_indices, block_counts, cu_seqlens, kv_lens, page_table=None, *, block_size, scale,
+               interpret, config):
+    """`forward`'s o and lse; with a page_table (`paged_forward`) k and v are pools of pages."""
+    seen_k, seen_v = as_sequences(k, page_table), as_sequences(v, page_table)  # [B, TK, H, D] (shapes, if paged)
+    check_selected(q, seen_k, block_indices, block_size)
+    cfg = _config(config, q, seen_k, seen_v, block_indices, block_size, forward=True)
+    page_size, pages = (None, None) if page_table is None else (k.shape[1], (page_table, k.shape[0]))
+    lay = _Layout(q, seen_k, seen_v, block_indices, block_size, cu_seqlens, kv_lens, cfg, page_size)
     names, blocks, union, _, _ = _tiles(block_indices, block_counts, cu_seqlens, kv_lens, lay, block_size,
-                                        lay.gathered)
+                                        lay.gathered, pages)
     if lay.direct:
         rows = lambda x, lay, dp: x
     else:
