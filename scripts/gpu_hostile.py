@@ -180,17 +180,23 @@ def case_cache(dtype, TQ, B, TK, HQ, H, Dk, Dv, bs, l=None, d=None):
           reference(run), _rms(v[jnp.isfinite(v)]) * _rms(do))
 
 
-def case_paged(dtype, TN, l=None, d=None):
+def case_paged(dtype, TN, l=None, d=None, S=32, heads=(64, 32)):
     """A ragged step over a paged cache: 4 sequences (an idle empty one, one that the step fills to its capacity,
     one mid-page, one shorter than the step's TN rows) whose pages lie in random order in a NaN pool, the page
     table with unused (-1) and repeated entries (other sequences' pages past each one's length); the step's
-    appends, then attention with the selection made inside (alone: the fused decode kernels when TN is small; and
-    the gradients of q and the gates: the ops). (l, d): the compression's windows and stride (None: 32)."""
-    S, MP, B, HQ, H, Dk, Dv, bs = 32, 4, 4, 6, 2, 64, 32, 32
+    appends, then attention with the selection made inside (alone: the fused decode kernels when TN is small, or
+    on a TPU with heads of 128 the selected kernel's copies through the page table; and the gradients of q and the
+    gates: the ops). (l, d): the compression's windows and stride (None: 32); S: the page size (16: a selection
+    block of 32 spans two pages); heads: (Dk, Dv)."""
+    MP, B, HQ, H, bs = 128 // S, 4, 6, 2, 32
+    Dk, Dv = heads
     N = MP * S
     prompt = np.array([0, N - TN, 45, 2])
     n = np.array([0, TN, min(TN, 9), min(TN, 3)])  # each sequence's new tokens
     table = jnp.asarray([[-1, -1, -1, -1], [3, 8, 1, 10], [6, 0, 3, -1], [9, 8, -1, 1]], jnp.int32)
+    if MP == 8:  # pages of 16: each page of 32 above split in two (a pool of 24), the same pattern
+        table = jnp.stack([2 * table, 2 * table + 1], -1).reshape(B, MP)
+        table = jnp.where(table < 0, -1, table)
     q, k, v, do = inputs(B, N, HQ, H, Dk, Dv, dtype)
     new = lambda x: jnp.stack([jnp.pad(x[b, p:p + m], [(0, TN - m)] + [(0, 0)] * (x.ndim - 2))
                                for b, (p, m) in enumerate(zip(prompt, n))])
@@ -200,7 +206,7 @@ def case_paged(dtype, TN, l=None, d=None):
 
     def run(impl):
         def f(q, k, v, k_new, v_new, g, table):
-            cache = nsa.empty_paged_cache(12, S, B, MP, H, Dk, head_dim_v=Dv, dtype=dtype, **blocks)
+            cache = nsa.empty_paged_cache(3 * MP, S, B, MP, H, Dk, head_dim_v=Dv, dtype=dtype, **blocks)
             nan = lambda x: jnp.full_like(x, jnp.nan)
             cache = cache.replace(k=nan(cache.k), v=nan(cache.v), k_cmp=nan(cache.k_cmp), v_cmp=nan(cache.v_cmp),
                                   page_table=table)
@@ -212,7 +218,7 @@ def case_paged(dtype, TN, l=None, d=None):
 
         return jax.jit(f)(q, k, v, k_new, v_new, g, table)
 
-    check(f"paged {tag(dtype)} TN={TN} l={l} d={d}", run(IMPL), reference(run), _rms(v) * _rms(do))
+    check(f"paged {tag(dtype)} TN={TN} l={l} d={d} S={S} D={Dk}", run(IMPL), reference(run), _rms(v) * _rms(do))
 
 
 def case_empty(dtype):
@@ -240,6 +246,8 @@ def main():
             for TN in (1, 13):
                 case_paged(dtype, TN)
             case_paged(dtype, 13, l=32, d=16)
+            case_paged(dtype, 1, heads=(128, 128))  # heads of 128: a TPU copies the blocks through the table
+            case_paged(dtype, 1, l=16, d=16, S=16, heads=(128, 128))  # and each block from two pages
         return report()
     if "--overlap" in sys.argv:  # only the cases of overlapping compression (windows of l every d)
         return overlap(dtypes) or report()
