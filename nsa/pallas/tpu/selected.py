@@ -19,12 +19,13 @@ Layouts (all built in XLA around the kernels; D padded to Dp, a multiple of 128 
   delta [B, H, NT, G, TB, 1] float32. A (G, TB, Dp) block flattens to [G * TB, Dp] for free (TB is a
   multiple of the sublane tile), so one tile is R = G * TB MXU rows (row g * TB + j: head g, token j);
 - names [B, H, NT, TB, S] int32: the name of each slot of each token of the tile;
-- the tile's blocks [B, H, NT, 1, 2 + 3U] int32: how many distinct blocks the tile's tokens list, t0, then
-  those names in increasing order (the union; U = min(min(T, TB) * S, NR) bounds it, NR = the block rows
-  of one (b, h): cdiv(TK, block_size), or packed), then the key row of the last token of the tile that
-  lists each (rows past it are never seen), then the row of k's HBM array each is copied from. It is
+- the tile's blocks [B, H, NT, 1, 2 + 2U + 2 * pieces * U] int32: how many distinct blocks the tile's tokens
+  list, t0, then those names in increasing order (the union; U = min(min(T, TB) * S, NR) bounds it, NR = the
+  block rows of one (b, h): cdiv(TK, block_size), or packed), then the key row of the last token of the tile
+  that lists each (rows past it are never seen), then where each is copied from in k's HBM array: a (batch row
+  or page, row) pair per piece (one piece, but for a paged cache whose pages are smaller than a block). It is
   sorted in XLA, and each grid step gets only its own row in SMEM (a BlockSpec in SMEM): the whole table
-  (B * H * NT * (2 + 3U) ints) would not fit in SMEM's 1 MiB at long T;
+  (B * H * NT * (2 + 4U) ints) would not fit in SMEM's 1 MiB at long T;
 - k [B, H, TK + BR, Dkp], v [.., Dvp] stay in HBM (memory_space HBM: with ANY, XLA may place an array that fits
   in VMEM, where Mosaic refuses a copy from a row not a multiple of the sublane tile, seen on a TPU v5e; with
   packed sequences, whose blocks start anywhere, [B, H, NR * BR, Dp]: each block's rows at a multiple of BR,
@@ -39,7 +40,10 @@ Layouts (all built in XLA around the kernels; D padded to Dp, a multiple of 128 
   are H and D: Mosaic refuses a copy of one head, an offset inside a tile, seen on a TPU v5e), into buffers
   [2, BK, H, D] whose own head the kernel then takes (`_own_head`); H times the bytes of the head's
   rows, but no XLA gather of them first, which took a third of a step's time on a TPU v5e
-  (scripts/tpu_dma_probe.py). Else those rows gathered from the cache in XLA, [B, H, NT * U * BR, Dp]
+  (scripts/tpu_dma_probe.py). A paged cache's decode step (`paged_forward`) copies the same way from its pools
+  [P, S, H, D] as they are, each block from the page the page table names (or, with pages smaller than a block,
+  from each of the block_size / S pages it spans, one copy each): the SMEM row gives every copy its (page, row).
+  Else those rows gathered from the cache in XLA, [B, H, NT * U * BR, Dp]
   (`_gathered_rows`), block u of tile i at source row (i * U + u) * BR. BK makes every logits tile [R, BK]
   and every transpose in the dk/dv kernel (R and BK multiples of 128) lane-aligned: Mosaic has rejected
   matmuls with fewer than 128 result lanes and padded transposes (jax issues 18388, 18370), and the MXU is
@@ -70,10 +74,10 @@ one block, and float32 dk, dv [BR, Dp]. At the standard shape (G = 16, TB = 16, 
 block_size 64) that is about 1.1 MiB; float32 heads of 256 take 1.6 MiB at G = 16 and 4 MiB at G = 3
 (TB = 128), bf16 heads of 256 at G = 64 6.3 MiB: all under the 16 MiB of scoped VMEM. A direct forward's
 block buffers hold every head, [2, BK, H, D] with H padded to the sublane tile: 1 MiB for k and v at the
-standard shape (H = 4 of 16 rows, bf16), 4 MiB at H = 32. SMEM per step:
-one table row of 2 + 3U ints (forward, dq) or 6 + 2L (dk/dv), double-buffered. None of it depends on T or
-TK, which set only the grids, the lists (B * H * NR of them) and the XLA work (k and v are copied,
-transposed, once per call, but for the forward of a decode step).
+standard shape (H = 4 of 16 rows, bf16), 4 MiB at H = 32. SMEM per step: one table row of
+2 + 2U + 2 * pieces * U ints (forward, dq) or 6 + 2L (dk/dv), double-buffered. None of it depends on T or TK,
+which set only the grids, the lists (B * H * NR of them) and the XLA work (k and v are copied, transposed, once
+per call, but for the forward of a decode step).
 
 The Mosaic kernels carry names: selected_forward, selected_dq, selected_dkdv (the partials) and
 selected_dkdv_reduce.
