@@ -10,8 +10,10 @@ cd "$(dirname "$0")/.."
 out=${OUT:-benchmarks/results}
 args=("$@")
 [[ ${#args[@]} == 0 ]] && args=(--batches 1 16 64 --contexts 65536 --long --impls triton --dense --no-fla)
-GRAPHS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONALS,WHILE"
-GRAPHS="$GRAPHS --legacy_command_buffer_custom_call_targets=triton_kernel_call"
+# CONDITIONAL, not CONDITIONALS (jax 0.11.2's XLA refused that name on the H200, 2026-12-06); newer XLAs dropped the
+# legacy custom-call list, so the graphs run again without it when XLA refuses the flag
+GRAPHS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE"
+LEGACY="--legacy_command_buffer_custom_call_targets=triton_kernel_call"
 status=0
 echo "=== new: $(git log --oneline -1 2>/dev/null || echo this tree)"
 OUT="$out/new" bash scripts/gpu.sh decode --name decode-new "${args[@]}" || status=1
@@ -22,7 +24,10 @@ for tree in .ab/*/; do
         "${args[@]}" 2>&1 | grep -v '^{') || status=1
 done
 if [[ -z ${NO_GRAPHS:-} ]]; then  # NO_GRAPHS=1: the trees only
-    echo "=== graphs: XLA_FLAGS=$GRAPHS"
-    XLA_FLAGS="$GRAPHS" OUT="$out/graphs" bash scripts/gpu.sh decode --name decode-graphs "${args[@]}" || status=1
+    for flags in "$GRAPHS $LEGACY" "$GRAPHS"; do
+        echo "=== graphs: XLA_FLAGS=$flags"
+        XLA_FLAGS="$flags" OUT="$out/graphs" bash scripts/gpu.sh decode --name decode-graphs "${args[@]}" && break
+        grep -qE "Illegal value|Unknown flag|Flag parsing failed" "$out/graphs/decode.log" || { status=1; break; }
+    done
 fi
 exit $status
