@@ -69,7 +69,7 @@ def claims(op, phase, platform):
 
 
 def fused_step(q, k, static):
-    """{None: the fused decode step} (nsa.triton.decode.attention: five launches instead of the ops' ten, on the
+    """{None: the fused decode step} (nsa.triton.decode.attention: three launches instead of the ops' ten, on the
     arrays of a `decode.Step`, wherever the family runs) where it applies to q [B, TQ, HQ, Dk] against the cache k
     (few queries: `_splits.applies`) and its decode selection to the blocks of `static` (one compressed row per
     selection block), else None."""

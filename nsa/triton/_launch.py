@@ -48,12 +48,14 @@ def _vary(x, axes):
     return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
-def launch(kernel, *, grid, inputs, outputs, num_warps, num_stages, **constexprs):
+def launch(kernel, *, grid, inputs, outputs, num_warps, num_stages, zeroed=(), **constexprs):
     """Runs `kernel` on the grid; returns its outputs, a tuple in the kernel's argument order.
 
     The kernel's pointer arguments (those not given in `constexprs`) are its inputs, then its outputs;
     each is passed by its name in the kernel's signature, `inputs` {name: array} and `outputs` {name:
     jax.ShapeDtypeStruct}, so that two arrays can never be swapped (a missing or unknown name raises).
+    The outputs named in `zeroed` hold zeros when the kernel starts (jax_triton's zeroed_outputs: a memset in
+    the same custom call, e.g. the counters of the last program of a split); the others start undefined.
     A grid of no programs (no key tile, no query) launches nothing: its outputs, empty, are zeros.
     Inside shard_map the outputs vary along every mesh axis an input varies along (the kernel's outputs
     are typed as replicated otherwise, and custom_vjp then rejects the gradients).
@@ -69,8 +71,11 @@ def launch(kernel, *, grid, inputs, outputs, num_warps, num_stages, **constexprs
         return tuple(jnp.zeros(s.shape, s.dtype) for s in shapes)
     args = [inputs[name] for name in pointers if name in inputs]
     axes = frozenset().union(*(_varying(a) for a in args if isinstance(a, jax.Array)))
+    unknown = set(zeroed) - set(out_names)
+    if unknown:
+        raise TypeError(f"{kernel.fn.__name__}: zeroed names {sorted(unknown)}, not among its outputs {out_names}")
     results = _call(*args, kernel=kernel, out_shape=shapes, grid=grid, num_warps=num_warps, num_stages=num_stages,
-                    **constexprs)
+                    zeroed_outputs=tuple(i for i, name in enumerate(out_names) if name in zeroed), **constexprs)
     return tuple(_vary(r, axes) for r in results)
 
 

@@ -54,17 +54,18 @@ def splits(units, batch_heads, programs_per_sm, device, most=None):
 
 
 @triton.jit
-def split_stats(M, L, rows, ok, R: tl.constexpr, NSPLIT: tl.constexpr, NSP: tl.constexpr):
+def split_stats(M, L, rows, ok, R: tl.constexpr, NSPLIT: tl.constexpr, NSP: tl.constexpr, CACHE: tl.constexpr):
     """The merged softmax statistics of the rows `rows` (int64 [N]: split 0's row of M; split s adds s * R) over
     the NSPLIT splits of M, L [.., NSPLIT, R] (base-2 max and sum): (m_use: the max, or 0 where nothing was
     seen; l: the sum at m_use; lse2: the base-2 log-sum-exp, -inf where nothing was seen), each [N], loaded at
-    once ([NSP, N], NSP = next_pow2(NSPLIT))."""
+    once ([NSP, N], NSP = next_pow2(NSPLIT)) with the cache modifier CACHE ("" or ".cg": partials that other
+    programs of the same launch stored)."""
     sp = tl.arange(0, NSP)
     stat = (sp < NSPLIT)[:, None] & ok[None, :]
-    m_all = tl.load(M + rows[None, :] + sp[:, None] * R, mask=stat, other=float("-inf"))  # [NSP, N]
+    m_all = tl.load(M + rows[None, :] + sp[:, None] * R, mask=stat, other=float("-inf"), cache_modifier=CACHE)
     m_max = tl.max(m_all, 0)
     m_use = tl.where(m_max == float("-inf"), 0.0, m_max)
-    l_all = tl.load(L + rows[None, :] + sp[:, None] * R, mask=stat, other=0.0)
+    l_all = tl.load(L + rows[None, :] + sp[:, None] * R, mask=stat, other=0.0, cache_modifier=CACHE)
     l_sum = tl.sum(tl.exp2(m_all - m_use[None, :]) * l_all, 0)
     seen = l_sum > 0
     return m_use, l_sum, tl.where(seen, m_use + tl.log2(tl.where(seen, l_sum, 1.0)), float("-inf"))

@@ -29,10 +29,13 @@ Design (flash-decoding). One program per (b * H + h, split):
   stores o and lse. With NSPLIT = 1 (large batches) the program stores o and lse itself.
 
 The fused step (`attention`, on a `Step` of arrays, nsa._config): nsa.attention's whole decode step (compressed branch on,
-blocks selected) in five launches, since launching a step's small kernels is most of its time: the compressed
+blocks selected) in three launches, since launching a step's small kernels is most of its time: the compressed
 and window splits in one grid (`_cmp_window_split_kernel`), the selection (nsa/triton/decode_select.py,
-reading the compressed partials' m and l, `nsa.triton._splits.split_stats`), the selected splits, and one
-combine of all three branches with the gates (`_attention_combine_kernel`).
+reading the compressed partials' m and l, `nsa.triton._splits.split_stats`; its last split of each (b, h)
+merges the splits' tops), and the selected splits, whose last split of each (b, h) merges all three branches
+with the gates (`_selected_gated_kernel`). "Last": each split adds 1 to a counter of its (b, h), zeroed at launch,
+with an atomic add (acquire-release, GPU scope); the one that reads NSPLIT - 1 finds every other split's
+partials stored. The merge itself runs in a fixed order, so the result does not depend on which split that is.
 
 Forward only (serving needs no gradient). `nsa.triton._splits.applies(q, k)` says when the ops run these
 kernels rather than the training ones (TQ <= 16 and tiles of <= 128 rows; an op's decode= argument decides
@@ -65,6 +68,11 @@ COMBINE_COLS = 16
 # there besides the stages it plans: it plans 200 KiB of an H100's or H200's 227, which compiled within the
 # limit at every shape of scripts/sm90_shared_memory.py
 SHARED_MARGIN = 27 * KiB
+# the fused step's last launch merges every branch's splits in its last program of each (b, h), in tiles of
+# FOLD_ROWS rows by FOLD_COLS columns of Dv, FOLD_SPLITS splits loaded at once (a [FOLD_SPLITS, FOLD_ROWS, FOLD_COLS]
+# float32 tile: 32 registers a thread at 4 warps); wider than the per-op combine's tiles, since one program walks
+# them all
+FOLD_ROWS, FOLD_COLS, FOLD_SPLITS = 16, 64, 4
 _NONE = tl.constexpr(2 ** 31 - 1)  # a skipped slot of the selected kernel: above every valid int32 block id
 
 # ------------------------------------------------------------------------------------------ kernels
@@ -127,7 +135,7 @@ def _interval(Q, K, V, KV_LENS, Q_LENS, PAGES, bh, split, NSPLIT: tl.constexpr, 
               HQ: tl.constexpr, H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexpr,
               DVP: tl.constexpr, RP: tl.constexpr, BLOCK_N: tl.constexpr, COMPRESSED: tl.constexpr,
               WINDOW: tl.constexpr, BS: tl.constexpr, STRIDE: tl.constexpr, SCALE: tl.constexpr,
-              PAGE: tl.constexpr, MP: tl.constexpr, NP: tl.constexpr):
+              PAGE: tl.constexpr, MP: tl.constexpr, NP: tl.constexpr, LOGITS, KEEP: tl.constexpr):
     """The window or compressed attention of one (b * H + h = bh, split) program, as softmax state.
 
     Row r (token t at position p = kv_lens[b] - q_lens[b] + t; a token t >= q_lens[b], a ragged step's padding,
@@ -138,7 +146,9 @@ def _interval(Q, K, V, KV_LENS, Q_LENS, PAGES, bh, split, NSPLIT: tl.constexpr, 
     [0, NK - 1]. The rows any token sees, [k_lo, k_hi], are cut into tiles of BLOCK_N keys and the tiles into
     NSPLIT shares; this program walks share `split`, loading k (transposed, [DKP, BLOCK_N]) and v
     [BLOCK_N, DVP] of each tile once for all RP rows (nothing past k_hi: a window's keys end at p_last =
-    kv_lens[b] - 1, the compressed rows at kv_lens[b] // BS - 1). Returns (m, l_sum, acc, r, ok, q_rows).
+    kv_lens[b] - 1, the compressed rows at kv_lens[b] // BS - 1). With KEEP, it also stores the base-2 logits of
+    its rows' tiles into LOGITS [B * H, R, NK] float32 (row r of KV head bh, key rows k_lo .. k_hi; for the
+    selection, which then reads them instead of the keys). Returns (m, l_sum, acc, r, ok, q_rows).
     """
     G: tl.constexpr = HQ // H
     b = (bh // H).to(tl.int64)
@@ -172,6 +182,9 @@ def _interval(Q, K, V, KV_LENS, Q_LENS, PAGES, bh, split, NSPLIT: tl.constexpr, 
         rows = cache_rows(PAGES, b, offs, load, h, NK=NK, H=H, PAGE=PAGE, MP=MP, NP=NP)
         k_t, v = _keys(K, V, rows, load, DK=DK, DV=DV, DKP=DKP, DVP=DVP)
         s = tl.dot(q, k_t, input_precision="ieee") * (SCALE * LOG2E)
+        if KEEP:
+            tl.store(LOGITS + (bh.to(tl.int64) * (TQ * G) + r)[:, None] * NK + offs[None, :], s,
+                     mask=ok[:, None] & load[None, :])
         visible = seen[:, None] & (offs[None, :] >= lo[:, None]) & (offs[None, :] <= hi[:, None])
         m, l_sum, acc = online_step(m, l_sum, acc, s, v, visible, IEEE=True)
     return m, l_sum, acc, r, ok, q_rows
@@ -193,7 +206,7 @@ def _interval_kernel(Q, K, V, KV_LENS, Q_LENS, PAGES, O, LSE,
                                              NK=NK,
                                              HQ=HQ, H=H, DK=DK, DV=DV, DKP=DKP, DVP=DVP, RP=RP, BLOCK_N=BLOCK_N,
                                              COMPRESSED=COMPRESSED, WINDOW=WINDOW, BS=BS, STRIDE=STRIDE,
-                                             SCALE=SCALE, PAGE=PAGE, MP=MP, NP=NP)
+                                             SCALE=SCALE, PAGE=PAGE, MP=MP, NP=NP, LOGITS=Q, KEEP=False)
     _store_final(O, LSE, m, l_sum, acc, q_rows, ok, DV=DV, DVP=DVP)
 
 
@@ -215,7 +228,8 @@ def _interval_split_kernel(Q, K, V, KV_LENS, Q_LENS, PAGES, ACC, M, L,
     m, l_sum, acc, r, ok, _ = _interval(Q, K, V, KV_LENS, Q_LENS, PAGES, bh, split, NSPLIT=NSPLIT, TQ=TQ, NK=NK, HQ=HQ,
                                         H=H,
                                         DK=DK, DV=DV, DKP=DKP, DVP=DVP, RP=RP, BLOCK_N=BLOCK_N, COMPRESSED=COMPRESSED,
-                                        WINDOW=WINDOW, BS=BS, STRIDE=STRIDE, SCALE=SCALE, PAGE=PAGE, MP=MP, NP=NP)
+                                        WINDOW=WINDOW, BS=BS, STRIDE=STRIDE, SCALE=SCALE, PAGE=PAGE, MP=MP, NP=NP,
+                                        LOGITS=Q, KEEP=False)
     _store_partial(ACC, M, L, m, l_sum, acc, bh, split, r, ok, R=TQ * (HQ // H), NSPLIT=NSPLIT, DV=DV, DVP=DVP)
 
 
@@ -330,25 +344,26 @@ def _selected_split_kernel(Q, K, V, IDX, COUNTS, KV_LENS, Q_LENS, PAGES, ACC, M,
 
 @triton.jit
 def _merge_splits(ACC, M, L, bh, r, ok, d, d_ok, R: tl.constexpr, DV: tl.constexpr, NSPLIT: tl.constexpr,
-                  NSP: tl.constexpr, CR: tl.constexpr, CD: tl.constexpr, CS: tl.constexpr):
+                  NSP: tl.constexpr, CR: tl.constexpr, CD: tl.constexpr, CS: tl.constexpr, CACHE: tl.constexpr):
     """The rows r [CR] (ok) and columns d [CD] (d_ok) of KV head bh's tile merged over the splits of ACC
     [B * H, NSPLIT, R, DV], M and L [B * H, NSPLIT, R] in a fixed order (deterministic): (o [CR, CD] float32,
-    lse [CR] natural log; -inf and o = 0 where no split saw anything).
+    lse [CR] natural log; -inf and o = 0 where no split saw anything). CACHE: the loads' cache modifier (".cg",
+    through L2 only, for partials that other programs of the same launch stored).
 
     The rows' max and sum come from `split_stats`, the weights exp2(m_split - max); then the acc partials in
     chunks of CS splits ([CS, CR, CD] tiles, each chunk's loads issued together rather than one split after
     another, which timed slower when these kernels were written: commit 0eb76cf's docstring; no results file
     holds it), chunk after chunk, each summed over its splits by the same reduction tree."""
     rows = bh.to(tl.int64) * NSPLIT * R + r  # split 0's partial rows; split s adds s * R
-    m_use, l_sum, lse2 = split_stats(M, L, rows, ok, R=R, NSPLIT=NSPLIT, NSP=NSP)
+    m_use, l_sum, lse2 = split_stats(M, L, rows, ok, R=R, NSPLIT=NSPLIT, NSP=NSP, CACHE=CACHE)
     acc = tl.zeros([CR, CD], tl.float32)
     for c in tl.static_range(0, NSPLIT, CS):
         s = c + tl.arange(0, CS)
         used = (s < NSPLIT)[:, None] & ok[None, :]  # [CS, CR]
         part_rows = rows[None, :] + s[:, None] * R
-        w = tl.exp2(tl.load(M + part_rows, mask=used, other=float("-inf")) - m_use[None, :])
+        w = tl.exp2(tl.load(M + part_rows, mask=used, other=float("-inf"), cache_modifier=CACHE) - m_use[None, :])
         part = tl.load(ACC + part_rows[:, :, None] * DV + d[None, None, :], mask=used[:, :, None] & d_ok[None, None, :],
-                       other=0.0)  # [CS, CR, CD]
+                       other=0.0, cache_modifier=CACHE)  # [CS, CR, CD]
         acc += tl.sum(w[:, :, None] * part, 0)
     return acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None], lse2 * LN2
 
@@ -379,19 +394,19 @@ def _combine_kernel(ACC, M, L, O, LSE,
     """
     bh, r, ok, d, d_ok, q_rows = _combine_tile(TQ=TQ, HQ=HQ, H=H, DV=DV, CR=CR, CD=CD)
     out, lse = _merge_splits(ACC, M, L, bh, r, ok, d, d_ok, R=TQ * (HQ // H), DV=DV, NSPLIT=NSPLIT, NSP=NSP, CR=CR,
-                             CD=CD, CS=CS)
+                             CD=CD, CS=CS, CACHE="")
     tl.store(O + q_rows[:, None] * DV + d[None, :], out.to(O.dtype.element_ty), mask=ok[:, None] & d_ok[None, :])
     tl.store(LSE + q_rows, lse, mask=ok & (tl.program_id(2) == 0))
 
 
 @triton.jit
-def _cmp_window_split_kernel(Q, K, V, K_CMP, V_CMP, KV_LENS, Q_LENS, PAGES, ACC_C, M_C, L_C, ACC_W, M_W, L_W,
+def _cmp_window_split_kernel(Q, K, V, K_CMP, V_CMP, KV_LENS, Q_LENS, PAGES, ACC_C, M_C, L_C, ACC_W, M_W, L_W, LOGITS,
                              TQ: tl.constexpr, TK: tl.constexpr, NC: tl.constexpr, HQ: tl.constexpr,
                              H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexpr,
                              DVP: tl.constexpr, RP: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_W: tl.constexpr,
                              WINDOW: tl.constexpr, BS: tl.constexpr, STRIDE: tl.constexpr, SCALE: tl.constexpr,
                              NS_C: tl.constexpr, NS_W: tl.constexpr, PAGE: tl.constexpr, PAGE_C: tl.constexpr,
-                             MP: tl.constexpr, NP: tl.constexpr):
+                             MP: tl.constexpr, NP: tl.constexpr, KEEP: tl.constexpr):
     """The fused decode step's first launch: compressed and window attention, float32 partials of each.
 
     Grid (B * H, NS_C + NS_W): programs (bh, s < NS_C) take share s of the compressed rows K_CMP, V_CMP
@@ -399,6 +414,7 @@ def _cmp_window_split_kernel(Q, K, V, K_CMP, V_CMP, KV_LENS, Q_LENS, PAGES, ACC_
     (tiles of BLOCK_W), as `_interval_split_kernel`; stores acc, m and l into ACC_C, M_C, L_C [B * H, NS_C,
     R, ..] or ACC_W, M_W, L_W [B * H, NS_W, R, ..]. A paged cache (PAGE > 0): K, V are pools of pages of PAGE
     rows, K_CMP, V_CMP of PAGE_C = PAGE / STRIDE compressed rows, both through the page table PAGES [B, MP].
+    With KEEP, the compressed programs also store their base-2 logits into LOGITS [B * H, R, NC] (`_interval`).
     """
     bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -408,24 +424,25 @@ def _cmp_window_split_kernel(Q, K, V, K_CMP, V_CMP, KV_LENS, Q_LENS, PAGES, ACC_
                                             NK=NC,
                                             HQ=HQ, H=H, DK=DK, DV=DV, DKP=DKP, DVP=DVP, RP=RP, BLOCK_N=BLOCK_C,
                                             COMPRESSED=True, WINDOW=0, BS=BS, STRIDE=STRIDE, SCALE=SCALE,
-                                            PAGE=PAGE_C, MP=MP, NP=NP)
+                                            PAGE=PAGE_C, MP=MP, NP=NP, LOGITS=LOGITS, KEEP=KEEP)
         _store_partial(ACC_C, M_C, L_C, m, l_sum, acc, bh, split, r, ok, R=R, NSPLIT=NS_C, DV=DV, DVP=DVP)
     else:
         m, l_sum, acc, r, ok, _ = _interval(Q, K, V, KV_LENS, Q_LENS, PAGES, bh, split - NS_C, NSPLIT=NS_W, TQ=TQ,
                                             NK=TK,
                                             HQ=HQ, H=H, DK=DK, DV=DV, DKP=DKP, DVP=DVP, RP=RP, BLOCK_N=BLOCK_W,
                                             COMPRESSED=False, WINDOW=WINDOW, BS=1, STRIDE=1, SCALE=SCALE, PAGE=PAGE,
-                                            MP=MP, NP=NP)
+                                            MP=MP, NP=NP, LOGITS=LOGITS, KEEP=False)
         _store_partial(ACC_W, M_W, L_W, m, l_sum, acc, bh, split - NS_C, r, ok, R=R, NSPLIT=NS_W, DV=DV, DVP=DVP)
 
 
 @triton.jit
 def _gated(o, ACC, M, L, GATE, bh, r, ok, d, d_ok, q_rows, GATED: tl.constexpr, O_TYPE: tl.constexpr,
            R: tl.constexpr, DV: tl.constexpr, NSPLIT: tl.constexpr, NSP: tl.constexpr, CR: tl.constexpr,
-           CD: tl.constexpr, CS: tl.constexpr):
+           CD: tl.constexpr, CS: tl.constexpr, CACHE: tl.constexpr):
     """o [CR, CD] float32 plus one branch's output, merged from its splits (`_merge_splits`) and rounded to
     O_TYPE as the branch's op returns it, times its gate GATE [B, TQ, HQ] at q_rows (1 when not GATED)."""
-    out, _ = _merge_splits(ACC, M, L, bh, r, ok, d, d_ok, R=R, DV=DV, NSPLIT=NSPLIT, NSP=NSP, CR=CR, CD=CD, CS=CS)
+    out, _ = _merge_splits(ACC, M, L, bh, r, ok, d, d_ok, R=R, DV=DV, NSPLIT=NSPLIT, NSP=NSP, CR=CR, CD=CD, CS=CS,
+                           CACHE=CACHE)
     out = out.to(O_TYPE).to(tl.float32)
     if GATED:
         out = tl.load(GATE + q_rows, mask=ok, other=0.0).to(tl.float32)[:, None] * out
@@ -433,30 +450,58 @@ def _gated(o, ACC, M, L, GATE, bh, r, ok, d, d_ok, q_rows, GATED: tl.constexpr, 
 
 
 @triton.jit
-def _attention_combine_kernel(ACC_C, M_C, L_C, ACC_S, M_S, L_S, ACC_W, M_W, L_W, G_CMP, G_SLC, G_SWA, O,
-                              TQ: tl.constexpr, HQ: tl.constexpr, H: tl.constexpr, DV: tl.constexpr,
-                              NS_C: tl.constexpr, NS_S: tl.constexpr, NS_W: tl.constexpr, NSP_C: tl.constexpr,
-                              NSP_S: tl.constexpr, NSP_W: tl.constexpr, GATED_C: tl.constexpr,
-                              GATED_S: tl.constexpr, GATED_W: tl.constexpr, CR: tl.constexpr, CD: tl.constexpr,
-                              CS_C: tl.constexpr, CS_S: tl.constexpr, CS_W: tl.constexpr):
-    """The fused decode step's last launch: o = g_cmp * o_cmp + g_slc * o_slc + g_swa * o_swa.
+def _selected_gated_kernel(Q, K, V, IDX, COUNTS, KV_LENS, Q_LENS, PAGES, ACC_C, M_C, L_C, ACC_W, M_W, L_W, G_CMP,
+                           G_SLC, G_SWA, ACC_S, M_S, L_S, DONE, O,
+                           TQ: tl.constexpr, TK: tl.constexpr, HQ: tl.constexpr, H: tl.constexpr,
+                           S: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexpr,
+                           DVP: tl.constexpr, RP: tl.constexpr, TQP: tl.constexpr, SP: tl.constexpr,
+                           BS: tl.constexpr, BSP: tl.constexpr, NSUB: tl.constexpr, SCALE: tl.constexpr,
+                           PAGE: tl.constexpr, MP: tl.constexpr, NP: tl.constexpr,
+                           NS_C: tl.constexpr, NS_S: tl.constexpr, NS_W: tl.constexpr, NSP_C: tl.constexpr,
+                           NSP_S: tl.constexpr, NSP_W: tl.constexpr, GATED_C: tl.constexpr,
+                           GATED_S: tl.constexpr, GATED_W: tl.constexpr, CR: tl.constexpr, CD: tl.constexpr,
+                           CS_C: tl.constexpr, CS_S: tl.constexpr, CS_W: tl.constexpr):
+    """The fused decode step's last launch: the selected splits, then o = g_cmp * o_cmp + g_slc * o_slc +
+    g_swa * o_swa.
 
-    Grid (B * H, cdiv(R, CR), cdiv(DV, CD)) as `_combine_kernel`. Merges the splits of each branch (compressed
-    NS_C, selected NS_S, window NS_W: none when 0) as the branch's own combine would, rounds each branch's
-    output to O's dtype, loads the gates [B, TQ, HQ] of its rows (a missing gate, not GATED_*, is 1) and sums
-    in nsa.attention's order and precision (float32); stores o [B, TQ, HQ, DV] in O's dtype.
+    Grid (B * H, NS_S). Program (bh, split) runs share `split` of the selected blocks as `_selected_split_kernel`
+    and stores its float32 partials into ACC_S, M_S, L_S [B * H, NS_S, R, ..]; then counts itself done in DONE
+    [B * H] (int32, zero at launch; an atomic add, acquire-release at GPU scope, after a barrier of its
+    threads). The last split of (b, h) to finish merges every branch's splits for the R rows of KV head h
+    (compressed NS_C and window NS_W from the first launch's partials, none when NS_W = 0; selected NS_S,
+    loaded through L2, `.cg`), in tiles of CR rows by CD columns of DV, CS_* splits loaded at once, as each
+    branch's own combine would; rounds each branch's output to O's dtype, loads the gates [B, TQ, HQ] of its
+    rows (a missing gate, not GATED_*, is 1) and sums in nsa.attention's order and precision (float32); stores
+    o [B, TQ, HQ, DV] in O's dtype. Which split is last varies from run to run; what it computes does not.
     """
-    bh, r, ok, d, d_ok, q_rows = _combine_tile(TQ=TQ, HQ=HQ, H=H, DV=DV, CR=CR, CD=CD)
-    R: tl.constexpr = TQ * (HQ // H)
-    o = tl.zeros([CR, CD], tl.float32)
-    o = _gated(o, ACC_C, M_C, L_C, G_CMP, bh, r, ok, d, d_ok, q_rows, GATED=GATED_C, O_TYPE=O.dtype.element_ty, R=R,
-               DV=DV, NSPLIT=NS_C, NSP=NSP_C, CR=CR, CD=CD, CS=CS_C)
-    o = _gated(o, ACC_S, M_S, L_S, G_SLC, bh, r, ok, d, d_ok, q_rows, GATED=GATED_S, O_TYPE=O.dtype.element_ty, R=R,
-               DV=DV, NSPLIT=NS_S, NSP=NSP_S, CR=CR, CD=CD, CS=CS_S)
-    if NS_W > 0:
-        o = _gated(o, ACC_W, M_W, L_W, G_SWA, bh, r, ok, d, d_ok, q_rows, GATED=GATED_W, O_TYPE=O.dtype.element_ty,
-                   R=R, DV=DV, NSPLIT=NS_W, NSP=NSP_W, CR=CR, CD=CD, CS=CS_W)
-    tl.store(O + q_rows[:, None] * DV + d[None, :], o.to(O.dtype.element_ty), mask=ok[:, None] & d_ok[None, :])
+    bh = tl.program_id(0)
+    split = tl.program_id(1)
+    G: tl.constexpr = HQ // H
+    R: tl.constexpr = TQ * G
+    m, l_sum, acc, r, ok, _ = _selected(Q, K, V, IDX, COUNTS, KV_LENS, Q_LENS, PAGES, bh, split, NSPLIT=NS_S, TQ=TQ,
+                                        TK=TK, HQ=HQ, H=H, S=S, DK=DK, DV=DV, DKP=DKP, DVP=DVP, RP=RP, TQP=TQP, SP=SP,
+                                        BS=BS, BSP=BSP, NSUB=NSUB, SCALE=SCALE, PAGE=PAGE, MP=MP, NP=NP)
+    _store_partial(ACC_S, M_S, L_S, m, l_sum, acc, bh, split, r, ok, R=R, NSPLIT=NS_S, DV=DV, DVP=DVP)
+    tl.debug_barrier()  # every thread's stores before the release
+    if tl.atomic_add(DONE + bh, 1, sem="acq_rel", scope="gpu") == NS_S - 1:
+        b = (bh // H).to(tl.int64)
+        for tile in range(((R + CR - 1) // CR) * (DVP // CD)):
+            r = (tile // (DVP // CD)) * CR + tl.arange(0, CR)
+            ok = r < R
+            d = (tile % (DVP // CD)) * CD + tl.arange(0, CD)
+            d_ok = d < DV
+            q_rows = (b * TQ + tl.where(ok, r // G, 0)) * HQ + (bh % H) * G + r % G
+            o = tl.zeros([CR, CD], tl.float32)
+            o = _gated(o, ACC_C, M_C, L_C, G_CMP, bh, r, ok, d, d_ok, q_rows, GATED=GATED_C,
+                       O_TYPE=O.dtype.element_ty, R=R, DV=DV, NSPLIT=NS_C, NSP=NSP_C, CR=CR, CD=CD, CS=CS_C, CACHE="")
+            o = _gated(o, ACC_S, M_S, L_S, G_SLC, bh, r, ok, d, d_ok, q_rows, GATED=GATED_S,
+                       O_TYPE=O.dtype.element_ty, R=R, DV=DV, NSPLIT=NS_S, NSP=NSP_S, CR=CR, CD=CD, CS=CS_S,
+                       CACHE=".cg")
+            if NS_W > 0:
+                o = _gated(o, ACC_W, M_W, L_W, G_SWA, bh, r, ok, d, d_ok, q_rows, GATED=GATED_W,
+                           O_TYPE=O.dtype.element_ty, R=R, DV=DV, NSPLIT=NS_W, NSP=NSP_W, CR=CR, CD=CD, CS=CS_W,
+                           CACHE="")
+            tl.store(O + q_rows[:, None] * DV + d[None, :], o.to(O.dtype.element_ty), mask=ok[:, None] & d_ok[None, :])
 
 
 # --------------------------------------------------------------------------------- launches
@@ -655,18 +700,28 @@ def _selected_launch(q, k, v, block_indices, block_counts, kv_lens, *, block_siz
     return inputs, cfg, meta
 
 
+def keeps_logits(R, Dk, dtype):
+    """Whether the fused step's compressed splits store their logits for the selection (`attention`): when a
+    compressed row's R float32 logits (R = TQ * G rows of a KV head's tile) take fewer bytes than its Dk keys in
+    `dtype`, which the selection would otherwise read again (at decode, G = 16, Dk = 128, bf16: 64 bytes
+    written and read once against 256 read)."""
+    return R * 4 < Dk * jnp.dtype(dtype).itemsize
+
+
 def attention(*arrays, block_counts, block_size, compress_block_size, compress_stride, window_size, scale):
     """One NSA decode step, fused: nsa.attention's output with the compressed branch on and the blocks
     selected, for the `Step` of arrays (positional, in its order); window_size 0 for no window. Returns
     o [B, TQ, HQ, Dv] in q's dtype.
 
-    Five launches instead of the ops' ten (and XLA's gating): a step's kernels take a few microseconds each,
+    Three launches instead of the ops' ten (and XLA's gating): a step's kernels take a few microseconds each,
     so launching them is most of its time. (1) `_cmp_window_split_kernel`: the compressed rows' and the
-    window's splits, float32 partials; (2, 3) the selection (nsa/triton/decode_select.py) reading compressed
-    attention's lse from those partials; (4) `_selected_split_kernel`; (5) `_attention_combine_kernel`: every
-    branch's splits merged, rounded to q's dtype and gated, as nsa.attention sums them. Each split count and
-    tile is its op's `default_config`; the first launch takes the larger warps and the fewer stages of its two
-    branches. A paged cache (the Step's page_table [B, MP]): every kernel reads the pools' rows through the page
+    window's splits, float32 partials, and where `keeps_logits`, the compressed logits; (2) the selection
+    (nsa/triton/decode_select.py) reading compressed attention's lse from those partials (and those logits
+    rather than q and k_cmp), its last split of each (b, h) merging the splits' tops; (3)
+    `_selected_gated_kernel`: the selected splits, the last of each (b, h) merging every branch's splits, rounded
+    to q's dtype and gated, as nsa.attention sums them. Each split count and tile is its op's `default_config`
+    (the last launch's merge: FOLD_ROWS, FOLD_COLS, FOLD_SPLITS); the first launch takes the larger warps and the
+    fewer stages of its two branches. A paged cache (the Step's page_table [B, MP]): every kernel reads the pools' rows through the page
     table itself (`nsa.triton._common.cache_rows`), nothing is gathered. A ragged step (the Step's q_lens [B]):
     sequence b's queries are the first q_lens[b] rows of q, at positions kv_lens[b] - q_lens[b] + t; the other rows
     see nothing, their output 0 (their gates must be finite: nsa.attention zeroes them).
@@ -695,34 +750,35 @@ def attention(*arrays, block_counts, block_size, compress_block_size, compress_s
     cfg_w = default_config(Shapes.of(q, k, v, window_size=W), q.dtype, facts) if W > 0 else cfg_c
     ns_w = cfg_w.splits if W > 0 else 0  # no window: no window programs, its (unread) partials of one split
     cmp_parts, win_parts = _partials(B, H, cfg_c.splits, R, Dv), _partials(B, H, max(1, ns_w), R, Dv)
-    acc_c, m_c, l_c, acc_w, m_w, l_w = _launch.launch(
+    keep = keeps_logits(R, k_cmp.shape[3], q.dtype)
+    logits = _launch.shape_dtype((B * H, R, NC) if keep else (1,), jnp.float32)
+    acc_c, m_c, l_c, acc_w, m_w, l_w, logits = _launch.launch(
         _cmp_window_split_kernel, grid=(B * H, cfg_c.splits + ns_w),
         inputs=dict(Q=q, K=step.k, V=step.v, K_CMP=step.k_cmp, V_CMP=step.v_cmp, KV_LENS=kv_lens, Q_LENS=q_lens,
                     PAGES=pages),
-        outputs={f"{name}_{branch}": shape for branch, parts in (("C", cmp_parts), ("W", win_parts))
-                 for name, shape in parts.items()},
+        outputs={**{f"{name}_{branch}": shape for branch, parts in (("C", cmp_parts), ("W", win_parts))
+                    for name, shape in parts.items()}, "LOGITS": logits},
         **dict(_meta(q, k, v, scale, cfg_c), num_warps=max(cfg_c.num_warps, cfg_w.num_warps),
                num_stages=min(cfg_c.num_stages, cfg_w.num_stages)),
         TK=TK, NC=NC, BLOCK_C=cfg_c.block_n, BLOCK_W=cfg_w.block_n, WINDOW=W, BS=int(compress_block_size),
         STRIDE=int(compress_stride), NS_C=cfg_c.splits, NS_W=ns_w, PAGE_C=pages_meta["PAGE"] // int(compress_stride),
-        **pages_meta)
+        KEEP=keep, **pages_meta)
     idx = decode_select.forward(q, step.k_cmp, None, kv_lens, block_counts=block_counts, block_size=block_size,
-                                scale=scale, lse_parts=(m_c, l_c), page_table=table, q_lens=q_lens)
+                                scale=scale, lse_parts=(m_c, l_c), page_table=table, q_lens=q_lens,
+                                logits=logits if keep else None)
     counts = jnp.full(idx.shape[:3], idx.shape[3], jnp.int32)  # every slot (unused ones are -1)
     inputs, cfg_s, meta = _selected_launch(q, step.k, step.v, idx, counts, kv_lens, block_size=block_size,
                                            scale=scale, config=None, page_table=table, q_lens=q_lens)
-    acc_s, m_s, l_s = _launch.launch(_selected_split_kernel, grid=(B * H, cfg_s.splits), inputs=inputs,
-                                     outputs=_partials(B, H, cfg_s.splits, R, Dv), NSPLIT=cfg_s.splits, **meta)
     gates = dict(G_CMP=step.g_cmp, G_SLC=step.g_slc, G_SWA=step.g_swa)
-    cr, cd = _combine_block(cfg_c, R, Dv)
     nsp = {branch: triton.next_power_of_2(max(1, n)) for branch, n in zip("CSW", (cfg_c.splits, cfg_s.splits, ns_w))}
-    [o] = _launch.launch(
-        _attention_combine_kernel, grid=(B * H, cdiv(R, cr), cdiv(Dv, cd)),
-        inputs=dict(ACC_C=acc_c, M_C=m_c, L_C=l_c, ACC_S=acc_s, M_S=m_s, L_S=l_s, ACC_W=acc_w, M_W=m_w, L_W=l_w,
+    cr, cd = min(FOLD_ROWS, pow2(R)), min(FOLD_COLS, pow2(Dv))
+    _, _, _, _, o = _launch.launch(
+        _selected_gated_kernel, grid=(B * H, cfg_s.splits),
+        inputs=dict(inputs, ACC_C=acc_c, M_C=m_c, L_C=l_c, ACC_W=acc_w, M_W=m_w, L_W=l_w,
                     **{name: jnp.zeros((1,), q.dtype) if g is None else g for name, g in gates.items()}),
-        outputs=dict(O=_launch.shape_dtype((B, TQ, HQ, Dv), q.dtype)), TQ=TQ, HQ=HQ, H=H, DV=Dv,
-        NS_C=cfg_c.splits, NS_S=cfg_s.splits, NS_W=ns_w, CR=cr, CD=cd,
-        **{f"NSP_{b}": n for b, n in nsp.items()}, **{f"CS_{b}": min(cfg_c.combine_splits, n) for b, n in nsp.items()},
-        GATED_C=step.g_cmp is not None, GATED_S=step.g_slc is not None, GATED_W=step.g_swa is not None,
-        num_warps=cfg_c.combine_warps, num_stages=1)
+        outputs=dict(**{f"{name}_S": shape for name, shape in _partials(B, H, cfg_s.splits, R, Dv).items()},
+                     DONE=_launch.shape_dtype((B * H,), jnp.int32), O=_launch.shape_dtype((B, TQ, HQ, Dv), q.dtype)),
+        zeroed=("DONE",), **meta, NS_C=cfg_c.splits, NS_S=cfg_s.splits, NS_W=ns_w, CR=cr, CD=cd,
+        **{f"NSP_{b}": n for b, n in nsp.items()}, **{f"CS_{b}": min(FOLD_SPLITS, n) for b, n in nsp.items()},
+        GATED_C=step.g_cmp is not None, GATED_S=step.g_slc is not None, GATED_W=step.g_swa is not None)
     return o

@@ -5,8 +5,8 @@ The TQ queries are the last tokens of each batch row's sequence (query t at posi
 contract is nsa.reference.select's with `kv_lens`. At decode, select's training kernel runs one program per
 (tokens, b * H + h): at B = 1, H = 4, four programs walk every compressed row of the cache. Here each (b, h)
 cuts its candidate blocks into NSPLIT shares (`_decode_split_kernel`, one program each, the TQ queries' G heads
-stacked into one tile), each keeping the running top of its share (nsa/triton/_topk.py); `_decode_merge_kernel`
-merges the shares' tops in a fixed order. Compressed attention's lse is given, as lse [B, TQ, HQ] or as the
+stacked into one tile), each keeping the running top of its share (nsa/triton/_topk.py); the last share of a
+(b, h) to finish merges the shares' tops in a fixed order (`_merge_tops`), so the selection is one launch. Compressed attention's lse is given, as lse [B, TQ, HQ] or as the
 partial statistics of the decode kernels' compressed splits (the fused step, nsa/triton/decode.py, saves its
 combine). Forward only; every array is row-major, token offsets in int64.
 """
@@ -35,12 +35,13 @@ MAX_SPLITS = 64
 
 
 @triton.jit
-def _decode_split_kernel(q, k_cmp, lse, m_cmp, l_cmp, kv_lens, q_lens, pages, top, out,
+def _decode_split_kernel(q, k_cmp, s_cmp, lse, m_cmp, l_cmp, kv_lens, q_lens, pages, top, count, out,
                          TQ: tl.constexpr, NC: tl.constexpr, H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr,
                          BS: tl.constexpr, S: tl.constexpr, SCALE: tl.constexpr, GR: tl.constexpr,
                          TQP: tl.constexpr, DKP: tl.constexpr, BC: tl.constexpr, SP: tl.constexpr,
                          IEEE: tl.constexpr, NSPLIT: tl.constexpr, LSE_SPLITS: tl.constexpr,
-                         LSE_NSP: tl.constexpr, PAGE: tl.constexpr, MP: tl.constexpr, NP: tl.constexpr):
+                         LSE_NSP: tl.constexpr, PAGE: tl.constexpr, MP: tl.constexpr, NP: tl.constexpr,
+                         NSP: tl.constexpr, LOGITS: tl.constexpr):
     """Decode: the running top of the TQ queries of one KV head over one share of the candidate blocks.
 
     The queries are the last tokens of batch row b: its first q_lens[b] rows (all TQ unless a ragged step; the
@@ -52,14 +53,18 @@ def _decode_split_kernel(q, k_cmp, lse, m_cmp, l_cmp, kv_lens, q_lens, pages, to
     16 for tl.dot). Loads q [B, TQ, HQ, DK] (M x DKP) and lse [B, TQ, HQ] (compressed attention's) once,
     kv_lens [B], then each chunk of k_cmp [B, NC, H, DK] transposed (DKP x BC), only the rows some query
     sees (below min(NC, (p_last + 1) // BS)); with PAGE > 0, k_cmp is a pool of pages of PAGE compressed rows
-    read through the page table pages [B, MP] (`cache_rows`). The lse of each row is compressed attention's: lse [B, TQ, HQ]
+    read through the page table pages [B, MP] (`cache_rows`). With LOGITS, the chunk's base-2 logits are loaded
+    instead from s_cmp [B * H, TQ * G, NC] float32 (the fused step's compressed splits stored them: row
+    t * G + g of KV head bh, its columns the rows of the sequence) and neither q nor k_cmp is read. The lse of each row is compressed attention's: lse [B, TQ, HQ]
     (natural log), or with LSE_SPLITS > 0 merged here from the decode kernel's partial statistics m_cmp and
     l_cmp [B * H, LSE_SPLITS, TQ * G] (base 2; `split_stats`, LSE_NSP = LSE_SPLITS padded to a power of two),
     which saves the fused decode step (nsa/triton/decode.py's `attention`) a combine before the selection. Each
     chunk's scores are merged into each token's running top (`merge_top`). With NSPLIT = 1 stores the ids
     into out [B, TQ, H, S] int32 (rank order, -1 unused, `store_top`), else the keys of its top
-    (ascending) into top [B * H, NSPLIT, TQP, SP, 2] int32 (each int64 key's high and low halves) for
-    `_decode_merge_kernel`.
+    (ascending) into top [B * H, NSPLIT, TQP, SP, 2] int32 (each int64 key's high and low halves), then counts
+    itself done in count [B * H] (int32, zero at launch; an atomic add, acquire-release at GPU scope, after a
+    barrier of its threads): the last split of (b, h) to finish merges the NSPLIT tops (`_merge_tops`). Which
+    split is last varies from run to run; what it computes does not.
     """
     bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -80,13 +85,17 @@ def _decode_split_kernel(q, k_cmp, lse, m_cmp, l_cmp, kv_lens, q_lens, pages, to
     row_ok = (i % GR < G) & (t_row < q_len) & (p_row >= 0)
     end_row = tl.where(row_ok, tl.minimum((p_row + 1) // BS, NC), 0)  # the row's visible rows [0, end_row)
     q_row = (b * TQ + t_row) * (H * G) + h * G + i % GR  # int64 row of q and lse
-    dk = tl.arange(0, DKP)
-    q_tile = tl.load(q + q_row[:, None] * DK + dk[None, :], mask=row_ok[:, None] & (dk < DK)[None, :], other=0.0)
+    if LOGITS:
+        s_row = (bh.to(tl.int64) * TQ + t_row) * G + i % GR  # int64 row of s_cmp
+    else:
+        dk = tl.arange(0, DKP)
+        q_tile = tl.load(q + q_row[:, None] * DK + dk[None, :], mask=row_ok[:, None] & (dk < DK)[None, :], other=0.0)
     if LSE_SPLITS == 0:
         lse2 = tl.load(lse + q_row, mask=row_ok, other=float("-inf")) * LOG2E
     else:
         part_row = bh.to(tl.int64) * LSE_SPLITS * (TQ * G) + t_row * G + i % GR  # split 0's row of m_cmp, l_cmp
-        _, _, lse2 = split_stats(m_cmp, l_cmp, part_row, row_ok, R=TQ * G, NSPLIT=LSE_SPLITS, NSP=LSE_NSP)
+        _, _, lse2 = split_stats(m_cmp, l_cmp, part_row, row_ok, R=TQ * G, NSPLIT=LSE_SPLITS, NSP=LSE_NSP,
+                                  CACHE="")
     seen = lse2 > float("-inf")  # rows that see no compressed row get p = 0, never NaN
     lse2 = tl.where(seen, lse2, 0.0)
 
@@ -97,8 +106,11 @@ def _decode_split_kernel(q, k_cmp, lse, m_cmp, l_cmp, kv_lens, q_lens, pages, to
     for chunk in range(split * per, tl.minimum(chunks, split * per + per)):
         rows = chunk * BC + tl.arange(0, BC)
         load = rows < vis_end
-        k_rows = cache_rows(pages, b, rows, load, h, NK=NC, H=H, PAGE=PAGE, MP=MP, NP=NP)
-        s = logits(q_tile, k_cmp, k_rows, load, DK=DK, DKP=DKP, SCALE=SCALE, IEEE=IEEE)
+        if LOGITS:
+            s = tl.load(s_cmp + s_row[:, None] * NC + rows[None, :], mask=row_ok[:, None] & load[None, :], other=0.0)
+        else:
+            k_rows = cache_rows(pages, b, rows, load, h, NK=NC, H=H, PAGE=PAGE, MP=MP, NP=NP)
+            s = logits(q_tile, k_cmp, k_rows, load, DK=DK, DKP=DKP, SCALE=SCALE, IEEE=IEEE)
         p = tl.where((rows[None, :] < end_row[:, None]) & seen[:, None], tl.exp2(s - lse2[:, None]), 0.0)
         score = tl.sum(tl.reshape(p, [TQP, GR, BC]), 1) / G
         best = merge_top(best, keys(score, rows[None, :], cur), S=S, SP=SP)
@@ -109,29 +121,27 @@ def _decode_split_kernel(q, k_cmp, lse, m_cmp, l_cmp, kv_lens, q_lens, pages, to
         at = ((bh.to(tl.int64) * NSPLIT + split) * TQP + tok)[:, None] * SP + tl.arange(0, SP)[None, :]
         tl.store(top + 2 * at, (best >> 32).to(tl.int32))  # int32 halves: jax has no int64 without x64
         tl.store(top + 2 * at + 1, best.to(tl.int32))
+        tl.debug_barrier()  # every thread's stores before the release
+        if tl.atomic_add(count + bh, 1, sem="acq_rel", scope="gpu") == NSPLIT - 1:
+            _merge_tops(top, out, bh, b, h, TQ=TQ, H=H, S=S, TQP=TQP, SP=SP, NSPLIT=NSPLIT, NSP=NSP)
 
 
 @triton.jit
-def _decode_merge_kernel(top, out, TQ: tl.constexpr, H: tl.constexpr, S: tl.constexpr, TQP: tl.constexpr,
-                         SP: tl.constexpr, NSPLIT: tl.constexpr, NSP: tl.constexpr):
-    """Decode: the splits' tops of one query merged, in a fixed order (deterministic).
-
-    Grid (B * H * TQ,): program (b * H + h) * TQ + t loads the NSPLIT tops of token t of KV head h, top
-    [B * H, NSPLIT, TQP, SP, 2] int32 (NSP * SP int64 keys in halves, NSP = NSPLIT padded to a power of
-    two, -1 past NSPLIT), and stores the S best as block ids into out [B, TQ, H, S] int32 (rank order, -1
-    unused)."""
-    bh = tl.program_id(0) // TQ
-    t = tl.program_id(0) % TQ
-    b = (bh // H).to(tl.int64)
-    h = bh % H
+def _merge_tops(top, out, bh, b, h, TQ: tl.constexpr, H: tl.constexpr, S: tl.constexpr, TQP: tl.constexpr,
+                SP: tl.constexpr, NSPLIT: tl.constexpr, NSP: tl.constexpr):
+    """The NSPLIT splits' tops of KV head h of batch row b (bh = b * H + h) merged, token after token, in a fixed
+    order (deterministic): loads token t's tops from top [B * H, NSPLIT, TQP, SP, 2] int32 (NSP * SP int64 keys
+    in halves, NSP = NSPLIT padded to a power of two, -1 past NSPLIT; through L2, `.cg`: other SMs wrote them)
+    and stores its S best as block ids into out [B, TQ, H, S] int32 (rank order, -1 unused)."""
     j = tl.arange(0, NSP * SP)
     split = j // SP
-    at = ((bh.to(tl.int64) * NSPLIT + split) * TQP + t) * SP + j % SP
-    high = tl.load(top + 2 * at, mask=split < NSPLIT, other=-1)
-    low = tl.load(top + 2 * at + 1, mask=split < NSPLIT, other=-1)
-    keys = (high.to(tl.int64) << 32) | (low.to(tl.int64) & 0xFFFFFFFF)
     slot = tl.arange(0, SP)
-    tl.store(out + ((b * TQ + t) * H + h) * S + slot, ids(tl.topk(keys, SP)), mask=slot < S)
+    for t in range(TQ):
+        at = ((bh.to(tl.int64) * NSPLIT + split) * TQP + t) * SP + j % SP
+        high = tl.load(top + 2 * at, mask=split < NSPLIT, other=-1, cache_modifier=".cg")
+        low = tl.load(top + 2 * at + 1, mask=split < NSPLIT, other=-1, cache_modifier=".cg")
+        keys = (high.to(tl.int64) << 32) | (low.to(tl.int64) & 0xFFFFFFFF)
+        tl.store(out + ((b * TQ + t) * H + h) * S + slot, ids(tl.topk(keys, SP)), mask=slot < S)
 
 
 # ------------------------------------------------------------------------------------ wrappers
@@ -140,7 +150,7 @@ def _decode_merge_kernel(top, out, TQ: tl.constexpr, H: tl.constexpr, S: tl.cons
 @validated
 class Config(NamedTuple):
     """The launch of the decode select: BC compressed rows per step, NSPLIT splits of each (b, h)'s chunks (1: no
-    merge kernel), the split kernel's warps and pipeline stages."""
+    merge of their tops), the split kernel's warps and pipeline stages."""
 
     chunk: int
     splits: int
@@ -184,15 +194,16 @@ def default_config(shapes, dtype, device):
 
 
 def forward(q, k_cmp, lse, kv_lens, *, block_counts, block_size, scale, config=None, lse_parts=None,
-            page_table=None, q_lens=None):
+            page_table=None, q_lens=None, logits=None):
     """block_indices int32 [B, TQ, H, block_counts] for a few queries q [B, TQ, HQ, Dk] at the end of a cache
     (kv_lens int [B]) against its compressed keys k_cmp [B, NC, H, Dk], as nsa.reference.select with kv_lens:
-    `_decode_split_kernel`, then `_decode_merge_kernel` when NSPLIT > 1. Compressed attention's lse is given as
+    one launch of `_decode_split_kernel` (its last split of each (b, h) merges the splits' tops). Compressed attention's lse is given as
     lse [B, TQ, HQ] float32, or as lse_parts (then lse is None): the (m, l) partial statistics [B * H, NSPLIT,
     TQ * G] of the decode kernels' compressed splits. config: a Config (None: `default_config`). With page_table
     int [B, MP] (a paged cache), k_cmp is its pool of pages [P, S / d, H, Dk], read through the table. With q_lens
     int32 [B], sequence b's queries are the first q_lens[b] rows of q (its last q_lens[b] tokens), the others get
-    no block (-1)."""
+    no block (-1). With logits [B * H, TQ * G, NC] float32, the base-2 scaled logits of q against k_cmp (the fused
+    step's compressed splits store them), the kernel reads them instead of q and k_cmp."""
     pages, pages_meta = paging(page_table, k_cmp)
     k_pool, k_cmp = k_cmp, as_sequences(k_cmp, page_table)
     B, TQ, HQ, Dk = q.shape
@@ -201,6 +212,10 @@ def forward(q, k_cmp, lse, kv_lens, *, block_counts, block_size, scale, config=N
           f"lse {'None' if lse is None else 'given'} and lse_parts {'None' if lse_parts is None else 'given'}")
     check(kv_lens.shape == (B,), "kv_lens", f"shape [B] = ({B},)", tuple(kv_lens.shape))
     kv_lens = kv_lens.astype(jnp.int32)
+    if logits is not None:
+        want = (B * H, TQ * (HQ // H), NC)
+        check(logits.shape == want and logits.dtype == jnp.float32, "logits", f"float32 [B * H, TQ * G, NC] = {want}",
+              f"{logits.dtype} {tuple(logits.shape)}")
     unused = jnp.zeros((1,), jnp.float32)
     m_cmp, l_cmp = (unused, unused) if lse_parts is None else lse_parts
     lse_splits = 0 if lse_parts is None else m_cmp.shape[1]
@@ -211,17 +226,16 @@ def forward(q, k_cmp, lse, kv_lens, *, block_counts, block_size, scale, config=N
     check(cfg.chunk >= SP, "config.chunk", f"at least SP = {SP} (the slots padded: tl.topk takes SP rows)", cfg.chunk)
     out = _launch.shape_dtype((B, TQ, H, S), jnp.int32)
     top = _launch.shape_dtype((B * H, cfg.splits, tqp, SP, 2) if cfg.splits > 1 else (1,), jnp.int32)
-    top, idx = _launch.launch(
+    count = _launch.shape_dtype((B * H,) if cfg.splits > 1 else (1,), jnp.int32)
+    _, _, idx = _launch.launch(
         _decode_split_kernel, grid=(B * H, cfg.splits),
-        inputs=dict(q=q, k_cmp=k_pool, lse=unused if lse is None else lse.astype(jnp.float32), m_cmp=m_cmp,
+        inputs=dict(q=q, k_cmp=k_pool, s_cmp=unused if logits is None else logits,
+                    lse=unused if lse is None else lse.astype(jnp.float32), m_cmp=m_cmp,
                     l_cmp=l_cmp, kv_lens=kv_lens, q_lens=all_queries(q) if q_lens is None else q_lens,
                     pages=pages),
-        outputs=dict(top=top, out=out), num_warps=cfg.num_warps, num_stages=cfg.num_stages, TQ=TQ, NC=NC, H=H,
+        outputs=dict(top=top, count=count, out=out), zeroed=("count",), num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, TQ=TQ, NC=NC, H=H,
         G=HQ // H, DK=Dk, BS=block_size, SCALE=float(scale), IEEE=bool(q.dtype == jnp.float32), TQP=tqp,
         BC=cfg.chunk, NSPLIT=cfg.splits, LSE_SPLITS=lse_splits, LSE_NSP=triton.next_power_of_2(max(1, lse_splits)),
-        **sized, **pages_meta)
-    if cfg.splits > 1:
-        [idx] = _launch.launch(_decode_merge_kernel, grid=(B * H * TQ,), inputs=dict(top=top), outputs=dict(out=out),
-                               num_warps=4, num_stages=1, TQ=TQ, H=H, S=S, TQP=tqp, SP=SP, NSPLIT=cfg.splits,
-                               NSP=triton.next_power_of_2(cfg.splits))
+        NSP=triton.next_power_of_2(cfg.splits), LOGITS=logits is not None, **sized, **pages_meta)
     return jnp.pad(idx, [(0, 0)] * 3 + [(0, block_counts - S)], constant_values=-1)
