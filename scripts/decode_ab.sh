@@ -18,6 +18,7 @@ OUT="$out/new" bash scripts/gpu.sh decode --name decode-new "${args[@]}" || stat
 for tree in .ab/*/; do
     name=$(basename "$tree")
     echo "=== $name: $tree"
+    mkdir -p "$out/$name"  # benchmarks/decode.py writes its JSON there and makes no folder
     (cd "$tree" && PYTHONPATH=/tmp/site:$PWD python3 benchmarks/decode.py --out "$out/$name" --name "decode-$name" \
         "${args[@]}" 2>&1 | grep -v '^{') || status=1
 done
