@@ -22,14 +22,17 @@ rows to them (grid (B,), every head's S blocks copied at once, then each block's
 """
 
 import argparse
-import time
+import os
+import sys
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from benchmarks.common import time_jax  # noqa: E402
 
 STEPS = 20  # calls per timed loop
 
@@ -167,17 +170,6 @@ def heads_expected(k, q, starts, bs):
     return jnp.einsum("bhsgc,bhscd->bhgd", p, blocks).reshape(B, -1, D)
 
 
-def _timed(fn, args, iters):
-    """Median seconds of one call of fn(*args) (a jitted function), compiled first."""
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(iters):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t)
-    return float(np.median(times))
-
-
 def heads_main(k, starts, BS, args):
     """--heads: extract against interleaved, each checked against heads_expected and timed."""
     B, TK, H, D = k.shape
@@ -194,7 +186,7 @@ def heads_main(k, starts, BS, args):
         loop = jax.jit(lambda k, q, s, how=how: lax.fori_loop(
             0, STEPS, lambda i, acc: acc + heads(k, q, (s + i * BS) % TK, BS, args.interpret, how),
             jnp.zeros_like(want)))
-        us = _timed(loop, (k, q, starts), args.iters) * 1e6 / STEPS
+        us = time_jax(loop, (k, q, starts), args.iters) * 1e6 / STEPS
         blocks = B * H * starts.shape[2]
         print(f"heads {how}: relative max err {err:.3g}; {us:.1f} us a call, {us / blocks * 1e3:.0f} ns a "
               f"(sequence, head, block)")
@@ -229,7 +221,7 @@ def main():
         copies = [] if args.interpret else copies_cache(fn, k, starts)
         loop = jax.jit(lambda k, s, impl=impl: lax.fori_loop(  # STEPS calls, each on other blocks
             0, STEPS, lambda i, acc: acc + impl(k, (s + i * BS) % TK, BS, args.interpret), jnp.zeros_like(want)))
-        us = _timed(loop, (k, starts), args.iters) * 1e6 / STEPS
+        us = time_jax(loop, (k, starts), args.iters) * 1e6 / STEPS
         print(f"{name}: max err {err:.3g}; {us:.1f} us (the {ideal / 1e6:.1f} MB it must read: "
               f"{ideal / us / 1e6:.3f} TB/s); cache-size ops in the compiled program: {len(copies)}")
         for line in copies[:4]:

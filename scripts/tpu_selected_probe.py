@@ -9,8 +9,7 @@ something cheaper (the results are then wrong: only the time counts), each compi
   no-mask    `_block` returns the buffer's rows unmasked (no zeroing of the rows past the block or the query);
   no-bias    `_block_bias` returns zeros (no comparison of the slots' names, no causal mask);
   bare       all three at once: what is left is the copies, the two matmuls and the online softmax.
-  PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} python3 scripts/tpu_selected_probe.py [--interpret] [--batch 8]
-      [--context 16384]
+  python3 scripts/tpu_selected_probe.py [--interpret] [--batch 8] [--context 16384]
 On a TPU v5e, 2026-12-06 (benchmarks/results/tpu-check/tpu-selected-probe-2026-12-06.log), ns a (sequence, head,
 block): kernel 1684, head0 1706, no-mask 1693, no-bias 1616, bare 1362: neither the head's extraction nor the
 masking costs much, the bias about 4%; 80% of the time is left in the copies, the two matmuls and the online
@@ -19,15 +18,17 @@ softmax, which `tpu_dma_probe.py --heads` runs in about 600 ns with every copy i
 
 import argparse
 import contextlib
-import time
+import os
+import sys
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental.pallas import tpu as pltpu
 
-from nsa.pallas.tpu import selected
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from benchmarks.common import time_jax  # noqa: E402
+from nsa.pallas.tpu import selected  # noqa: E402
 
 STEPS = 10  # calls per timed loop
 
@@ -99,13 +100,7 @@ def main():
             loop = jax.jit(lambda q, k, v, idx: lax.fori_loop(  # STEPS calls, each on other blocks
                 0, STEPS, lambda i, acc: acc + forward(q, k, v, (idx + i) % (TK // BS)).astype(jnp.float32),
                 jnp.zeros(q.shape, jnp.float32)))
-            jax.block_until_ready(loop(q, k, v, idx))
-            times = []
-            for _ in range(args.iters):
-                t = time.perf_counter()
-                jax.block_until_ready(loop(q, k, v, idx))
-                times.append(time.perf_counter() - t)
-        us = float(np.median(times)) * 1e6 / STEPS
+            us = time_jax(loop, (q, k, v, idx), args.iters) * 1e6 / STEPS
         want = o if want is None else want
         err = float(jnp.max(jnp.abs(o.astype(jnp.float32) - want.astype(jnp.float32))))
         blocks = B * H * S
