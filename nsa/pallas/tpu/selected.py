@@ -403,10 +403,9 @@ class _Layout(Tiling):
         # block lies within TK and the heads need no padding, else gathered in XLA first (`_gathered_rows`). A
         # paged cache's forward copies from its pool's pages, always (`paged_forward`, where `reads_pages`)
         few = kv_lens is not None and 0 < self.nt * self.union * self.br < self.TK
-        heads = (self.dkp, self.dvp) == (q.shape[3], v.shape[3])
         self.pieces = 1 if page_size is None else max(1, block_size // page_size)
-        self.direct = heads and (few and self.TK % block_size == 0 if page_size is None
-                                 else page_size % block_size == 0 or block_size % page_size == 0)
+        self.direct = _unpadded_heads(q, v) and (few and self.TK % block_size == 0 if page_size is None
+                                                 else _whole_pieces(page_size, block_size))
         self.gathered = few and not self.direct
         # packed sequences: k and v laid out block by block (`_block_starts`, `_key_rows`), each block at a row
         # that is a multiple of BR, since a packed sequence starts anywhere and Mosaic copies only from rows of
@@ -615,13 +614,20 @@ def forward(q, k, v, block_indices, block_counts, cu_seqlens, kv_lens=None, *, b
     return o, (q, k, v, block_indices, block_counts, cu_seqlens, kv_lens, o, lse)
 
 
+def _unpadded_heads(q, v):
+    """Whether q's and v's heads need no padding to the lanes (Dk, Dv multiples of 128): a copy then takes them whole."""
+    return (lane_padded(q.shape[3]), lane_padded(v.shape[3])) == (q.shape[3], v.shape[3])
+
+
+def _whole_pieces(page_size, block_size):
+    """Whether a paged cache's blocks copy in whole pieces: pages of whole blocks, or blocks of whole pages."""
+    return page_size % block_size == 0 or block_size % page_size == 0
+
+
 def reads_pages(q, k, v, block_size):
     """Whether `paged_forward` runs q [B, T, HQ, Dk] against a paged cache's pools k [P, S, H, Dk], v [P, S, H, Dv]:
-    heads that need no padding (Dk, Dv multiples of 128) and pages of whole blocks, or blocks of whole pages (S a
-    multiple of block_size, or a divisor of it)."""
-    S = k.shape[1]
-    return (lane_padded(q.shape[3]), lane_padded(v.shape[3])) == (q.shape[3], v.shape[3]) and (
-        S % block_size == 0 or block_size % S == 0)
+    `_unpadded_heads` and `_whole_pieces` (S a multiple of block_size, or a divisor of it)."""
+    return _unpadded_heads(q, v) and _whole_pieces(k.shape[1], block_size)
 
 
 def paged_forward(q, k, v, block_indices, block_counts, kv_lens, page_table, *, block_size, scale, interpret=False,
