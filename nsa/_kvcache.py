@@ -7,10 +7,11 @@ from typing import Optional, Union
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from nsa import _checks
 from nsa._plan import window_start
-from nsa._varlen import cdiv
+from nsa._varlen import cdiv, concrete
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,18 +73,56 @@ def flat_rows(cache, i, unit):
     """Where rows i int [B, R] of each sequence of `cache` live in its arrays seen as one axis of rows
     (x.reshape(-1, H, D)): rows of `unit` tokens (1: k and v; compress_stride: k_cmp and v_cmp). Sequence b's row i
     is row b * R_seq + i of a KVCache (R_seq rows a sequence), row (i % Sp) of page page_table[b, i // Sp] of a
-    PagedKVCache (Sp = S / unit rows a page). A row past the capacity, before 0 or on a page id outside the pool
-    gives the number of rows (one past the last): a write there drops (mode="drop"), a read clips."""
+    PagedKVCache (Sp = S / unit rows a page). A row that does not exist (`exists`: past the capacity, before 0, or
+    on a page id outside the pool) gives the number of rows (one past the last): a write there drops
+    (mode="drop")."""
+    flat, inside = _located(cache, i, unit)
+    return jnp.where(inside, flat, _rows(cache, unit))
+
+
+def exists(cache, i, unit=1):
+    """bool [B, R]: whether rows i int [B, R] of each sequence of `cache` (of `unit` tokens) exist: inside the
+    capacity and, in a PagedKVCache, on a page of the pool (0 <= page_table entry < P). A row that does not exist is
+    never written (`flat_rows`) nor part of a sequence (`readable_lens`)."""
+    return _located(cache, i, unit)[1]
+
+
+def _rows(cache, unit):
+    """The rows of `unit` tokens in each of the cache's arrays, flat: B * ceil(N / unit), or P * S / unit."""
+    lead, N = cache.k.shape[:2]
+    return lead * -(-N // unit)
+
+
+def _located(cache, i, unit):
+    """(flat row int32 [B, R], exists bool [B, R]) of rows i of each sequence: `flat_rows` before it drops those
+    that do not exist."""
     B = i.shape[0]
     if isinstance(cache, PagedKVCache):
         P, Sp = cache.k.shape[0], cache.k.shape[1] // unit
         pages = cache.page_table.shape[1]
         page = jnp.take_along_axis(cache.page_table.astype(jnp.int32), jnp.clip(i // Sp, 0, pages - 1), axis=1)
-        inside = (i >= 0) & (i < pages * Sp) & (page >= 0) & (page < P)
-        return jnp.where(inside, page * Sp + i % Sp, P * Sp)
+        return page * Sp + i % Sp, (i >= 0) & (i < pages * Sp) & (page >= 0) & (page < P)
     rows = -(-cache.k.shape[1] // unit)
-    inside = (i >= 0) & (i < rows)
-    return jnp.where(inside, jnp.arange(B, dtype=jnp.int32)[:, None] * rows + i, B * rows)
+    return jnp.arange(B, dtype=jnp.int32)[:, None] * rows + i, (i >= 0) & (i < rows)
+
+
+def readable_lens(cache):
+    """int32 [B]: the tokens of each sequence that attention reads: cache.lens clipped to [0, capacity] and, in a
+    PagedKVCache, cut at the first page-table entry that is no page of the pool. Whatever the page table holds,
+    every row below these lengths lies on a page of the pool: no read for a query's result goes through a page id
+    outside it (which the kernels would clip into some other sequence's page). `nsa.append_to_cache` never counts
+    a row it could not write, so this is cache.lens for any cache it filled, unless the page table changed since;
+    `check_cache` refuses concrete lengths it would cut."""
+    lens = jnp.clip(cache.lens.astype(jnp.int32), 0, capacity(cache))
+    if isinstance(cache, KVCache):
+        return lens
+    return jnp.minimum(lens, _paged_prefix(cache.page_table, cache.k.shape[0]) * cache.k.shape[1])
+
+
+def _paged_prefix(page_table, P):
+    """int32 [B]: how many of each sequence's first page-table entries are pages of the pool (0 <= id < P)."""
+    table = page_table.astype(jnp.int32)
+    return jnp.sum(jnp.cumprod((table >= 0) & (table < P), axis=1, dtype=jnp.int32), axis=1, dtype=jnp.int32)
 
 
 def sequences(cache):
@@ -96,28 +135,40 @@ def sequences(cache):
 
 def gathered(page_table, *pools):
     """Each pool of pages [P, S, H, D] gathered through page_table int [B, MP] into [B, MP * S, H, D]: each
-    sequence's rows in order (an O(cache) copy). A page id outside the pool reads page 0 (below) or its last page
-    (above), as the kernels that read pages through the table (nsa.triton._common.cache_rows) clip it; a sequence's
-    rows past its length may come from such a page."""
+    sequence's rows in order (an O(cache) copy). A page id outside the pool reads zeros: no row of another
+    sequence's page (the kernels that read pages through the table, nsa.triton._common.cache_rows, read no row past
+    a sequence's `readable_lens`, which never reaches such a page)."""
     B, MP = page_table.shape
-    gather = lambda x: x[jnp.clip(page_table.astype(jnp.int32), 0, x.shape[0] - 1)].reshape(B, MP * x.shape[1],
-                                                                                              *x.shape[2:])
-    return tuple(gather(x) for x in pools)
+    return tuple(_on_pages(x, page_table, lambda pages: x[pages].reshape(B, MP * x.shape[1], *x.shape[2:]),
+                           lambda valid: valid[:, :, None].repeat(x.shape[1], 1).reshape(B, -1))
+                 for x in pools)
 
 
 def read_rows(pool, page_table, rows):
     """The rows at positions rows int [B, N] of each sequence of a pool of pages [P, S, H, D] (page_table int
     [B, MP]): [B, N, H, D], or at per-head positions rows int [B, N, H]: [B, N, H, D] (KV head h's row of its own
-    position). What `gathered(page_table, pool)[b, rows]` holds (positions and page ids clipped as it clips them),
-    read without gathering the rest."""
+    position). What `gathered(page_table, pool)[b, rows]` holds (positions clipped into the capacity, rows on a
+    page id outside the pool zeros), read without gathering the rest."""
     B, N = rows.shape[:2]
-    P, S = pool.shape[:2]
+    S = pool.shape[1]
     rows = jnp.clip(rows.astype(jnp.int32), 0, page_table.shape[1] * S - 1)
     table = page_table.astype(jnp.int32)
-    page = jnp.clip(jnp.take_along_axis(table, (rows // S).reshape(B, -1), axis=1).reshape(rows.shape), 0, P - 1)
+    page = jnp.take_along_axis(table, (rows // S).reshape(B, -1), axis=1).reshape(rows.shape)
     if rows.ndim == 2:
-        return pool[page, rows % S]
-    return pool[page, rows % S, jnp.arange(pool.shape[2])]
+        read = lambda pages: pool[pages, rows % S]
+    else:
+        read = lambda pages: pool[pages, rows % S, jnp.arange(pool.shape[2])]
+    return _on_pages(pool, page, read, lambda valid: valid)
+
+
+def _on_pages(pool, pages, read, valid_rows):
+    """read(pages) with page ids outside the pool [P, ...] read as page 0 and then zeroed: `valid_rows(valid)` maps
+    the ids' validity (pages' shape) onto the read's leading dimensions."""
+    pages = pages.astype(jnp.int32)
+    valid = (pages >= 0) & (pages < pool.shape[0])
+    x = read(jnp.where(valid, pages, 0))
+    keep = valid_rows(valid)
+    return jnp.where(keep.reshape(keep.shape + (1,) * (x.ndim - keep.ndim)), x, 0).astype(x.dtype)
 
 
 def paged_window(page_table, k, v, kv_lens, T, window_size):
@@ -195,4 +246,22 @@ def check_cache(cache: Cache, block_size: Optional[int] = None, compress_block_s
         B = cache.page_table.shape[0]
     _checks.integer_array("cache.lens", cache.lens, 1)
     _checks.shape("cache.lens", cache.lens, (B,), "[B]" + (" (B from cache.page_table)" if paged else ""))
+    if paged:
+        _check_pages(cache)
     return blocks
+
+
+def _check_pages(cache):
+    """Raises ValueError where concrete lengths of a PagedKVCache reach a page-table entry that is no page of the
+    pool (where `readable_lens` would cut a sequence: under jit it does, and nothing reads through that entry)."""
+    lens, table = concrete(cache.lens), concrete(cache.page_table)
+    if lens is None or table is None:
+        return
+    P, S = cache.k.shape[:2]
+    pages = -(-np.clip(lens, 0, table.shape[1] * S) // S)  # the entries that hold each sequence's tokens
+    prefix = np.cumprod((table >= 0) & (table < P), axis=1).sum(axis=1)
+    for b in np.flatnonzero(prefix < pages):
+        j = int(prefix[b])
+        raise ValueError(f"cache.lens[{b}] = {lens[b]} tokens reach entry {j} of cache.page_table[{b}] (its rows "
+                         f"{j * S} ... {(j + 1) * S - 1}), which holds {table[b, j]}: no page of the pool "
+                         f"(0 <= id < P = {P}); every page that holds a sequence's tokens must be one of the pool")

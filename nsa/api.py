@@ -17,7 +17,8 @@ import numpy as np
 
 from nsa import _checks, _dispatch, context
 from nsa._config import Step, as_sequences
-from nsa._kvcache import Cache, PagedKVCache, check_cache, gathered, paged_selected, paged_window
+from nsa._kvcache import (Cache, PagedKVCache, check_cache, gathered, paged_selected, paged_window,
+                          readable_lens)
 from nsa._varlen import concrete, num_compressed_blocks
 from nsa.reference.compress import row_tokens
 
@@ -377,8 +378,12 @@ def _from_cache(cache, blocks, given):
     if passed:
         raise ValueError(f"cache= brings the keys, values, compressed rows and lengths of the cache: pass "
                          f"{' and '.join(passed)} or cache, not both")
-    page_table = cache.page_table if isinstance(cache, PagedKVCache) else None
-    return cache.k, cache.v, cache.k_cmp, cache.v_cmp, cache.lens, page_table, blocks
+    if not isinstance(cache, PagedKVCache):
+        return cache.k, cache.v, cache.k_cmp, cache.v_cmp, cache.lens, None, blocks
+    lens = cache.lens  # concrete ones that reach a page-table entry outside the pool raised (check_cache)
+    if concrete(lens) is None or concrete(cache.page_table) is None:  # under jit: no read goes through one
+        lens = readable_lens(cache)
+    return cache.k, cache.v, cache.k_cmp, cache.v_cmp, lens, cache.page_table, blocks
 
 
 def _ragged(q, k, v, k_cmp, v_cmp, per_query, q_lens, kv_lens, compression):

@@ -34,19 +34,20 @@ place (scatters into the donated buffers), and the step compiles once for every 
 they are data.
 """
 
-from typing import Optional
+from typing import Optional, Union
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from nsa import _checks
 from nsa import _kvcache
-from nsa._kvcache import Cache, KVCache, PagedKVCache, check_cache, flat_rows
+from nsa._kvcache import Cache, KVCache, PagedKVCache, check_cache, flat_rows, readable_lens
 from nsa._varlen import cdiv, concrete
 from nsa.api import Array, Indices, compress
 
 __all__ = ["KVCache", "PagedKVCache", "append_to_cache", "check_cache", "empty_cache", "empty_paged_cache",
-           "prefill_cache"]
+           "prefill_cache", "readable_lens"]
 
 
 def _blocks(block_size, compress_block_size, compress_stride):
@@ -110,16 +111,21 @@ def _new_tokens(cache, k, v):
 
 
 def _write(cache, k, v, start, count, window, stride):
-    """The cache with the first count[b] rows of k, v [B, TN, ...] written at the rows start[b], start[b] + 1, ...
-    of sequence b (rows past the capacity, or on no page, dropped), lens set to start + count (at most the capacity)
-    and the compressed row of every window (of `window` tokens every `stride`) that this completes."""
+    """(the cache, written int32 [B]): the first written[b] <= count[b] rows of k, v [B, TN, ...] written at the
+    rows start[b], start[b] + 1, ... of sequence b, where written[b] counts the rows up to the first that does not
+    exist (`_kvcache.exists`: past the capacity, or on no page of the pool): those and every row after them are
+    dropped, so that lens = start + written counts only rows that were written, and the compressed row of every
+    window (of `window` tokens every `stride`) that this completes."""
     B, TN = k.shape[:2]
     N = _kvcache.capacity(cache)
     NC = cdiv(N, stride)
     i = jnp.arange(TN)
-    rows = jnp.where(i < count[:, None], start[:, None] + i, -1)  # -1: not written
+    start = jnp.clip(start, 0, N)
+    fits = (i < count[:, None]) & _kvcache.exists(cache, start[:, None] + i)
+    written = jnp.sum(jnp.cumprod(fits, axis=1, dtype=jnp.int32), axis=1, dtype=jnp.int32)
+    rows = jnp.where(i < written[:, None], start[:, None] + i, -1)  # -1: not written
     k_all, v_all = _put(cache, cache.k, rows, k, 1), _put(cache, cache.v, rows, v, 1)
-    lens = jnp.minimum(start + count, N)
+    lens = start + written
     # the windows whose last token (row * stride + window - 1) is one of start ... start + TN - 1: at most R
     R = cdiv(TN, stride)
     rows = -((window - 1 - start[:, None]) // stride) + jnp.arange(R)  # [B, R], the first: cdiv(start - window + 1, d)
@@ -133,8 +139,9 @@ def _write(cache, k, v, start, count, window, stride):
         windows = flat.at[flat_rows(cache, tokens, 1)].get(mode="clip")  # [B, R * window, H, D]
         return _put(cache, x_cmp, target, compress(windows, block_size=window), stride)  # the window means
 
-    return cache.replace(k=k_all, v=v_all, k_cmp=compressed(k_all, cache.k_cmp), v_cmp=compressed(v_all, cache.v_cmp),
-                         lens=lens)
+    cache = cache.replace(k=k_all, v=v_all, k_cmp=compressed(k_all, cache.k_cmp),
+                          v_cmp=compressed(v_all, cache.v_cmp), lens=lens)
+    return cache, written
 
 
 def _put(cache, x, rows, values, unit):
@@ -146,31 +153,40 @@ def _put(cache, x, rows, values, unit):
 
 def append_to_cache(cache: Cache, k: Array, v: Array, *, lens: Optional[Indices] = None,
                     block_size: Optional[int] = None, compress_block_size: Optional[int] = None,
-                    compress_stride: Optional[int] = None) -> Cache:
+                    compress_stride: Optional[int] = None,
+                    return_written: bool = False) -> Union[Cache, tuple[Cache, jax.Array]]:
     """The cache (an nsa.KVCache or nsa.PagedKVCache) with new tokens appended: sequence b appends the first
     lens[b] rows of k [B, TN, H, Dk], v [B, TN, H, Dv] (lens int [B] in [0, TN], default TN: a ragged step appends
     0 tokens to an idle slot, 1 to a decoding sequence, a chunk to one in prefill) at its rows cache.lens[b] ...,
     cache.lens grows by lens, and each compression window this completes gets its compressed row
     (`nsa.compress`'s mean of its tokens, bitwise). Rows past lens[b] are not written. A pure function: jit it with
     the cache donated and the writes happen in place. The block arguments may be left out: the cache carries its
-    own (given, each must equal the cache's).
+    own (given, each must equal the cache's). return_written=True returns (cache, written): written int32 [B], the
+    tokens of each sequence that were written (lens[b] unless some were dropped, below).
 
-    Appending past the capacity (N, or a paged cache's MP * S), or (paged) to a row whose page_table entry is no
-    page of the pool, raises ValueError when cache.lens, lens and the page table are concrete; under jit the rows
-    that do not fit are dropped, lens stops at the capacity, and nothing is written out of bounds.
+    A token is written only where its row exists: inside the capacity (N, or a paged cache's MP * S) and (paged) on
+    a page of the pool (0 <= page_table entry < P). With concrete cache.lens, lens and page table, a token without
+    a row raises ValueError, and so does a page that this append writes (a token's row, or the compressed row of a
+    window it completes, which lives in the page of the window's first token) while another sequence holds it
+    (its page table maps that page at rows below its length: shared prefix pages may be read by several sequences,
+    never written). Under jit nothing can raise: sequence b's tokens from the first one without a row on are
+    dropped (nothing is written out of bounds or through an invalid page id), cache.lens counts only the tokens
+    written (so cache.lens - the old lens is `written`), and `nsa.attention` never reads a row that was not
+    written to the sequence (`nsa.cache.readable_lens`).
     """
     _, window, stride = check_cache(cache, block_size, compress_block_size, compress_stride)
     _new_tokens(cache, k, v)
     B, TN = k.shape[:2]
     count = _prompt_lens(lens, B, TN)
     start = cache.lens.astype(jnp.int32)
-    _check_room(cache, concrete(start), concrete(count))
-    return _write(cache, k, v, start, count, window, stride)
+    _check_room(cache, concrete(start), concrete(count), window, stride)
+    cache, written = _write(cache, k, v, start, count, window, stride)
+    return (cache, written) if return_written else cache
 
 
-def _check_room(cache, start, count):
-    """Raises ValueError where concrete lengths `start` + `count` pass the capacity or (paged) a concrete page
-    table gives one of the rows they write no page of the pool."""
+def _check_room(cache, start, count, window, stride):
+    """Raises ValueError where concrete lengths `start` + `count` pass the capacity or (paged, with a concrete page
+    table) write a row on no page of the pool, or a page another sequence holds (`_check_owners`)."""
     if start is None or count is None or not start.size:
         return
     N, end = _kvcache.capacity(cache), start + count
@@ -188,6 +204,27 @@ def _check_room(cache, start, count):
                              f"{(end[b] - 1) // S} of its page_table row), but cache.page_table[{b}] holds "
                              f"{pages.tolist()} there: every page a write reaches must be a page of the pool, "
                              f"0 <= id < P = {P}")
+    _check_owners(table, S, start, end, window, stride)
+
+
+def _check_owners(table, S, start, end, window, stride):
+    """Raises ValueError where sequence b writes (rows start[b] ... end[b] - 1, and the compressed rows of the
+    windows they complete, each in the page of its window's first token) a page that another sequence c holds: that
+    page_table[c] maps at one of its rows below end[c] (its length after the append)."""
+    held = {}  # page -> the sequences holding it
+    for c in range(table.shape[0]):
+        for page in table[c, :-(-end[c] // S)]:
+            held.setdefault(int(page), set()).add(c)
+    for b in np.flatnonzero(end > start):
+        windows = np.arange(max(-(-(start[b] - window + 1) // stride), 0), (end[b] - window) // stride + 1)
+        rows = np.concatenate([np.arange(start[b], end[b]), windows * stride])  # written tokens, windows' first
+        for page in np.unique(table[b, rows // S]):
+            others = sorted(held[int(page)] - {int(b)})
+            if others:
+                raise ValueError(f"sequence {b} writes page {page} (a token's row, or the compressed row of a window "
+                                 f"whose first token lies there), which sequence {others[0]} holds too (its "
+                                 f"page_table row maps page {page} below its length {end[others[0]]}): a page that "
+                                 f"an append writes must be its sequence's alone (shared pages can only be read)")
 
 
 def prefill_cache(k: Array, v: Array, *, block_size: int, capacity: int, lens: Optional[Indices] = None,
@@ -204,7 +241,7 @@ def prefill_cache(k: Array, v: Array, *, block_size: int, capacity: int, lens: O
     cache = empty_cache(B, N, H, Dk, block_size=blocks[0], compress_block_size=blocks[1], compress_stride=blocks[2],
                         head_dim_v=v.shape[-1], dtype=k.dtype)
     _new_tokens(cache, k, v)
-    return _write(cache, k, v, jnp.zeros((B,), jnp.int32), _prompt_lens(lens, B, TP), *blocks[1:])
+    return _write(cache, k, v, jnp.zeros((B,), jnp.int32), _prompt_lens(lens, B, TP), *blocks[1:])[0]
 
 
 def _prompt_lens(lens, B, TP):

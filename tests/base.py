@@ -93,6 +93,9 @@ RAGGED_STEPS = [[13, 0, 5], [1, 1, 0], [3, 6, 1]]
 # interpreted kernels run the first.
 RAGGED_BLOCKS = {"l8-d8-s8": (8, 8, 8), "l16-d8-s16": (16, 8, 16)}
 BLOCK_ARGS = ("block_size", "compress_block_size", "compress_stride")
+# The tokens a step appends in the test of page tables with no page (test_rows_without_a_page_are_never_read):
+# decode (the paged kernels' own reads through the table) and a chunk (the pools gathered); interpreted, decode.
+PAGELESS_STEPS = {"decode": 1, "chunk": 3}
 
 
 # Compression windows of l tokens every d with selection blocks of l' (the paper's NSA: 32, 16, 64), as
@@ -282,6 +285,9 @@ class NSATestBase:
         if kind == "ragged":
             names = list(RAGGED_BLOCKS)[:1] if cls.interpreted else list(RAGGED_BLOCKS)
             return "blocks", [pytest.param(RAGGED_BLOCKS[name], id=name) for name in names]
+        if kind == "pageless":
+            names = list(PAGELESS_STEPS)[:1] if cls.interpreted else list(PAGELESS_STEPS)
+            return "tn", [pytest.param(PAGELESS_STEPS[name], id=name) for name in names]
         if kind in INTERPRETED_BLOCK_CASES:
             return "name", cls.interpreted_block_cases[kind] if cls.interpreted else list(BLOCK_CASES)
         if kind in VARLEN_OPS:
@@ -956,6 +962,46 @@ class NSATestBase:
                 want = np.asarray(full[b][done[b]:done[b] + n[b]], np.float64)
                 assert_close(o[b, :n[b]], want, TOLERANCE[dtype], f"o[{b}] of step {n}")
             done += n
+
+    @cases("pageless")
+    def test_rows_without_a_page_are_never_read(self, tn):
+        """A paged cache whose page tables hold -1, a negative id and ids past the pool, beside sequences that own
+        the pages such ids clip to (0 and P - 1): a jitted step appends TN tokens to each sequence and attends
+        with q_lens = TN. Sequences 1 and 2, whose next entry has no page, get none of the tokens written (the
+        counts it returns, and their lengths, stay put); every output of theirs is finite and the same bitwise when
+        every other sequence's pages hold other values or NaN. The same holds for lengths set by hand past those
+        entries (under jit nothing can refuse them: the sequences end at their first entry with no page)."""
+        dtype = "float32" if "float32" in self.dtypes else self.dtypes[0]
+        B, HQ, H, Dk, Dv, P, S = 4, 6, 2, 16, 8, 8, 16
+        blocks = dict(block_size=8, compress_block_size=8, compress_stride=8)
+        table = jnp.asarray([[0, 5, 6], [2, -1, 4], [3, 12, -5], [7, 1, -1]], jnp.int32)
+        others = [0, 5, 7, 1]  # the pages of sequences 0 and 3
+        x = Inputs((B, 24, HQ, H, Dk, Dv, 8), dtype, seed=13)
+        cache = nsa.empty_paged_cache(P, S, B, 3, H, Dk, head_dim_v=Dv, dtype=x.k.dtype, **blocks)
+        cache = nsa.append_to_cache(cache.replace(page_table=table), x.k[:, :16], x.v[:, :16])  # a page each
+        cache = nsa.append_to_cache(cache, x.k[:, 16:21], x.v[:, 16:21], lens=[5, 0, 0, 5])  # 0 and 3: 21 tokens
+        n = jnp.full((B,), tn, jnp.int32)
+        q, k, v, *g = (y[:, 21:21 + tn] for y in (x.q, x.k, x.v, *(gi[0] for gi in x.gates)))
+
+        @jax.jit
+        def step(cache):
+            cache, written = nsa.append_to_cache(cache, k, v, lens=n, return_written=True)
+            o = nsa.attention(q, cache=cache, g_cmp=g[0], g_slc=g[1], g_swa=g[2], q_lens=n, block_counts=2,
+                              window_size=5, implementation=self.implementation)
+            return cache.lens, written, o
+
+        def others_changed(cache, value):  # every page of sequences 0 and 3 set to `value`
+            return cache.replace(**{name: getattr(cache, name).at[np.asarray(others)].set(value)
+                                    for name in ("k", "v", "k_cmp", "v_cmp")})
+
+        lens, written, o = step(cache)
+        np.testing.assert_array_equal(np.asarray(written), [tn, 0, 0, tn])
+        np.testing.assert_array_equal(np.asarray(lens), [21 + tn, 16, 16, 21 + tn])
+        for where in (cache, cache.replace(lens=jnp.asarray([21, 40, 48, 21], jnp.int32))):  # by hand: past them
+            o = np.asarray(step(where)[2], np.float64)[1:3]
+            assert np.all(np.isfinite(o))
+            for value in (3.0, jnp.nan):
+                np.testing.assert_array_equal(np.asarray(step(others_changed(where, value))[2], np.float64)[1:3], o)
 
     def test_cached_gradients_equal_full_sequence(self):
         """Gradients through a KV cache (chunked prefill): those of q and of each sequence's keys equal the

@@ -377,7 +377,9 @@ def test_paged_caches_and_ragged_steps_raise_clear_errors():
     with pytest.raises(ValueError, match=r"cache.lens must have shape \[B\] \(B from cache.page_table\) = \(2,\)"):
         nsa.append_to_cache(cache.replace(lens=jnp.zeros(3, jnp.int32)), k, v)
     with pytest.raises(ValueError, match=r"appending 16 tokens past the cache's capacity N = 80: cache.lens\[0\] = 70"):
-        nsa.append_to_cache(cache.replace(lens=jnp.asarray([70, 0], jnp.int32)), k, v)
+        nsa.append_to_cache(cache.replace(lens=jnp.asarray([70, 0], jnp.int32),
+                                          page_table=jnp.asarray([[0, 1, 3, 4, 5], [2, -1, -1, -1, -1]], jnp.int32)),
+                            k, v)
     with pytest.raises(ValueError, match=r"lens must lie in \[0, k.shape\[1\]\] = \[0, 16\], got lens\[0\] = 17"):
         nsa.append_to_cache(cache, k, v, lens=[17, 0])
     cache = nsa.append_to_cache(cache, k, v, lens=[16, 3])
@@ -468,3 +470,70 @@ def test_a_paged_decode_step_equals_the_contiguous_one_with_its_gradients(l, d):
             page_rows = PAGE // per_row
             owned[(np.asarray(table[b])[:, None] * page_rows + np.arange(page_rows)).reshape(-1)[:rows]] = True
         np.testing.assert_array_equal(np.asarray(pool).reshape(-1, *pool.shape[2:])[~owned], 0.0)
+
+
+def test_under_jit_an_append_counts_only_the_tokens_it_writes():
+    """Under jit nothing can refuse a token without a row: a contiguous cache drops the tokens past its capacity,
+    a paged cache those from the first row on no page of the pool (-1, a negative id, an id past it) on, even where
+    a later entry has a page. Each returns the tokens written (its lengths grow by as much), writes nothing else
+    (every other row keeps its NaN) and completes only the windows of tokens it wrote."""
+    k, v = _tokens(20, seed=14)
+    step = jax.jit(lambda cache, n: nsa.append_to_cache(cache, k, v, lens=n, return_written=True))
+    contiguous = nsa.empty_cache(B, 24, H, DK, head_dim_v=DV, block_size=BS, dtype=jnp.float32)
+    contiguous, written = step(contiguous.replace(lens=jnp.asarray([10, 0], jnp.int32)), jnp.asarray([20, 20]))
+    np.testing.assert_array_equal(np.asarray(written), [14, 20])
+    np.testing.assert_array_equal(np.asarray(contiguous.lens), [24, 20])
+    table = [[0, 1, 2, 3, 4], [5, -1, 6, -3, 13]]  # sequence 1: a page, then none (-1), then page 6
+    paged, written = step(_paged(table).replace(lens=jnp.asarray([10, 8], jnp.int32)), jnp.asarray([20, 20]))
+    np.testing.assert_array_equal(np.asarray(written), [20, 8])
+    np.testing.assert_array_equal(np.asarray(paged.lens), [30, 16])
+    held = sequences(paged)
+    for b, (start, n) in enumerate(((10, 20), (8, 8))):
+        np.testing.assert_array_equal(np.asarray(held[0][b, start:start + n]), np.asarray(k[b, :n]))
+    np.testing.assert_array_equal(np.asarray(held[0][1, :8]), np.nan)  # not written: rows before the append,
+    np.testing.assert_array_equal(np.isnan(np.asarray(paged.k[6])), True)  # and the page after the hole
+    np.testing.assert_array_equal(np.isnan(np.asarray(paged.k_cmp[5, 1])), False)  # tokens 8 ... 15: complete
+    np.testing.assert_array_equal(np.isnan(np.asarray(paged.k_cmp[6])), True)
+
+
+def test_gathered_pages_read_zeros_where_the_table_has_no_page():
+    """Each sequence's rows gathered through the page table (the XLA paths' reads) are zeros on an entry with no
+    page of the pool (-1, a negative id, an id past it), never the rows of the page such an id would clip to."""
+    cache = _paged([[0, -1, 12, -7, 13], [12, 1, 2, 3, 4]])
+    cache = cache.replace(k=jnp.ones_like(cache.k), v=jnp.ones_like(cache.v))
+    k, v, k_cmp, _ = sequences(cache)
+    rows = np.repeat(np.asarray([[1, 0, 1, 0, 0], [1, 1, 1, 1, 1]], bool), PAGE, axis=1)
+    np.testing.assert_array_equal(np.asarray(k[..., 0, 0]), rows.astype(np.float32))
+    np.testing.assert_array_equal(np.asarray(v[..., 0, 0]), rows.astype(np.float32))
+    np.testing.assert_array_equal(np.isnan(np.asarray(k_cmp[..., 0, 0])), rows[:, ::BS])
+
+
+def test_concrete_tables_are_checked_by_attention_and_append():
+    """With concrete lengths and page table, nsa.attention refuses lengths that reach an entry with no page of the
+    pool (under jit it reads nothing through it: the shared base's test_rows_without_a_page_are_never_read), and
+    append_to_cache refuses two sequences writing one page, and a write to a page another sequence holds: its
+    tokens' rows, or the compressed row of a window that starts on a shared page (l > d)."""
+    k, v = _tokens(16, seed=15)
+    q = jnp.zeros((B, 1, 4, DK), jnp.float32)
+    cache = nsa.append_to_cache(_paged([[0, 1, -1, 3, 4], [5, 6, 7, 8, 9]]), k, v)
+    with pytest.raises(ValueError, match=r"cache.lens\[0\] = 40 tokens reach entry 2 of cache.page_table\[0\] \(its "
+                                         r"rows 32 ... 47\), which holds -1: no page of the pool \(0 <= id < P = 13\)"):
+        nsa.attention(q, cache=cache.replace(lens=jnp.asarray([40, 16], jnp.int32)))
+    with pytest.raises(ValueError, match=r"cache.page_table\[1\] \(its rows 16 ... 31\), which holds 13"):
+        nsa.attention(q, cache=cache.replace(page_table=cache.page_table.at[1, 1].set(13),
+                                             lens=jnp.asarray([16, 17], jnp.int32)))
+    one = lambda table: _paged(table).replace(lens=jnp.asarray([16, 16], jnp.int32))
+    with pytest.raises(ValueError, match=r"sequence 0 writes page 2 .*, which sequence 1 holds too \(its page_table row "
+                                         r"maps page 2 below its length 17\)"):
+        nsa.append_to_cache(one([[0, 2, -1, -1, -1], [1, 2, -1, -1, -1]]), k[:, :1], v[:, :1])
+    with pytest.raises(ValueError, match=r"sequence 1 writes page 0 .*, which sequence 0 holds too"):
+        nsa.append_to_cache(one([[0, 2, -1, -1, -1], [1, 0, -1, -1, -1]]), k[:, :1], v[:, :1], lens=[0, 1])
+    # a shared prefix page is read by both; with windows of 16 every 8 the window of tokens 8 ... 23 is stored in
+    # the page of token 8, the shared one, which an append that completes it would write
+    shared = [[0, 1, -1, -1, -1], [0, 2, -1, -1, -1]]
+    blocks = dict(block_size=BS, compress_block_size=16, compress_stride=8)
+    cache = _paged(shared, **blocks).replace(lens=jnp.asarray([16, 16], jnp.int32))
+    nsa.append_to_cache(cache, k[:, :7], v[:, :7])  # tokens 16 ... 22: their own pages, no window complete
+    with pytest.raises(ValueError, match=r"sequence 0 writes page 0 \(a token's row, or the compressed row of a window "
+                                         r"whose first token lies there\), which sequence 1 holds too"):
+        nsa.append_to_cache(cache, k[:, :8], v[:, :8])
