@@ -499,8 +499,10 @@ def _sources(union, lay, block_size, gathered, pages=None):
     """int32 [B, H, NT, U, 2 * pieces]: where the copies of each union block read, a (batch row or page, row) pair
     per piece: (b, `_source_rows`) for k_hbm [B, H, rows, Dp] or a cache as it is [B, TK, H, D]; with a paged
     cache, pages = (its page_table int [B, MP], the pool's P pages), the (page, row in it) of each piece's first row
-    x + j * block_size / pieces (page ids clipped to the pool as `nsa._kvcache.gathered` clips them; rows past a
-    sequence are never seen)."""
+    x + j * block_size / pieces. A piece whose entry is no page of the pool lies past its sequence (whose readable
+    length ends at its first such entry: `nsa._kvcache.readable_lens`) and is never seen: it is copied from the
+    page of its block's first piece (the sequence's own), so no copy reads through that entry into another
+    sequence's page."""
     if pages is None:
         rows = _source_rows(union, lay, gathered, block_size)
         at = jnp.broadcast_to(jnp.arange(lay.B, dtype=jnp.int32)[:, None, None, None], rows.shape)
@@ -511,6 +513,7 @@ def _sources(union, lay, block_size, gathered, pages=None):
             + jnp.arange(lay.pieces, dtype=jnp.int32) * (block_size // lay.pieces))  # [B, H, NT, U, pieces]
     index = jnp.clip(rows // S, 0, page_table.shape[1] - 1).reshape(lay.B, -1)
     at = jnp.take_along_axis(page_table.astype(jnp.int32), index, axis=1).reshape(rows.shape)
+    at = jnp.where((at >= 0) & (at < pool), at, at[..., :1])
     return jnp.stack([jnp.clip(at, 0, pool - 1), rows % S], -1).reshape(rows.shape[:4] + (2 * lay.pieces,))
 
 
