@@ -8,6 +8,7 @@
 #   VENV      the venv's folder                       (default .venv)
 #   JAX_SPEC  a pip requirement pinning JAX           (default: the newest pip finds), e.g. 'jax==0.11.2'
 #   MARKERS   the tests to run, as pytest -m          (default: not gpu)
+#   PYTEST_ARGS  more pytest arguments: files, -k    (default: none), e.g. PYTEST_ARGS=tests/test_api.py
 #   WORKERS   pytest-xdist processes                  (default: auto, one per core, at most 4; 0: none)
 #   TEST_XLA_FLAGS  XLA_FLAGS the suite runs with     (default: LLVM's optimisations off; empty: XLA's own)
 # e.g. make test PYTHON=python3.12 VENV=.venv-py3.12 JAX_SPEC='jax==0.11.2'

@@ -2,15 +2,17 @@
 the same model trained on one device.
 
     python examples/context_parallel.py              # 30 steps
-    python examples/context_parallel.py --steps 10 --layout contiguous
+    python examples/context_parallel.py --steps 10 --layout zigzag
 
 Inside `jax.shard_map` over a mesh axis "sp" of P = 4 devices, each device holds T / P tokens of every sequence:
-in the zig-zag layout (the default: device r holds chunks r and 2P - 1 - r of 2P, so that each does the same
-causal work) or contiguously. The input pipeline reorders the tokens once (`nsa.context.to_context_layout`), and
-the positions the model embeds come from the same helper (`nsa.context.context_positions`: what RoPE would take).
-`nsa.attention(..., context_axis="sp", context_layout=...)` then gives each device its rows of the attention over
-the whole sequence; the rest of the model is per token. The loss is the mean over all tokens (a psum of each
-device's sum), the weights are replicated, and their gradients come out summed over the devices.
+contiguously (the default: device r holds tokens [r T / P, (r + 1) T / P), as shard_map splits the batch, so
+nothing is reordered) or in the zig-zag layout (device r holds chunks r and 2P - 1 - r of 2P, so that each does the
+same causal work). For zig-zag the input pipeline reorders the tokens once (`nsa.context.to_context_layout`), and
+the positions the model embeds come from the same helper (`nsa.context.context_positions`: what RoPE would take;
+for contiguous both are the identity). `nsa.attention(..., context_axis="sp", context_layout=...)` then gives each
+device its rows of the attention over the whole sequence; the rest of the model is per token. The loss is the mean
+over all tokens (a psum of each device's sum), the weights are replicated, and their gradients come out summed over
+the devices.
 
 The same model also trains on one device over the whole sequences (context_axis=None). Both start from the same
 weights and take the same Adam steps: the losses agree at every step within 1e-4 of ln(VOCAB), the loss's scale
@@ -55,7 +57,7 @@ def init(key):
                 wg=dense(keys[5], DIM, 3 * HQ), wo=dense(keys[6], HQ * D, VOCAB))
 
 
-def logits(params, tokens, positions, context_axis=None, layout="zigzag"):
+def logits(params, tokens, positions, context_axis=None, layout="contiguous"):
     """One NSA layer over tokens [B, T'] at global positions [T'] (all of a sequence, or a device's rows of it)."""
     x = params["embed"][tokens] + params["position"][positions]
     B, Tx = tokens.shape
@@ -117,7 +119,7 @@ def batch(rng):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--layout", choices=context.LAYOUTS, default="zigzag")
+    parser.add_argument("--layout", choices=context.LAYOUTS, default="contiguous")
     args = parser.parse_args(argv)
     params = init(jax.random.key(0))
     zeros = jax.tree_util.tree_map(jnp.zeros_like, params)

@@ -171,7 +171,7 @@ def compression_windows(x: Array, *, block_size: int, stride: Optional[int] = No
 def compressed_attention(q: Array, k_cmp: Array, v_cmp: Array, *, block_size: int, stride: Optional[int] = None,
                          scale: Optional[float] = None, cu_seqlens: Optional[Indices] = None,
                          kv_lens: Optional[Indices] = None, context_axis: Optional[str] = None,
-                         context_layout: context.Layout = "zigzag",
+                         context_layout: context.Layout = "contiguous",
                          implementation: Implementation = None) -> tuple[Array, Array]:
     """Attention of each query to the compressed rows whose windows lie wholly in its past.
 
@@ -212,7 +212,7 @@ def select_blocks(q: Array, k_cmp: Array, *, block_counts: int, block_size: int,
                   compress_block_size: Optional[int] = None, compress_stride: Optional[int] = None,
                   scale: Optional[float] = None, cu_seqlens: Optional[Indices] = None,
                   kv_lens: Optional[Indices] = None, context_axis: Optional[str] = None,
-                  context_layout: context.Layout = "zigzag", implementation: Implementation = None) -> Array:
+                  context_layout: context.Layout = "contiguous", implementation: Implementation = None) -> Array:
     """The `block_counts` selection blocks of l' = `block_size` tokens each KV head attends, from the compressed
     attention scores.
 
@@ -264,7 +264,7 @@ def selected_attention(q: Array, k: Array, v: Array, block_indices: Array, *,
                        block_counts: Union[int, Indices, None] = None, block_size: int = 64,
                        scale: Optional[float] = None, cu_seqlens: Optional[Indices] = None,
                        kv_lens: Optional[Indices] = None, context_axis: Optional[str] = None,
-                       context_layout: context.Layout = "zigzag", implementation: Implementation = None) -> Array:
+                       context_layout: context.Layout = "contiguous", implementation: Implementation = None) -> Array:
     """Attention of each query to the raw tokens of its KV head's selected blocks.
 
     Query t of KV head h attends to the tokens at positions <= t of the blocks listed in
@@ -304,7 +304,7 @@ def selected_attention(q: Array, k: Array, v: Array, block_indices: Array, *,
 
 def sliding_window_attention(q: Array, k: Array, v: Array, *, window_size: int, scale: Optional[float] = None,
                              cu_seqlens: Optional[Indices] = None, kv_lens: Optional[Indices] = None,
-                             context_axis: Optional[str] = None, context_layout: context.Layout = "zigzag",
+                             context_axis: Optional[str] = None, context_layout: context.Layout = "contiguous",
                              implementation: Implementation = None) -> Array:
     """Attention of query t to the keys j of its sequence with t - window_size < j <= t.
 
@@ -550,7 +550,7 @@ def attention(q: Array, k: Optional[Array] = None, v: Optional[Array] = None, *,
               scale: Optional[float] = None, cu_seqlens: Optional[Indices] = None, kv_lens: Optional[Indices] = None,
               k_cmp: Optional[Array] = None, v_cmp: Optional[Array] = None, cache: Optional[Cache] = None,
               q_lens: Optional[Indices] = None, context_axis: Optional[str] = None,
-              context_layout: context.Layout = "zigzag", implementation: Implementation = None) -> Array:
+              context_layout: context.Layout = "contiguous", implementation: Implementation = None) -> Array:
     """Native Sparse Attention: o = g_cmp * o_cmp + g_slc * o_slc + g_swa * o_swa.
 
     - compressed branch (o_cmp, `compressed_attention` on `compress(k)`, `compress(v)`): on iff g_cmp
@@ -585,9 +585,11 @@ def attention(q: Array, k: Optional[Array] = None, v: Optional[Array] = None, *,
 
     Context parallelism (`nsa.context`): inside jax.shard_map over a mesh axis that splits the sequence,
     context_axis names that axis: q, k, v, the gates (and k_cmp, v_cmp, block_indices, per-query block_counts
-    where given) are the local rows of one sequence of P * T tokens in context_layout ("zigzag", the default, or
-    "contiguous"); the output is the local rows of the unsharded attention, and so are the gradients. Packed
-    sequences: B = 1 and cu_seqlens over the whole sequence of P * T tokens (in sequence order, on every device).
+    where given) are the local rows of one sequence of P * T tokens in context_layout: "contiguous" (the default:
+    device r holds tokens [r * T, (r + 1) * T), as shard_map splits arrays in sequence order) or "zigzag" (the
+    causal work balanced, the inputs reordered by `nsa.context.to_context_layout`); the output is the local rows
+    of the unsharded attention, and so are the gradients. Packed sequences: B = 1 and cu_seqlens over the whole
+    sequence of P * T tokens (in sequence order, on every device).
     """
     if context_axis is not None:
         _context_refuses(cache=cache, kv_lens=kv_lens, q_lens=q_lens)

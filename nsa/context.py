@@ -4,16 +4,18 @@ Inside `jax.shard_map` over a mesh axis that splits the sequence, `nsa.attention
 local queries' rows of the unsharded attention, forward and backward, every branch and gate. q, k, v and the gates
 arrive sharded alike along T, in a layout of the whole sequence of T = P * T_local tokens:
 
-- "zigzag" (the default: causal work balanced): the sequence in 2P chunks of C = T / (2P) tokens; device r holds
-  chunks r and 2P - 1 - r, in that order;
-- "contiguous": device r holds tokens [r * T / P, (r + 1) * T / P).
+- "contiguous" (the default): device r holds tokens [r * T / P, (r + 1) * T / P), the rows shard_map gives it
+  when the arrays are split along T in sequence order, so no reordering is needed;
+- "zigzag" (the causal work balanced: a query attends more compressed rows the later it is, and contiguous gives the
+  last device the latest queries): the sequence in 2P chunks of C = T / (2P) tokens; device r holds chunks r and
+  2P - 1 - r, in that order. Its gain has not been measured yet (docs/context.md).
 
 Packed sequences (B = 1): `cu_seqlens` over the whole sequence of P * T_local tokens, in sequence order (not the
 layout's), the same on every device.
 
-`to_context_layout(x, P)` reorders a [B, T, ...] array so that shard_map's split of its T axis into P equal parts
-hands each device its rows; `from_context_layout` undoes it; `context_positions(T, P)` is each row's global
-position (RoPE's positions, in the same order).
+`to_context_layout(x, P, "zigzag")` reorders a [B, T, ...] array so that shard_map's split of its T axis into P
+equal parts hands each device its rows; `from_context_layout` undoes it; `context_positions(T, P, "zigzag")` is
+each row's global position (RoPE's positions, in the same order). For "contiguous" the three are the identity.
 
 The design (Llama 3's all-gather context parallelism, mdy666's NSA): q stays local; each device compresses its own
 chunks (the windows' overhang into the next chunk all-gathered), and the compressed rows are all-gathered (tiny)
@@ -55,7 +57,7 @@ def _check(T, P, layout, name="T"):
                          f"P = {P} devices), got {T} % {chunks} = {T % chunks}")
 
 
-def context_positions(T: int, P: int, layout: Layout = "zigzag") -> np.ndarray:
+def context_positions(T: int, P: int, layout: Layout = "contiguous") -> np.ndarray:
     """int32 [T]: the global position of each row of a sequence of T tokens in `layout` over P devices (rows
     [r * T / P, (r + 1) * T / P) are device r's): RoPE's positions for the rows as `to_context_layout` orders them."""
     _check(T, P, layout)
@@ -70,7 +72,7 @@ def _reorder(x, order, chunks, axis):
     return jnp.take(x, np.asarray(order), axis=axis).reshape(shape)
 
 
-def to_context_layout(x: jax.Array, P: int, layout: Layout = "zigzag", *, axis: int = 1) -> jax.Array:
+def to_context_layout(x: jax.Array, P: int, layout: Layout = "contiguous", *, axis: int = 1) -> jax.Array:
     """x [B, T, ...] (T along `axis`) reordered into `layout` over P devices: shard_map's split of that axis into
     P equal parts gives device r its rows (`context_positions`)."""
     _check(x.shape[axis], P, layout, f"x.shape[{axis}]")
@@ -78,7 +80,7 @@ def to_context_layout(x: jax.Array, P: int, layout: Layout = "zigzag", *, axis: 
     return _reorder(x, order, chunks, axis)
 
 
-def from_context_layout(x: jax.Array, P: int, layout: Layout = "zigzag", *, axis: int = 1) -> jax.Array:
+def from_context_layout(x: jax.Array, P: int, layout: Layout = "contiguous", *, axis: int = 1) -> jax.Array:
     """The inverse of `to_context_layout`: x in `layout` over P devices back in sequence order."""
     _check(x.shape[axis], P, layout, f"x.shape[{axis}]")
     chunks, order = _chunks(layout, P)

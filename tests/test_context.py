@@ -67,6 +67,35 @@ def test_attention_equals_the_single_device_ops(P, layout, shape, extra):
         assert_close(got, want, GRAD_TOLERANCE["float32"], what, s)
 
 
+def test_the_natural_call_needs_no_layout():
+    """q, k, v and the gates sharded along T in their natural order and no context_layout given, the call one
+    writes first: each device gets its rows of the unsharded attention (and of each branch op). Issue 51: with
+    "zigzag" the default, the output of this call was 1.93 off, and nothing could detect it."""
+    P, x = 4, Inputs((1, 128, 4, 2, 16, 16, 16), "float32", seed=11)
+    k_cmp, v_cmp = (nsa.compress(y, block_size=16) for y in (x.k, x.v))
+    indices = nsa.select_blocks(x.q, k_cmp, block_counts=3, block_size=16)
+    ops = {  # name: (op, its arguments [B, T or T / 16, ...])
+        "attention": (lambda q, k, v, g, **c: nsa.attention(q, k, v, g_cmp=g, block_counts=3, block_size=16,
+                                                            window_size=24, **c), (x.q, x.k, x.v, x.gates[0][0])),
+        "compressed_attention": (lambda q, kc, vc, **c: nsa.compressed_attention(q, kc, vc, block_size=16, **c)[0],
+                                 (x.q, k_cmp, v_cmp)),
+        "select_blocks": (lambda q, kc, **c: nsa.select_blocks(q, kc, block_counts=3, block_size=16, **c),
+                          (x.q, k_cmp)),
+        "selected_attention": (lambda q, k, v, i, **c: nsa.selected_attention(q, k, v, i, block_size=16, **c),
+                               (x.q, x.k, x.v, indices)),
+        "sliding_window_attention": (lambda q, k, v, **c: nsa.sliding_window_attention(q, k, v, window_size=24, **c),
+                                     (x.q, x.k, x.v)),
+    }
+    for name, (op, args) in ops.items():
+        local = jax.shard_map(functools.partial(op, context_axis="sp"), mesh=_mesh(P), in_specs=(SEQ,) * len(args),
+                              out_specs=SEQ)
+        got, want = jax.jit(local)(*args), jax.jit(op)(*args)
+        if name == "select_blocks":
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        else:
+            assert_close(got, want, TOLERANCE["float32"], name)
+
+
 @pytest.mark.parametrize("layout", context.LAYOUTS)
 def test_a_learned_compression_and_given_blocks(layout):
     """k_cmp, v_cmp given (overlapping windows, l = 16, d = 8: each device's compressed rows, sharded like q),
@@ -181,35 +210,37 @@ def test_packed_sequences_across_shards(P, layout, T, cu):
 
 
 def test_layout_helpers():
-    """Zig-zag: device r holds chunks r and 2P - 1 - r (of 2P); contiguous: its T / P tokens in order;
-    from_context_layout undoes to_context_layout; context_positions is where each row came from."""
+    """Zig-zag: device r holds chunks r and 2P - 1 - r (of 2P); contiguous (the default): its T / P tokens in
+    order; from_context_layout undoes to_context_layout; context_positions is where each row came from."""
     T, P = 16, 4
     x = jnp.arange(2 * T).reshape(2, T) * 10
-    zig = context.to_context_layout(x, P)
-    np.testing.assert_array_equal(context.context_positions(T, P), [0, 1, 14, 15, 2, 3, 12, 13, 4, 5, 10, 11, 6, 7,
-                                                                    8, 9])
-    np.testing.assert_array_equal(zig, x[:, context.context_positions(T, P)])
-    np.testing.assert_array_equal(context.from_context_layout(zig, P), x)
-    np.testing.assert_array_equal(context.context_positions(T, P, "contiguous"), np.arange(T))
-    np.testing.assert_array_equal(context.to_context_layout(x, P, "contiguous"), x)
+    zig = context.to_context_layout(x, P, "zigzag")
+    np.testing.assert_array_equal(context.context_positions(T, P, "zigzag"), [0, 1, 14, 15, 2, 3, 12, 13, 4, 5, 10,
+                                                                              11, 6, 7, 8, 9])
+    np.testing.assert_array_equal(zig, x[:, context.context_positions(T, P, "zigzag")])
+    np.testing.assert_array_equal(context.from_context_layout(zig, P, "zigzag"), x)
+    np.testing.assert_array_equal(context.context_positions(T, P), np.arange(T))
+    np.testing.assert_array_equal(context.to_context_layout(x, P), x)
+    np.testing.assert_array_equal(context.from_context_layout(x, P), x)
     y = jnp.arange(3 * T * 2).reshape(3, 2, T)
-    np.testing.assert_array_equal(context.from_context_layout(context.to_context_layout(y, P, axis=2), P, axis=2), y)
+    np.testing.assert_array_equal(context.from_context_layout(context.to_context_layout(y, P, "zigzag", axis=2), P,
+                                                              "zigzag", axis=2), y)
 
 
 def test_errors_name_the_argument():
     x = Inputs((1, 24, 4, 2, 8, 8, 8), "float32")
     with pytest.raises(ValueError, match=r"x.shape\[1\] = 24 tokens must split into 16 equal chunks \(the 'zigzag' "
                                          r"layout over P = 8 devices\)"):
-        context.to_context_layout(x.q, 8)
+        context.to_context_layout(x.q, 8, "zigzag")
     with pytest.raises(ValueError, match=r"context_layout must be one of \('zigzag', 'contiguous'\), got 'ring'"):
         context.context_positions(16, 2, "ring")
 
-    def run(f, n=3, P=2, layout="zigzag", *arrays):
+    def run(f, n=3, P=2, *arrays):
         return jax.shard_map(f, mesh=_mesh(P), in_specs=(SEQ,) * n, out_specs=SEQ)(*(arrays or (x.q, x.k, x.v)))
 
     with pytest.raises(ValueError, match=r"the sequence of P \* T = 8 \* 3 = 24 tokens must split into 16 equal "
                                          r"chunks"):
-        run(lambda q, k, v: nsa.attention(q, k, v, block_size=8, context_axis="sp"), P=8)
+        run(lambda q, k, v: nsa.attention(q, k, v, block_size=8, context_axis="sp", context_layout="zigzag"), P=8)
     with pytest.raises(ValueError, match=r"context_axis .* cannot be given with kv_lens \(not supported yet\)"):
         run(lambda q, k, v: nsa.attention(q, k, v, block_size=8, kv_lens=[12], context_axis="sp"))
     with pytest.raises(ValueError, match=r"with context_axis, cu_seqlens packs the whole sequence of P \* T = 24 "
@@ -227,7 +258,7 @@ def test_errors_name_the_argument():
                                          r"\[1, 3, ...\] \(the compressed rows of local chunks of 6 tokens, a "
                                          r"multiple of 4\), got k_cmp.shape = \(1, 3, 2, 8\)"):
         jax.shard_map(lambda q, k, v, c: nsa.attention(q, k, v, k_cmp=c, v_cmp=c, g_cmp=q[..., 0], block_size=4,
-                                                       context_axis="sp"),
+                                                       context_axis="sp", context_layout="zigzag"),
                       mesh=_mesh(2), in_specs=(SEQ,) * 4, out_specs=SEQ)(x.q, x.k, x.v, k_cmp)
 
 
@@ -246,7 +277,8 @@ def test_the_backward_gathers_k_and_v_again():
     x = Inputs((1, 128, 4, 2, 16, 16, 16), "float32")
     g = [gi[0] for gi in x.gates]
     local = lambda q, k, v, a, b, c: nsa.attention(q, k, v, g_cmp=a, g_slc=b, g_swa=c, block_counts=3, block_size=16,
-                                                   window_size=24, context_axis="sp", implementation="xla")
+                                                   window_size=24, context_axis="sp", context_layout=layout,
+                                                   implementation="xla")
     f = jax.shard_map(local, mesh=_mesh(P), in_specs=(SEQ,) * 6, out_specs=SEQ)
     _, vjp = jax.vjp(f, x.q, x.k, x.v, *g)
     inputs = (x.q, x.k, x.v, *g)

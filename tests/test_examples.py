@@ -5,7 +5,8 @@ decode, pages handed out and reused) and matches a full recompute at every gener
 examples/learned_compression.py trains the paper's learned phi inside NSA, its loss falls below the uniform
 guess, and phi's gradients agree with finite differences; examples/context_parallel.py trains a model with its
 sequence split over 4 CPU devices (nsa.attention(..., context_axis=)) and its loss equals the one-device run's at
-every step."""
+every step; examples/train_nnx.py trains a model around nsa.nnx.NativeSparseAttention with optax (nnx.Optimizer),
+here for a few steps: its loss on a held-out batch falls."""
 
 import importlib.util
 import pathlib
@@ -50,3 +51,9 @@ def test_context_parallel_training_equals_one_device():
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "losses agree at every step: True" in done.stdout and done.stdout.rstrip().endswith("PASS")
+
+
+def test_training_the_nnx_layer_with_optax_lowers_the_loss(capsys):
+    assert _load("train_nnx").main(["--steps", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "held-out loss falls: True" in out and out.rstrip().endswith("PASS")

@@ -79,7 +79,7 @@ def test_runtime_requirements_are_jax_with_a_lower_bound_and_numpy(wheel_metadat
 def test_the_test_extra_holds_what_the_suite_imports(wheel_metadata):
     test = [Requirement(r) for r in wheel_metadata.get_all("Requires-Dist") if 'extra == "test"' in r]
     names = {r.name for r in test}
-    assert {"chex", "nbformat", "build", "twine"} <= names
+    assert {"chex", "nbformat", "build", "twine", "optax"} <= names
     assert {"demo", "notebooks", "nnx"} <= {e for r in test if r.name == "nsa" for e in r.extras}
 
 
