@@ -18,8 +18,9 @@ blocks of l' = `block_size` tokens, compression windows of l = `compress_block_s
     pool: no page; pages may repeat across sequences only where they are read, never written).
 
 Both hold lens int32 [B], how many tokens each sequence holds (sequences differ: a ragged batch). Compressed row i
-(`nsa.compress`'s window mean, bitwise) is written once its window is complete (token i * d + l - 1 has arrived),
-never before, so a step never compresses the cache again. Rows past a sequence's length (and compressed rows of
+(`nsa.compress`'s window mean, bitwise, or a learned compression's row: `append_to_cache`'s phi) is written once
+its window is complete (token i * d + l - 1 has arrived), never before, so a step never compresses the cache
+again. Rows past a sequence's length (and compressed rows of
 windows not yet complete) hold whatever was there; `nsa.attention` never reads them for a query's result.
 
 A step appends each sequence's new tokens (0 for an idle slot, 1 for decode, a chunk for prefill: `lens=`, the
