@@ -197,9 +197,10 @@ def append_to_cache(cache: Cache, k: Array, v: Array, *, lens: Optional[Indices]
     0 tokens to an idle slot, 1 to a decoding sequence, a chunk to one in prefill) at its rows cache.lens[b] ...,
     cache.lens grows by lens, and each compression window this completes gets its compressed row: `nsa.compress`'s
     mean of its tokens (bitwise), or with `phi` the row a learned compression makes of them (below). Rows past
-    lens[b] are not written. A pure function: jit it with the cache donated and the writes happen in place. The block arguments may be left out: the cache carries its
-    own (given, each must equal the cache's). return_written=True returns (cache, written): written int32 [B], the
-    tokens of each sequence that were written (lens[b] unless some were dropped, below).
+    lens[b] are not written. A pure function: jit it with the cache donated and the writes happen in place. The
+    block arguments may be left out: the cache carries its own (given, each must equal the cache's).
+    return_written=True returns (cache, written): written int32 [B], the tokens of each sequence that were written
+    (lens[b] unless some were dropped, below).
 
     A token is written only where its row exists: inside the capacity (N, or a paged cache's MP * S) and (paged) on
     a page of the pool (0 <= page_table entry < P). With concrete cache.lens, lens and page table, a token without

@@ -648,7 +648,8 @@ def test_a_bad_phi_raises_naming_it():
     with pytest.raises(TypeError, match=r"phi must be None .*, got \(<function"):
         nsa.prefill_cache(k, v, block_size=BS, capacity=N, phi=(slots,))
     with pytest.raises(ValueError, match=r"phi \(for the values\)'s rows must have shape \[B, R, H, D\] \(windows "
-                                         r"\[B, R, l, H, D\] = \(2, 1, 8, 2, 8\)\) = \(2, 1, 2, 8\), got \(2, 1, 2, 16\)"):
+                                         r"\[B, R, l, H, D\] = \(2, 1, 8, 2, 8\)\) = \(2, 1, 2, 8\), got "
+                                         r"\(2, 1, 2, 16\)"):
         nsa.append_to_cache(cache, k, v, phi=(slots, lambda w: jnp.zeros(w.shape[:2] + w.shape[3:4] + (DK,))))
     with pytest.raises(TypeError, match=r"phi \(for the keys\) must return the cache's dtype float32 .*, got bfloat16"):
         nsa.append_to_cache(cache, k, v, phi=lambda w: slots(w).astype(jnp.bfloat16))
