@@ -376,8 +376,11 @@ def _from_cache(cache, blocks, given):
     blocks = check_cache(cache, *blocks)
     passed = [name for name, x in given.items() if x is not None]
     if passed:
+        learned = [name for name in passed if name in ("k_cmp", "v_cmp")]
+        hint = (" (a learned compression's rows go into the cache: `append_to_cache(..., phi=...)` and "
+                "`prefill_cache(..., phi=...)` write phi's row of each window they complete)" if learned else "")
         raise ValueError(f"cache= brings the keys, values, compressed rows and lengths of the cache: pass "
-                         f"{' and '.join(passed)} or cache, not both")
+                         f"{' and '.join(passed)} or cache, not both{hint}")
     if not isinstance(cache, PagedKVCache):
         return cache.k, cache.v, cache.k_cmp, cache.v_cmp, cache.lens, None, blocks
     lens = cache.lens  # concrete ones that reach a page-table entry outside the pool raised (check_cache)

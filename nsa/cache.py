@@ -18,8 +18,9 @@ blocks of l' = `block_size` tokens, compression windows of l = `compress_block_s
     pool: no page; pages may repeat across sequences only where they are read, never written).
 
 Both hold lens int32 [B], how many tokens each sequence holds (sequences differ: a ragged batch). Compressed row i
-(`nsa.compress`'s window mean, bitwise) is written once its window is complete (token i * d + l - 1 has arrived),
-never before, so a step never compresses the cache again. Rows past a sequence's length (and compressed rows of
+(`nsa.compress`'s window mean, bitwise, or a learned compression's row: `append_to_cache`'s phi) is written once
+its window is complete (token i * d + l - 1 has arrived), never before, so a step never compresses the cache
+again. Rows past a sequence's length (and compressed rows of
 windows not yet complete) hold whatever was there; `nsa.attention` never reads them for a query's result.
 
 A step appends each sequence's new tokens (0 for an idle slot, 1 for decode, a chunk for prefill: `lens=`, the
@@ -34,7 +35,7 @@ place (scatters into the donated buffers), and the step compiles once for every 
 they are data.
 """
 
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -48,6 +49,10 @@ from nsa.api import Array, Indices, compress
 
 __all__ = ["KVCache", "PagedKVCache", "append_to_cache", "check_cache", "empty_cache", "empty_paged_cache",
            "prefill_cache", "readable_lens"]
+
+# a learned compression: windows [B, R, l, H, D] -> compressed rows [B, R, H, D] (one for the keys and the values, or
+# a pair (phi_k, phi_v)); None: the windows' means
+Phi = Union[None, Callable[[Array], Array], tuple[Callable[[Array], Array], Callable[[Array], Array]]]
 
 
 def _blocks(block_size, compress_block_size, compress_stride):
@@ -110,12 +115,13 @@ def _new_tokens(cache, k, v):
         _checks.shape(name, x, (B, k.shape[1], H, y.shape[3]), f"[B, TN, H, D] (B, H, D from cache.{name})")
 
 
-def _write(cache, k, v, start, count, window, stride):
+def _write(cache, k, v, start, count, window, stride, phis=(None, None)):
     """(the cache, written int32 [B]): the first written[b] <= count[b] rows of k, v [B, TN, ...] written at the
     rows start[b], start[b] + 1, ... of sequence b, where written[b] counts the rows up to the first that does not
     exist (`_kvcache.exists`: past the capacity, or on no page of the pool): those and every row after them are
     dropped, so that lens = start + written counts only rows that were written, and the compressed row of every
-    window (of `window` tokens every `stride`) that this completes."""
+    window (of `window` tokens every `stride`) that this completes: its mean, or phi's row of it with phis =
+    (phi_k, phi_v) (`_phis`)."""
     B, TN = k.shape[:2]
     N = _kvcache.capacity(cache)
     NC = cdiv(N, stride)
@@ -134,14 +140,45 @@ def _write(cache, k, v, start, count, window, stride):
     tokens = jnp.minimum(first + jnp.arange(window), max(N - 1, 0)).reshape(B, -1)
     target = jnp.where(complete, rows, -1)
 
-    def compressed(x_all, x_cmp):
+    def compressed(x_all, x_cmp, phi, name):
         flat = x_all.reshape(-1, *x_all.shape[2:])
         windows = flat.at[flat_rows(cache, tokens, 1)].get(mode="clip")  # [B, R * window, H, D]
-        return _put(cache, x_cmp, target, compress(windows, block_size=window), stride)  # the window means
+        if phi is None:
+            rows = compress(windows, block_size=window)  # the window means
+        else:
+            rows = _learned(phi, windows.reshape(B, R, window, *windows.shape[2:]), name)
+        return _put(cache, x_cmp, target, rows, stride)
 
-    cache = cache.replace(k=k_all, v=v_all, k_cmp=compressed(k_all, cache.k_cmp),
-                          v_cmp=compressed(v_all, cache.v_cmp), lens=lens)
+    phi_k, phi_v = phis
+    cache = cache.replace(k=k_all, v=v_all, k_cmp=compressed(k_all, cache.k_cmp, phi_k, "keys"),
+                          v_cmp=compressed(v_all, cache.v_cmp, phi_v, "values"), lens=lens)
     return cache, written
+
+
+def _phis(phi):
+    """(phi_k, phi_v) of append_to_cache's `phi`: None (the window means), one callable for the keys and the values,
+    or a pair of them."""
+    if phi is None or callable(phi):
+        return phi, phi
+    if isinstance(phi, (tuple, list)) and len(phi) == 2 and all(map(callable, phi)):
+        return tuple(phi)
+    raise TypeError(f"phi must be None (the window means), a callable windows [B, R, l, H, D] -> rows [B, R, H, D] "
+                    f"for the keys and the values, or a pair (phi_k, phi_v) of them, got {phi!r}")
+
+
+def _learned(phi, windows, name):
+    """phi(windows [B, R, l, H, D]): the compressed rows [B, R, H, D] of the windows of the keys or values (`name`),
+    checked: that shape, and the cache's dtype (the rows are stored as phi makes them, never cast)."""
+    rows = phi(windows)
+    B, R, l, H, D = windows.shape
+    what = f"phi (for the {name})"
+    if not _checks.is_array(rows):
+        raise TypeError(f"{what} must return an array, the compressed rows [B, R, H, D], got {type(rows).__name__}")
+    if rows.dtype != windows.dtype:
+        raise TypeError(f"{what} must return the cache's dtype {windows.dtype.name} (its rows are stored as phi makes "
+                        f"them, never cast), got {rows.dtype.name}")
+    _checks.shape(f"{what}'s rows", rows, (B, R, H, D), f"[B, R, H, D] (windows [B, R, l, H, D] = {(B, R, l, H, D)})")
+    return rows
 
 
 def _put(cache, x, rows, values, unit):
@@ -153,16 +190,17 @@ def _put(cache, x, rows, values, unit):
 
 def append_to_cache(cache: Cache, k: Array, v: Array, *, lens: Optional[Indices] = None,
                     block_size: Optional[int] = None, compress_block_size: Optional[int] = None,
-                    compress_stride: Optional[int] = None,
+                    compress_stride: Optional[int] = None, phi: Phi = None,
                     return_written: bool = False) -> Union[Cache, tuple[Cache, jax.Array]]:
     """The cache (an nsa.KVCache or nsa.PagedKVCache) with new tokens appended: sequence b appends the first
     lens[b] rows of k [B, TN, H, Dk], v [B, TN, H, Dv] (lens int [B] in [0, TN], default TN: a ragged step appends
     0 tokens to an idle slot, 1 to a decoding sequence, a chunk to one in prefill) at its rows cache.lens[b] ...,
-    cache.lens grows by lens, and each compression window this completes gets its compressed row
-    (`nsa.compress`'s mean of its tokens, bitwise). Rows past lens[b] are not written. A pure function: jit it with
-    the cache donated and the writes happen in place. The block arguments may be left out: the cache carries its
-    own (given, each must equal the cache's). return_written=True returns (cache, written): written int32 [B], the
-    tokens of each sequence that were written (lens[b] unless some were dropped, below).
+    cache.lens grows by lens, and each compression window this completes gets its compressed row: `nsa.compress`'s
+    mean of its tokens (bitwise), or with `phi` the row a learned compression makes of them (below). Rows past
+    lens[b] are not written. A pure function: jit it with the cache donated and the writes happen in place. The
+    block arguments may be left out: the cache carries its own (given, each must equal the cache's).
+    return_written=True returns (cache, written): written int32 [B], the tokens of each sequence that were written
+    (lens[b] unless some were dropped, below).
 
     A token is written only where its row exists: inside the capacity (N, or a paged cache's MP * S) and (paged) on
     a page of the pool (0 <= page_table entry < P). With concrete cache.lens, lens and page table, a token without
@@ -173,14 +211,26 @@ def append_to_cache(cache: Cache, k: Array, v: Array, *, lens: Optional[Indices]
     dropped (nothing is written out of bounds or through an invalid page id), cache.lens counts only the tokens
     written (so cache.lens - the old lens is `written`), and `nsa.attention` never reads a row that was not
     written to the sequence (`nsa.cache.readable_lens`).
+
+    A learned compression (the paper's phi, Eq. 7, as a model trained with `nsa.compression_windows` and
+    attention's k_cmp, v_cmp applies it): phi is a callable windows [B, R, l, H, D] -> compressed rows
+    [B, R, H, D] in the cache's dtype, applied to the key windows and to the value windows, or a pair
+    (phi_k, phi_v) (Dk != Dv, or separate weights). The windows are those this append may complete (R =
+    ceil(TN / d)), slot j of a window its token i * d + j, laid out as `compression_windows` lays them out; only
+    the rows of complete windows (all l tokens present) are written, so phi sees what it saw in training (the
+    others' windows hold whatever the cache holds there and their rows are dropped: phi must treat each window on
+    its own). Then `nsa.attention(q, cache=cache)` attends over phi's rows and selects blocks by them. The cache
+    does not record phi: pass the same one to `prefill_cache` and to every append (a cache filled with means and
+    then appended with phi, or the reverse, mixes the two).
     """
     _, window, stride = check_cache(cache, block_size, compress_block_size, compress_stride)
     _new_tokens(cache, k, v)
     B, TN = k.shape[:2]
     count = _prompt_lens(lens, B, TN)
+    phis = _phis(phi)
     start = cache.lens.astype(jnp.int32)
     _check_room(cache, concrete(start), concrete(count), window, stride)
-    cache, written = _write(cache, k, v, start, count, window, stride)
+    cache, written = _write(cache, k, v, start, count, window, stride, phis)
     return (cache, written) if return_written else cache
 
 
@@ -228,10 +278,12 @@ def _check_owners(table, S, start, end, window, stride):
 
 
 def prefill_cache(k: Array, v: Array, *, block_size: int, capacity: int, lens: Optional[Indices] = None,
-                  compress_block_size: Optional[int] = None, compress_stride: Optional[int] = None) -> KVCache:
+                  compress_block_size: Optional[int] = None, compress_stride: Optional[int] = None,
+                  phi: Phi = None) -> KVCache:
     """A cache of capacity N = `capacity` filled from prompts k [B, TP, H, Dk], v [B, TP, H, Dv]: sequence b
     holds the first lens[b] tokens (int [B], default TP: right-padded prompts of several lengths), with the
-    compressed rows of its complete windows. Blocks: as `empty_cache`'s."""
+    compressed rows of its complete windows (their means, or phi's rows: `append_to_cache`'s phi). Blocks: as
+    `empty_cache`'s."""
     _checks.array("k", k, 4)
     B, TP, H, Dk = k.shape
     blocks = _blocks(block_size, compress_block_size, compress_stride)
@@ -241,7 +293,7 @@ def prefill_cache(k: Array, v: Array, *, block_size: int, capacity: int, lens: O
     cache = empty_cache(B, N, H, Dk, block_size=blocks[0], compress_block_size=blocks[1], compress_stride=blocks[2],
                         head_dim_v=v.shape[-1], dtype=k.dtype)
     _new_tokens(cache, k, v)
-    return _write(cache, k, v, jnp.zeros((B,), jnp.int32), _prompt_lens(lens, B, TP), *blocks[1:])[0]
+    return _write(cache, k, v, jnp.zeros((B,), jnp.int32), _prompt_lens(lens, B, TP), *blocks[1:], _phis(phi))[0]
 
 
 def _prompt_lens(lens, B, TP):

@@ -4,6 +4,7 @@ window) keys of the cache, never all of them; the paged cache against the contig
 the gradients of a ragged step. (Attention over both caches on every implementation: the shared base,
 tests/base.py's test_ragged_steps_over_a_paged_cache_equal_full_recompute.)"""
 
+import functools
 import re
 
 import chex
@@ -14,7 +15,7 @@ import pytest
 
 import nsa
 from nsa._kvcache import sequences
-from tests.base import Inputs, assert_close, largest_intermediate
+from tests.base import TOLERANCE, Inputs, assert_close, largest_intermediate
 
 B, N, H, DK, DV, BS = 2, 80, 2, 16, 8, 8
 
@@ -537,3 +538,126 @@ def test_concrete_tables_are_checked_by_attention_and_append():
     with pytest.raises(ValueError, match=r"sequence 0 writes page 0 \(a token's row, or the compressed row of a window "
                                          r"whose first token lies there\), which sequence 1 holds too"):
         nsa.append_to_cache(cache, k[:, :8], v[:, :8])
+
+
+def _phi(l, D, seed):
+    """A learned compression of windows of l tokens (the example's phi, one layer): a position embedding of the
+    window's slots, then tanh of a linear map of the flattened window [l * D] -> [D]; windows [B, R, l, H, D] ->
+    [B, R, H, D]. Nothing like the windows' mean."""
+    rng = np.random.default_rng(seed)
+    position = jnp.asarray(rng.standard_normal((l, D)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((l * D, D)) / np.sqrt(l), jnp.float32)
+
+    def phi(windows):
+        x = jnp.moveaxis(windows + position[:, None], 2, 3)  # [B, R, H, l, D]
+        return jnp.tanh(x.reshape(*x.shape[:3], l * D) @ w).astype(windows.dtype)
+
+    return phi
+
+
+# ragged steps after ragged prompts: decode (one token, or none for an idle sequence) and chunks that complete
+# several windows at once
+PROMPTS, STEPS = np.array([29, 3]), np.array([[1, 1], [1, 0], [1, 1], [13, 5], [0, 1], [1, 9]])
+
+
+def _prompted(paged, k, v, phi, **blocks):
+    """A cache holding the prompts, the first PROMPTS[b] tokens of k[b], v[b], compressed by phi: prefill_cache's,
+    or a paged cache (pages in random order, NaN everywhere) they were appended to."""
+    if paged:
+        cache = _paged([[7, 2, 11, 0, 5], [3, 12, 9, 1, -1]], **blocks)
+        return nsa.append_to_cache(cache, k[:, :PROMPTS.max()], v[:, :PROMPTS.max()], lens=PROMPTS, phi=phi)
+    return nsa.prefill_cache(k[:, :PROMPTS.max()], v[:, :PROMPTS.max()], capacity=N, lens=PROMPTS, phi=phi, **blocks)
+
+
+def _step_rows(y, done, n):
+    """Sequence b's next n[b] rows of y [B, T, ...] (those after its first done[b]), right-padded to max(n)."""
+    pad = [(0, 0)] * (y.ndim - 2)
+    return jnp.stack([jnp.pad(y[b, done[b]:done[b] + n[b]], [(0, max(n) - n[b])] + pad) for b in range(B)])
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("l, d", [(8, 8), (8, 4)], ids=["l8-d8", "l8-d4"])
+def test_a_learned_phi_writes_its_rows_of_the_windows_each_append_completes(paged, l, d):
+    """prefill_cache and append_to_cache with phi (a pair: Dk != Dv): after the prompts and each ragged step under
+    jit, sequence b's compressed rows of its complete windows equal phi applied to nsa.compression_windows of its
+    tokens (to float32 rounding: phi runs on other batch shapes), and the rows of windows not yet complete are
+    untouched (empty_cache's zeros, the paged cache's NaN)."""
+    blocks = dict(block_size=8, compress_block_size=l, compress_stride=d)
+    phis = (_phi(l, DK, seed=20), _phi(l, DV, seed=21))
+    k, v = _tokens(PROMPTS.max() + STEPS.sum(0).max(), seed=22)
+    step = jax.jit(lambda c, k, v, n: nsa.append_to_cache(c, k, v, lens=n, phi=phis), donate_argnums=0)
+    cache, done = _prompted(paged, k, v, phis, **blocks), PROMPTS
+    for n in [None] + list(STEPS):
+        if n is not None:
+            cache = step(cache, _step_rows(k, done, n), _step_rows(v, done, n), jnp.asarray(n, jnp.int32))
+            done = done + n
+        k_cmp, v_cmp = sequences(cache)[2:]
+        for b, length in enumerate(done):
+            rows = _complete(length, l, d)
+            for x_cmp, x, phi in ((k_cmp, k, phis[0]), (v_cmp, v, phis[1])):
+                want = phi(nsa.compression_windows(x[b:b + 1, :length], block_size=l, stride=d)[0])[0, :rows]
+                assert_close(x_cmp[b, :rows], want, 1e-6, f"sequence {b}'s compressed rows after {length} tokens")
+                begun = np.asarray(x_cmp[b, rows:-(-length // d)])  # the rows of windows begun, not complete
+                assert np.all(np.isnan(begun)) if paged else np.all(begun == 0)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_a_phi_trained_model_decodes_through_the_cache(paged):
+    """A model trained with a learned phi (attention given k_cmp, v_cmp = phi of nsa.compression_windows), served
+    through a cache filled with the same phi (prompts, then ragged decode steps and chunks under jit, the cache
+    donated; windows of 8 tokens every 4, selection blocks of 16): each step's outputs equal the whole sequences'
+    (the XLA implementation), whose compressed branch and block selection both read phi's rows; the means' outputs
+    are far from them (the cache mean-pooled before phi could be passed)."""
+    l, d, sel = 8, 4, 16
+    blocks = dict(block_size=sel, compress_block_size=l, compress_stride=d)
+    kw = dict(block_counts=2, window_size=6, implementation="xla")
+    phis = (_phi(l, DK, seed=23), _phi(l, DV, seed=24))
+    x = Inputs((B, PROMPTS.max() + STEPS.sum(0).max(), 4, H, DK, DV, sel), "float32", seed=25)
+    gates = dict(zip(("g_cmp", "g_slc", "g_swa"), (g[0] for g in x.gates)))
+    windows = lambda y: nsa.compression_windows(y, block_size=l, stride=d)[0]
+    # each row of x one sequence (causal: a token's output is that of its sequence up to it)
+    whole = jax.jit(lambda q, k, v, gates: nsa.attention(q, k, v, k_cmp=phis[0](windows(k)),
+                                                         v_cmp=phis[1](windows(v)), **gates, **blocks, **kw))
+    want, means = whole(x.q, x.k, x.v, gates), nsa.attention(x.q, x.k, x.v, **gates, **blocks, **kw)
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def step(cache, q, k, v, gates, n):
+        cache = nsa.append_to_cache(cache, k, v, lens=n, phi=phis)
+        return cache, nsa.attention(q, cache=cache, q_lens=n, **gates, **kw)
+
+    cache, done = _prompted(paged, x.k, x.v, phis, **blocks), PROMPTS
+    for n in STEPS:
+        rows = functools.partial(_step_rows, done=done, n=n)
+        cache, o = step(cache, rows(x.q), rows(x.k), rows(x.v), {name: rows(g) for name, g in gates.items()},
+                        jnp.asarray(n, jnp.int32))
+        for b in range(B):
+            assert_close(o[b, :n[b]], rows(want)[b, :n[b]], TOLERANCE["float32"], f"step {done}: sequence {b}")
+            np.testing.assert_array_equal(np.asarray(o[b, n[b]:]), 0.0)
+        done = done + n
+    assert max(float(jnp.max(jnp.abs(want[b, :n] - means[b, :n]))) for b, n in enumerate(done)) > 0.1
+
+
+def test_a_bad_phi_raises_naming_it():
+    """phi neither a callable nor a pair of them, rows of another shape or dtype than the cache's: errors that
+    name phi (and the keys or values); k_cmp given with cache= points at phi."""
+    k, v = _tokens(8)
+    cache = nsa.empty_cache(B, N, H, DK, head_dim_v=DV, block_size=BS, dtype=jnp.float32)
+    slots = lambda w: jnp.mean(w, axis=2)  # any D: one phi for both
+    with pytest.raises(TypeError, match=r"phi must be None .* or a pair \(phi_k, phi_v\) of them, got 3"):
+        nsa.append_to_cache(cache, k, v, phi=3)
+    with pytest.raises(TypeError, match=r"phi must be None .*, got \(<function"):
+        nsa.prefill_cache(k, v, block_size=BS, capacity=N, phi=(slots,))
+    with pytest.raises(ValueError, match=r"phi \(for the values\)'s rows must have shape \[B, R, H, D\] \(windows "
+                                         r"\[B, R, l, H, D\] = \(2, 1, 8, 2, 8\)\) = \(2, 1, 2, 8\), got "
+                                         r"\(2, 1, 2, 16\)"):
+        nsa.append_to_cache(cache, k, v, phi=(slots, lambda w: jnp.zeros(w.shape[:2] + w.shape[3:4] + (DK,))))
+    with pytest.raises(TypeError, match=r"phi \(for the keys\) must return the cache's dtype float32 .*, got bfloat16"):
+        nsa.append_to_cache(cache, k, v, phi=lambda w: slots(w).astype(jnp.bfloat16))
+    with pytest.raises(TypeError, match=r"phi \(for the keys\) must return an array, .* got tuple"):
+        nsa.append_to_cache(cache, k, v, phi=lambda w: (slots(w),))
+    cache = nsa.append_to_cache(cache, k, v, phi=slots)  # one phi for the keys and the values: here the means
+    for x_cmp, x in ((cache.k_cmp, k), (cache.v_cmp, v)):
+        assert_close(x_cmp[:, 0], nsa.compress(x, block_size=BS)[:, 0], 1e-6, "the means as phi")
+    with pytest.raises(ValueError, match=r"pass k_cmp and v_cmp or cache, not both \(a learned compression's rows go "
+                                         r"into the cache: `append_to_cache\(..., phi=...\)`"):
+        nsa.attention(jnp.zeros((B, 1, 4, DK)), cache=cache, k_cmp=cache.k_cmp, v_cmp=cache.v_cmp)

@@ -13,12 +13,14 @@ import pytest
 from flax import nnx
 
 import nsa
+from nsa import context
 from nsa.nnx import NativeSparseAttention, _positions
 
 C = 24  # hidden_size
 SPARSITY = dict(block_size=4, block_counts=2)
-# overlapping compression: windows of 8 tokens every 2 under selection blocks of 4 (l > l' is allowed)
-BLOCKS = {"l=d=l'": {}, "overlapping": dict(compress_block_size=8, compress_stride=2)}
+# overlapping compression: windows of 8 tokens every 2 under selection blocks of 4 (l > l' is allowed); a learned phi
+BLOCKS = {"l=d=l'": {}, "overlapping": dict(compress_block_size=8, compress_stride=2),
+          "overlapping, phi": dict(compress_block_size=8, compress_stride=2, phi=True)}
 # (num_heads, num_kv_heads, head_dim, head_dim_v, window_size, rope_theta, qkv_bias)
 CONFIGS = {
     "G=2, rope, bias": (4, 2, 8, 8, 6, 10000.0, True),
@@ -27,8 +29,25 @@ CONFIGS = {
 }
 
 
-def layer(config="G=2, rope, bias", seed=0, **overrides):
+class Phi(nnx.Module):
+    """A learned compression (the paper's phi) of windows [B, NC, l, H, D] -> [B, NC, H, D]: a position embedding of
+    the window's l slots, then tanh of a linear map of the flattened window."""
+
+    def __init__(self, l, D, rngs):
+        self.position = nnx.Param(0.5 * jax.random.normal(rngs.params(), (l, D)))
+        self.linear = nnx.Linear(l * D, D, rngs=rngs)
+
+    def __call__(self, windows):
+        x = jnp.moveaxis(windows + self.position[...][:, None], 2, 3)  # [B, NC, H, l, D]
+        return jnp.tanh(self.linear(x.reshape(*x.shape[:3], -1)))
+
+
+def layer(config="G=2, rope, bias", seed=0, phi=False, **overrides):
+    """The layer of `config`; phi=True: with a learned compression (Phi for the keys and the values)."""
     HQ, H, Dk, Dv, window_size, rope_theta, qkv_bias = CONFIGS[config]
+    if phi:
+        l = overrides.get("compress_block_size", SPARSITY["block_size"])
+        overrides = dict(overrides, phi_k=Phi(l, Dk, nnx.Rngs(seed + 1)), phi_v=Phi(l, Dv, nnx.Rngs(seed + 2)))
     args = dict(hidden_size=C, num_heads=HQ, num_kv_heads=H, head_dim=Dk, head_dim_v=Dv, window_size=window_size,
                 rope_theta=rope_theta, qkv_bias=qkv_bias, implementation="xla", rngs=nnx.Rngs(seed), **SPARSITY)
     return NativeSparseAttention(**{**args, **overrides})
@@ -72,13 +91,18 @@ def by_hand(model, x, positions):
 
     f32 = lambda y: jnp.asarray(y, jnp.float32)
     q, k, v = rope(linear(model.q_proj, HQ, Dk)), rope(linear(model.k_proj, H, Dk)), linear(model.v_proj, H, Dv)
+    learned = {}
+    if model.phi_k is not None:  # phi's rows of the windows of k and v
+        windows = lambda y: nsa.compression_windows(f32(y), block_size=model.compress_block_size,
+                                                    stride=model.compress_stride)[0]
+        learned = dict(k_cmp=model.phi_k(windows(k)), v_cmp=model.phi_v(windows(v)))
     names = ("g_cmp", "g_slc", "g_swa")[:len(model.branches)]
     g = 1 / (1 + np.exp(-linear(model.g_proj, HQ, len(names))))
     gates = {name: f32(g[..., i]) for i, name in enumerate(names)}
     blocks = dict(block_size=model.block_size, compress_block_size=model.compress_block_size,
                   compress_stride=model.compress_stride, block_counts=model.block_counts)
     o = jax.jit(nsa.attention, static_argnames=("window_size", "implementation", *blocks))(
-        f32(q), f32(k), f32(v), **gates, window_size=model.window_size, implementation="xla", **blocks)
+        f32(q), f32(k), f32(v), **gates, **learned, window_size=model.window_size, implementation="xla", **blocks)
     return np.asarray(o, np.float64).reshape(B, T, HQ * Dv) @ np.asarray(model.o_proj.kernel[...], np.float64)
 
 
@@ -115,7 +139,7 @@ def test_packed_sequences_equal_separate_calls():
     # RoPE is relative, so the outputs cannot tell restarted positions from global ones; restarting keeps the
     # angles small (float32 loses angle precision at large positions): each token's index in its own sequence
     restarted = np.concatenate([np.arange(end - start) for start, end in spans])
-    np.testing.assert_array_equal(_positions(1, 20, jnp.asarray(cu_seqlens)), restarted[None])
+    np.testing.assert_array_equal(_positions(1, jnp.arange(20), jnp.asarray(cu_seqlens)), restarted[None])
 
 
 @pytest.mark.parametrize("blocks", BLOCKS)
@@ -164,6 +188,74 @@ def test_gradients_reach_every_parameter():
     assert len(named) == 8  # q, k, v kernels and biases, g_proj and o_proj kernels
     for path, g in named:
         assert np.all(np.isfinite(g)) and np.any(g != 0), jax.tree_util.keystr(path)
+
+
+def test_gradients_reach_a_learned_phi():
+    model = layer(phi=True, compress_block_size=8, compress_stride=2)
+    grads = nnx.jit(nnx.grad(lambda model, x: jnp.sum(jnp.sin(model(x)))))(model, inputs(2, 13))
+    for module in ("phi_k", "phi_v"):
+        named = jax.tree_util.tree_leaves_with_path(nnx.state(getattr(grads, module), nnx.Param))
+        assert len(named) == 3  # the position embedding, the linear map's kernel and bias
+        for path, g in named:
+            assert np.all(np.isfinite(g)) and np.any(g != 0), module + jax.tree_util.keystr(path)
+
+
+def _context_parallel(model, P, layout):
+    """model's __call__ with the sequence split over P CPU devices in `layout` (inside jax.shard_map): a function
+    of the whole x [B, T, C] and cu_seqlens (None, or over the whole sequence), giving the whole y in sequence
+    order."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:P]), ("sp",))
+    graphdef, state = nnx.split(model)
+    seq, whole = jax.sharding.PartitionSpec(None, "sp"), jax.sharding.PartitionSpec()
+
+    def local(state, x, cu_seqlens):
+        return nnx.merge(graphdef, state)(x, cu_seqlens=cu_seqlens)
+
+    @jax.jit
+    def call(x, cu_seqlens):
+        sharded = jax.shard_map(local, mesh=mesh, in_specs=(whole, seq, whole), out_specs=seq)
+        return context.from_context_layout(sharded(state, context.to_context_layout(x, P, layout), cu_seqlens), P,
+                                           layout)
+
+    return call
+
+
+@pytest.mark.parametrize("P, layout, phi, packed", [(4, "zigzag", True, False), (2, "contiguous", False, True),
+                                                    (4, "contiguous", True, False)])
+def test_context_parallel_layer_equals_the_unsharded_layer(P, layout, phi, packed):
+    """layer(x) with context_axis inside jax.shard_map over P CPU devices (tests/conftest.py makes 8), x split
+    along T in `layout`: the outputs equal the unsharded layer's with the same weights (RoPE at each row's place in
+    the whole sequence, a learned phi over windows that do not overlap, packed sequences over the whole sequence)."""
+    kw = dict(phi=phi, compress_block_size=2, compress_stride=2)
+    model = layer(**kw)
+    sharded = layer(**kw, context_axis="sp", context_layout=layout)
+    nnx.update(sharded, nnx.state(model))
+    x = inputs(1 if packed else 2, 32, seed=4)
+    cu_seqlens = jnp.asarray([0, 5, 21, 32], jnp.int32) if packed else None
+    want = nnx.jit(lambda model, x, cu: model(x, cu_seqlens=cu))(model, x, cu_seqlens)
+    assert_close(_context_parallel(sharded, P, layout)(x, cu_seqlens), want)
+
+
+def test_context_parallel_layer_refuses_what_it_cannot_compute():
+    """A learned phi over overlapping windows (each device's windows would reach into another's chunk), phi with
+    packed sequences, and a KV cache (prefill, step) with context_axis: errors that say why."""
+    with pytest.raises(ValueError, match=r"phi_k, phi_v with context_axis need windows that do not overlap "
+                                         r"\(compress_block_size = compress_stride\), got compress_block_size = 8 > "
+                                         r"compress_stride = 2"):
+        layer(phi=True, compress_block_size=8, compress_stride=2, context_axis="sp")
+    model = layer(phi=True, context_axis="sp")
+    with pytest.raises(ValueError, match=r"phi_k, phi_v with context_axis cannot take cu_seqlens"):
+        _context_parallel(model, 2, "zigzag")(inputs(1, 16), jnp.asarray([0, 8, 16], jnp.int32))
+    with pytest.raises(ValueError, match=r"prefill serves through a KV cache, which context parallelism does not take"):
+        model.prefill(inputs(1, 4), capacity=8)
+    with pytest.raises(ValueError, match=r"step serves through a KV cache, which context parallelism does not take"):
+        model.step(inputs(1, 1), model.init_cache(1, 8))
+    with pytest.raises(ValueError, match=r"context_layout must be one of \('zigzag', 'contiguous'\), got 'ring'"):
+        layer(context_axis="sp", context_layout="ring")
+    with pytest.raises(ValueError, match=r"phi_k was given without phi_v"):
+        layer(phi_k=Phi(4, 8, nnx.Rngs(0)))
+    with pytest.raises(TypeError, match=r"phi_v must be a callable \(an nnx Module\) .*, got int"):
+        layer(phi_k=Phi(4, 8, nnx.Rngs(0)), phi_v=3)
 
 
 @pytest.mark.parametrize("overrides, name", [

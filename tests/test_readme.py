@@ -47,6 +47,12 @@ def test_the_cache_step_equals_the_full_recompute(api):
     _close(api["o_new"], full[:, -1:])
 
 
+def test_the_cache_serves_a_learned_phi(api):
+    full = api["nsa"].attention(*(api[n] for n in "qkv"), g_cmp=api["g_cmp"], k_cmp=api["k_phi"], v_cmp=api["v_phi"],
+                                **api["blocks"], block_counts=4, window_size=64)
+    _close(api["o_served"], full[:, 200:])
+
+
 def test_the_context_parallel_step_equals_the_call_on_one_device(api):
     full = api["nsa"].attention(*(api[n] for n in "qkv"), g_cmp=api["g_cmp"], block_counts=4, block_size=32,
                                 window_size=64)
