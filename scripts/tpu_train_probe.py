@@ -176,7 +176,7 @@ def main():
             idx_random = random_block_indices(T, shape=STANDARD._replace(HQ=hq))
             shapes = selected.Shapes.of(q, k, v, block_size=bs, block_counts=S)
             union_cfg = selected.default_config(shapes, q.dtype, None)
-            fits = selected.resident(q, k, v, idx_random, bs, None, None, None)
+            fits = selected.resident(q, k, v, idx_random, bs, None, None, None, True)
             for sel_name, idx in (("random", idx_random), ("shared", shared(idx_random, bs))):
                 rf, rfb = selected_fns(None, bs, S, interpret)
                 uf, ufb = selected_fns(union_cfg, bs, S, interpret)

@@ -652,7 +652,7 @@ def _attention(q, k, v, block_indices, block_counts, cu_seqlens, kv_lens, page_t
     """`forward`'s o and lse; with a page_table (`paged_forward`) k and v are pools of pages."""
     seen_k, seen_v = as_sequences(k, page_table), as_sequences(v, page_table)  # [B, TK, H, D] (shapes, if paged)
     check_selected(q, seen_k, block_indices, block_size)
-    if page_table is None and resident(q, k, v, block_indices, block_size, cu_seqlens, kv_lens, config):
+    if page_table is None and resident(q, k, v, block_indices, block_size, cu_seqlens, kv_lens, config, False):
         return _resident_attention(q, k, v, block_indices, block_counts, cu_seqlens, block_size=block_size,
                                    scale=scale, interpret=interpret)
     cfg = _config(config, q, seen_k, seen_v, block_indices, block_size, forward=True)
@@ -723,7 +723,7 @@ def backward(residuals, do, *, block_size, scale, interpret=False, config=None):
     """Gradients (dq, dk, dv, None, None, None, None) in q's, k's and v's dtypes, from `forward`'s residuals
     and do [B, T, HQ, Dv]; interpret and config as for `forward` (and a symbolic batch once per sequence)."""
     q, k, v, block_indices, block_counts, cu_seqlens, kv_lens, o, lse = residuals
-    if resident(q, k, v, block_indices, block_size, cu_seqlens, kv_lens, config):
+    if resident(q, k, v, block_indices, block_size, cu_seqlens, kv_lens, config, True):
         dq, dk, dv = _resident_backward(q, k, v, block_indices, block_counts, cu_seqlens, o, lse, do,
                                         block_size=block_size, scale=scale, interpret=interpret)
         return dq, dk, dv, None, None, None, None
@@ -805,16 +805,17 @@ def resident_bytes(lay, itemsize, backward):
     return 2 * rows * dp * itemsize + (2 * rows * dp * 4 if backward else 0) + tiles + width * dp * itemsize
 
 
-def resident(q, k, v, block_indices, block_size, cu_seqlens, kv_lens, config):
-    """Whether `_attention` and `backward` run the resident kernels on q [B, T, HQ, Dk], k [B, TK, H, Dk],
-    v [B, TK, H, Dv], block_indices [B, T, H, S]: with no Config given (a Config sets the union kernels' tiles),
-    without a KV cache, with blocks that start at multiples of the sublane tile (block_size a multiple of it, or
-    packed sequences, laid out block by block), and the backward's `resident_bytes` within RESIDENT_SHARE of the
-    device's VMEM (off a TPU, nsa._device's smallest)."""
+def resident(q, k, v, block_indices, block_size, cu_seqlens, kv_lens, config, backward):
+    """Whether `_attention` (backward False) or `backward` runs the resident kernels on q [B, T, HQ, Dk], k [B, TK,
+    H, Dk], v [B, TK, H, Dv], block_indices [B, T, H, S]: with no Config given (a Config sets the union kernels'
+    tiles), without a KV cache, with blocks that start at multiples of the sublane tile (block_size a multiple of
+    it, or packed sequences, laid out block by block), and the kernel's `resident_bytes` within RESIDENT_SHARE of
+    the device's VMEM (off a TPU, nsa._device's smallest). The forward may fit where the backward, which adds the
+    float32 dk and dv, does not (at 32k tokens of the standard shape on a TPU v5e)."""
     if config is not None or kv_lens is not None or (cu_seqlens is None and block_size % sublanes(k.dtype)):
         return False
     lay = _resident_layout(q, k, v, block_indices, block_size, cu_seqlens)
-    need = resident_bytes(lay, jnp.dtype(k.dtype).itemsize, backward=True) + RESIDENT_MARGIN
+    need = resident_bytes(lay, jnp.dtype(k.dtype).itemsize, backward) + RESIDENT_MARGIN
     return need <= RESIDENT_SHARE * facts("tpu").vmem
 
 
