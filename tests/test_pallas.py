@@ -64,10 +64,11 @@ def training_kernels(backward, resident=True, splash=False):
     if resident:
         names |= {"selected_resident_forward"} | ({"selected_resident_backward"} if backward else set())
     else:
-        names |= {"selected_forward"} | ({"selected_dq", "selected_dkdv", "selected_dkdv_reduce"} if backward else set())
+        names |= {"selected_forward"} | (
+            {"selected_dq", "selected_dkdv", "selected_dkdv_reduce"} if backward else set())
     if splash:
-        names |= {"splash_mha_fwd_residuals"} | ({"splash_mha_fwd_no_residuals", "splash_mha_dq_no_residuals",
-                                                   "splash_mha_dkv_no_residuals"} if backward else set())
+        names |= {"splash_mha_fwd_residuals"} | ({"splash_mha_dq_no_residuals", "splash_mha_dkv_no_residuals"}
+                                                  if backward else set())
     else:
         names |= {"window_forward"} | ({"window_dq", "window_dkdv"} if backward else set())
     return names

@@ -973,7 +973,8 @@ def _resident_attention(q, k, v, block_indices, block_counts, cu_seqlens, *, blo
     rows = (lay.B, lay.H, lay.nt * lay.tb, lay.G)
     o, lse = _resident_call(
         _resident_fwd_kernel, lay, table, [_token_rows(q, lay, lay.dkp)], _key_rows(k, lay, lay.dkp),
-        _key_rows(v, lay, lay.dvp), [out_struct(rows + (lay.dvp,), q.dtype, q), out_struct(rows + (1,), jnp.float32, q)],
+        _key_rows(v, lay, lay.dvp),
+        [out_struct(rows + (lay.dvp,), q.dtype, q), out_struct(rows + (1,), jnp.float32, q)],
         q=q, scale=scale, interpret=interpret, name="selected_resident_forward", backward=False)
     return _from_token_rows(o, lay, v.shape[3]), _from_token_rows(lse, lay, 1)[..., 0]
 
@@ -992,7 +993,8 @@ def _resident_backward(q, k, v, block_indices, block_counts, cu_seqlens, o, lse,
     dq, dk, dv = _resident_call(
         _resident_bwd_kernel, lay, table, tiled, k_rows, v_rows,
         [out_struct((lay.B, lay.H, lay.nt * lay.tb, lay.G, lay.dkp), q.dtype, q),
-         out_struct((lay.B, lay.H, kr, lay.dkp), jnp.float32, q), out_struct((lay.B, lay.H, kr, lay.dvp), jnp.float32, q)],
+         out_struct((lay.B, lay.H, kr, lay.dkp), jnp.float32, q),
+         out_struct((lay.B, lay.H, kr, lay.dvp), jnp.float32, q)],
         q=q, scale=scale, interpret=interpret, name="selected_resident_backward", backward=True)
     blocks = lambda x: x[:, :, :lay.num_rows * lay.br].reshape(lay.B * lay.H * lay.num_rows, lay.br, x.shape[3])
     dk = per_key_row(blocks(dk), k.shape, cu_seqlens, block_size=block_size) * scale

@@ -6,18 +6,18 @@ rows [max(sequence start, p - window_size + 1), p]; signatures and residuals are
 nsa.reference.window. `interpret` (False: Mosaic, or a pltpu.InterpretParams) and `config` (a _flash.Config;
 None: its default_config, or splash where it applies) go to the kernels.
 
-Splash attention (jax.experimental.pallas.ops.tpu.splash_attention): without a KV cache the window is a local
-mask of the [T, T] logits (key j seen by query t iff t - window_size < j <= t), packed sequences are its
-segment ids (one per sequence of cu_seqlens: no key crosses a boundary), and grouped heads its MHA kernel with
-H KV heads (query head j on KV head j // G, as nsa's contract). On a TPU v5e it ran 4.2x faster than the flash
-kernels here, forward and backward (2026-12-06, 8k tokens, HQ = 64, H = 4, D = 128, bf16, window 512: 3.9 / 12.2
-ms against 17.1 / 50.8; benchmarks/results/tpu-train/): its blocks of 512 queries and keys take few grid steps.
-`by_splash` takes it for bfloat16 and float32 heads of whole lanes (Dk, Dv multiples of 128), window_size >= 1,
-no KV cache and no Config (a Config sets the flash kernels' tiles). The forward runs splash with save_residuals
-(its lse, natural log of the scaled logits: the reference's), the backward splash's own gradient of a forward
-it runs again (public API only: splash keeps its backward's residuals to itself), q pre-scaled in both (rounded
-to q's dtype, as splash takes it). T is padded to a multiple of 128 (the padded keys come after every real query,
-the padded queries are cut and get a zero cotangent).
+Splash attention (jax.experimental.pallas.ops.tpu.splash_attention): without a KV cache the window is a local mask
+of the [T, T] logits (key j seen by query t iff t - window_size < j <= t), packed sequences are its segment ids
+(one per sequence of cu_seqlens: no key crosses a boundary), and grouped heads its MHA kernel with H KV heads
+(query head j on KV head j // G, as nsa's contract), the batch folded into the heads. On a TPU v5e it ran 4.2x
+faster than the flash kernels here, forward and backward (2026-12-06, 8k tokens, HQ = 64, H = 4, D = 128, bf16,
+window 512: 3.9 / 12.2 ms against 17.1 / 50.8; benchmarks/results/tpu-train/): its blocks of 512 queries and keys
+take few grid steps. `by_splash` takes it for bfloat16 and float32 heads of whole lanes (Dk, Dv multiples of 128),
+window_size >= 1, a static batch (folded into the heads), no KV cache and no Config (a Config sets the flash
+kernels' tiles). The forward runs splash with save_residuals (its lse, natural log of the scaled logits: the
+reference's), the backward splash's own gradient of a forward it runs again (public API only: splash keeps its
+backward's residuals to itself), q pre-scaled in both (rounded to q's dtype, as splash takes it). T is padded to a
+multiple of 128 (the padded keys come after every real query, the padded queries are cut and get a zero cotangent).
 
 The flash kernels take the rest (KV caches, float16, other heads, explicit tiles). A query sees at most W key
 rows (W = min(window_size, TK), TK = k's rows) and a key row is seen by at most W queries: the spans that size
@@ -43,7 +43,7 @@ SPLASH_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 def by_splash(q, v, kv_lens, window_size, config):
     """Whether the window of q [B, T, HQ, Dk] over v [B, TK, H, Dv] runs splash attention (module docstring)."""
     return (config is None and kv_lens is None and int(window_size) >= 1 and jnp.dtype(q.dtype) in SPLASH_DTYPES
-            and q.shape[3] % lanes() == 0 and v.shape[3] % lanes() == 0)
+            and q.shape[3] % lanes() == 0 and v.shape[3] % lanes() == 0 and isinstance(q.shape[0], int))
 
 
 def forward(q, k, v, cu_seqlens, kv_lens=None, *, window_size, scale, interpret=False, config=None):
@@ -94,17 +94,18 @@ def _splash(q, k, v, cu_seqlens, *, window_size, scale, interpret, residuals):
 
     B, T, HQ, _ = q.shape
     tp = round_up(max(T, 1), lanes())
-    heads = lambda x: jnp.transpose(padded(x, 1, tp), (0, 2, 1, 3))  # [B, heads, tp, D]
-    kernel = _splash_kernel(tp, HQ, int(window_size), residuals, interpret)
+    # the batch folded into the heads, [B * heads, tp, D]: query head b * HQ + j reads KV head (b * HQ + j) // G =
+    # b * H + j // G, its own batch row's (splash's batching rule under vmap failed at B = 2 in interpret mode)
+    heads = lambda x: jnp.transpose(padded(x, 1, tp), (0, 2, 1, 3)).reshape(-1, tp, x.shape[3])
+    kernel = _splash_kernel(tp, B * HQ, int(window_size), residuals, interpret)
     segments = None
     if cu_seqlens is not None:  # token t's sequence; the padded tokens one after the last
         ids = jnp.searchsorted(cu_seqlens.astype(jnp.int32), jnp.arange(tp, dtype=jnp.int32), side="right") - 1
         ids = jnp.where(jnp.arange(tp) < T, ids, cu_seqlens.shape[0]).astype(jnp.int32)
         segments = splash.SegmentIds(q=ids, kv=ids)
-    out = jax.vmap(lambda q, k, v: kernel(q, k, v, segment_ids=segments))(
-        heads((q * scale).astype(q.dtype)), heads(k), heads(v))
+    out = kernel(heads((q * scale).astype(q.dtype)), heads(k), heads(v), segments)
     o, lse = out if residuals else (out, None)
-    o = jnp.transpose(o, (0, 2, 1, 3))[:, :T]
+    o = jnp.transpose(o.reshape(B, HQ, tp, o.shape[2]), (0, 2, 1, 3))[:, :T]
     if not residuals:
         return o
-    return o, jnp.transpose(lse[0], (0, 2, 1))[:, :T].astype(jnp.float32)
+    return o, jnp.transpose(lse[0].reshape(B, HQ, tp), (0, 2, 1))[:, :T].astype(jnp.float32)
