@@ -21,7 +21,10 @@ import nsa
 from nsa import pallas
 from nsa.pallas._batch import per_sequence
 from tests.base import MOSAIC_GPU_LOWERS, TOLERANCE, assert_close
-from tests.test_pallas import FORWARD_KERNELS
+from tests.test_pallas import FORWARD_KERNELS, training_kernels
+
+# the Mosaic kernels of each case's forward (D = 32: the window's flash kernels)
+CASE_KERNELS = {"attention": training_kernels(backward=False), "cache": FORWARD_KERNELS}
 
 PLATFORM_SETS = [("cpu", "tpu"), ("cpu", "cuda"), ("cuda", "tpu"), ("cpu", "cuda", "tpu")]
 DTYPES = ["float32", "bfloat16"]
@@ -91,7 +94,7 @@ def test_exports_for_several_platforms(platforms, case, dtype):
     tpu_names, mosaic_gpu_calls, triton = _kernels(exported.mlir_module())
     assert not triton
     assert tpu_names == (_alone(case, dtype, "tpu")[0] if "tpu" in platforms else set())
-    assert _alone(case, dtype, "tpu")[0] == FORWARD_KERNELS
+    assert _alone(case, dtype, "tpu")[0] == CASE_KERNELS[case]
     cuda_calls = _alone(case, dtype, "cuda")[1] if "cuda" in platforms else 0
     assert mosaic_gpu_calls == cuda_calls
     assert (cuda_calls > 0) == ("cuda" in platforms and MOSAIC_GPU_LOWERS and dtype == "bfloat16")
@@ -105,7 +108,7 @@ def test_gradient_exports_for_several_platforms():
     make, args = _attention_case("float32", 2)
     grad = jax.grad(lambda *a: jnp.sum(make(None)(*a) ** 2), argnums=(0, 1, 2, 3))
     exported = _export(grad, ("cpu", "tpu"), *args)
-    assert {"compressed_dq", "selected_dkdv", "window_dkdv"} < _kernels(exported.mlir_module())[0]
+    assert {"compressed_dq", "selected_resident_backward", "window_dkdv"} < _kernels(exported.mlir_module())[0]
     want = jax.jit(jax.grad(lambda *a: jnp.sum(make("xla")(*a) ** 2), argnums=(0, 1, 2, 3)))(*args)
     for got, ref, name in zip(exported.call(*args), want, ("dq", "dk", "dv", "dg")):
         assert_close(got, ref, TOLERANCE["float32"], name)
@@ -124,7 +127,7 @@ def test_explicit_pallas_exports_for_cuda_and_tpu(dtype):
             _export(make("pallas"), ("cuda", "tpu"), *args)
         return
     tpu_names, mosaic_gpu_calls, _ = _kernels(_export(make("pallas"), ("cuda", "tpu"), *args).mlir_module())
-    assert tpu_names == FORWARD_KERNELS and mosaic_gpu_calls == _alone("attention", dtype, "cuda")[1] > 0
+    assert tpu_names == CASE_KERNELS["attention"] and mosaic_gpu_calls == _alone("attention", dtype, "cuda")[1] > 0
 
 
 def test_explicit_pallas_does_not_export_for_the_cpu():
@@ -150,7 +153,7 @@ def test_symbolic_batch(case, dtype):
     make, args = CASES[case](dtype, 2)
     exported = _export(make(None), ("cpu", "cuda", "tpu"), *_symbolic_batch(args))
     tpu_names, mosaic_gpu_calls, _ = _kernels(exported.mlir_module())
-    assert tpu_names == FORWARD_KERNELS
+    assert tpu_names == CASE_KERNELS[case]
     assert (mosaic_gpu_calls > 0) == (MOSAIC_GPU_LOWERS and dtype == "bfloat16")
     for B in (1, 3):
         _, args = CASES[case](dtype, B)

@@ -46,13 +46,32 @@ class TestPallasInterpreted(NSATestBase):
         _, loss = self._loss(x)
         kernels = [_mosaic_kernels(jax.export.export(jax.jit(jax.grad(f, argnums=(0, 1, 2))), platforms=["tpu"])(
             x.q, x.k, x.v).mlir_module()) for f in (loss, jax.checkpoint(loss))]
-        assert set(kernels[1]) == set(kernels[0]) == FORWARD_KERNELS | BACKWARD_KERNELS
+        assert set(kernels[1]) == set(kernels[0]) == training_kernels(backward=True)
 
 
-# The Mosaic kernels of each op, by the name they carry in the exported module.
+# The Mosaic kernels of each op, by the name they carry in the exported module: with a KV cache (the union kernels of
+# selected attention, the window's flash kernels), and in training (`training_kernels`).
 FORWARD_KERNELS = {"compressed_forward", "select", "selected_forward", "window_forward"}
 BACKWARD_KERNELS = {"compressed_dq", "compressed_dkdv", "selected_dq", "selected_dkdv", "selected_dkdv_reduce",
                     "window_dq", "window_dkdv"}
+
+
+def training_kernels(backward, resident=True, splash=False):
+    """The kernels of nsa.attention without a KV cache: selected attention's resident kernels where they fit (else
+    its union kernels), the window by splash attention where it takes it (heads of 128 lanes in bf16 or float32;
+    forward with its residuals, backward its own, of a forward run again) or by the flash kernels."""
+    names = {"compressed_forward", "select"} | ({"compressed_dq", "compressed_dkdv"} if backward else set())
+    if resident:
+        names |= {"selected_resident_forward"} | ({"selected_resident_backward"} if backward else set())
+    else:
+        names |= {"selected_forward"} | (
+            {"selected_dq", "selected_dkdv", "selected_dkdv_reduce"} if backward else set())
+    if splash:
+        names |= {"splash_mha_fwd_residuals"} | ({"splash_mha_dq_no_residuals", "splash_mha_dkv_no_residuals"}
+                                                  if backward else set())
+    else:
+        names |= {"window_forward"} | ({"window_dq", "window_dkdv"} if backward else set())
+    return names
 
 
 def _mosaic_kernels(module):
@@ -68,11 +87,14 @@ def _mosaic_kernels(module):
                  id="paper-l32-d16-bf16"),
 ])
 @pytest.mark.parametrize("implementation", ["pallas", None])
-def test_attention_lowers_for_tpu_to_mosaic_kernels(shape, dtype, compression, implementation):
+def test_attention_lowers_for_tpu_to_mosaic_kernels(shape, dtype, compression, implementation, monkeypatch):
     """nsa.attention (block 64, 16 blocks, window 512, all gates; compression windows of 64 tokens, or the
-    paper's), jitted forward and forward+backward, exported for TPU: every op runs its Mosaic kernel, with
-    implementation="pallas" and with None."""
+    paper's), jitted forward and forward+backward, exported for a TPU v5e: every op runs its Mosaic kernel, with
+    implementation="pallas" and with None; selected attention its resident kernels (within the v5e's VMEM), the
+    window splash attention at heads of 128."""
+    monkeypatch.setenv("NSA_DEVICE_KIND", "TPU v5 lite")
     B, T, HQ, H, Dk, Dv = shape
+    splash = Dk % 128 == Dv % 128 == 0
     specs = [jax.ShapeDtypeStruct(s, dtype) for s in [(B, T, HQ, Dk), (B, T, H, Dk), (B, T, H, Dv)]]
     gates = [jax.ShapeDtypeStruct((B, T, HQ), dtype)] * 3
 
@@ -84,9 +106,9 @@ def test_attention_lowers_for_tpu_to_mosaic_kernels(shape, dtype, compression, i
         return jnp.sum(forward(*args).astype(jnp.float32))
 
     exported = jax.export.export(jax.jit(forward), platforms=["tpu"])(*specs, *gates)
-    assert set(_mosaic_kernels(exported.mlir_module())) == FORWARD_KERNELS
+    assert set(_mosaic_kernels(exported.mlir_module())) == training_kernels(backward=False, splash=splash)
     exported = jax.export.export(jax.jit(jax.grad(loss, argnums=range(6))), platforms=["tpu"])(*specs, *gates)
-    assert set(_mosaic_kernels(exported.mlir_module())) == FORWARD_KERNELS | BACKWARD_KERNELS
+    assert set(_mosaic_kernels(exported.mlir_module())) == training_kernels(backward=True, splash=splash)
 
 
 # Serving steps at the standard heads (HQ = 64, H = 4, D = 128, bf16; block 64, 16 blocks, window 512):

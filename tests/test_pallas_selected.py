@@ -305,22 +305,28 @@ def test_rows_that_see_nothing():
 @pytest.mark.parametrize("shape, S, dtype", [((1, 8192, 64, 4, 128, 128, 64), 16, jnp.bfloat16),  # standard
                                              ((1, 1000, 6, 2, 64, 48, 16), 5, jnp.float32)],  # G = 3, Dv != Dk
                          ids=["standard-bf16", "odd-f32"])
-def test_lowers_for_tpu(shape, S, dtype):
-    """jax.export for TPU lowers the kernels through Mosaic: four tpu_custom_calls (forward, dq, dk/dv
-    partials, their reduce), by name."""
+@pytest.mark.parametrize("resident", [False, True])
+def test_lowers_for_tpu(shape, S, dtype, resident):
+    """jax.export for TPU lowers the kernels through Mosaic: the union kernels, four tpu_custom_calls (forward, dq,
+    dk/dv partials, their reduce), or the resident ones, two (forward, backward), by name."""
     B, T, HQ, H, Dk, Dv, bs = shape
+    config = None if resident else selected.Config(16 if HQ // H == 16 else 128, 256)
+    kw = dict(block_size=bs, scale=0.1, config=config)
 
     def forward_backward(q, k, v, idx, counts, do):
-        o, res = selected.forward(q, k, v, idx, counts, None, block_size=bs, scale=0.1)
-        return o, selected.backward(res, do, block_size=bs, scale=0.1)[:3]
+        o, res = selected.forward(q, k, v, idx, counts, None, **kw)
+        return o, selected.backward(res, do, **kw)[:3]
 
     args = [jax.ShapeDtypeStruct(s, d) for s, d in [
         ((B, T, HQ, Dk), dtype), ((B, T, H, Dk), dtype), ((B, T, H, Dv), dtype), ((B, T, H, S), jnp.int32),
         ((B, T, H), jnp.int32), ((B, T, HQ, Dv), dtype)]]
-    module = jax.export.export(jax.jit(forward_backward), platforms=["tpu"])(*args).mlir_module()
-    assert module.count("tpu_custom_call") == 4
-    assert sorted(re.findall(r'kernel_name = "(\w+)"', module)) == [
-        "selected_dkdv", "selected_dkdv_reduce", "selected_dq", "selected_forward"]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("NSA_DEVICE_KIND", "TPU v5 lite")
+        module = jax.export.export(jax.jit(forward_backward), platforms=["tpu"])(*args).mlir_module()
+    names = sorted(re.findall(r'kernel_name = "(\w+)"', module))
+    assert module.count("tpu_custom_call") == len(names)
+    assert names == (["selected_resident_backward", "selected_resident_forward"] if resident else
+                     ["selected_dkdv", "selected_dkdv_reduce", "selected_dq", "selected_forward"])
 
 
 @pytest.mark.parametrize("G, dk, dv, dtype, block_size", [
@@ -361,3 +367,36 @@ def test_errors_name_the_argument():
     with pytest.raises(ValueError, match="block_indices:"):
         selected.forward(k, k, k, jnp.zeros((1, 8, 1, 1), jnp.int32), jnp.ones((1, 8, 2), jnp.int32), None,
                          block_size=4, scale=1.0)
+
+
+def test_resident_kernels_agree_with_the_union_kernels_and_repeat_bitwise():
+    """The resident kernels (the default where they fit) against the union kernels (an explicit Config) on the same
+    inputs, packed, with repeated and skipped slots; the resident backward run twice gives the same bits."""
+    x = Inputs((1, 60, 4, 2, 16, 32, 16), "float32")
+    idx, counts = x.block_indices(3), _counts("array", 1, 60, 2, 3)
+    lay_q = Shapes.of(x.q, x.k, x.v, block_size=16, block_counts=3)
+    assert selected.resident(x.q, x.k, x.v, idx, 16, SHORT_CU, None, None, True)
+    got = _kernels(x, idx, counts, SHORT_CU)
+    union = _kernels(x, idx, counts, SHORT_CU, config=selected.default_config(lay_q, jnp.float32, facts("tpu")))
+    _assert_matches(got, union, x, "float32", "resident against union:")
+    again = _kernels(x, idx, counts, SHORT_CU)
+    for a, b in zip(got[2], again[2]):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_what_the_resident_kernels_take(monkeypatch):
+    """No Config, no KV cache, blocks at multiples of the sublane tile; within 3/4 of a TPU v5e's 128 MiB of VMEM at
+    the standard shape: the forward to 64k tokens, the backward (float32 dk and dv beside k and v) to 16k."""
+    monkeypatch.setenv("NSA_DEVICE_KIND", "TPU v5 lite")
+
+    def takes(T, backward, dtype=jnp.bfloat16, block_size=64, cu=None, kv_lens=None, config=None):
+        q = jax.ShapeDtypeStruct((1, T, 64, 128), dtype)
+        k = jax.ShapeDtypeStruct((1, T, 4, 128), dtype)
+        idx = jax.ShapeDtypeStruct((1, T, 4, 16), jnp.int32)
+        return selected.resident(q, k, k, idx, block_size, cu, kv_lens, config, backward)
+
+    assert takes(16384, True) and not takes(32768, True) and takes(65536, False) and not takes(131072, False)
+    assert not takes(1024, False, config=selected.Config(16, 64))
+    assert not takes(1024, False, kv_lens=jnp.array([1024]))
+    assert not takes(1024, False, block_size=8) and takes(1024, False, block_size=8, cu=jnp.array([0, 1024]))
+    assert takes(1024, False, dtype=jnp.float32, block_size=8)

@@ -94,7 +94,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from nsa._config import Shapes, as_sequences, expect, positive, validated
 from nsa._device import facts
-from nsa._plan import (PAST, Tiling, block_names, check_selected, kernel_delta, padded, per_key_row,
+from nsa._plan import (NONE, PAST, Tiling, block_names, check_selected, kernel_delta, padded, per_key_row,
                        row_offsets, segments, tile_lists, tile_names, tile_starts, tile_unions)
 from nsa._varlen import cdiv, round_up
 from nsa.pallas._batch import per_sequence
@@ -655,6 +655,9 @@ def _attention(q, k, v, block_indices, block_counts, cu_seqlens, kv_lens, page_t
     """`forward`'s o and lse; with a page_table (`paged_forward`) k and v are pools of pages."""
     seen_k, seen_v = as_sequences(k, page_table), as_sequences(v, page_table)  # [B, TK, H, D] (shapes, if paged)
     check_selected(q, seen_k, block_indices, block_size)
+    if page_table is None and resident(q, k, v, block_indices, block_size, cu_seqlens, kv_lens, config, False):
+        return _resident_attention(q, k, v, block_indices, block_counts, cu_seqlens, block_size=block_size,
+                                   scale=scale, interpret=interpret)
     cfg = _config(config, q, seen_k, seen_v, block_indices, block_size, forward=True)
     page_size, pages = (None, None) if page_table is None else (k.shape[1], (page_table, k.shape[0]))
     lay = _Layout(q, seen_k, seen_v, block_indices, block_size, cu_seqlens, kv_lens, cfg, page_size)
@@ -723,6 +726,10 @@ def backward(residuals, do, *, block_size, scale, interpret=False, config=None):
     """Gradients (dq, dk, dv, None, None, None, None) in q's, k's and v's dtypes, from `forward`'s residuals
     and do [B, T, HQ, Dv]; interpret and config as for `forward` (and a symbolic batch once per sequence)."""
     q, k, v, block_indices, block_counts, cu_seqlens, kv_lens, o, lse = residuals
+    if resident(q, k, v, block_indices, block_size, cu_seqlens, kv_lens, config, True):
+        dq, dk, dv = _resident_backward(q, k, v, block_indices, block_counts, cu_seqlens, o, lse, do,
+                                        block_size=block_size, scale=scale, interpret=interpret)
+        return dq, dk, dv, None, None, None, None
     cfg = _config(config, q, k, v, block_indices, block_size)
     lay = _Layout(q, k, v, block_indices, block_size, cu_seqlens, kv_lens, cfg)
     names, blocks, union, last, offsets = _tiles(block_indices, block_counts, cu_seqlens, kv_lens, lay,
@@ -755,3 +762,244 @@ def backward(residuals, do, *, block_size, scale, interpret=False, config=None):
     dk = per_key_row(dk_sum, k.shape, cu_seqlens, block_size=block_size) * scale
     dv = per_key_row(dv_sum, v.shape, cu_seqlens, block_size=block_size)
     return dq, dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, None
+
+
+# ------------------------------------------------------------------------------------------ resident (training)
+#
+# The keys and values of one (batch row, KV head) resident in VMEM, token by token: where `resident` holds (no KV
+# cache; k, v and, in the backward, their float32 gradients within RESIDENT_SHARE of VMEM), `_attention` and
+# `backward` run these kernels instead of the union ones above. On random selections a tile's union holds nearly
+# every block, and the union kernels compute dense attention under a mask (2.6 useful TFLOP/s at 8k on a TPU v5e,
+# 2026-12-06); here each token attends to its own S blocks and nothing else: its G query heads are the M = G rows
+# of two matmuls against the SP * BR rows its slots name, gathered by dynamic slices of the resident rows (no DMA
+# per block), so the work is the useful work whatever the selections share.
+#
+# Layouts (XLA): q [B, H, Tp, G, Dkp], do, o [.., Dvp], lse, delta [B, H, Tp, G, 1] float32 (`_token_rows`: Tp = T
+# padded to TB = RESIDENT_TOKENS; a (TB, G, Dp) block, token j's G rows at [j]); k, v `_key_rows` [B, H, KR, Dp],
+# block n's rows at n * BR (BR = block_size when it is a multiple of the sublane tile; the blocks of packed
+# sequences at multiples of BR); the table [B, H, NT, 1, 2 * TB * SP] int32 in SMEM, a row per step
+# (`_resident_table`): each slot's source row in k (`_copy_rows`; 0 when skipped), then the last row c of its block
+# the token sees (min(block_size - 1, the token's key row - the block's first), -1 when skipped). SP: S padded so
+# that SP * BR logits are whole lanes (the padded slots skipped).
+
+RESIDENT_TOKENS = 16  # query tokens per grid step: a step's fixed cost shared by 16 tokens' work
+RESIDENT_SHARE = 0.75  # the most of a TensorCore's VMEM the resident kernels plan to hold
+RESIDENT_MARGIN = 8 * 2 ** 20  # scoped VMEM asked beyond `resident_bytes`: Mosaic's temporaries ([G, SP * BR] logits)
+
+
+def _padded_slots(S, br):
+    """SP: the fewest slots >= S whose SP * BR columns are whole lanes."""
+    return round_up(S, lanes() // math.gcd(lanes(), br))
+
+
+def _key_rows_count(lay):
+    """The rows of `_key_rows`: TK + BR, or NR * BR for packed sequences."""
+    return lay.num_rows * lay.br if lay.blocked else lay.TK + lay.br
+
+
+def resident_bytes(lay, itemsize, backward):
+    """The VMEM a resident kernel's grid step holds: k and v double-buffered, the backward's float32 dk and dv
+    double-buffered, the tiles (q, do, o or dq double-buffered; lse, delta padded to the lanes) and two gather
+    buffers of SP * BR rows."""
+    rows, dp = _key_rows_count(lay), lay.dkp + lay.dvp
+    width = _padded_slots(lay.S, lay.br) * lay.br
+    tile = lay.tb * round_up(lay.G, sublanes(jnp.float32))
+    tiles = 2 * tile * (dp * itemsize + lanes() * 4) * (2 if backward else 1)
+    return 2 * rows * dp * itemsize + (2 * rows * dp * 4 if backward else 0) + tiles + width * dp * itemsize
+
+
+def resident(q, k, v, block_indices, block_size, cu_seqlens, kv_lens, config, backward):
+    """Whether `_attention` (backward False) or `backward` runs the resident kernels on q [B, T, HQ, Dk], k [B, TK,
+    H, Dk], v [B, TK, H, Dv], block_indices [B, T, H, S]: with no Config given (a Config sets the union kernels'
+    tiles), without a KV cache, with blocks that start at multiples of the sublane tile (block_size a multiple of
+    it, or packed sequences, laid out block by block), and the kernel's `resident_bytes` within RESIDENT_SHARE of
+    the device's VMEM (off a TPU, nsa._device's smallest). The forward may fit where the backward, which adds the
+    float32 dk and dv, does not (at 32k tokens of the standard shape on a TPU v5e)."""
+    if config is not None or kv_lens is not None or (cu_seqlens is None and block_size % sublanes(k.dtype)):
+        return False
+    lay = _resident_layout(q, k, v, block_indices, block_size, cu_seqlens)
+    need = resident_bytes(lay, jnp.dtype(k.dtype).itemsize, backward) + RESIDENT_MARGIN
+    return need <= RESIDENT_SHARE * facts("tpu").vmem
+
+
+def _resident_layout(q, k, v, block_indices, block_size, cu_seqlens):
+    """`_Layout` for tiles of RESIDENT_TOKENS tokens, without a KV cache."""
+    return _Layout(q, k, v, block_indices, block_size, cu_seqlens, None, Config(RESIDENT_TOKENS, 1))
+
+
+def _token_rows(x, lay, dp, fill=0.0):
+    """[B, T, HQ, D] -> [B, H, Tp, G, dp], padded with zeros (D) and `fill` (T)."""
+    x = jnp.pad(padded(x, 3, dp), [(0, 0), (0, lay.nt * lay.tb - lay.T), (0, 0), (0, 0)], constant_values=fill)
+    return jnp.transpose(x.reshape(lay.B, lay.nt * lay.tb, lay.H, lay.G, dp), (0, 2, 1, 3, 4))
+
+
+def _from_token_rows(x, lay, d):
+    """[B, H, Tp, G, Dp] -> [B, T, HQ, d]."""
+    x = jnp.transpose(x, (0, 2, 1, 3, 4)).reshape(lay.B, lay.nt * lay.tb, lay.H * lay.G, x.shape[4])
+    return x[:, :lay.T, :, :d]
+
+
+def _resident_table(block_indices, block_counts, cu_seqlens, lay, block_size):
+    """int32 [B, H, NT, 1, 2 * TB * SP]: per tile, each token's slots' source rows in `_key_rows`, then the last
+    row of its block each sees (-1: skipped)."""
+    names = tile_names(block_names(block_indices, block_counts, cu_seqlens, None, block_size=block_size), lay.tb)
+    slots = _padded_slots(lay.S, lay.br)
+    names = jnp.pad(names, [(0, 0)] * 4 + [(0, slots - lay.S)], constant_values=NONE)  # [B, H, NT, TB, SP]
+    token = (jnp.arange(lay.nt, dtype=jnp.int32)[:, None] * lay.tb + jnp.arange(lay.tb, dtype=jnp.int32))[..., None]
+    skipped = names == NONE
+    rows = jnp.where(skipped, 0, _copy_rows(jnp.where(skipped, 0, names), lay, block_size))
+    last = jnp.where(skipped, -1, jnp.minimum(block_size - 1, token - names))
+    flat = lambda x: x.reshape(x.shape[:3] + (-1,)).astype(jnp.int32)
+    return jnp.concatenate([flat(rows), flat(last)], axis=-1)[..., None, :]
+
+
+def _gather(tab_ref, j, k_ref, v_ref, k_buf, v_buf, *, slots, br, align):
+    """Token j's blocks into k_buf, v_buf [SP * BR, Dp]: slot s's BR rows from its source row, at rows s * BR."""
+    for s in range(slots):
+        src = pl.ds(pl.multiple_of(tab_ref[0, j * slots + s], align), br)
+        k_buf[pl.ds(s * br, br), :] = k_ref[src, :]
+        v_buf[pl.ds(s * br, br), :] = v_ref[src, :]
+
+
+def _seen_columns(tab_ref, j, *, slots, br, tokens):
+    """bool [1, SP * BR]: the gathered rows token j sees, column s * BR + c iff c <= the last row of slot s it sees
+    (the table's second half). Built per 128 lanes from the slots that reach into them (each a scalar)."""
+    base, lane = (tokens + j) * slots, lanes()
+    pieces = []
+    for g in range(slots * br // lane):
+        col = g * lane + lax.broadcasted_iota(jnp.int32, (1, lane), 1)
+        limit = jnp.full((1, lane), -1, jnp.int32)  # the last column seen, per column
+        for s in range(g * lane // br, min(slots, ((g + 1) * lane - 1) // br + 1)):
+            limit = jnp.where(col >= s * br, s * br + tab_ref[0, base + s], limit)
+        pieces.append(limit)
+    limit = pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces, axis=1)
+    return lax.broadcasted_iota(jnp.int32, limit.shape, 1) <= limit
+
+
+def _transposed_dot(a, b, precision):
+    """a^T @ b, float32, for a [G, N] float32 and b [G, D]: the G rows padded to a whole MXU pass and transposed
+    in float32, so that Mosaic transposes an aligned [128, N] (it has refused padded transposes: jax issue 18370),
+    then rounded to b's dtype."""
+    rows = round_up(a.shape[0], MXU_ROWS)
+    return dot(padded(a, 0, rows).T.astype(b.dtype), padded(b, 0, rows), precision)
+
+
+def _resident_fwd_kernel(tab_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, k_buf, v_buf, *, scale, slots, br, align,
+                         precision):
+    """One tile of TB tokens: q_ref (TB, G, Dkp), k_ref, v_ref [KR, Dp] (the (b, h)'s rows), o_ref (TB, G, Dvp),
+    lse_ref (TB, G, 1); k_buf, v_buf [SP * BR, Dp] a token's gathered blocks."""
+    tokens = q_ref.shape[0]
+
+    def token(j, carry):
+        _gather(tab_ref, j, k_ref, v_ref, k_buf, v_buf, slots=slots, br=br, align=align)
+        s = dot(q_ref[j], k_buf[...], precision, transpose_b=True) * scale  # [G, SP * BR]
+        s = jnp.where(_seen_columns(tab_ref, j, slots=slots, br=br, tokens=tokens), s, -jnp.inf)
+        m = jnp.max(s, axis=1, keepdims=True)
+        m = jnp.where(m == -jnp.inf, 0.0, m)  # a row that sees nothing: no NaN
+        p = jnp.exp(s - m)
+        l = jnp.sum(p, axis=1, keepdims=True)
+        seen = l > 0
+        o = dot(p.astype(v_buf.dtype), v_buf[...], precision)
+        o_ref[j] = (o / jnp.where(seen, l, 1.0)).astype(o_ref.dtype)
+        lse_ref[j] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
+        return carry
+
+    lax.fori_loop(0, tokens, token, 0)
+
+
+def _resident_bwd_kernel(tab_ref, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, dq_ref, dk_ref, dv_ref, k_buf,
+                         v_buf, *, scale, slots, br, align, precision):
+    """One tile, in order along the (b, h)'s row of the grid: dq_ref (TB, G, Dkp) its own; dk_ref, dv_ref [KR, Dp]
+    float32, the (b, h)'s (unscaled dk), zeroed at its first tile and added to at each token's slots' rows."""
+    tokens = q_ref.shape[0]
+
+    @pl.when(pl.program_id(2) == 0)
+    def _init():
+        dk_ref[...] = jnp.zeros(dk_ref.shape, jnp.float32)
+        dv_ref[...] = jnp.zeros(dv_ref.shape, jnp.float32)
+
+    def token(j, carry):
+        _gather(tab_ref, j, k_ref, v_ref, k_buf, v_buf, slots=slots, br=br, align=align)
+        q, do, lse = q_ref[j], do_ref[j], lse_ref[j]
+        k, v = k_buf[...], v_buf[...]
+        s = dot(q, k, precision, transpose_b=True) * scale
+        seen = _seen_columns(tab_ref, j, slots=slots, br=br, tokens=tokens) & (lse > -jnp.inf)
+        p = jnp.where(seen, jnp.exp(s - jnp.where(lse > -jnp.inf, lse, 0.0)), 0.0)  # [G, SP * BR]
+        ds = p * (dot(do, v, precision, transpose_b=True) - delta_ref[j])
+        dq_ref[j] = (dot(ds.astype(k.dtype), k, precision) * scale).astype(dq_ref.dtype)
+        dk = _transposed_dot(ds, q, precision)  # [SP * BR, Dkp]
+        dv = _transposed_dot(p, do, precision)
+        for slot in range(slots):
+            rows = pl.ds(pl.multiple_of(tab_ref[0, j * slots + slot], align), br)
+            dk_ref[rows, :] += dk[slot * br:(slot + 1) * br]
+            dv_ref[rows, :] += dv[slot * br:(slot + 1) * br]
+        return carry
+
+    lax.fori_loop(0, tokens, token, 0)
+
+
+def _resident_call(kernel, lay, table, tiled, k_rows, v_rows, outputs, *, q, scale, interpret, name, backward):
+    """pallas_call of a resident kernel on the grid (B, H, NT): the table row (SMEM), the tiled inputs [B, H, Tp,
+    G, .] (TB tokens each), k and v [B, H, KR, Dp] whole per (b, h); outputs [B, H, Tp, G, .] per tile, or 4-d
+    [B, H, KR, Dp] whole per (b, h) (the backward's dk, dv)."""
+    slots = _padded_slots(lay.S, lay.br)
+
+    def tile_spec(shape):
+        return pl.BlockSpec((None, None, lay.tb) + shape[3:], lambda b, h, i: (b, h, i) + (0,) * (len(shape) - 3))
+
+    def whole_spec(shape):
+        return pl.BlockSpec((None, None) + shape[2:], lambda b, h, i: (b, h, 0, 0))
+
+    semantics = ("parallel", "parallel", "arbitrary" if backward else "parallel")
+    need = resident_bytes(lay, jnp.dtype(k_rows.dtype).itemsize, backward) + RESIDENT_MARGIN
+    compiler = pltpu.CompilerParams(dimension_semantics=semantics,
+                                    vmem_limit_bytes=int(min(facts("tpu").vmem, max(need, facts("tpu").scoped_vmem))))
+    _, dots = params(q, interpret, semantics)
+    width = slots * lay.br
+    return pl.pallas_call(
+        functools.partial(kernel, scale=float(scale), slots=slots, br=lay.br, align=sublanes(k_rows.dtype), **dots),
+        grid=(lay.B, lay.H, lay.nt),
+        in_specs=[pl.BlockSpec((None, None, None) + table.shape[3:], lambda b, h, i: (b, h, i, 0, 0),
+                               memory_space=pltpu.SMEM)] + [tile_spec(x.shape) for x in tiled]
+        + [whole_spec(x.shape) for x in (k_rows, v_rows)],
+        out_specs=[whole_spec(o.shape) if len(o.shape) == 4 else tile_spec(o.shape) for o in outputs],
+        out_shape=outputs,
+        scratch_shapes=[pltpu.VMEM((width, lay.dkp), k_rows.dtype), pltpu.VMEM((width, lay.dvp), v_rows.dtype)],
+        name=name, compiler_params=compiler, interpret=interpret,
+    )(table, *tiled, k_rows, v_rows)
+
+
+def _resident_attention(q, k, v, block_indices, block_counts, cu_seqlens, *, block_size, scale, interpret):
+    """`_attention`'s o and lse by the resident forward."""
+    lay = _resident_layout(q, k, v, block_indices, block_size, cu_seqlens)
+    table = _resident_table(block_indices, block_counts, cu_seqlens, lay, block_size)
+    rows = (lay.B, lay.H, lay.nt * lay.tb, lay.G)
+    o, lse = _resident_call(
+        _resident_fwd_kernel, lay, table, [_token_rows(q, lay, lay.dkp)], _key_rows(k, lay, lay.dkp),
+        _key_rows(v, lay, lay.dvp),
+        [out_struct(rows + (lay.dvp,), q.dtype, q), out_struct(rows + (1,), jnp.float32, q)],
+        q=q, scale=scale, interpret=interpret, name="selected_resident_forward", backward=False)
+    return _from_token_rows(o, lay, v.shape[3]), _from_token_rows(lse, lay, 1)[..., 0]
+
+
+def _resident_backward(q, k, v, block_indices, block_counts, cu_seqlens, o, lse, do, *, block_size, scale,
+                       interpret):
+    """`backward`'s (dq, dk, dv) by the resident backward."""
+    lay = _resident_layout(q, k, v, block_indices, block_size, cu_seqlens)
+    table = _resident_table(block_indices, block_counts, cu_seqlens, lay, block_size)
+    delta = kernel_delta(o, do, q.dtype)
+    rows = lambda x, dp, fill=0.0: _token_rows(x, lay, dp, fill)
+    tiled = [rows(q, lay.dkp), rows(do.astype(q.dtype), lay.dvp), rows(lse[..., None], 1, -jnp.inf),
+             rows(delta[..., None], 1)]
+    k_rows, v_rows = _key_rows(k, lay, lay.dkp), _key_rows(v, lay, lay.dvp)
+    kr = k_rows.shape[2]
+    dq, dk, dv = _resident_call(
+        _resident_bwd_kernel, lay, table, tiled, k_rows, v_rows,
+        [out_struct((lay.B, lay.H, lay.nt * lay.tb, lay.G, lay.dkp), q.dtype, q),
+         out_struct((lay.B, lay.H, kr, lay.dkp), jnp.float32, q),
+         out_struct((lay.B, lay.H, kr, lay.dvp), jnp.float32, q)],
+        q=q, scale=scale, interpret=interpret, name="selected_resident_backward", backward=True)
+    blocks = lambda x: x[:, :, :lay.num_rows * lay.br].reshape(lay.B * lay.H * lay.num_rows, lay.br, x.shape[3])
+    dk = per_key_row(blocks(dk), k.shape, cu_seqlens, block_size=block_size) * scale
+    dv = per_key_row(blocks(dv), v.shape, cu_seqlens, block_size=block_size)
+    return _from_token_rows(dq, lay, q.shape[3]), dk.astype(k.dtype), dv.astype(v.dtype)
