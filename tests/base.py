@@ -12,6 +12,7 @@ sequence alone, edge cases and transformations. The (shape, dtype) cases of a te
 cases it supports and nothing is skipped.
 """
 
+import contextlib
 import functools
 
 import chex
@@ -195,8 +196,8 @@ def assert_same_blocks(idx, ref):
 
 
 def precision(dtype):
-    """float64 arrays need jax's x64 mode; every other dtype runs in the default mode."""
-    return jax.enable_x64(jnp.dtype(dtype) == jnp.float64)
+    """float64 arrays need jax's x64 mode; every other dtype runs in the test's mode (`NSATestBase.x64`)."""
+    return jax.enable_x64(True) if jnp.dtype(dtype) == jnp.float64 else contextlib.nullcontext()
 
 
 def rounded(x, dtype):
@@ -262,6 +263,7 @@ class NSATestBase:
     dtypes = ("float32", "bfloat16", "float16")
     interpreted = False
     exhaustive = False  # every variant of a test on every case (`cases`): compiled kernels, where tests are cheap
+    x64 = False  # jax_enable_x64 on for every test, whatever its inputs' dtype (tests/test_x64.py)
     interpreted_block_cases = INTERPRETED_BLOCK_CASES  # the block tests' cases when interpreted
 
     @classmethod
@@ -309,6 +311,12 @@ class NSATestBase:
             return list(dict.fromkeys((name, dtype if dtype in cls.dtypes else cls.dtypes[0])
                                       for name, dtype in INTERPRETED_CASES[kind]))
         return [(name, dtype) for name, dtype in CASES[kind] if dtype in cls.dtypes]
+
+    @pytest.fixture(autouse=True)
+    def _x64_mode(self):
+        """Each test in jax's x64 mode iff `x64` (float64 inputs turn it on for their own part: `precision`)."""
+        with jax.enable_x64(self.x64):
+            yield
 
     @pytest.fixture(autouse=True)
     def _free_compiled_programs(self):

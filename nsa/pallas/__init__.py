@@ -108,8 +108,21 @@ def kernel(op, phase, platform):
     """`phase` (0 forward, 1 backward) of op's compiled kernel on `platform`: 'tpu' (Mosaic TPU) or 'cuda'
     (Mosaic GPU; only where gpu_unavailable is None)."""
     if platform == "cuda":
-        return gpu_family()[0][op][phase]
-    return functools.partial(KERNELS[op][phase], interpret=False)
+        return in_32_bits(gpu_family()[0][op][phase])
+    return in_32_bits(functools.partial(KERNELS[op][phase], interpret=False))
+
+
+def in_32_bits(fn):
+    """fn traced in jax's default 32-bit mode, also where jax_enable_x64 is on. The kernels take 16- and 32-bit
+    inputs and are written for that mode: in x64 mode their Python scalars (indices, shifts, loop bounds, constants)
+    would be 64-bit values, which Mosaic does not take (i64 ref indices and rotations) and lax.div refuses beside an
+    int32 grid index."""
+    @functools.wraps(fn)
+    def traced(*args, **kwargs):
+        with jax.enable_x64(False):
+            return fn(*args, **kwargs)
+
+    return traced
 
 
 def runner(op, phase, dtype):
@@ -121,7 +134,8 @@ def runner(op, phase, dtype):
                  f"'xla' or None")
 
     def run(*args, **static):
-        interpreted = functools.partial(KERNELS[op][phase], interpret=pltpu.InterpretParams(**INTERPRET), **static)
+        interpreted = in_32_bits(functools.partial(KERNELS[op][phase], interpret=pltpu.InterpretParams(**INTERPRET),
+                                                   **static))
         if jax.default_backend() != "cpu":  # see _INTERPRETED_ONLY_ON_CPU
             interpreted = functools.partial(_refused, _INTERPRETED_ONLY_ON_CPU, interpreted)
         return _platform.platform_dependent(*args, tpu=functools.partial(tpu, **static),
@@ -137,9 +151,10 @@ def paged_selected(q, k, v, static):
     the blocks are gathered in XLA for Mosaic GPU's op (nsa._dispatch.paged_selected)."""
     if not tpu.selected.reads_pages(q, k, v, static["block_size"]):
         return None
-    offers = {"tpu": functools.partial(tpu.selected.paged_forward, interpret=False)}
+    offers = {"tpu": in_32_bits(functools.partial(tpu.selected.paged_forward, interpret=False))}
     if jax.default_backend() == "cpu":
-        offers["cpu"] = functools.partial(tpu.selected.paged_forward, interpret=pltpu.InterpretParams(**INTERPRET))
+        offers["cpu"] = in_32_bits(functools.partial(tpu.selected.paged_forward,
+                                                     interpret=pltpu.InterpretParams(**INTERPRET)))
     return offers
 
 
