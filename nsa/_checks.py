@@ -6,6 +6,7 @@ known at trace time: a concrete cu_seqlens has its values checked too; a traced 
 (`nsa._varlen.made_valid`), since nothing can be raised from inside a jitted computation.
 """
 
+import math
 import numbers
 
 import jax
@@ -83,29 +84,37 @@ def positive_int(name, value):
     return value
 
 
-def stride(stride, block_size, names=("stride", "block_size")):
+def stride(stride, block_size):
     """The stride d of compression windows of l = block_size tokens (already checked), as an op takes it (None:
-    l, windows that do not overlap): a positive int that divides l. `names` are the two arguments' names."""
+    l, windows that do not overlap): a positive int that divides l."""
     if stride is None:
         return block_size
-    stride = positive_int(names[0], stride)
+    stride = positive_int("stride", stride)
     if block_size % stride:
-        raise ValueError(f"{names[0]} = {stride} must divide {names[1]} = {block_size}: each compressed row is "
-                         f"a window of {names[1]} tokens made of whole strides")
+        raise ValueError(f"stride = {stride} must divide block_size = {block_size}: each compressed row is a window "
+                         f"of block_size tokens made of whole strides")
     return stride
 
 
-def compression(block_size, compress_block_size, compress_stride):
-    """(l, d) of the compression under selection blocks of l' = block_size tokens (already checked): each None is
-    l'; d must divide l (`stride`) and l' (a selection block is made of whole strides)."""
+def compression(block_size, compress_block_size, compress_stride, block_size_default=False):
+    """(l, d) of the compression under selection blocks of l' = block_size tokens (already checked; with
+    `block_size_default` the call's default, which errors say). l = compress_block_size, default l'. d =
+    compress_stride must divide l (a window is made of whole strides) and l' (a selection block is scored by the
+    rows it overlaps, in whole strides); its default is the largest stride that does, gcd(l, l'): windows that do
+    not overlap (d = l) wherever l divides l', fla's one block for all (l = d = l') and windows smaller than the
+    blocks (l = 32 under l' = 64: d = 32) alike, and where l does not (l = 32 over l' = 16) windows overlapping as
+    little as they can (d = 16). So no default ever raises, and the paper's overlap (l = 32, d = 16 under
+    l' = 64) is one compress_stride away."""
     l = block_size if compress_block_size is None else positive_int("compress_block_size", compress_block_size)
-    if compress_stride is None and l % block_size:
-        raise ValueError(f"compress_stride defaults to block_size = {block_size}, which does not divide "
-                         f"compress_block_size = {l}: pass compress_stride (e.g. {l // 2} for windows that overlap "
-                         f"by half, as the paper's l = 32, d = 16)")
-    d = stride(compress_stride, l, names=("compress_stride", "compress_block_size"))
+    if compress_stride is None:
+        return l, math.gcd(l, block_size)
+    d = positive_int("compress_stride", compress_stride)
+    if compress_block_size is not None and l % d:
+        raise ValueError(f"compress_stride = {d} must divide compress_block_size = {l}: each compressed row is a "
+                         f"window of compress_block_size tokens made of whole strides")
     if block_size % d:
-        raise ValueError(f"compress_stride = {d} must divide block_size = {block_size}: a selection block is "
+        default = " (its default)" if block_size_default else ""
+        raise ValueError(f"compress_stride = {d} must divide block_size = {block_size}{default}: a selection block is "
                          f"scored by the compressed rows it overlaps, in whole strides")
     return l, d
 
@@ -273,16 +282,21 @@ def block_indices(idx, B, T, H):
                                           f"got {_shape(idx)}")
 
 
-def block_counts(counts, B, T, H):
-    """block_counts as the ops take it: a Python int >= 0 (from any integer scalar, NumPy or a concrete
-    0-d array), or an integer array, [B, T, H] or a traced 0-d one."""
+def block_counts(counts, B, T, H, most):
+    """block_counts as the ops take it, capped at `most`, the slots a query can use (a larger count uses them all,
+    as `most` does, and costs no more): a Python int in [0, most] (from any integer scalar, NumPy or a concrete
+    0-d array), or an int32 array, [B, T, H] or a traced 0-d one, its values capped (a concrete one stays a
+    NumPy array, whose max can set the number of slots)."""
     if is_array(counts) and counts.ndim > 0:
         integer_array("block_counts", counts, 3)
         shape("block_counts", counts, (B, T, H), "[B, T, H]")
-        return counts
-    if _integer_scalar(counts) and concrete(counts) is None:
-        return counts
-    return non_negative_int("block_counts", counts)
+    elif not (_integer_scalar(counts) and concrete(counts) is None):
+        return min(non_negative_int("block_counts", counts), most)
+    most = min(most, int(jnp.iinfo(counts.dtype).max))  # in counts' dtype
+    values = concrete(counts)
+    if values is None:
+        return jnp.minimum(counts, most).astype(jnp.int32)
+    return np.minimum(values, most).astype(np.int32)
 
 
 # The dimensions of the arrays `array` checks, by the name the ops give them.

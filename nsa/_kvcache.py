@@ -19,7 +19,8 @@ class KVCache:
     """A KV cache: its arrays (a pytree's leaves) and the blocks it was made with (static metadata, part of the
     pytree's structure: jit compiles once per set of blocks, and a step never mistakes them). See nsa.cache's
     docstring; `cache.replace(lens=...)` is a copy with some fields changed. compress_block_size and
-    compress_stride None mean block_size (as the ops' defaults); nsa.cache's functions store them resolved."""
+    compress_stride None mean the ops' defaults (l = block_size, d = gcd(l, block_size)); nsa.cache's functions store
+    them resolved."""
 
     k: jax.Array  # [B, N, H, Dk]
     v: jax.Array  # [B, N, H, Dv]

@@ -19,7 +19,8 @@ from nsa import _checks, _dispatch, context
 from nsa._config import Step, as_sequences
 from nsa._kvcache import (Cache, PagedKVCache, check_cache, gathered, paged_selected, paged_window,
                           readable_lens)
-from nsa._varlen import concrete, num_compressed_blocks
+from nsa._plan import num_candidates
+from nsa._varlen import cdiv, concrete, num_compressed_blocks
 from nsa.reference.compress import row_tokens
 
 # What the public ops take: arrays as jax.Array (or anything jnp.asarray takes); index arguments (cu_seqlens
@@ -216,8 +217,9 @@ def select_blocks(q: Array, k_cmp: Array, *, block_counts: int, block_size: int,
     """The `block_counts` selection blocks of l' = `block_size` tokens each KV head attends, from the compressed
     attention scores.
 
-    k_cmp was made with windows of l = compress_block_size tokens every d = compress_stride tokens (both default
-    block_size; d must divide l and l'). Per query head, p(i) is the softmax of the scaled q . k_cmp over the
+    k_cmp was made with windows of l = compress_block_size tokens (default block_size) every d = compress_stride
+    tokens (default gcd(l, l'), the largest stride that divides both, as it must: windows that do not overlap
+    wherever l divides l'). Per query head, p(i) is the softmax of the scaled q . k_cmp over the
     visible compressed rows (as `compressed_attention`'s); selection block j scores the paper's Eq. 9,
     sum over m < l' / d and n < l / d of p((l' / d) * j + m - n) (p = 0 for rows the query does not see and for
     negative indices: each row counts by its overlap with the block, in strides); with l = d = l' that is p(j).
@@ -227,9 +229,10 @@ def select_blocks(q: Array, k_cmp: Array, *, block_counts: int, block_size: int,
     int [B] places the queries at the end of sequences of kv_lens[b] tokens, which k_cmp must cover).
 
     Returns:
-      int32 [B, T, H, block_counts] in-sequence block ids, -1 in unused slots. The order inside a row
-      is the rank order. No gradient flows through the selection. context_axis, context_layout: as
-    `compressed_attention`'s.
+      int32 [B, T, H, S] in-sequence block ids, -1 in unused slots, S = min(block_counts, the blocks of the
+      longest sequence: ceil(T / l'), or with kv_lens ceil(NC * d / l')), so a larger count selects every block at
+      no more cost. The order inside a row is the rank order. No gradient flows through the selection.
+      context_axis, context_layout: as `compressed_attention`'s.
     """
     _checks.array("q", q, 4)
     block_size = _checks.positive_int("block_size", block_size)
@@ -244,6 +247,7 @@ def select_blocks(q: Array, k_cmp: Array, *, block_counts: int, block_size: int,
                            implementation, cu_seqlens=cu_seqlens)
     cu_seqlens = _checks.cu_seqlens(cu_seqlens, q.shape[0], q.shape[1])
     kv_lens = _compressed_kv(q, k_cmp, None, *compression, cu_seqlens, kv_lens)
+    block_counts = min(block_counts, num_candidates(q.shape[1], k_cmp.shape[1], block_size, kv_lens, compression[1]))
     q, scale = _scaled(q, scale)
     return _select(q, k_cmp, None, block_counts, block_size, compression, scale, cu_seqlens, kv_lens, implementation)
 
@@ -292,7 +296,7 @@ def selected_attention(q: Array, k: Array, v: Array, block_indices: Array, *,
     kv_lens = _key_lens(kv_lens, q, k, cu_seqlens)
     if block_counts is None:
         block_counts = block_indices.shape[-1]
-    block_counts = _checks.block_counts(block_counts, B, T, H)
+    block_counts = _checks.block_counts(block_counts, B, T, H, block_indices.shape[-1])
     counts = jnp.broadcast_to(jnp.asarray(block_counts, jnp.int32), (B, T, H))
     q, scale = _scaled(q, scale)
     impl = _checks.implementation(implementation)
@@ -538,6 +542,13 @@ def _packed_chunk(call, q, whole, local, cu, rows, end):
     return jax.tree_util.tree_map(pick, straddling, inside)
 
 
+def _attention_blocks(block_size, compress_block_size, compress_stride):
+    """(l', (l, d)): attention's selection block (block_size, default 64) and compression (`_checks.compression`)."""
+    block_size_default = block_size is None
+    block_size = _checks.positive_int("block_size", 64 if block_size_default else block_size)
+    return block_size, _checks.compression(block_size, compress_block_size, compress_stride, block_size_default)
+
+
 def _context_refuses(**given):
     """ValueError if any of `given` (the arguments context_axis cannot take yet) is not None."""
     passed = [name for name, x in given.items() if x is not None]
@@ -569,9 +580,9 @@ def attention(q: Array, k: Optional[Array] = None, v: Optional[Array] = None, *,
     q, k, v and every gate.
 
     Blocks: selection blocks of l' = block_size tokens (default 64, or with cache= the cache's); compression
-    windows of l = compress_block_size tokens every d = compress_stride tokens (both default block_size: fla's
-    form, one block for both; the paper's NSA is block_size=64, compress_block_size=32, compress_stride=16). d
-    must divide l and l'. A selection block scores the compressed rows it overlaps (`select_blocks`, Eq. 9).
+    windows of l = compress_block_size tokens (default block_size: fla's form, one block for both) every
+    d = compress_stride tokens (default gcd(l, l'): windows that do not overlap wherever l divides l'; the paper's
+    NSA is block_size=64, compress_block_size=32, compress_stride=16). d must divide l and l'. A selection block scores the compressed rows it overlaps (`select_blocks`, Eq. 9).
 
     Serving (a KV cache, `nsa.cache`): `attention(q, cache=cache, ...)` attends over an nsa.KVCache or an
     nsa.PagedKVCache (read through its page table), which brings k, v, k_cmp, v_cmp, kv_lens (its lengths) and
@@ -598,8 +609,7 @@ def attention(q: Array, k: Optional[Array] = None, v: Optional[Array] = None, *,
         _context_refuses(cache=cache, kv_lens=kv_lens, q_lens=q_lens)
         if k is None or v is None:
             raise TypeError("attention with context_axis needs the local keys and values k and v")
-        l, d = _checks.compression(_checks.positive_int("block_size", 64 if block_size is None else block_size),
-                                   compress_block_size, compress_stride)
+        _, (l, d) = _attention_blocks(block_size, compress_block_size, compress_stride)
         counts = None if isinstance(block_counts, int) or block_counts is None else block_counts
 
         def compressed(keys):  # made once from the whole sequence's keys, where needed and not made locally
@@ -638,8 +648,7 @@ def attention(q: Array, k: Optional[Array] = None, v: Optional[Array] = None, *,
     B, T, HQ, H = _checks.qkv(q, k, v)
     for name, g in (("g_cmp", g_cmp), ("g_slc", g_slc), ("g_swa", g_swa)):
         _checks.gate(name, g, B, T, HQ)
-    block_size = _checks.positive_int("block_size", 64 if block_size is None else block_size)
-    compression = _checks.compression(block_size, compress_block_size, compress_stride)
+    block_size, compression = _attention_blocks(block_size, compress_block_size, compress_stride)
     window_size = _checks.non_negative_int("window_size", window_size)
     if g_swa is not None and window_size == 0:
         raise ValueError("g_swa was given with window_size = 0: the sliding-window branch it weighs is off; pass "
@@ -648,8 +657,11 @@ def attention(q: Array, k: Optional[Array] = None, v: Optional[Array] = None, *,
     _given_compressed(k_cmp, v_cmp, q, k, v, compression, cu_seqlens, kv_lens, needs_values=g_cmp is not None)
     if block_counts is None and block_indices is None:
         raise ValueError("block_counts=None (use every slot of block_indices) needs block_indices")
-    if block_counts is not None:
-        block_counts = _checks.block_counts(block_counts, B, T, H)
+    if block_indices is not None:
+        _checks.block_indices(block_indices, B, T, H)
+    if block_counts is not None:  # capped at the slots of block_indices, or at the blocks of the longest sequence
+        most = cdiv(k.shape[1], block_size) if block_indices is None else block_indices.shape[-1]
+        block_counts = _checks.block_counts(block_counts, B, T, H, most)
     lens_name = "cache.lens" if cache is not None else "kv_lens"
     if q_lens is not None:  # a ragged step
         q_lens, kv_lens = _checks.ragged_lens(q_lens, kv_lens, B, T, k.shape[1], cu_seqlens, lens_name)

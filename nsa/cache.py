@@ -3,7 +3,7 @@ functions that fill them.
 
 A cache holds B sequences made with one set of blocks (static: the cache's pytree structure, not arrays): selection
 blocks of l' = `block_size` tokens, compression windows of l = `compress_block_size` tokens every d =
-`compress_stride` tokens (both default block_size, as nsa.attention's). Two layouts:
+`compress_stride` tokens (defaults as nsa.attention's: l = l', d = gcd(l, l')). Two layouts:
 
 - `KVCache`, contiguous: each sequence its own rows, up to N tokens (its capacity):
   - k [B, N, H, Dk], v [B, N, H, Dv]: token t of sequence b at row t;

@@ -49,8 +49,8 @@ class NativeSparseAttention(nnx.Module):
     Arguments (keyword-only): hidden_size; num_heads; num_kv_heads (default num_heads); head_dim (default
     hidden_size / num_heads); head_dim_v (default head_dim); qkv_bias (False); block_size (64: the selection
     block l'); compress_block_size and compress_stride (the compression's windows of l tokens every d, mean-pooled
-    unless phi_k, phi_v (below);
-    None: block_size; the paper's l = 32, d = 16 under l' = 64); block_counts (16); window_size (512; 0 turns
+    unless phi_k, phi_v (below); None: l = block_size, d = gcd(l, block_size) as nsa.attention's; the paper's
+    l = 32, d = 16 under l' = 64); block_counts (16); window_size (512; 0 turns
     the sliding window off); rope_theta (10000.0; None: no position embedding); dtype (the computation's dtype, None: from the inputs and parameters) and
     param_dtype (float32), as nnx.Linear takes them; implementation (nsa's: None picks the best for the
     platform, or "xla", "triton", "pallas"); rngs (nnx.Rngs, for the initial weights).

@@ -28,12 +28,15 @@ Conventions shared by every function
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 __all__ = [
     "compress",
     "compressed_attention",
     "select_blocks",
+    "with_slots",
     "selected_attention",
     "sliding_window_attention",
     "attention",
@@ -250,13 +253,21 @@ def _forced_blocks(cur):
     return forced
 
 
+def with_slots(block_indices, slots):
+    """A selection ``[..., S]`` widened to ``slots >= S`` slots with unused
+    ones (-1): the same selection, as ``select_blocks`` gives it where more
+    blocks cap the slots later (a sequence packed beside longer ones)."""
+    pad = [(0, 0)] * (block_indices.ndim - 1) + [(0, slots - block_indices.shape[-1])]
+    return np.pad(block_indices, pad, constant_values=-1)
+
+
 def select_blocks(q, k_cmp, *, block_counts, block_size, compress_block_size=None,
                   compress_stride=None, scale=None, cu_seqlens=None):
     """Top-k block selection from compressed attention scores.
 
-    k_cmp holds windows of ``l = compress_block_size`` tokens every
-    ``d = compress_stride`` tokens (both default ``block_size``); selection
-    blocks have ``l' = block_size`` tokens.  For query position ``t``
+    k_cmp holds windows of ``l = compress_block_size`` tokens (default
+    ``block_size``) every ``d = compress_stride`` tokens (default
+    ``gcd(l, block_size)``); selection blocks have ``l' = block_size`` tokens.  For query position ``t``
     (in-sequence) and KV head ``h``:
 
     * For every query head ``j`` of the group (``j // G == h``),
@@ -272,30 +283,32 @@ def select_blocks(q, k_cmp, *, block_counts, block_size, compress_block_size=Non
       (blocks ``1 .. cur - 2``, which are all visible) follow by descending
       score, equal scores ordered by lower block id.
     * The first ``block_counts`` of this ranking are kept; unused slots are -1.
+      There are ``S = min(block_counts, ceil(T / block_size))`` slots: no
+      query has more blocks.
 
     Args:
       q: ``[B, T, HQ, Dk]``.
       k_cmp: ``[B, NC, H, Dk]`` compressed keys (packed as :func:`compress`
         packs them with ``cu_seqlens``; extra trailing rows are never read).
-      block_counts: int, number of slots ``S``.
+      block_counts: int, the blocks to keep.
       block_size: block size.
       scale: logit scale, default ``Dk ** -0.5``.
       cu_seqlens: optional ``[N + 1]`` (then ``B == 1``).
 
     Returns:
-      int32 ``[B, T, H, block_counts]``: each row in rank order, then -1s.
+      int32 ``[B, T, H, S]``: each row in rank order, then -1s.
       Block ids are in-sequence ids.
     """
     q, k_cmp = _f64(q), _f64(k_cmp)
     bs = _check_block_size(block_size)
     l = bs if compress_block_size is None else _check_block_size(compress_block_size)
-    d = _check_stride(bs if compress_stride is None else compress_stride, l)
+    d = _check_stride(math.gcd(l, bs) if compress_stride is None else compress_stride, l)
     if bs % d:
         raise ValueError(f"compress_stride {d} must divide block_size {bs}")
     if np.ndim(block_counts) != 0 or int(block_counts) != block_counts or block_counts < 0:
         raise ValueError(f"block_counts must be a non-negative int, got {block_counts!r}")
-    S = int(block_counts)
     B, T, HQ, Dk = q.shape
+    S = min(int(block_counts), _num_blocks(T, bs))
     _, NC, H, _ = k_cmp.shape
     G = _group_size(HQ, H)
     scale = _default_scale(scale, Dk)
@@ -479,7 +492,7 @@ def attention(q, k, v, *, g_cmp=None, g_slc=None, g_swa=None, block_indices=None
       block_counts: int or int array ``[B, T, H]``.
       block_size: selection block size l'.
       compress_block_size, compress_stride: compression windows of l tokens
-        every d tokens (both default ``block_size``).
+        (default ``block_size``) every d tokens (default ``gcd(l, block_size)``).
       window_size: sliding window size (0 = branch off).
       scale: logit scale, default ``Dk ** -0.5``.
       cu_seqlens: optional ``[N + 1]`` (then ``B == 1``).
@@ -493,7 +506,7 @@ def attention(q, k, v, *, g_cmp=None, g_slc=None, g_swa=None, block_indices=None
     H = k.shape[2]
 
     l = bs if compress_block_size is None else compress_block_size
-    d = bs if compress_stride is None else compress_stride
+    d = math.gcd(l, bs) if compress_stride is None else compress_stride
     if block_indices is None:
         k_cmp = compress(k, block_size=l, stride=d, cu_seqlens=cu_seqlens)
         if np.ndim(block_counts) == 0:

@@ -57,10 +57,9 @@ CASES = {
     "compress_stride not dividing the selection block": (
         lambda: nsa.select_blocks(q, k_cmp, block_counts=2, block_size=BS, compress_block_size=12,
                                   compress_stride=6), ValueError, r"compress_stride = 6 must divide block_size = 8"),
-    "default compress_stride not dividing the window": (
-        lambda: nsa.attention(q, k, v, block_size=BS, compress_block_size=4), ValueError,
-        r"compress_stride defaults to block_size = 8, which does not divide compress_block_size = 4: pass "
-        r"compress_stride"),
+    "compress_stride not dividing the default block_size": (
+        lambda: nsa.attention(q, k, v, compress_stride=48), ValueError,
+        r"compress_stride = 48 must divide block_size = 64 \(its default\): a selection block is scored"),
     "k_cmp of windows that do not overlap, given to overlapping ones": (
         lambda: nsa.attention(q, k, v, g_cmp=g, k_cmp=k_cmp, v_cmp=k_cmp, block_size=BS, compress_stride=4),
         ValueError, r"compress\(k, block_size=8, stride=4\) gives for k's TK = 32 tokens, 8 \(NC, axis 1\), got "

@@ -268,7 +268,6 @@ def test_context_parallel_layer_refuses_what_it_cannot_compute():
     (dict(block_size=0), "block_size"),
     (dict(block_counts=0), "block_counts"),
     (dict(compress_block_size=6, compress_stride=3), "compress_stride"),  # 3 does not divide block_size 4
-    (dict(compress_block_size=6), "compress_stride"),  # its default, block_size 4, does not divide 6
     (dict(window_size=-1), "window_size"),
     (dict(implementation="bogus"), "implementation"),
 ])
