@@ -44,6 +44,17 @@ def array(name, x, ndim, *, dtypes=FLOAT_DTYPES, like=None):
         raise TypeError(f"{name}.dtype must be one of {_dtype_names(dtypes)}, got {x.dtype.name}")
 
 
+def float_dtype(name, dtype):
+    """`dtype` as a NumPy dtype, if it is one of FLOAT_DTYPES (a cache's keys and values)."""
+    try:
+        dtype = jnp.dtype(dtype)
+    except TypeError:
+        raise TypeError(f"{name} must be one of {_dtype_names(FLOAT_DTYPES)}, got {dtype!r}") from None
+    if dtype not in [jnp.dtype(d) for d in FLOAT_DTYPES]:
+        raise TypeError(f"{name} must be one of {_dtype_names(FLOAT_DTYPES)}, got {dtype.name}")
+    return dtype
+
+
 def integer_array(name, x, ndim):
     if not is_array(x):
         raise TypeError(f"{name} must be an integer array, got {type(x).__name__}")

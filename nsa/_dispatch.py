@@ -177,19 +177,35 @@ def apply(op, implementation, static, arrays):
     """Runs op as a custom_vjp: differentiable in every floating array of `arrays` (reverse mode only: see
     `_apply`)."""
     arrays = _as_jax(arrays)
-    return _apply(op, implementation, arrays[0].dtype, static, arrays)
+    return _reverse_mode_only(_apply, op, implementation, arrays[0].dtype, static, arrays)
 
 
 # Reverse mode only. JAX gives a function a forward mode (custom_jvp) or a custom backward (custom_vjp), never both:
 # a custom_jvp's reverse mode is its jvp transposed. Measured on nsa.attention's gradient (T = 4096, HQ = 16, H = 1,
 # D = 64, float32, implementation="xla"; XLA:CPU's temp memory, jax 0.10.2): 245 MiB with this custom_vjp, 2779 MiB
 # with a custom_jvp whose tangents are the transpose of this vjp (the backward's recomputed probabilities become
-# residuals), 4827 MiB with autodiff of the reference's forward. jax.jvp raises "can't apply forward-mode autodiff
-# (jvp) to a custom_vjp function"; a JVP is jax.linear_transpose of the VJP, with implementation="xla"
-# (tests/test_api.py).
+# residuals), 4827 MiB with autodiff of the reference's forward. jax.jvp raises FORWARD_MODE (`_reverse_mode_only`);
+# a JVP is jax.linear_transpose of the VJP, with implementation="xla" (tests/test_api.py).
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
 def _apply(op, implementation, dtype, static, arrays):
     return _choose(op, 0, implementation, dtype, static)(*arrays)[0]
+
+
+FORWARD_MODE = ("nsa's ops have no forward-mode derivative (jax.jvp, jax.jacfwd, jax.hessian): each is a custom_vjp, "
+                "reverse mode only (jax.grad, jax.vjp, jax.jacrev and jax.linearize work), since forward mode would "
+                "cost about 11x reverse mode's memory. A JVP is the VJP transposed, with implementation='xla': "
+                "out, vjp = jax.vjp(f, *primals); jax.linear_transpose(vjp, out)(tangents) (docs/contract.md, Limits)")
+
+
+def _reverse_mode_only(custom_vjp, *args):
+    """custom_vjp(*args), raising TypeError(FORWARD_MODE) under forward-mode autodiff instead of JAX's message, which
+    names only a custom_vjp function."""
+    try:
+        return custom_vjp(*args)
+    except TypeError as error:
+        if "forward-mode autodiff" not in str(error):
+            raise
+        raise TypeError(FORWARD_MODE) from error
 
 
 def _apply_fwd(op, implementation, dtype, static, arrays):
@@ -255,7 +271,7 @@ def _forward_of(steps, default, static, arrays):
         return jax.vjp(default, *arrays)
 
     step.defvjp(step_fwd, lambda vjp, cotangent: vjp(cotangent))
-    return step(*_as_jax(arrays))
+    return _reverse_mode_only(step, *_as_jax(arrays))
 
 
 def decode_step(implementation, static, branches, arrays):

@@ -77,6 +77,7 @@ def empty_cache(batch_size: int, capacity: int, num_kv_heads: int, head_dim: int
     B = _checks.non_negative_int("batch_size", batch_size)
     N = _checks.non_negative_int("capacity", capacity)
     H, Dk, Dv = _heads(num_kv_heads, head_dim, head_dim_v)
+    dtype = _checks.float_dtype("dtype", dtype)
     blocks = _blocks(block_size, compress_block_size, compress_stride)
     NC = cdiv(N, blocks[2])
     zeros = lambda rows, d: jnp.zeros((B, rows, H, d), dtype)
@@ -95,6 +96,7 @@ def empty_paged_cache(num_pages: int, page_size: int, batch_size: int, max_pages
     B = _checks.non_negative_int("batch_size", batch_size)
     MP = _checks.non_negative_int("max_pages", max_pages)
     H, Dk, Dv = _heads(num_kv_heads, head_dim, head_dim_v)
+    dtype = _checks.float_dtype("dtype", dtype)
     blocks = _blocks(block_size, compress_block_size, compress_stride)
     if S % blocks[2]:
         raise ValueError(f"page_size must be a multiple of compress_stride = {blocks[2]} (each page holds the "

@@ -23,7 +23,12 @@ import numbers
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
+
+try:
+    from flax import nnx
+except ModuleNotFoundError as error:
+    raise ModuleNotFoundError(f"nsa.nnx needs flax >= 0.12 ({error}): pip install 'nsa[nnx]', or from a checkout "
+                              f"pip install '.[nnx]'", name=error.name) from error
 
 from nsa import _checks, context
 from nsa.api import attention, compression_windows
@@ -146,6 +151,10 @@ class NativeSparseAttention(nnx.Module):
         self._serving("step")
         B, TN = self._check_input(x)
         check_cache(cache, *self._blocks().values())  # a cache made with this layer's blocks
+        if cache.lens.shape != (B,):
+            raise ValueError(f"cache must hold the B = {B} sequences of x (x.shape[0]), got a cache of "
+                             f"{cache.lens.shape[0]} (cache.lens.shape = {tuple(cache.lens.shape)}): make it for this "
+                             f"batch (init_cache(batch_size={B}, ...), init_paged_cache or prefill)")
         q, k, v, gates = self._project(x, cache.lens[:, None] + jnp.arange(TN))
         cache = append_to_cache(cache, k, v, lens=lens, phi=self._phi())
         o = attention(q, cache=cache, q_lens=lens, **gates, **self._sparsity())

@@ -188,6 +188,19 @@ CASES = {
                    r"v_cmp must have shape \[B, NC, H, Dv\].*\(1, 4, 2, 8\), got \(1, 3, 2, 8\)"),
     "k_cmp heads": (lambda: nsa.select_blocks(q, k_cmp[:, :, :1].repeat(3, 2), block_counts=2, block_size=BS), ValueError,
                     r"must be a multiple of the key/value heads H \(k.shape\[2\] = 3\)"),
+    # context_axis outside jax.shard_map
+    "context_axis unbound (attention)": (lambda: nsa.attention(q, k, v, context_axis="sp"), ValueError,
+                                         r"context_axis = 'sp' must name a mesh axis of the jax.shard_map the op runs "
+                                         r"inside.*no such axis is bound here: call the op inside jax.shard_map"),
+    "context_axis unbound (window)": (lambda: nsa.sliding_window_attention(q, k, v, window_size=4, context_axis="sp"),
+                                      ValueError, r"context_axis = 'sp' must name a mesh axis"),
+    # a KV cache of another dtype than a floating one
+    "empty_cache int dtype": (lambda: nsa.empty_cache(1, 8, H, D, block_size=BS, dtype=jnp.int32), TypeError,
+                              r"dtype must be one of float16, bfloat16, float32, float64, got int32"),
+    "empty_paged_cache bool dtype": (lambda: nsa.empty_paged_cache(2, 8, 1, 2, H, D, block_size=BS, dtype=bool),
+                                     TypeError, r"dtype must be one of float16, bfloat16, float32, float64, got bool"),
+    "empty_cache not a dtype": (lambda: nsa.empty_cache(1, 8, H, D, block_size=BS, dtype="fp8"), TypeError,
+                                r"dtype must be one of float16, bfloat16, float32, float64, got 'fp8'"),
     # implementation
     "unknown implementation": (lambda: nsa.attention(q, k, v, implementation="cuda"), ValueError,
                                r"implementation must be one of \(None, 'xla', 'triton', 'pallas'\), got 'cuda'"),
@@ -237,3 +250,23 @@ def test_explicit_pallas_on_float64_raises():
         with pytest.raises(TypeError, match=r"implementation='pallas' cannot run sliding_window_attention on "
                                             r"float64 inputs: its kernels take float32, bfloat16, float16"):
             nsa.sliding_window_attention(x, x[:, :, :1], x[:, :, :1], window_size=4, implementation="pallas")
+
+
+def test_forward_mode_autodiff_raises_saying_nsa_is_reverse_mode_only():
+    """jax.jvp and jax.jacfwd of an op, and jax.jvp of the selected attention of a decode step over a paged cache
+    (Pallas reads the pages in a forward of its own: another custom_vjp, as a fused serving step is), raise nsa's
+    TypeError, which says what works and how to get a JVP, not JAX's "can't apply forward-mode autodiff (jvp) to a
+    custom_vjp function"."""
+    message = r"nsa's ops have no forward-mode derivative \(jax.jvp, jax.jacfwd, jax.hessian\).* jax.linear_transpose"
+    window = lambda q: nsa.sliding_window_attention(q, k, v, window_size=4)
+    with pytest.raises(TypeError, match=message):
+        jax.jvp(window, (q,), (q,))
+    with pytest.raises(TypeError, match=message):
+        jax.jacfwd(lambda q: nsa.attention(q, k, v, block_counts=2, block_size=BS).sum())(q)
+    pool, table, lens = jnp.zeros((4, 16, H, 128)), jnp.array([[1, 3]]), jnp.array([20])  # heads the kernel reads
+    blocks = jnp.array([[[[1, 0]] * H]], jnp.int32)
+    step = lambda q: nsa.api._paged_selected_attention(q, pool, pool, blocks, 2, lens, table, block_size=BS,
+                                                       scale=1.0, implementation="pallas")
+    one = jnp.ones((B, 1, HQ, 128))
+    with pytest.raises(TypeError, match=message):
+        jax.jvp(step, (one,), (one,))

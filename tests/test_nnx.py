@@ -112,6 +112,12 @@ def test_import_nsa_imports_neither_the_layer_nor_flax():
     assert out.split() == ["False", "False"]
 
 
+def test_import_without_flax_says_what_to_install():
+    code = "import sys; sys.modules['flax'] = None; import nsa.nnx"  # None: flax does not import
+    error = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stderr
+    assert "ModuleNotFoundError: nsa.nnx needs flax >= 0.12" in error and "pip install 'nsa[nnx]'" in error
+
+
 @pytest.mark.parametrize("blocks", BLOCKS)
 @pytest.mark.parametrize("config", CONFIGS)
 def test_output_is_nsa_attention_between_its_own_projections(config, blocks):
@@ -288,3 +294,7 @@ def test_bad_calls_raise_naming_the_argument():
     overlapping = layer(**BLOCKS["overlapping"]).init_cache(1, 8)
     with pytest.raises(ValueError, match="compress_block_size"):
         model.step(inputs(1, 1), overlapping)
+    for cache in (model.init_cache(3, 8), model.init_paged_cache(4, 4, 3, 2)):
+        with pytest.raises(ValueError, match=r"cache must hold the B = 2 sequences of x \(x.shape\[0\]\), got a cache "
+                                             r"of 3 \(cache.lens.shape = \(3,\)\)"):
+            model.step(inputs(2, 1), cache)
