@@ -440,7 +440,7 @@ def _in_context(axis, layout, q, keys, local, call, implementation, prepare=None
     where the chunk ends (packed, cu_seqlens over the whole sequence: `_packed_chunk`); the outputs (arrays, or
     tuples of them) are concatenated along T. Under jax.checkpoint, which keeps only these inputs: the backward
     gathers k and v again."""
-    P = _context_devices(axis)
+    P = context.num_devices(axis)
     B, T = q.shape[:2]
     context.check_local(T, P, layout)
     chunks = context.local_chunks(T, P, jax.lax.axis_index(axis), layout)
@@ -476,18 +476,6 @@ def _in_context(axis, layout, q, keys, local, call, implementation, prepare=None
     return jax.checkpoint(run)(*arrays)
 
 
-def _context_devices(axis):
-    """P, the size of mesh axis `axis` (context_axis) of the jax.shard_map the op runs inside; ValueError outside one
-    (JAX's "unbound axis name")."""
-    try:
-        return jax.lax.axis_size(axis)
-    except NameError as error:
-        raise ValueError(f"context_axis = {axis!r} must name a mesh axis of the jax.shard_map the op runs inside, the "
-                         f"axis that splits the sequence, but no such axis is bound here: call the op inside "
-                         f"jax.shard_map(..., mesh=mesh, in_specs=P(None, {axis!r}), out_specs=P(None, {axis!r})) over a "
-                         f"mesh with that axis (docs/context.md), or leave context_axis out") from error
-
-
 def _compressed_locally(x, axis, layout, l, d):
     """compress(x_whole, block_size=l, stride=d)'s rows of each local chunk of x [B, T, H, D] (the device's rows
     over mesh axis `axis` in `layout`), [B, T / d, H, D] in the local chunks' order: what `_in_context` gathers as
@@ -498,7 +486,7 @@ def _compressed_locally(x, axis, layout, l, d):
     rows (row j is seen from position j * d + l - 1), so they change no output and no gradient. None where the
     chunks do not allow it (a chunk not a multiple of d, or shorter than l - d tokens; P = 1): then the compressed
     rows are made from the gathered keys."""
-    P, (B, T) = _context_devices(axis), x.shape[:2]
+    P, (B, T) = context.num_devices(axis), x.shape[:2]
     chunks = context.local_chunks(T, P, jax.lax.axis_index(axis), layout)
     rows, halo = chunks[0][1], l - d
     if P == 1 or rows % d or halo > rows:

@@ -87,6 +87,19 @@ def from_context_layout(x: jax.Array, P: int, layout: Layout = "contiguous", *, 
     return _reorder(x, np.argsort(order), chunks, axis)
 
 
+def num_devices(axis_name: str) -> int:
+    """P, the size of mesh axis `axis_name` (a context_axis) of the jax.shard_map the caller runs inside; ValueError
+    outside one (where JAX raises NameError: unbound axis name)."""
+    try:
+        return lax.axis_size(axis_name)
+    except NameError as error:
+        raise ValueError(f"context_axis = {axis_name!r} must name a mesh axis of the jax.shard_map the op runs inside, "
+                         f"the axis that splits the sequence, but no such axis is bound here: call the op inside "
+                         f"jax.shard_map(..., mesh=mesh, in_specs=P(None, {axis_name!r}), out_specs=P(None, "
+                         f"{axis_name!r})) over a mesh with that axis (docs/context.md), or leave context_axis out"
+                         ) from error
+
+
 def check_local(T_local: int, P: int, layout: Layout):
     """ValueError unless a device's T_local rows split into its chunks of `layout` over P devices."""
     _check(T_local * P, P, layout, f"the sequence of P * T = {P} * {T_local}")

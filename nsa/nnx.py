@@ -167,7 +167,7 @@ class NativeSparseAttention(nnx.Module):
         if self.context_axis is None:
             cu_seqlens = _checks.cu_seqlens(cu_seqlens, B, T)
         else:  # the device's rows of a sequence split over the axis (nsa.attention checks cu_seqlens over it)
-            P = jax.lax.axis_size(self.context_axis)
+            P = context.num_devices(self.context_axis)
             chunks = context.local_chunks(T, P, jax.lax.axis_index(self.context_axis), self.context_layout)
             tokens = jnp.concatenate([end - rows + jnp.arange(rows, dtype=jnp.int32) for _, rows, end in chunks])
         if positions is None:

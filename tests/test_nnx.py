@@ -258,6 +258,9 @@ def test_context_parallel_layer_refuses_what_it_cannot_compute():
         model.step(inputs(1, 1), model.init_cache(1, 8))
     with pytest.raises(ValueError, match=r"context_layout must be one of \('zigzag', 'contiguous'\), got 'ring'"):
         layer(context_axis="sp", context_layout="ring")
+    with pytest.raises(ValueError, match=r"context_axis = 'sp' must name a mesh axis of the jax.shard_map .* call the "
+                                         r"op inside jax.shard_map"):
+        layer(context_axis="sp")(inputs(1, 8))  # outside shard_map
     with pytest.raises(ValueError, match=r"phi_k was given without phi_v"):
         layer(phi_k=Phi(4, 8, nnx.Rngs(0)))
     with pytest.raises(TypeError, match=r"phi_v must be a callable \(an nnx Module\) .*, got int"):
