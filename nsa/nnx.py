@@ -27,8 +27,8 @@ import jax.numpy as jnp
 try:
     from flax import nnx
 except ModuleNotFoundError as error:
-    raise ModuleNotFoundError(f"nsa.nnx needs flax >= 0.12 ({error}): pip install 'nsa[nnx]', or from a checkout "
-                              f"pip install '.[nnx]'", name=error.name) from error
+    raise ModuleNotFoundError(f"nsa.nnx needs flax >= 0.12 ({error}): install nsa's nnx extra, from a checkout of nsa "
+                              f"pip install '.[nnx]' (or pip install 'flax>=0.12')", name=error.name) from error
 
 from nsa import _checks, context
 from nsa.api import attention, compression_windows

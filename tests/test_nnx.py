@@ -115,7 +115,7 @@ def test_import_nsa_imports_neither_the_layer_nor_flax():
 def test_import_without_flax_says_what_to_install():
     code = "import sys; sys.modules['flax'] = None; import nsa.nnx"  # None: flax does not import
     error = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stderr
-    assert "ModuleNotFoundError: nsa.nnx needs flax >= 0.12" in error and "pip install 'nsa[nnx]'" in error
+    assert "ModuleNotFoundError: nsa.nnx needs flax >= 0.12" in error and "pip install '.[nnx]'" in error
 
 
 @pytest.mark.parametrize("blocks", BLOCKS)
