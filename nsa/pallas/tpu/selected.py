@@ -853,12 +853,17 @@ def _resident_table(block_indices, block_counts, cu_seqlens, lay, block_size):
     return jnp.concatenate([flat(rows), flat(last)], axis=-1)[..., None, :]
 
 
-def _gather(tab_ref, j, k_ref, v_ref, k_buf, v_buf, *, slots, br, align):
-    """Token j's blocks into k_buf, v_buf [SP * BR, Dp]: slot s's BR rows from its source row, at rows s * BR."""
+def _gather(tab_ref, j, k_ref, v_ref, k_buf, v_buf, *, slots, br, align, tokens):
+    """Token j's blocks into k_buf, v_buf [SP * BR, Dp]: slot s's BR rows from its source row, at rows s * BR, those
+    past the last row of the slot that token j sees (the table's second half; every row of a skipped slot) zeroed:
+    they hold a later token's rows, another sequence's, or stale ones, and 0 * NaN would leak into p v (forward),
+    do v^T and ds k (backward)."""
+    c = lax.broadcasted_iota(jnp.int32, (br, 1), 0)
     for s in range(slots):
         src = pl.ds(pl.multiple_of(tab_ref[0, j * slots + s], align), br)
-        k_buf[pl.ds(s * br, br), :] = k_ref[src, :]
-        v_buf[pl.ds(s * br, br), :] = v_ref[src, :]
+        keep = c <= tab_ref[0, (tokens + j) * slots + s]
+        k_buf[pl.ds(s * br, br), :] = jnp.where(keep, k_ref[src, :], 0).astype(k_buf.dtype)
+        v_buf[pl.ds(s * br, br), :] = jnp.where(keep, v_ref[src, :], 0).astype(v_buf.dtype)
 
 
 def _seen_columns(tab_ref, j, *, slots, br, tokens):
@@ -891,7 +896,7 @@ def _resident_fwd_kernel(tab_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, k_buf, v_
     tokens = q_ref.shape[0]
 
     def token(j, carry):
-        _gather(tab_ref, j, k_ref, v_ref, k_buf, v_buf, slots=slots, br=br, align=align)
+        _gather(tab_ref, j, k_ref, v_ref, k_buf, v_buf, slots=slots, br=br, align=align, tokens=tokens)
         s = dot(q_ref[j], k_buf[...], precision, transpose_b=True) * scale  # [G, SP * BR]
         s = jnp.where(_seen_columns(tab_ref, j, slots=slots, br=br, tokens=tokens), s, -jnp.inf)
         m = jnp.max(s, axis=1, keepdims=True)
@@ -919,7 +924,7 @@ def _resident_bwd_kernel(tab_ref, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_re
         dv_ref[...] = jnp.zeros(dv_ref.shape, jnp.float32)
 
     def token(j, carry):
-        _gather(tab_ref, j, k_ref, v_ref, k_buf, v_buf, slots=slots, br=br, align=align)
+        _gather(tab_ref, j, k_ref, v_ref, k_buf, v_buf, slots=slots, br=br, align=align, tokens=tokens)
         q, do, lse = q_ref[j], do_ref[j], lse_ref[j]
         k, v = k_buf[...], v_buf[...]
         s = dot(q, k, precision, transpose_b=True) * scale
