@@ -1,7 +1,9 @@
 """nsa in jax's x64 mode (jax_enable_x64 on) on 16- and 32-bit inputs, as a program that uses float64 elsewhere
-runs it: the shared test base (tests/base.py) on a few representative cases of every family that runs on the CPU
-(not the whole base twice), and nsa.attention exported with every kernel for TPU (Mosaic TPU) and CUDA (Mosaic GPU),
-whose lowerings refuse 64-bit values that interpret mode lets through.
+runs it: the shared test base (tests/base.py) on a few representative cases of the XLA reference and the Pallas
+kernels in interpret mode (not the whole base twice), and nsa.attention exported with every kernel for TPU (Mosaic
+TPU) and CUDA (Mosaic GPU), whose lowerings refuse 64-bit values that interpret mode lets through. Not the Triton
+interpreter: it ran the whole base in x64 mode (2026-12-06, issue 51) and passed, and the Pallas family's 32-bit
+tracing (`in_32_bits`), where x64 broke kernels, is not its code; CI's time goes to the cases that found bugs.
 
 The representative cases: the whole pipeline forward (every op's kernel) in a 32- and a 16-bit dtype, its gradients
 in a 16-bit one, ragged steps over a paged and a contiguous cache (jitted, lengths traced), and packed sequences
@@ -15,7 +17,7 @@ import jax.numpy as jnp
 import pytest
 
 import nsa
-from tests import test_pallas, test_triton_interpreted, test_xla
+from tests import test_pallas, test_xla
 from tests.base import MOSAIC_GPU_LOWERS
 
 TESTS = ("test_attention", "test_gradients", "test_ragged_steps_over_a_paged_cache_equal_full_recompute",
@@ -54,7 +56,6 @@ def in_x64_mode(family):
 
 TestXLAInX64Mode = in_x64_mode(test_xla.TestXLA)
 TestPallasInterpretedInX64Mode = in_x64_mode(test_pallas.TestPallasInterpreted)
-TestTritonInterpretedInX64Mode = in_x64_mode(test_triton_interpreted.TestTritonInterpreted)
 
 
 @pytest.mark.parametrize("platform, dtype", [("tpu", jnp.float32), ("tpu", jnp.bfloat16),
