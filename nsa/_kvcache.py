@@ -260,7 +260,7 @@ def _check_pages(cache):
         return
     P, S = cache.k.shape[:2]
     pages = -(-np.clip(lens, 0, table.shape[1] * S) // S)  # the entries that hold each sequence's tokens
-    prefix = np.cumprod((table >= 0) & (table < P), axis=1).sum(axis=1)
+    prefix = np.asarray(_paged_prefix(table, P))  # readable_lens' cut, on the concrete table
     for b in np.flatnonzero(prefix < pages):
         j = int(prefix[b])
         raise ValueError(f"cache.lens[{b}] = {lens[b]} tokens reach entry {j} of cache.page_table[{b}] (its rows "
