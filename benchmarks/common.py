@@ -58,9 +58,15 @@ FULL_CASES = {"full": ((0, 0), True), "full_nowin": ((0, 0), False),
               "paper": ((32, 16), True), "paper_nowin": ((32, 16), False)}
 
 
+# Compressed attention alone (nsa.compressed_attention on compress's rows), at the selection block's compression
+# and at the paper's.
+BRANCH_CASES = {"compressed": (0, 0), "compressed_paper": (32, 16)}
+
+
 # The cases whose inputs have locality along T (smooth_inputs; the selection on select_blocks' choice on them), each
 # with the case it is the local twin of: what a trained model's neighbouring queries come closer to.
-LOCAL_CASES = {"selection_local": "selection", "full_local": "full"}
+LOCAL_CASES = {"selection_local": "selection", "full_local": "full", "full_nowin_local": "full_nowin",
+               "paper_local": "paper", "paper_nowin_local": "paper_nowin"}
 
 
 def case_shape(case, shape=STANDARD):
@@ -68,6 +74,9 @@ def case_shape(case, shape=STANDARD):
     case = LOCAL_CASES.get(case, case)
     if case in ("selection", "window"):
         return shape
+    if case in BRANCH_CASES:
+        l, d = BRANCH_CASES[case]
+        return shape._replace(compress_block_size=l, compress_stride=d)
     (l, d), window = FULL_CASES[case]
     shape = shape._replace(compress_block_size=l, compress_stride=d)
     return shape if window else shape._replace(window=0)
@@ -86,15 +95,22 @@ def useful_flops(case, T, shape=STANDARD):
     if case == "window":
         return window_flops(T, shape)
     shape = case_shape(case, shape)
+    if case in BRANCH_CASES:
+        return compressed_flops(T, shape)
     case = LOCAL_CASES.get(case, case)
     HQ, D = shape.HQ, shape.D
     selection = 4 * T * HQ * shape.blocks * shape.block_size * D
     if case == "selection":
         return selection
     window = window_flops(T, shape)
-    compressed = 4 * T * HQ * (T // shape.stride) / 2 * D
+    compressed = compressed_flops(T, shape)
     scores = compressed / 2
     return selection + window + compressed + scores
+
+
+def compressed_flops(T, shape=STANDARD):
+    """Compressed attention's share of useful_flops('full'): each query against the T / d rows, half of them seen."""
+    return 4 * T * shape.HQ * (T // shape.stride) / 2 * shape.D
 
 
 def window_flops(T, shape=STANDARD):
@@ -119,10 +135,10 @@ def time_jax(fn, args, iters):
     return statistics.median(times)
 
 
-def compiled_memory_gib(fn, args):
-    """(peak, arguments + outputs) of a jitted fn in GiB, from XLA's buffer assignment: Triton and Pallas
+def compiled_memory_gib(compiled):
+    """(peak, arguments + outputs) of a compiled jitted fn in GiB, from XLA's buffer assignment: Triton and Pallas
     kernels allocate nothing beyond their outputs, so the peak is the program's."""
-    stats = fn.lower(*args).compile().memory_analysis()
+    stats = compiled.memory_analysis()
     peak = getattr(stats, "peak_memory_in_bytes", 0) or (
         stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes)
     return peak / 2 ** 30, (stats.argument_size_in_bytes + stats.output_size_in_bytes) / 2 ** 30
@@ -191,6 +207,20 @@ def random_block_indices(T, seed=0, shape=STANDARD):
     return idx[None].astype(np.int32)
 
 
+def selection_of(case, T, q, k, shape=STANDARD):
+    """The block indices a case's selection rows attend (random ones for selection, select_blocks' choice on q and
+    k for selection_local), or those the full cases' nsa.attention selects inside, for their union sizes; None for
+    the window and compressed attention."""
+    if case == "selection":
+        return random_block_indices(T, shape=shape)
+    if case in ("window", "compressed"):
+        return None
+    shape = case_shape(case, shape)
+    k_cmp = nsa.compress(k, block_size=shape.compress_block_size or shape.block_size, stride=shape.stride)
+    return jax.jit(lambda q, k_cmp: nsa.select_blocks(q, k_cmp, block_counts=shape.blocks, block_size=shape.block_size,
+                                                      **shape.compression()))(q, k_cmp)
+
+
 def loss_of(forward):
     """sum(forward(*args, do) * do) in float32: its gradient is the backward with cotangent do."""
     def loss(*args):
@@ -223,9 +253,9 @@ def nsa_fns(case, implementation, T, idx, shape=STANDARD):
                              block_counts=S, block_size=BS, window_size=shape.window, implementation=implementation,
                              **shape.compression())
 
-    fwd = jax.jit(forward)
+    fwd = jax.jit(lambda q, k, v, g, do: forward(q, k, v, g))  # do: the forward+backward's arguments, unused
     fwd_bwd = jax.jit(jax.grad(loss_of(forward), argnums=(0, 1, 2, 3)))
-    return (lambda q, k, v, g, do: fwd(q, k, v, g)), fwd_bwd
+    return fwd, fwd_bwd
 
 
 def error_text(e):
@@ -247,11 +277,13 @@ def measure(row, timings, strict=False):
 
 
 def jax_timings(fwd, fwd_bwd, fwd_args, fwd_bwd_args, iters):
-    """A `timings` for `measure`: fwd_ms, fwd_bwd_ms (medians) and the fwd+bwd memory of two jitted fns."""
+    """A `timings` for `measure`: fwd_ms, fwd_bwd_ms (medians) and the fwd+bwd memory of two jitted fns, each
+    compiled once (the executable timed is the one whose memory is read)."""
     def timings(row):
-        row["fwd_ms"] = 1e3 * time_jax(fwd, fwd_args, iters)
-        row["fwd_bwd_ms"] = 1e3 * time_jax(fwd_bwd, fwd_bwd_args, iters)
-        row["fwd_bwd_peak_gib"], row["fwd_bwd_io_gib"] = compiled_memory_gib(fwd_bwd, fwd_bwd_args)
+        row["fwd_ms"] = 1e3 * time_jax(fwd.lower(*fwd_args).compile(), fwd_args, iters)
+        fwd_bwd_compiled = fwd_bwd.lower(*fwd_bwd_args).compile()
+        row["fwd_bwd_ms"] = 1e3 * time_jax(fwd_bwd_compiled, fwd_bwd_args, iters)
+        row["fwd_bwd_peak_gib"], row["fwd_bwd_io_gib"] = compiled_memory_gib(fwd_bwd_compiled)
 
     return timings
 

@@ -44,7 +44,7 @@ if not __package__:  # run as a script (python benchmarks/gpu.py): the repo root
 import nsa
 from benchmarks.common import (LOCAL_CASES, STANDARD, case_shape, compiled_memory_gib, dense_flops,  # noqa: F401
                                implementation_of, jax_inputs, jax_timings, loss_of, measure, meta, module_versions,
-                               nsa_fns, random_block_indices, run, smooth_inputs, table, time_jax, union_sizes,
+                               nsa_fns, random_block_indices, run, selection_of, smooth_inputs, table, time_jax, union_sizes,
                                useful_flops, window_flops, write_json)
 
 B, HQ, H, D, BS, S, WINDOW = STANDARD[:7]
@@ -122,20 +122,6 @@ def gpu_rows(args):
                                                       (1e3 * t for t in time_fla(case, T, idx, args.iters)))))
 
     return rows_for
-
-
-def selection_of(case, T, q, k):
-    """The block indices a case's selection rows attend (random ones for selection, select_blocks' choice on q and
-    k for selection_local), or those the full cases' nsa.attention selects inside, for their union sizes; None for
-    the window."""
-    if case == "selection":
-        return random_block_indices(T)
-    if case == "window":
-        return None
-    shape = case_shape(case)
-    k_cmp = nsa.compress(k, block_size=shape.compress_block_size or BS, stride=shape.stride)
-    return jax.jit(lambda q, k_cmp: nsa.select_blocks(q, k_cmp, block_counts=S, block_size=BS,
-                                                      **shape.compression()))(q, k_cmp)
 
 
 def is_baseline_of(row, other):

@@ -5,18 +5,26 @@
     python benchmarks/tpu.py --out DIR --smoke      # the whole script on a CPU, at a tiny shape
 
 On a TPU VM with nsa installed from a checkout (`pip install . 'jax[tpu]'`). Standard shape of benchmarks/gpu.py: B = 1, HQ = 64,
-H = 4, D = 128, bf16, block_size 64, 16 selected blocks, window 512. Cases:
-  selection  selected attention with given (random) block indices: nsa.selected_attention;
-  full       compression + top-k + selection + sliding window with all three gates: nsa.attention;
-  dense      causal dense attention with the same HQ, H, D (GQA): splash attention
-             (jax.experimental.pallas.ops.tpu.splash_attention), the MQA kernel of each KV head's G
-             query heads, vmapped over the KV heads, on [H, G, T, D] / [H, T, D] views made outside the
-             timed function (its native layout), q pre-scaled by D^-0.5.
-selection and full have a row per nsa implementation (--impls: "pallas" and "xla"; xla only up to
---xla-max-seq-len); dense has one row. Each row is the median over --iters timed iterations after
-warm-up, forward and forward+backward (gradients of q, k, v and, in full, the gates). TFLOP/s count
-useful work only (benchmarks/common.py). A row that fails records its error (e.g. the reference out of
-memory at long T); with --smoke every error is raised instead.
+H = 4, D = 128, bf16, block_size 64, 16 selected blocks, window 512. Cases (benchmarks.common):
+  selection    selected attention with given (random) block indices: nsa.selected_attention;
+  selection_local  the same on select_blocks' choice on inputs with locality along T (common.smooth_inputs);
+  full         compression + top-k + selection + sliding window with all three gates: nsa.attention;
+  full_nowin   the same without the window; paper, paper_nowin: at the paper's compression (l = 32, d = 16);
+  full_local, full_nowin_local, paper_local, paper_nowin_local: those on inputs with locality along T;
+  window       the sliding window alone (nsa.sliding_window_attention), beside splash under the window's local mask;
+  compressed, compressed_paper   compressed attention alone (nsa.compressed_attention on compress's rows, made
+               outside the timed function) at 64/64 and at 32/16;
+  dense        causal dense attention with the same HQ, H, D (GQA): splash attention
+               (jax.experimental.pallas.ops.tpu.splash_attention), the MQA kernel of each KV head's G
+               query heads, vmapped over the KV heads, on [H, G, T, D] / [H, T, D] views made outside the
+               timed function (its native layout), q pre-scaled by D^-0.5.
+Every nsa case has a row per nsa implementation (--impls: "pallas", "xla" and "auto", implementation=None; xla only up
+to --xla-max-seq-len); dense has one row. The rows run length by length (every case at the first T, then the next),
+and the JSON and table are written again after each length: a run cut short keeps what it timed. Each row is the
+median over --iters timed iterations after warm-up, forward and forward+backward (gradients of q, k, v and, in the
+full cases, the gates), with the forward+backward's peak memory from XLA's buffer assignment. TFLOP/s count useful
+work only (benchmarks/common.py). A row that fails records its error (e.g. the reference out of memory at long T);
+with --smoke every error is raised instead.
 
 Writes tpu.json (meta: date, device kind, TPU generation, jax / jaxlib / libtpu versions, shape; rows)
 and tpu.md (the table) into --out, and prints the table.
@@ -36,11 +44,14 @@ import jax
 if not __package__:  # run as a script (python benchmarks/tpu.py): the repo root holds the benchmarks package
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import (STANDARD, Shape, jax_inputs, jax_timings, loss_of, measure, meta, module_versions,
-                               nsa_fns, random_block_indices, run, table, useful_flops, write_json)
+import nsa
+from benchmarks.common import (BRANCH_CASES, FULL_CASES, LOCAL_CASES, STANDARD, Shape, case_shape, implementation_of,
+                               jax_inputs, jax_timings, loss_of, measure, meta, module_versions, nsa_fns, run,
+                               selection_of, smooth_inputs, table, useful_flops, window_flops, write_json)
 
 SMOKE = Shape(B=1, HQ=8, H=2, D=128, block_size=16, blocks=4, window=32)
 SMOKE_SEQ_LEN, SMOKE_ITERS = 128, 1
+CASES = ["selection", *FULL_CASES, *LOCAL_CASES, "window", *BRANCH_CASES, "dense"]
 # splash attention's tiles: 512 (capped at T) for every kernel, as MaxText's defaults (sa_block_*)
 SPLASH_BLOCK = 512
 
@@ -59,16 +70,18 @@ def tpu_generation():
         return "v5e" if "v5 lite" in kind or "v5e" in kind else kind.replace("tpu ", "").replace(" ", "")
 
 
-def splash_kernel(T, shape, interpret):
-    """Splash attention's causal MQA kernel for the G = HQ / H query heads of one KV head, [G, T, D] x [T, D]."""
+def splash_kernel(T, shape, interpret, window=None):
+    """Splash attention's causal MQA kernel for the G = HQ / H query heads of one KV head, [G, T, D] x [T, D]; with
+    `window`, under the local mask of that window instead (key j seen by query t iff t - window < j <= t)."""
     from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
     G = shape.HQ // shape.H
     block = min(SPLASH_BLOCK, T)
     sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
                               block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
-    mask = splash.MultiHeadMask([splash.CausalMask((T, T)) for _ in range(G)])
-    return splash.make_splash_mqa_single_device(mask, block_sizes=sizes, interpret=interpret)
+    mask = splash.CausalMask((T, T)) if window is None else splash.LocalMask((T, T), (window - 1, 0), 0)
+    return splash.make_splash_mqa_single_device(splash.MultiHeadMask([mask] * G), block_sizes=sizes,
+                                                interpret=interpret)
 
 
 def splash_layout(q, k, v, do, shape):
@@ -80,50 +93,81 @@ def splash_layout(q, k, v, do, shape):
     return by_group(q * shape.D ** -0.5), by_head(k), by_head(v), by_group(do)
 
 
-def dense_fns(T, shape, interpret):
+def dense_fns(T, shape, interpret, window=None):
     """(forward, forward+backward) jitted fns of (q, k, v[, do]) in splash's layout: the MQA kernel vmapped over
-    the KV heads and the batch."""
-    kernel = splash_kernel(T, shape, interpret)
+    the KV heads and the batch (causal, or under `window`'s local mask)."""
+    kernel = splash_kernel(T, shape, interpret, window)
     forward = jax.vmap(jax.vmap(kernel))
     return jax.jit(forward), jax.jit(jax.grad(loss_of(forward), argnums=(0, 1, 2)))
 
 
+def compressed_fns(implementation, shape):
+    """(forward, forward+backward) jitted fns of (q, k_cmp, v_cmp[, do]): nsa.compressed_attention's o at the shape's
+    compression, the gradient of q, k_cmp and v_cmp (lse's cotangent zero, as in nsa.attention)."""
+    l, d = shape.compress_block_size or shape.block_size, shape.stride
+
+    def forward(q, k_cmp, v_cmp):
+        return nsa.compressed_attention(q, k_cmp, v_cmp, block_size=l, stride=d, implementation=implementation)[0]
+
+    return jax.jit(forward), jax.jit(jax.grad(loss_of(forward), argnums=(0, 1, 2)))
+
+
+def compressed_rows(q, k, v, shape):
+    """compress's rows of k and v at the shape's compression (made outside the timed functions)."""
+    l, d = shape.compress_block_size or shape.block_size, shape.stride
+    return nsa.compress(k, block_size=l, stride=d), nsa.compress(v, block_size=l, stride=d)
+
+
 def tpu_rows(args, shape, strict, interpret):
-    """rows_for of common.run: nsa's implementations at selection and full, splash attention at dense."""
+    """rows_for of common.run: nsa's implementations at each nsa case, splash attention at dense and beside the
+    window."""
     def rows_for(case, T):
-        q, k, v, gates, do = jax_inputs(T, shape=shape)
-        row = lambda impl: dict(case=case, T=T, impl=impl, useful_tflop_fwd=useful_flops(case, T, shape) / 1e12)
-        if case == "dense":
-            fwd, fwd_bwd = dense_fns(T, shape, interpret)
+        inputs = (smooth_inputs if case in LOCAL_CASES else jax_inputs)(T, shape=shape)
+        q, k, v, gates, do = inputs
+        row = lambda impl, flops: dict(case=case, T=T, impl=impl, useful_tflop_fwd=flops / 1e12)
+        if case in ("dense", "window"):
+            window = shape.window if case == "window" else None
+            name, flops = ("dense-splash", useful_flops("dense", T, shape)) if window is None else (
+                "splash (window)", window_flops(T, shape))
+            fwd, fwd_bwd = dense_fns(T, shape, interpret, window)
             qs, ks, vs, dos = splash_layout(q, k, v, do, shape)
-            yield measure(row("dense-splash"), jax_timings(fwd, fwd_bwd, (qs, ks, vs), (qs, ks, vs, dos), args.iters),
+            yield measure(row(name, flops), jax_timings(fwd, fwd_bwd, (qs, ks, vs), (qs, ks, vs, dos), args.iters),
                           strict)
-            return
-        idx = random_block_indices(T, shape=shape)
+            if case == "dense":
+                return
+        idx = selection_of(case, T, q, k, shape) if LOCAL_CASES.get(case, case) == "selection" else None
         for impl in args.impls:
             if impl == "xla" and T > args.xla_max_seq_len:
                 continue
-            fwd, fwd_bwd = nsa_fns(case, impl, T, idx, shape)
-            inputs = (q, k, v, gates, do)
-            yield measure(row(f"nsa-{impl}"), jax_timings(fwd, fwd_bwd, inputs, inputs, args.iters), strict)
+            flops = useful_flops(case, T, shape)
+            if case in BRANCH_CASES:
+                fwd, fwd_bwd = compressed_fns(implementation_of(impl), case_shape(case, shape))
+                k_cmp, v_cmp = compressed_rows(q, k, v, case_shape(case, shape))
+                timings = jax_timings(fwd, fwd_bwd, (q, k_cmp, v_cmp), (q, k_cmp, v_cmp, do), args.iters)
+            else:
+                fwd, fwd_bwd = nsa_fns(case, implementation_of(impl), T, idx, shape)
+                timings = jax_timings(fwd, fwd_bwd, inputs, inputs, args.iters)
+            yield measure(row(f"nsa-{impl}", flops), timings, strict)
 
     return rows_for
 
 
 def is_dense_of(row, other):
-    """Whether `other` is the dense row of row's T (the speedup column's baseline)."""
-    return other["case"] == "dense" and other["T"] == row["T"]
+    """Whether `other` is the baseline of row's T (the speedup column's): splash under the window's mask for the
+    window, causal dense splash for every other case."""
+    splash = "splash (window)" if row["case"] == "window" else "dense-splash"
+    return other["impl"] == splash and other["T"] == row["T"]
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True)
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[8192, 16384, 32768, 65536])
-    parser.add_argument("--cases", nargs="+", default=["selection", "full", "dense"],
-                        choices=["selection", "full", "dense"])
+    parser.add_argument("--cases", nargs="+", default=["selection", "full", "dense"], choices=CASES)
     parser.add_argument("--impls", nargs="*", default=["pallas", "xla"], help="nsa implementations to time")
     parser.add_argument("--xla-max-seq-len", type=int, default=16384)
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--name", default="tpu", help="the files' name: NAME.json, NAME.md")
     parser.add_argument("--smoke", action="store_true",
                         help=f"CPU run at T={SMOKE_SEQ_LEN} and a tiny shape, Pallas in interpret mode, errors raised")
     args = parser.parse_args(argv)
@@ -136,13 +180,16 @@ def main(argv=None):
     args = parse_args(argv)
     shape = SMOKE if args.smoke else STANDARD
     interpret = jax.devices()[0].platform != "tpu"
-    rows = run(args.cases, args.seq_lens, tpu_rows(args, shape, strict=args.smoke, interpret=interpret))
     info = meta(shape, platform=jax.devices()[0].platform, tpu_generation=tpu_generation(), smoke=args.smoke,
                 splash_interpret=interpret, **module_versions(("jaxlib", "libtpu")))
-    write_json(f"{args.out}/tpu.json", info, rows)
-    text = table(rows, "dense splash", is_dense_of)
-    with open(f"{args.out}/tpu.md", "w") as f:
-        f.write(f"{json.dumps(info)}\n\n{text}\n")
+    rows_for, rows = tpu_rows(args, shape, strict=args.smoke, interpret=interpret), []
+    os.makedirs(args.out, exist_ok=True)
+    for T in args.seq_lens:  # length by length, written after each: a run cut short keeps what it timed
+        rows += run(args.cases, [T], rows_for)
+        write_json(f"{args.out}/{args.name}.json", info, rows)
+        text = table(rows, "dense splash", is_dense_of)
+        with open(f"{args.out}/{args.name}.md", "w") as f:
+            f.write(f"{json.dumps(info)}\n\n{text}\n")
     print(json.dumps(info))
     print(text)
 

@@ -13,7 +13,8 @@
 #            mkdir -p .ab/NAME && git archive <commit> nsa $(git ls-files 'benchmarks/*.py') | tar -x -C .ab/NAME;
 #            carry [".ab"]; AB_TREES names some), so that this tree's step is compared with theirs on the same chip;
 #   trace    each kernel's device time in one decode step (benchmarks/decode.py --trace, TRACE_ARGS);
-#   bench    benchmarks/tpu.py at 8192 tokens.
+#   bench    benchmarks/tpu.py, BENCH_ARGS (default: its default cases at 8192 tokens, 5 iterations), its JSON and
+#            table written after each length (a run cut by BENCH_TIMEOUT keeps the lengths it finished).
 # Logs and JSON in /tmp/tpu-check, packed at exit into $OUT/tpu-check.tgz (the device tool brings back 8 files at
 # most: one run's logs and JSON outnumber that); without OUT, into benchmarks/results/tpu-check.
 set -uo pipefail
@@ -59,7 +60,9 @@ if [[ $parts == *" trace "* ]]; then  # each kernel's device time in one decode 
     head -n 30 "$out/decode-tpu-trace.log" | cut -c1-160
 fi
 if [[ $parts == *" bench "* ]]; then
-    timeout "${BENCH_TIMEOUT:-150}" python3 benchmarks/tpu.py --out "$out" --seq-lens 8192 --iters 5 > "$out/tpu-bench.log" 2>&1 || status=1
-    grep -v '^{' "$out/tpu-bench.log" | tail -12
+    timeout "${BENCH_TIMEOUT:-150}" python3 benchmarks/tpu.py --out "$out" ${BENCH_ARGS:---seq-lens 8192 --iters 5} \
+        > "$out/tpu-bench.log" 2>&1 || status=1
+    grep -v '^{' "$out/tpu-bench.log" | tail -40
+    [[ -f $out/tpu.md ]] && tail -n +3 "$out/tpu.md"
 fi
 exit $status
