@@ -1,8 +1,8 @@
 """The compressed branch's splash attention path (nsa.pallas.tpu.compressed.by_splash) in Pallas's TPU interpret mode:
 the forward (o and lse) and the gradients, with a nonzero cotangent of lse, against the XLA reference; compression
 64 / 64 and the paper's 32 / 16, grouped heads, Dv != Dk, T and NC padded; the queries that see no compressed row
-(o = 0, lse = -inf, zero gradients, no NaN); and which inputs it takes (the rest run the flash kernels, tested with
-the shared base in test_pallas.py)."""
+(o = 0, lse = -inf, zero gradients, no NaN), also a whole tile of them; and which inputs it takes (the rest run the
+flash kernels, tested with the shared base in test_pallas.py)."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -22,6 +22,8 @@ CASES = {
     "G3-dv256-l32-d16": ((1, 200, 6, 2, 128, 256), "float32", 32, 16),
     "G3-l32-d16-bf16": ((1, 384, 3, 1, 128, 128), "bfloat16", 32, 16),
     "G16-l64-d64-bf16": ((1, 200, 16, 1, 128, 128), "bfloat16", 64, 64),
+    # tiles of 128 queries (T = 384): the first sees no row at all
+    "G2-l256-d256-blind-tile": ((1, 384, 2, 1, 128, 128), "float32", 256, 256),
 }
 
 

@@ -15,17 +15,20 @@ Tiles: blocks of `block(TP)` queries and `block(KP)` keys in every kernel (forwa
 
 Forward: `make_splash_mha(..., save_residuals=True)`, splash's public kernel, on q pre-scaled (rounded to q's
 dtype, as splash takes it): o and lse (natural log of the scaled logits, nsa's). Grid (heads, query blocks, the
-key blocks the mask leaves, shrunk); it loads one (query, key) block pair of q, k, v per step.
+key blocks the mask leaves: the grid shrunk to the most any query block sees); each step loads one block of q and
+one of k and v (the next nonempty one, from the mask's block tables in SMEM).
 
-Backward: splash's own dq and dk/dv kernels (private functions of splash_attention_kernel, `PRIVATE`), called
-here with the forward's o and lse: splash's public backward only comes with a forward run again inside jax.vjp.
-With a cotangent dlse of lse (compressed attention's lse feeds block selection), d lse_t / d s_tj = p_tj adds
-dlse_t to dp_tj: ds = p (dp - di + dlse), which the kernels compute as p (dp - di') with di' = sum(o * do) - dlse.
-A query that sees no key (lse -inf, o 0) gets lse +inf and di' 0 in the backward: p = exp(s - lse) is then
-exactly 0 in every kernel (splash's forward leaves such a row a finite mean of its block's values, and in its
-backward a nonzero p). Two kernels (dq: grid heads x query blocks x key blocks; dk/dv: key blocks x heads x query
-blocks), not splash's fused one (use_fused_bwd_kernel): that one writes dq once per key block in q's dtype, to
-be summed outside the kernel. Not yet timed on a TPU.
+Backward: splash's own dq and dk/dv kernels (private functions of splash_attention_kernel, `PRIVATE_FUNCTIONS`),
+called here with the forward's o and lse: splash's public backward only comes with a forward run again inside
+jax.vjp. With a cotangent dlse of lse (compressed attention's lse feeds block selection), d lse_t / d s_tj = p_tj
+adds dlse_t to dp_tj: ds = p (dp - di + dlse), which the kernels compute as p (dp - di') with
+di' = sum(o * do) - dlse. A query that sees no key (lse -inf, o 0) gets lse +inf and di' 0 in the backward:
+p = exp(s - lse) is then exactly 0 in every kernel (splash's forward leaves such a row a finite mean of its block's
+values, and in its backward a nonzero p). Two kernels: dq, grid (heads, query blocks, key blocks seen), each step
+loading a block of q, do, lse, di' and one of k and v; dk/dv, grid (key blocks, heads, query blocks seen), each step
+loading a block of k and v (held while the query blocks pass) and one of q, do, lse, di'. Not splash's fused one
+(use_fused_bwd_kernel), which writes dq once per key block in q's dtype, to be summed outside the kernel. Not yet
+timed on a TPU.
 """
 
 import inspect
