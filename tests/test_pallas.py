@@ -58,20 +58,25 @@ BACKWARD_KERNELS = {"compressed_dq", "compressed_dkdv", "selected_dq", "selected
 
 def training_kernels(backward, resident=True, splash=False):
     """The kernels of nsa.attention without a KV cache: selected attention's resident kernels where they fit (else
-    its union kernels), the window by splash attention where it takes it (heads of 128 lanes in bf16 or float32;
-    forward with its residuals, backward its own, of a forward run again) or by the flash kernels."""
-    names = {"compressed_forward", "select"} | ({"compressed_dq", "compressed_dkdv"} if backward else set())
+    its union kernels), the window and compressed attention by splash attention where it takes them (heads of 128
+    lanes in bf16 or float32; forward with its residuals, backward its dq and dk/dv kernels from them: no forward
+    again) or by the flash kernels."""
+    names = {"select"}
     if resident:
         names |= {"selected_resident_forward"} | ({"selected_resident_backward"} if backward else set())
     else:
         names |= {"selected_forward"} | (
             {"selected_dq", "selected_dkdv", "selected_dkdv_reduce"} if backward else set())
     if splash:
-        names |= {"splash_mha_fwd_residuals"} | ({"splash_mha_dq_no_residuals", "splash_mha_dkv_no_residuals"}
-                                                  if backward else set())
+        names |= {SPLASH_FORWARD} | ({"splash_mha_dq_no_residuals", "splash_mha_dkv_no_residuals"}
+                                     if backward else set())
     else:
-        names |= {"window_forward"} | ({"window_dq", "window_dkdv"} if backward else set())
+        names |= {"compressed_forward", "window_forward"} | (
+            {"compressed_dq", "compressed_dkdv", "window_dq", "window_dkdv"} if backward else set())
     return names
+
+
+SPLASH_FORWARD = "splash_mha_fwd_residuals"  # splash's forward kernel, once for each of compressed and window
 
 
 def _mosaic_kernels(module):
@@ -91,7 +96,7 @@ def test_attention_lowers_for_tpu_to_mosaic_kernels(shape, dtype, compression, i
     """nsa.attention (block 64, 16 blocks, window 512, all gates; compression windows of 64 tokens, or the
     paper's), jitted forward and forward+backward, exported for a TPU v5e: every op runs its Mosaic kernel, with
     implementation="pallas" and with None; selected attention its resident kernels (within the v5e's VMEM), the
-    window splash attention at heads of 128."""
+    window and compressed attention splash attention at heads of 128, its forward once each."""
     monkeypatch.setenv("NSA_DEVICE_KIND", "TPU v5 lite")
     B, T, HQ, H, Dk, Dv = shape
     splash = Dk % 128 == Dv % 128 == 0
@@ -105,10 +110,10 @@ def test_attention_lowers_for_tpu_to_mosaic_kernels(shape, dtype, compression, i
     def loss(*args):
         return jnp.sum(forward(*args).astype(jnp.float32))
 
-    exported = jax.export.export(jax.jit(forward), platforms=["tpu"])(*specs, *gates)
-    assert set(_mosaic_kernels(exported.mlir_module())) == training_kernels(backward=False, splash=splash)
-    exported = jax.export.export(jax.jit(jax.grad(loss, argnums=range(6))), platforms=["tpu"])(*specs, *gates)
-    assert set(_mosaic_kernels(exported.mlir_module())) == training_kernels(backward=True, splash=splash)
+    for function, backward in ((forward, False), (jax.grad(loss, argnums=range(6)), True)):
+        kernels = _mosaic_kernels(jax.export.export(jax.jit(function), platforms=["tpu"])(*specs, *gates).mlir_module())
+        assert set(kernels) == training_kernels(backward=backward, splash=splash)
+        assert kernels.count(SPLASH_FORWARD) == (2 if splash else 0)  # the backward runs no forward again
 
 
 # Serving steps at the standard heads (HQ = 64, H = 4, D = 128, bf16; block 64, 16 blocks, window 512):

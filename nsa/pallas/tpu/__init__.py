@@ -3,7 +3,8 @@
 KERNELS maps an op name of nsa.reference.OPS to its (forward, backward) kernels, with the reference's
 signatures and residuals plus the keywords `interpret` (False: Mosaic; a pltpu.InterpretParams: interpret mode)
 and `config`; DTYPES are the input dtypes they take. The sliding-window and compressed branches (`window.py`,
-`compressed.py`) run this package's flash kernels (`_flash.py`); selected attention and block selection have
+`compressed.py`) run jax's splash attention kernels where they apply (`_splash.py`: in training, heads of 128 lanes
+in bf16 or float32), else this package's flash kernels (`_flash.py`); selected attention and block selection have
 their own (`selected.py`, `select.py`); `_common.py` holds what they share. The index planning around the
 kernels is nsa._plan's.
 """

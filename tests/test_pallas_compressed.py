@@ -1,0 +1,79 @@
+"""The compressed branch's splash attention path (nsa.pallas.tpu.compressed.by_splash) in Pallas's TPU interpret mode:
+the forward (o and lse) and the gradients, with a nonzero cotangent of lse, against the XLA reference; compression
+64 / 64 and the paper's 32 / 16, grouped heads, Dv != Dk, T and NC padded; the queries that see no compressed row
+(o = 0, lse = -inf, zero gradients, no NaN), also a whole tile of them; and which inputs it takes (the rest run the
+flash kernels, tested with the shared base in test_pallas.py)."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import tpu as pltpu
+
+from nsa._varlen import cdiv
+from nsa.pallas.tpu import _flash, compressed
+from nsa.reference import compressed as reference
+from tests.base import GRAD_TOLERANCE, TOLERANCE, assert_close, gradient_scales, rounded
+
+INTERPRET = pltpu.InterpretParams(detect_races=True)
+
+# (B, T, HQ, H, Dk, Dv), dtype, block_size, stride
+CASES = {
+    "G1-B2-l64-d64": ((2, 256, 2, 2, 128, 128), "float32", 64, 64),
+    "G3-dv256-l32-d16": ((1, 200, 6, 2, 128, 256), "float32", 32, 16),
+    "G3-l32-d16-bf16": ((1, 384, 3, 1, 128, 128), "bfloat16", 32, 16),
+    "G16-l64-d64-bf16": ((1, 200, 16, 1, 128, 128), "bfloat16", 64, 64),
+    # tiles of 128 queries (T = 384): the first sees no row at all
+    "G2-l256-d256-blind-tile": ((1, 384, 2, 1, 128, 128), "float32", 256, 256),
+}
+
+
+def _inputs(shape, dtype, stride, seed=0):
+    """q, k_cmp, v_cmp (NC = ceil(T / stride) rows, as `compress` makes them), do and dlse, random in `dtype`
+    (dlse float32, as lse)."""
+    B, T, HQ, H, Dk, Dv = shape
+    NC = cdiv(T, stride)
+    rng = np.random.default_rng(seed)
+    draw = lambda *s, dt=dtype: rounded(rng.standard_normal(s), dt)[0]
+    return (draw(B, T, HQ, Dk), draw(B, NC, H, Dk), draw(B, NC, H, Dv), draw(B, T, HQ, Dv),
+            draw(B, T, HQ, dt="float32"))
+
+
+@pytest.mark.parametrize("shape, dtype, block_size, stride", CASES.values(), ids=CASES.keys())
+def test_splash_matches_the_reference(shape, dtype, block_size, stride):
+    q, k_cmp, v_cmp, do, dlse = _inputs(shape, dtype, stride)
+    scale = shape[4] ** -0.5
+    assert compressed.by_splash(q, k_cmp, v_cmp, None, None, None)
+    kw = dict(block_size=block_size, stride=stride, scale=scale)
+    (o, lse), res = compressed.forward(q, k_cmp, v_cmp, None, None, interpret=INTERPRET, **kw)
+    grads = compressed.backward(res, (do, dlse), interpret=INTERPRET, **kw)
+    f32 = lambda a: jnp.asarray(a, jnp.float32)
+    (o_ref, lse_ref), res_ref = reference.forward(f32(q), f32(k_cmp), f32(v_cmp), None, None, **kw)
+    grads_ref = reference.backward(res_ref, (f32(do), dlse), **kw)
+
+    blind = np.arange(shape[1]) < block_size - 1  # the queries before their first complete window
+    assert o.dtype == q.dtype and lse.dtype == jnp.float32 and grads[3:] == (None, None)
+    assert np.all(np.asarray(o)[:, blind] == 0) and np.all(np.asarray(lse)[:, blind] == -np.inf)
+    assert np.all(np.asarray(lse_ref)[:, blind] == -np.inf)
+    assert_close(o, o_ref, TOLERANCE[dtype], "o")
+    assert_close(lse[:, ~blind], lse_ref[:, ~blind], TOLERANCE[dtype], "lse")
+    for name, g, g_ref, arg, size in zip(("dq", "dk_cmp", "dv_cmp"), grads, grads_ref, (q, k_cmp, v_cmp),
+                                         gradient_scales(q, k_cmp, v_cmp, do, scale)):
+        assert g.dtype == arg.dtype and g.shape == arg.shape, name
+        assert_close(g, g_ref, GRAD_TOLERANCE[dtype], name, size)  # also: finite everywhere
+    assert np.all(np.asarray(grads[0])[:, blind] == 0)
+
+
+def test_what_splash_takes():
+    """bfloat16 and float32 heads of whole lanes, at least one compressed row, no KV cache, no packed sequences, no
+    flash Config."""
+    q, v = jnp.zeros((1, 8, 2, 128), jnp.bfloat16), jnp.zeros((1, 2, 1, 256), jnp.bfloat16)
+    k = jnp.zeros((1, 2, 1, 128), jnp.bfloat16)
+    assert compressed.by_splash(q, k, v, None, None, None)
+    assert compressed.by_splash(q.astype(jnp.float32), k, v, None, None, None)
+    assert not compressed.by_splash(q.astype(jnp.float16), k, v, None, None, None)
+    assert not compressed.by_splash(q, k, v, None, jnp.array([8]), None)
+    assert not compressed.by_splash(q, k, v, jnp.array([0, 3, 8]), None, None)
+    assert not compressed.by_splash(q, k, v, None, None, _flash.Config())
+    assert not compressed.by_splash(q, k[:, :0], v[:, :0], None, None, None)
+    assert not compressed.by_splash(q[..., :64], k[..., :64], v, None, None, None)
+    assert not compressed.by_splash(q, k, v[..., :64], None, None, None)
