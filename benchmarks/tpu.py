@@ -40,6 +40,7 @@ import os
 import sys
 
 import jax
+import jax.numpy as jnp
 
 if not __package__:  # run as a script (python benchmarks/tpu.py): the repo root holds the benchmarks package
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -70,34 +71,51 @@ def tpu_generation():
         return "v5e" if "v5 lite" in kind or "v5e" in kind else kind.replace("tpu ", "").replace(" ", "")
 
 
-def splash_kernel(T, shape, interpret, window=None):
-    """Splash attention's causal MQA kernel for the G = HQ / H query heads of one KV head, [G, T, D] x [T, D]; with
-    `window`, under the local mask of that window instead (key j seen by query t iff t - window < j <= t)."""
+def splash_mask(case, T, shape):
+    """Splash's mask of one query head for a case's baseline: causal [T, T] (dense), the window's local mask [T, T]
+    (window), or compressed attention's [T, NCp] (nsa.pallas.tpu.compressed.CompressedMask: row i seen by query t
+    iff i * d + l - 1 <= t; its NC rows padded to a multiple of 128, the padding masked)."""
+    from jax.experimental.pallas.ops.tpu import splash_attention as splash
+
+    if case == "dense":
+        return splash.CausalMask((T, T))
+    if case == "window":
+        return splash.LocalMask((T, T), (shape.window - 1, 0), 0)
+    from nsa.pallas.tpu import _splash, compressed
+
+    l, d = shape.compress_block_size or shape.block_size, shape.stride
+    rows = -(-T // d)
+    return compressed.CompressedMask((T, _splash.padded_rows(rows)), block_size=l, stride=d, num_rows=rows)
+
+
+def splash_kernel(mask, shape, interpret):
+    """Splash attention's MQA kernel for the G = HQ / H query heads of one KV head, [G, T, D] x [KP, D], under
+    `mask` [T, KP] (lengths multiples of 128); tiles of SPLASH_BLOCK, or the largest of 256, 128 dividing a length."""
     from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
     G = shape.HQ // shape.H
-    block = min(SPLASH_BLOCK, T)
-    sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
-                              block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
-    mask = splash.CausalMask((T, T)) if window is None else splash.LocalMask((T, T), (window - 1, 0), 0)
+    bq, bkv = (max(b for b in (SPLASH_BLOCK, 256, 128) if n % b == 0) for n in mask.shape)
+    sizes = splash.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=bkv, block_q_dkv=bq, block_kv_dkv=bkv,
+                              block_kv_dkv_compute=bkv, block_q_dq=bq, block_kv_dq=bkv)
     return splash.make_splash_mqa_single_device(splash.MultiHeadMask([mask] * G), block_sizes=sizes,
                                                 interpret=interpret)
 
 
-def splash_layout(q, k, v, do, shape):
-    """nsa's [B, T, HQ, D] / [B, T, H, D] as splash's [B, H, G, T, D] / [B, H, T, D], q scaled by D^-0.5."""
+def splash_layout(q, k, v, do, shape, rows=None):
+    """nsa's [B, T, HQ, D] / [B, TK, H, D] as splash's [B, H, G, T, D] / [B, H, rows, D] (k, v zero-padded to
+    `rows`), q scaled by D^-0.5."""
     B, T = q.shape[:2]
     G = shape.HQ // shape.H
     by_group = lambda x: x.reshape(B, T, shape.H, G, shape.D).transpose(0, 2, 3, 1, 4)
-    by_head = lambda x: x.transpose(0, 2, 1, 3)
+    pad = lambda x: x if rows is None else jnp.pad(x, [(0, 0), (0, rows - x.shape[1]), (0, 0), (0, 0)])
+    by_head = lambda x: pad(x).transpose(0, 2, 1, 3)
     return by_group(q * shape.D ** -0.5), by_head(k), by_head(v), by_group(do)
 
 
-def dense_fns(T, shape, interpret, window=None):
-    """(forward, forward+backward) jitted fns of (q, k, v[, do]) in splash's layout: the MQA kernel vmapped over
-    the KV heads and the batch (causal, or under `window`'s local mask)."""
-    kernel = splash_kernel(T, shape, interpret, window)
-    forward = jax.vmap(jax.vmap(kernel))
+def dense_fns(mask, shape, interpret):
+    """(forward, forward+backward) jitted fns of (q, k, v[, do]) in splash's layout: the MQA kernel under `mask`
+    vmapped over the KV heads and the batch."""
+    forward = jax.vmap(jax.vmap(splash_kernel(mask, shape, interpret)))
     return jax.jit(forward), jax.jit(jax.grad(loss_of(forward), argnums=(0, 1, 2)))
 
 
@@ -125,12 +143,14 @@ def tpu_rows(args, shape, strict, interpret):
         inputs = (smooth_inputs if case in LOCAL_CASES else jax_inputs)(T, shape=shape)
         q, k, v, gates, do = inputs
         row = lambda impl, flops: dict(case=case, T=T, impl=impl, useful_tflop_fwd=flops / 1e12)
-        if case in ("dense", "window"):
-            window = shape.window if case == "window" else None
-            name, flops = ("dense-splash", useful_flops("dense", T, shape)) if window is None else (
-                "splash (window)", window_flops(T, shape))
-            fwd, fwd_bwd = dense_fns(T, shape, interpret, window)
-            qs, ks, vs, dos = splash_layout(q, k, v, do, shape)
+        if case in ("dense", "window", *BRANCH_CASES):  # splash attention under the case's mask
+            name, flops = dict(dense=("dense-splash", useful_flops("dense", T, shape)),
+                               window=("splash (window)", window_flops(T, shape))).get(
+                case, ("splash (compressed)", useful_flops(case, T, shape)))
+            mask = splash_mask(case, T, case_shape(case, shape) if case in BRANCH_CASES else shape)
+            keys = (k, v) if case not in BRANCH_CASES else compressed_rows(q, k, v, case_shape(case, shape))
+            fwd, fwd_bwd = dense_fns(mask, shape, interpret)
+            qs, ks, vs, dos = splash_layout(q, *keys, do, shape, rows=mask.shape[1])
             yield measure(row(name, flops), jax_timings(fwd, fwd_bwd, (qs, ks, vs), (qs, ks, vs, dos), args.iters),
                           strict)
             if case == "dense":
@@ -153,10 +173,11 @@ def tpu_rows(args, shape, strict, interpret):
 
 
 def is_dense_of(row, other):
-    """Whether `other` is the baseline of row's T (the speedup column's): splash under the window's mask for the
-    window, causal dense splash for every other case."""
-    splash = "splash (window)" if row["case"] == "window" else "dense-splash"
-    return other["impl"] == splash and other["T"] == row["T"]
+    """Whether `other` is the baseline of row's T (the speedup column's): splash under the branch's own mask for the
+    window and compressed attention, causal dense splash for every other case."""
+    if row["case"] in ("window", *BRANCH_CASES):
+        return other["case"] == row["case"] and other["T"] == row["T"] and other["impl"].startswith("splash (")
+    return other["impl"] == "dense-splash" and other["T"] == row["T"]
 
 
 def parse_args(argv=None):
@@ -187,7 +208,7 @@ def main(argv=None):
     for T in args.seq_lens:  # length by length, written after each: a run cut short keeps what it timed
         rows += run(args.cases, [T], rows_for)
         write_json(f"{args.out}/{args.name}.json", info, rows)
-        text = table(rows, "dense splash", is_dense_of)
+        text = table(rows, "splash (causal; the window and compressed rows: under their own mask)", is_dense_of)
         with open(f"{args.out}/{args.name}.md", "w") as f:
             f.write(f"{json.dumps(info)}\n\n{text}\n")
     print(json.dumps(info))
