@@ -16,10 +16,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import nsa
 import nsa._kvcache
 
 from benchmarks import tpu, tpu_roofline
-from benchmarks.common import STANDARD, jax_inputs, useful_flops
+from benchmarks.common import STANDARD, case_shape, jax_inputs, useful_flops
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -49,12 +50,33 @@ def test_dense_baseline_is_causal_gqa_attention():
     against jax.nn.dot_product_attention)."""
     shape, T = tpu.SMOKE, 128
     q, k, v, _, do = jax_inputs(T, shape=shape)
-    fwd, _ = tpu.dense_fns(T, shape, interpret=True)
+    fwd, _ = tpu.dense_fns(tpu.splash_mask("dense", T, shape), shape, interpret=True)
     out = fwd(*tpu.splash_layout(q, k, v, do, shape)[:3])  # [B, H, G, T, D]
     out = out.transpose(0, 3, 1, 2, 4).reshape(q.shape)
     f32 = lambda x: x.astype(jnp.float32)
     expected = jax.nn.dot_product_attention(f32(q), f32(k), f32(v), is_causal=True)
     np.testing.assert_allclose(np.asarray(f32(out)), np.asarray(expected), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("case", ["window", "compressed_paper"])
+def test_branch_baselines_do_the_branch_s_work(case):
+    """The splash rows beside the window and compressed attention compute what nsa's op computes (at the smoke
+    shape, against implementation="xla"): the same work, so the speedup column compares like with like."""
+    shape, T = tpu.SMOKE, 128
+    q, k, v, _, do = jax_inputs(T, shape=shape)
+    own = case_shape(case, shape)
+    fwd, _ = tpu.dense_fns(tpu.splash_mask(case, T, own), shape, interpret=True)
+    if case == "window":
+        keys = (k, v)
+        expected = nsa.sliding_window_attention(q, k, v, window_size=shape.window, implementation="xla")
+    else:
+        keys = tpu.compressed_rows(q, k, v, own)
+        expected = tpu.compressed_fns("xla", own)[0](q, *keys)
+    out = fwd(*tpu.splash_layout(q, *keys, do, shape, rows=tpu.splash_mask(case, T, own).shape[1])[:3])
+    out = out.transpose(0, 3, 1, 2, 4).reshape(q.shape).astype(jnp.float32)
+    expected = expected.astype(jnp.float32)
+    seen = np.asarray(jnp.abs(expected).sum(-1) > 0)  # compressed: queries before the first window see nothing
+    np.testing.assert_allclose(np.asarray(out)[seen], np.asarray(expected)[seen], atol=2e-2, rtol=2e-2)
 
 
 def test_roofline_times_follow_the_model(tmp_path):
