@@ -13,6 +13,7 @@ lowers them through Mosaic's Pallas lowering, at the standard shape and an odd o
 step is bounded up to heads of 256 in float32.
 """
 
+import math
 import re
 
 import jax
@@ -163,7 +164,8 @@ def test_invalid_entries_are_never_read():
 def test_the_next_sequence_is_never_read():
     """Packed sequences [0, 13) and [13, 24): block 1 of the first holds rows 8 to 15, of which 13 to 15 are
     the second sequence's, NaN here, and the second sequence's queries list only invalid blocks. The
-    copy of block 1 takes those rows; nothing of them may reach o, lse or the gradients."""
+    copy of block 1 takes those rows; nothing of them may reach o, lse or the gradients, in one backward pass or
+    two (`test_the_two_pass_backward_is_bitwise_the_one_pass`)."""
     B, T, HQ, H, D, bs = 1, 24, 2, 1, 16, 8
     x = Inputs((B, T, HQ, H, D, D, bs), "float32")
     cu = np.array([0, 13, 24], np.int32)
@@ -174,6 +176,9 @@ def test_the_next_sequence_is_never_read():
     poison = (t >= 13)[None, :, None, None]
     x.k, x.v = (jnp.where(poison, jnp.nan, a) for a in (x.k, x.v))
     got = _kernels(x, idx, counts, cu)
+    two = _resident_grads(x, idx, counts, cu, _two_pass_budget(x, idx, cu))  # the backward in two passes
+    for name, a, b in zip(("dq", "dk", "dv"), got[2], two):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"two passes: {name}")
     x.k, x.v = (jnp.where(poison, 0.0, a) for a in (x.k, x.v))
     _assert_matches(got, _reference(x, idx, counts, cu), x, "float32", "next sequence")
 
@@ -386,17 +391,70 @@ def test_resident_kernels_agree_with_the_union_kernels_and_repeat_bitwise():
 
 def test_what_the_resident_kernels_take(monkeypatch):
     """No Config, no KV cache, blocks at multiples of the sublane tile; within 3/4 of a TPU v5e's 128 MiB of VMEM at
-    the standard shape: the forward to 64k tokens, the backward (float32 dk and dv beside k and v) to 16k."""
+    the standard shape: the forward (k and v single-buffered) to 128k tokens, the backward in one pass (float32 dk
+    and dv beside k and v) to 32k, in two ((dq, dk), then dv) at 64k; the scoped VMEM each pass asks for within the
+    chip's."""
     monkeypatch.setenv("NSA_DEVICE_KIND", "TPU v5 lite")
 
     def takes(T, backward, dtype=jnp.bfloat16, block_size=64, cu=None, kv_lens=None, config=None):
         q = jax.ShapeDtypeStruct((1, T, 64, 128), dtype)
         k = jax.ShapeDtypeStruct((1, T, 4, 128), dtype)
         idx = jax.ShapeDtypeStruct((1, T, 4, 16), jnp.int32)
-        return selected.resident(q, k, k, idx, block_size, cu, kv_lens, config, backward)
+        passes = selected.resident(q, k, k, idx, block_size, cu, kv_lens, config, backward)
+        lay = selected._resident_layout(q, k, k, idx, block_size, cu)
+        for outputs in passes or ():
+            assert selected.resident_bytes(lay, dtype, outputs) + selected.RESIDENT_MARGIN <= facts("tpu").vmem
+        return passes
 
-    assert takes(16384, True) and not takes(32768, True) and takes(65536, False) and not takes(131072, False)
+    one, two = selected.BACKWARD_PLANS
+    assert takes(16384, True) == takes(32768, True) == one and takes(65536, True) == two
+    assert takes(131072, True) is None
+    assert takes(131072, False) == (selected.FORWARD,) and takes(262144, False) is None
     assert not takes(1024, False, config=selected.Config(16, 64))
     assert not takes(1024, False, kv_lens=jnp.array([1024]))
     assert not takes(1024, False, block_size=8) and takes(1024, False, block_size=8, cu=jnp.array([0, 1024]))
     assert takes(1024, False, dtype=jnp.float32, block_size=8)
+
+
+def _two_pass_budget(x, idx, cu):
+    """The VMEM budget in which `resident_plan` picks two backward passes for x's shape: that of the larger of the
+    two passes; with a byte less, no plan."""
+    lay = selected._resident_layout(x.q, x.k, x.v, idx, x.block_size, cu)
+    need = max(selected.resident_bytes(lay, x.k.dtype, p) for p in selected.BACKWARD_PLANS[1])
+    vmem = math.ceil((need + selected.RESIDENT_MARGIN) / selected.RESIDENT_SHARE)
+    assert selected.resident_plan(lay, x.k.dtype, True, vmem) == selected.BACKWARD_PLANS[1]
+    assert selected.resident_plan(lay, x.k.dtype, True, vmem - 2) is None
+    return vmem
+
+
+def _resident_grads(x, idx, counts, cu, vmem):
+    """(dq, dk, dv) of the resident backward in the passes `resident_plan` picks within `vmem` (interpret mode)."""
+    bs, scale = x.block_size, x.shape[4] ** -0.5
+    lay = selected._resident_layout(x.q, x.k, x.v, idx, bs, cu)
+    passes = selected.resident_plan(lay, x.k.dtype, True, vmem)
+    cu = None if cu is None else jnp.asarray(cu)
+
+    @jax.jit
+    def run(q, k, v, do):
+        o, res = selected.forward(q, k, v, idx, counts, cu, block_size=bs, scale=scale, interpret=INTERPRET)
+        lse = res[-1]
+        return selected._resident_backward(q, k, v, jnp.asarray(idx), counts, cu, o, lse, do, passes=passes,
+                                           block_size=bs, scale=scale, interpret=INTERPRET)
+
+    return run(x.q, x.k, x.v, x.do)
+
+
+@pytest.mark.parametrize("shape, dtype, S, cu", [
+    ((1, 60, 6, 2, 32, 16, 16), "float32", 3, SHORT_CU),  # G = 3, Dv != Dk, packed with an empty sequence
+    ((2, 40, 2, 2, 16, 32, 8), "float32", 2, None),  # G = 1, B = 2
+    ((1, 40, 16, 1, 16, 24, 16), "bfloat16", 2, None)], ids=["G3-packed", "G1-B2", "G16-bf16"])  # G = 16
+def test_the_two_pass_backward_is_bitwise_the_one_pass(shape, dtype, S, cu):
+    """A VMEM budget too small for the one-pass resident backward runs two passes ((dq, dk), then dv, which
+    recomputes p without v); each adds to its sums in the one pass's order, so dq, dk and dv are its bits."""
+    x = Inputs(shape, dtype)
+    idx = x.block_indices(S)
+    counts = _counts("array", shape[0], shape[1], shape[3], S)
+    vmem = _two_pass_budget(x, idx, cu)
+    one, two = (_resident_grads(x, idx, counts, cu, budget) for budget in (2 ** 40, vmem))
+    for name, a, b in zip(("dq", "dk", "dv"), one, two):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
