@@ -176,7 +176,7 @@ def test_the_next_sequence_is_never_read():
     poison = (t >= 13)[None, :, None, None]
     x.k, x.v = (jnp.where(poison, jnp.nan, a) for a in (x.k, x.v))
     got = _kernels(x, idx, counts, cu)
-    two = _resident_grads(x, idx, counts, cu, _two_pass_budget(x, idx, cu))  # the backward in two passes
+    [two] = _resident_grads(x, idx, counts, cu, [_two_pass_budget(x, idx, cu)])  # the backward in two passes
     for name, a, b in zip(("dq", "dk", "dv"), got[2], two):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"two passes: {name}")
     x.k, x.v = (jnp.where(poison, 0.0, a) for a in (x.k, x.v))
@@ -307,15 +307,9 @@ def test_rows_that_see_nothing():
         assert np.all(np.asarray(g) == 0)
 
 
-@pytest.mark.parametrize("shape, S, dtype", [((1, 8192, 64, 4, 128, 128, 64), 16, jnp.bfloat16),  # standard
-                                             ((1, 1000, 6, 2, 64, 48, 16), 5, jnp.float32)],  # G = 3, Dv != Dk
-                         ids=["standard-bf16", "odd-f32"])
-@pytest.mark.parametrize("resident", [False, True])
-def test_lowers_for_tpu(shape, S, dtype, resident):
-    """jax.export for TPU lowers the kernels through Mosaic: the union kernels, four tpu_custom_calls (forward, dq,
-    dk/dv partials, their reduce), or the resident ones, two (forward, backward), by name."""
+def _exported_for_tpu(shape, S, dtype, config):
+    """The MLIR text of selected.forward and .backward, jitted, exported for a TPU v5e (jax.export)."""
     B, T, HQ, H, Dk, Dv, bs = shape
-    config = None if resident else selected.Config(16 if HQ // H == 16 else 128, 256)
     kw = dict(block_size=bs, scale=0.1, config=config)
 
     def forward_backward(q, k, v, idx, counts, do):
@@ -327,11 +321,39 @@ def test_lowers_for_tpu(shape, S, dtype, resident):
         ((B, T, H), jnp.int32), ((B, T, HQ, Dv), dtype)]]
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("NSA_DEVICE_KIND", "TPU v5 lite")
-        module = jax.export.export(jax.jit(forward_backward), platforms=["tpu"])(*args).mlir_module()
+        return jax.export.export(jax.jit(forward_backward), platforms=["tpu"])(*args).mlir_module()
+
+
+@pytest.mark.parametrize("shape, S, dtype", [((1, 8192, 64, 4, 128, 128, 64), 16, jnp.bfloat16),  # standard
+                                             ((1, 1000, 6, 2, 64, 48, 16), 5, jnp.float32)],  # G = 3, Dv != Dk
+                         ids=["standard-bf16", "odd-f32"])
+@pytest.mark.parametrize("resident", [False, True])
+def test_lowers_for_tpu(shape, S, dtype, resident):
+    """jax.export for TPU lowers the kernels through Mosaic: the union kernels, four tpu_custom_calls (forward, dq,
+    dk/dv partials, their reduce), or the resident ones, two (forward, backward), by name."""
+    config = None if resident else selected.Config(16 if shape[2] // shape[3] == 16 else 128, 256)
+    module = _exported_for_tpu(shape, S, dtype, config)
     names = sorted(re.findall(r'kernel_name = "(\w+)"', module))
     assert module.count("tpu_custom_call") == len(names)
     assert names == (["selected_resident_backward", "selected_resident_forward"] if resident else
                      ["selected_dkdv", "selected_dkdv_reduce", "selected_dq", "selected_forward"])
+
+
+@pytest.mark.parametrize("T, kernels", [
+    (32768, {"selected_resident_forward": 26, "selected_resident_backward": 58}),
+    (65536, {"selected_resident_forward": 42, "selected_resident_backward_dq_dk": 74,
+             "selected_resident_backward_dv": 58})])
+def test_long_resident_kernels_lower_for_tpu(T, kernels):
+    """At 32k and 64k tokens of the standard shape the resident kernels lower through Mosaic (jax.export for a TPU
+    v5e): the backward in one pass at 32k, two at 64k; each asks for a scoped VMEM (backend_config's
+    scoped_memory_configs: `resident_bytes` + RESIDENT_MARGIN, in MiB rounded up here) within the v5e's 128 MiB."""
+    module = _exported_for_tpu((1, T, 64, 4, 128, 128, 64), 16, jnp.bfloat16, None)
+    names = re.findall(r'kernel_name = "(\w+)"', module)
+    sizes = [int(x) for x in re.findall(r'scoped_memory_configs.{0,60}?size\\22: (\d+)', module)]
+    assert len(sizes) == len(names) == module.count("tpu_custom_call")
+    got = {name: math.ceil(size / 2 ** 20) for name, size in zip(names, sizes)}
+    assert got == kernels
+    assert max(sizes) <= 128 * 2 ** 20
 
 
 @pytest.mark.parametrize("G, dk, dv, dtype, block_size", [
@@ -427,34 +449,33 @@ def _two_pass_budget(x, idx, cu):
     return vmem
 
 
-def _resident_grads(x, idx, counts, cu, vmem):
-    """(dq, dk, dv) of the resident backward in the passes `resident_plan` picks within `vmem` (interpret mode)."""
+def _resident_grads(x, idx, counts, cu, budgets):
+    """[(dq, dk, dv)] of the resident backward per VMEM budget, in the passes `resident_plan` picks within it, after
+    one resident forward (interpret mode, one jit)."""
     bs, scale = x.block_size, x.shape[4] ** -0.5
     lay = selected._resident_layout(x.q, x.k, x.v, idx, bs, cu)
-    passes = selected.resident_plan(lay, x.k.dtype, True, vmem)
+    plans = [selected.resident_plan(lay, x.k.dtype, True, vmem) for vmem in budgets]
     cu = None if cu is None else jnp.asarray(cu)
 
     @jax.jit
     def run(q, k, v, do):
         o, res = selected.forward(q, k, v, idx, counts, cu, block_size=bs, scale=scale, interpret=INTERPRET)
-        lse = res[-1]
-        return selected._resident_backward(q, k, v, jnp.asarray(idx), counts, cu, o, lse, do, passes=passes,
-                                           block_size=bs, scale=scale, interpret=INTERPRET)
+        return [selected._resident_backward(q, k, v, jnp.asarray(idx), counts, cu, o, res[-1], do, passes=passes,
+                                            block_size=bs, scale=scale, interpret=INTERPRET) for passes in plans]
 
     return run(x.q, x.k, x.v, x.do)
 
 
 @pytest.mark.parametrize("shape, dtype, S, cu", [
-    ((1, 60, 6, 2, 32, 16, 16), "float32", 3, SHORT_CU),  # G = 3, Dv != Dk, packed with an empty sequence
-    ((2, 40, 2, 2, 16, 32, 8), "float32", 2, None),  # G = 1, B = 2
-    ((1, 40, 16, 1, 16, 24, 16), "bfloat16", 2, None)], ids=["G3-packed", "G1-B2", "G16-bf16"])  # G = 16
+    ((1, 32, 3, 1, 32, 16, 16), "float32", 3, np.array([0, 13, 13, 32], np.int32)),  # G = 3, Dv != Dk, packed
+    ((1, 32, 1, 1, 16, 32, 32), "float32", 2, None),  # G = 1
+    ((1, 32, 16, 1, 16, 24, 32), "bfloat16", 2, None)], ids=["G3-packed", "G1", "G16-bf16"])  # G = 16
 def test_the_two_pass_backward_is_bitwise_the_one_pass(shape, dtype, S, cu):
     """A VMEM budget too small for the one-pass resident backward runs two passes ((dq, dk), then dv, which
     recomputes p without v); each adds to its sums in the one pass's order, so dq, dk and dv are its bits."""
     x = Inputs(shape, dtype)
     idx = x.block_indices(S)
     counts = _counts("array", shape[0], shape[1], shape[3], S)
-    vmem = _two_pass_budget(x, idx, cu)
-    one, two = (_resident_grads(x, idx, counts, cu, budget) for budget in (2 ** 40, vmem))
+    one, two = _resident_grads(x, idx, counts, cu, [2 ** 40, _two_pass_budget(x, idx, cu)])
     for name, a, b in zip(("dq", "dk", "dv"), one, two):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
