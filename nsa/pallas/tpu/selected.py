@@ -80,7 +80,9 @@ which set only the grids, the lists (B * H * NR of them) and the XLA work (k and
 per call, but for the forward of a decode step).
 
 The Mosaic kernels carry names: selected_forward, selected_dq, selected_dkdv (the partials) and
-selected_dkdv_reduce.
+selected_dkdv_reduce; the resident ones (below `RESIDENT_TOKENS`) selected_resident_forward and
+selected_resident_backward, or, where its one pass does not fit in VMEM, selected_resident_backward_dq_dk and
+selected_resident_backward_dv.
 """
 
 import functools
@@ -1049,8 +1051,8 @@ def _resident_call(kernel, lay, table, tiled, k_rows, v_rows, outputs, *, comput
     """pallas_call of a resident kernel on the grid (B, H, NT), NT "arbitrary" (a row's steps in order: `_row_start`,
     `_row_end`): the table row (SMEM), the tiled inputs [B, H, Tp, G, .] (TB tokens each), k and v [B, H, KR, Dp] in
     HBM; `outputs` (those of `computes`, FORWARD or some of dq, dk, dv, in its order) [B, H, Tp, G, .] per tile, or
-    4-d [B, H, KR, Dp] in HBM (the backward's dk, dv); the scratch of `_resident_scratch` and a DMA semaphore per
-    resident array. Scoped VMEM: `resident_bytes` + RESIDENT_MARGIN, at least the default, at most the chip's."""
+    4-d [B, H, KR, Dp] in HBM (the backward's dk, dv); the scratch of `_resident_scratch` and two DMA semaphores
+    (k and v in, dk and dv out). Scoped VMEM: `resident_bytes` + RESIDENT_MARGIN, at least the default, at most the chip's."""
     slots = _padded_slots(lay.S, lay.br)
     hbm = pl.BlockSpec(memory_space=pltpu.HBM)
 
