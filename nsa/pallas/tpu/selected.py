@@ -80,7 +80,7 @@ which set only the grids, the lists (B * H * NR of them) and the XLA work (k and
 per call, but for the forward of a decode step).
 
 The Mosaic kernels carry names: selected_forward, selected_dq, selected_dkdv (the partials) and
-selected_dkdv_reduce; the resident ones (below `RESIDENT_TOKENS`) selected_resident_forward and
+selected_dkdv_reduce; the resident ones (for training, below) selected_resident_forward and
 selected_resident_backward, or, where its one pass does not fit in VMEM, selected_resident_backward_dq_dk and
 selected_resident_backward_dv.
 """
@@ -1052,7 +1052,8 @@ def _resident_call(kernel, lay, table, tiled, k_rows, v_rows, outputs, *, comput
     `_row_end`): the table row (SMEM), the tiled inputs [B, H, Tp, G, .] (TB tokens each), k and v [B, H, KR, Dp] in
     HBM; `outputs` (those of `computes`, FORWARD or some of dq, dk, dv, in its order) [B, H, Tp, G, .] per tile, or
     4-d [B, H, KR, Dp] in HBM (the backward's dk, dv); the scratch of `_resident_scratch` and two DMA semaphores
-    (k and v in, dk and dv out). Scoped VMEM: `resident_bytes` + RESIDENT_MARGIN, at least the default, at most the chip's."""
+    (k and v in, dk and dv out). Scoped VMEM: `resident_bytes` + RESIDENT_MARGIN, at least the default, at most the
+    chip's."""
     slots = _padded_slots(lay.S, lay.br)
     hbm = pl.BlockSpec(memory_space=pltpu.HBM)
 
@@ -1109,9 +1110,9 @@ def _resident_backward(q, k, v, block_indices, block_counts, cu_seqlens, o, lse,
     grads = {}
     for outputs in passes:
         name = "selected_resident_backward" + ("" if len(passes) == 1 else "_" + "_".join(outputs))
-        grads |= zip(outputs, _resident_call(
-            functools.partial(_resident_bwd_kernel, outputs=outputs), lay, table, tiled, k_rows, v_rows, [shapes[g] for g in outputs], computes=outputs,
-            q=q, scale=scale, interpret=interpret, name=name))
+        kernel = functools.partial(_resident_bwd_kernel, outputs=outputs)
+        grads |= zip(outputs, _resident_call(kernel, lay, table, tiled, k_rows, v_rows, [shapes[g] for g in outputs],
+                                             computes=outputs, q=q, scale=scale, interpret=interpret, name=name))
     blocks = lambda x: x[:, :, :lay.num_rows * lay.br].reshape(lay.B * lay.H * lay.num_rows, lay.br, x.shape[3])
     dk = per_key_row(blocks(grads["dk"]), k.shape, cu_seqlens, block_size=block_size) * scale
     dv = per_key_row(blocks(grads["dv"]), v.shape, cu_seqlens, block_size=block_size)
