@@ -917,6 +917,24 @@ def _resident_table(block_indices, block_counts, cu_seqlens, lay, block_size):
     return jnp.concatenate([flat(rows), flat(last)], axis=-1)[..., None, :]
 
 
+ZEROED_ROWS = 64  # rows of a float32 sum zeroed per loop step (8 vregs at Dp = 128)
+
+
+def _zero(ref):
+    """ref [KR, Dp] = 0, ZEROED_ROWS rows a loop step, then the rest: one store of the whole (32 MiB at 64k tokens)
+    would unroll into a vreg store each."""
+    full = ref.shape[0] // ZEROED_ROWS
+
+    def step(i, carry):
+        ref[pl.ds(pl.multiple_of(i * ZEROED_ROWS, ZEROED_ROWS), ZEROED_ROWS), :] = jnp.zeros(
+            (ZEROED_ROWS, ref.shape[1]), ref.dtype)
+        return carry
+
+    lax.fori_loop(0, full, step, 0)
+    if ref.shape[0] > full * ZEROED_ROWS:
+        ref[full * ZEROED_ROWS:, :] = jnp.zeros((ref.shape[0] - full * ZEROED_ROWS, ref.shape[1]), ref.dtype)
+
+
 def _row_start(copies, sums):
     """At the first step of a (b, h) row of the grid: `copies` (HBM -> VMEM, its resident k and v rows) run, the
     float32 `sums` are zeroed meanwhile."""
@@ -925,7 +943,7 @@ def _row_start(copies, sums):
         for copy in copies:
             copy.start()
         for ref in sums:
-            ref[...] = jnp.zeros(ref.shape, jnp.float32)
+            _zero(ref)
         for copy in copies:
             copy.wait()
 
