@@ -7,10 +7,11 @@ sizes 8 to 64 (bf16 at 8: the copied rows pass the block), random selections wit
 repeated entries and per-token counts, packed sequences with an empty one (cu_seqlens traced under jit),
 rows that see nothing, keys that must never be read (NaN: invalid entries, the rows a copy takes past a
 block or past a sequence's end), lists split into many dk/dv segments, queries at the end of a KV cache's
-ragged sequences over several tiles and segments, and bitwise repeatable gradients; no data race between
-two simulated cores. Forward and backward are also exported for TPU (jax.export, platforms=["tpu"]), which
-lowers them through Mosaic's Pallas lowering, at the standard shape and an odd one; and the VMEM of a grid
-step is bounded up to heads of 256 in float32.
+ragged sequences over several tiles and segments, and bitwise repeatable gradients; the resident backward in
+two passes (a VMEM budget too small for one) bitwise its one pass; no data race between two simulated cores.
+Forward and backward are also exported for TPU (jax.export, platforms=["tpu"]), which lowers them through Mosaic's
+Pallas lowering, at the standard shape and an odd one, and the resident kernels at 32k and 64k tokens; and the
+VMEM of a grid step is bounded up to heads of 256 in float32.
 """
 
 import math
