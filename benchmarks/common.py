@@ -199,12 +199,14 @@ def random_block_indices(T, seed=0, shape=STANDARD):
     """`shape.blocks` distinct blocks per (token, KV head) among the visible ones (fewer visible: -1 padded)."""
     BS, S, H = shape.block_size, shape.blocks, shape.H
     rng = np.random.default_rng(seed)
-    current = np.arange(T) // BS
-    scores = rng.random((T, H, T // BS + 1))
-    scores = np.where(np.arange(T // BS + 1)[None, None, :] > current[:, None, None], -1.0, scores)
-    idx = np.argsort(-scores, axis=-1)[..., :S]
-    idx = np.where(np.take_along_axis(scores, idx, -1) < 0, -1, idx)
-    return idx[None].astype(np.int32)
+    chunks = []
+    for first in range(0, T, 2048):  # the same draws as one [T, H, T // BS + 1], a chunk of tokens at a time (64k)
+        current = np.arange(first, min(T, first + 2048)) // BS
+        scores = rng.random((len(current), H, T // BS + 1))
+        scores = np.where(np.arange(T // BS + 1)[None, None, :] > current[:, None, None], -1.0, scores)
+        idx = np.argsort(-scores, axis=-1)[..., :S]
+        chunks.append(np.where(np.take_along_axis(scores, idx, -1) < 0, -1, idx))
+    return np.concatenate(chunks)[None].astype(np.int32)
 
 
 def selection_of(case, T, q, k, shape=STANDARD):

@@ -3,9 +3,11 @@ kernels (nsa.pallas.tpu.selected, the default where they fit) against its union 
 random selections and on selections shared by each 64-token block; the window branch's flash kernels against splash
 attention with a local mask; dense causal splash; and the fixed cost of one grid step. Each result agrees (relative
 error) with what it replaces. Standard shape: B = 1, HQ = 64, H = 4, D = 128, bf16, blocks of 64, 16 selected,
-window 512.
+window 512. Part resident-long (not in the default parts): the resident kernels alone at --long-lens (32k, 64k) on
+random selections, their plan (the backward in one pass or two), and where one pass fits, the two-pass backward
+forced (its time, and its gradients bitwise those of one pass).
 
-    python3 scripts/tpu_train_probe.py [--seq-lens 8192 16384] [--iters 5] [--out DIR]
+    python3 scripts/tpu_train_probe.py [--seq-lens 8192 16384] [--iters 5] [--out DIR] [--parts ... resident-long]
 
 Off a TPU it runs at T = 256 with HQ = 16 in interpret mode (--smoke) to prove that it runs.
 """
@@ -60,6 +62,42 @@ def selected_fns(config, bs, S, interpret):
         return selected.backward(res, do, **kw)[:3]
 
     return jax.jit(fwd), jax.jit(fwd_bwd)
+
+
+def resident_fwd_bwd(passes, bs, S, interpret):
+    """fwd_bwd of selected attention by the resident kernels, the backward in `passes` (selected.BACKWARD_PLANS)."""
+    scale = STANDARD.D ** -0.5
+
+    def fwd_bwd(q, k, v, idx, do):
+        o, res = selected.forward(q, k, v, idx, S, None, None, block_size=bs, scale=scale, interpret=interpret)
+        counts = jnp.full(idx.shape[:3], S, jnp.int32)
+        return selected._resident_backward(q, k, v, idx, counts, None, o, res[-1], do, passes=passes, block_size=bs,
+                                           scale=scale, interpret=interpret)
+
+    return jax.jit(fwd_bwd)
+
+
+def resident_long(T, hq, bs, S, iters, interpret):
+    """Part resident-long at T tokens: the resident kernels' fwd and fwd+bwd times and plan on random selections;
+    where the backward's one pass fits, the two-pass backward forced: its fwd+bwd time and whether its gradients
+    are bitwise those of one pass."""
+    q, k, v, _, do = jax_inputs(T, hq=hq)
+    idx = random_block_indices(T, shape=STANDARD._replace(HQ=hq))
+    plans = dict(forward=selected.resident(q, k, v, idx, bs, None, None, None, False),
+                 backward=selected.resident(q, k, v, idx, bs, None, None, None, True))
+    rf, rfb = selected_fns(None, bs, S, interpret)
+    record("selected random resident (long)", T,
+           lambda: dict(timed(rf, rfb, (q, k, v, idx), (q, k, v, idx, do), iters), plans=plans))
+    one, two = selected.BACKWARD_PLANS
+    if plans["backward"] == one:
+        two_fb = resident_fwd_bwd(two, bs, S, interpret)
+
+        def forced():
+            g_one, g_two = rfb(q, k, v, idx, do), two_fb(q, k, v, idx, do)
+            return dict(fwd_bwd_ms=1e3 * time_jax(two_fb, (q, k, v, idx, do), iters),
+                        bitwise_one_pass=bool(all(np.array_equal(a, b) for a, b in zip(g_one, g_two))))
+
+        record("selected random resident, two backward passes forced", T, forced)
 
 
 def shared(idx, bs):
@@ -141,7 +179,9 @@ def main():
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--smoke", action="store_true")
-    parser.add_argument("--parts", nargs="+", default=["grid", "dense", "window", "selected"])
+    parser.add_argument("--parts", nargs="+", default=["grid", "dense", "window", "selected"],
+                        help="of grid, dense, window, selected, resident-long")
+    parser.add_argument("--long-lens", type=int, nargs="+", default=[32768, 65536])
     args = parser.parse_args()
     on_tpu = jax.devices()[0].platform == "tpu"
     interpret = False if on_tpu else pltpu.InterpretParams()
@@ -193,6 +233,9 @@ def main():
                        lambda: dict(timed(rf, rfb, (q, k, v, idx), (q, k, v, idx, do), args.iters), resident=fits))
                 record(f"selected {sel_name} union", T,
                        lambda: timed(uf, ufb, (q, k, v, idx), (q, k, v, idx, do), args.iters))
+    if "resident-long" in args.parts:
+        for T in args.long_lens if on_tpu else [256]:
+            resident_long(T, hq, bs, S, args.iters, interpret)
     with open(os.path.join(args.out, "train-probe.json"), "w") as f:
         json.dump(dict(jax=jax.__version__, device=str(jax.devices()[0].device_kind), rows=ROWS), f, indent=1)
 

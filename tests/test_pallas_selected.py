@@ -7,12 +7,14 @@ sizes 8 to 64 (bf16 at 8: the copied rows pass the block), random selections wit
 repeated entries and per-token counts, packed sequences with an empty one (cu_seqlens traced under jit),
 rows that see nothing, keys that must never be read (NaN: invalid entries, the rows a copy takes past a
 block or past a sequence's end), lists split into many dk/dv segments, queries at the end of a KV cache's
-ragged sequences over several tiles and segments, and bitwise repeatable gradients; no data race between
-two simulated cores. Forward and backward are also exported for TPU (jax.export, platforms=["tpu"]), which
-lowers them through Mosaic's Pallas lowering, at the standard shape and an odd one; and the VMEM of a grid
-step is bounded up to heads of 256 in float32.
+ragged sequences over several tiles and segments, and bitwise repeatable gradients; the resident backward in
+two passes (a VMEM budget too small for one) bitwise its one pass; no data race between two simulated cores.
+Forward and backward are also exported for TPU (jax.export, platforms=["tpu"]), which lowers them through Mosaic's
+Pallas lowering, at the standard shape and an odd one, and the resident kernels at 32k and 64k tokens; and the
+VMEM of a grid step is bounded up to heads of 256 in float32.
 """
 
+import math
 import re
 
 import jax
@@ -163,7 +165,8 @@ def test_invalid_entries_are_never_read():
 def test_the_next_sequence_is_never_read():
     """Packed sequences [0, 13) and [13, 24): block 1 of the first holds rows 8 to 15, of which 13 to 15 are
     the second sequence's, NaN here, and the second sequence's queries list only invalid blocks. The
-    copy of block 1 takes those rows; nothing of them may reach o, lse or the gradients."""
+    copy of block 1 takes those rows; nothing of them may reach o, lse or the gradients, in one backward pass or
+    two (`test_the_two_pass_backward_is_bitwise_the_one_pass`)."""
     B, T, HQ, H, D, bs = 1, 24, 2, 1, 16, 8
     x = Inputs((B, T, HQ, H, D, D, bs), "float32")
     cu = np.array([0, 13, 24], np.int32)
@@ -174,6 +177,9 @@ def test_the_next_sequence_is_never_read():
     poison = (t >= 13)[None, :, None, None]
     x.k, x.v = (jnp.where(poison, jnp.nan, a) for a in (x.k, x.v))
     got = _kernels(x, idx, counts, cu)
+    [two] = _resident_grads(x, idx, counts, cu, [_two_pass_budget(x, idx, cu)])  # the backward in two passes
+    for name, a, b in zip(("dq", "dk", "dv"), got[2], two):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"two passes: {name}")
     x.k, x.v = (jnp.where(poison, 0.0, a) for a in (x.k, x.v))
     _assert_matches(got, _reference(x, idx, counts, cu), x, "float32", "next sequence")
 
@@ -302,15 +308,9 @@ def test_rows_that_see_nothing():
         assert np.all(np.asarray(g) == 0)
 
 
-@pytest.mark.parametrize("shape, S, dtype", [((1, 8192, 64, 4, 128, 128, 64), 16, jnp.bfloat16),  # standard
-                                             ((1, 1000, 6, 2, 64, 48, 16), 5, jnp.float32)],  # G = 3, Dv != Dk
-                         ids=["standard-bf16", "odd-f32"])
-@pytest.mark.parametrize("resident", [False, True])
-def test_lowers_for_tpu(shape, S, dtype, resident):
-    """jax.export for TPU lowers the kernels through Mosaic: the union kernels, four tpu_custom_calls (forward, dq,
-    dk/dv partials, their reduce), or the resident ones, two (forward, backward), by name."""
+def _exported_for_tpu(shape, S, dtype, config):
+    """The MLIR text of selected.forward and .backward, jitted, exported for a TPU v5e (jax.export)."""
     B, T, HQ, H, Dk, Dv, bs = shape
-    config = None if resident else selected.Config(16 if HQ // H == 16 else 128, 256)
     kw = dict(block_size=bs, scale=0.1, config=config)
 
     def forward_backward(q, k, v, idx, counts, do):
@@ -322,11 +322,39 @@ def test_lowers_for_tpu(shape, S, dtype, resident):
         ((B, T, H), jnp.int32), ((B, T, HQ, Dv), dtype)]]
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("NSA_DEVICE_KIND", "TPU v5 lite")
-        module = jax.export.export(jax.jit(forward_backward), platforms=["tpu"])(*args).mlir_module()
+        return jax.export.export(jax.jit(forward_backward), platforms=["tpu"])(*args).mlir_module()
+
+
+@pytest.mark.parametrize("shape, S, dtype", [((1, 8192, 64, 4, 128, 128, 64), 16, jnp.bfloat16),  # standard
+                                             ((1, 1000, 6, 2, 64, 48, 16), 5, jnp.float32)],  # G = 3, Dv != Dk
+                         ids=["standard-bf16", "odd-f32"])
+@pytest.mark.parametrize("resident", [False, True])
+def test_lowers_for_tpu(shape, S, dtype, resident):
+    """jax.export for TPU lowers the kernels through Mosaic: the union kernels, four tpu_custom_calls (forward, dq,
+    dk/dv partials, their reduce), or the resident ones, two (forward, backward), by name."""
+    config = None if resident else selected.Config(16 if shape[2] // shape[3] == 16 else 128, 256)
+    module = _exported_for_tpu(shape, S, dtype, config)
     names = sorted(re.findall(r'kernel_name = "(\w+)"', module))
     assert module.count("tpu_custom_call") == len(names)
     assert names == (["selected_resident_backward", "selected_resident_forward"] if resident else
                      ["selected_dkdv", "selected_dkdv_reduce", "selected_dq", "selected_forward"])
+
+
+@pytest.mark.parametrize("T, kernels", [
+    (32768, {"selected_resident_forward": 26, "selected_resident_backward": 58}),
+    (65536, {"selected_resident_forward": 42, "selected_resident_backward_dq_dk": 74,
+             "selected_resident_backward_dv": 58})])
+def test_long_resident_kernels_lower_for_tpu(T, kernels):
+    """At 32k and 64k tokens of the standard shape the resident kernels lower through Mosaic (jax.export for a TPU
+    v5e): the backward in one pass at 32k, two at 64k; each asks for a scoped VMEM (backend_config's
+    scoped_memory_configs: `resident_bytes` + RESIDENT_MARGIN, in MiB rounded up here) within the v5e's 128 MiB."""
+    module = _exported_for_tpu((1, T, 64, 4, 128, 128, 64), 16, jnp.bfloat16, None)
+    names = re.findall(r'kernel_name = "(\w+)"', module)
+    sizes = [int(x) for x in re.findall(r'scoped_memory_configs.{0,60}?size\\22: (\d+)', module)]
+    assert len(sizes) == len(names) == module.count("tpu_custom_call")
+    got = {name: math.ceil(size / 2 ** 20) for name, size in zip(names, sizes)}
+    assert got == kernels
+    assert max(sizes) <= 128 * 2 ** 20
 
 
 @pytest.mark.parametrize("G, dk, dv, dtype, block_size", [
@@ -386,17 +414,69 @@ def test_resident_kernels_agree_with_the_union_kernels_and_repeat_bitwise():
 
 def test_what_the_resident_kernels_take(monkeypatch):
     """No Config, no KV cache, blocks at multiples of the sublane tile; within 3/4 of a TPU v5e's 128 MiB of VMEM at
-    the standard shape: the forward to 64k tokens, the backward (float32 dk and dv beside k and v) to 16k."""
+    the standard shape: the forward (k and v single-buffered) to 128k tokens, the backward in one pass (float32 dk
+    and dv beside k and v) to 32k, in two ((dq, dk), then dv) at 64k; the scoped VMEM each pass asks for within the
+    chip's."""
     monkeypatch.setenv("NSA_DEVICE_KIND", "TPU v5 lite")
 
     def takes(T, backward, dtype=jnp.bfloat16, block_size=64, cu=None, kv_lens=None, config=None):
         q = jax.ShapeDtypeStruct((1, T, 64, 128), dtype)
         k = jax.ShapeDtypeStruct((1, T, 4, 128), dtype)
         idx = jax.ShapeDtypeStruct((1, T, 4, 16), jnp.int32)
-        return selected.resident(q, k, k, idx, block_size, cu, kv_lens, config, backward)
+        passes = selected.resident(q, k, k, idx, block_size, cu, kv_lens, config, backward)
+        lay = selected._resident_layout(q, k, k, idx, block_size, cu)
+        for outputs in passes or ():
+            assert selected.resident_bytes(lay, dtype, outputs) + selected.RESIDENT_MARGIN <= facts("tpu").vmem
+        return passes
 
-    assert takes(16384, True) and not takes(32768, True) and takes(65536, False) and not takes(131072, False)
+    one, two = selected.BACKWARD_PLANS
+    assert takes(16384, True) == takes(32768, True) == one and takes(65536, True) == two
+    assert takes(131072, True) is None
+    assert takes(131072, False) == (selected.FORWARD,) and takes(262144, False) is None
     assert not takes(1024, False, config=selected.Config(16, 64))
     assert not takes(1024, False, kv_lens=jnp.array([1024]))
     assert not takes(1024, False, block_size=8) and takes(1024, False, block_size=8, cu=jnp.array([0, 1024]))
     assert takes(1024, False, dtype=jnp.float32, block_size=8)
+
+
+def _two_pass_budget(x, idx, cu):
+    """The VMEM budget in which `resident_plan` picks two backward passes for x's shape: that of the larger of the
+    two passes; with a byte less, no plan."""
+    lay = selected._resident_layout(x.q, x.k, x.v, idx, x.block_size, cu)
+    need = max(selected.resident_bytes(lay, x.k.dtype, p) for p in selected.BACKWARD_PLANS[1])
+    vmem = math.ceil((need + selected.RESIDENT_MARGIN) / selected.RESIDENT_SHARE)
+    assert selected.resident_plan(lay, x.k.dtype, True, vmem) == selected.BACKWARD_PLANS[1]
+    assert selected.resident_plan(lay, x.k.dtype, True, vmem - 2) is None
+    return vmem
+
+
+def _resident_grads(x, idx, counts, cu, budgets):
+    """[(dq, dk, dv)] of the resident backward per VMEM budget, in the passes `resident_plan` picks within it, after
+    one resident forward (interpret mode, one jit)."""
+    bs, scale = x.block_size, x.shape[4] ** -0.5
+    lay = selected._resident_layout(x.q, x.k, x.v, idx, bs, cu)
+    plans = [selected.resident_plan(lay, x.k.dtype, True, vmem) for vmem in budgets]
+    cu = None if cu is None else jnp.asarray(cu)
+
+    @jax.jit
+    def run(q, k, v, do):
+        o, res = selected.forward(q, k, v, idx, counts, cu, block_size=bs, scale=scale, interpret=INTERPRET)
+        return [selected._resident_backward(q, k, v, jnp.asarray(idx), counts, cu, o, res[-1], do, passes=passes,
+                                            block_size=bs, scale=scale, interpret=INTERPRET) for passes in plans]
+
+    return run(x.q, x.k, x.v, x.do)
+
+
+@pytest.mark.parametrize("shape, dtype, S, cu", [
+    ((1, 32, 3, 1, 32, 16, 16), "float32", 3, np.array([0, 13, 13, 32], np.int32)),  # G = 3, Dv != Dk, packed
+    ((1, 32, 1, 1, 16, 32, 32), "float32", 2, None),  # G = 1
+    ((1, 32, 16, 1, 16, 24, 32), "bfloat16", 2, None)], ids=["G3-packed", "G1", "G16-bf16"])  # G = 16
+def test_the_two_pass_backward_is_bitwise_the_one_pass(shape, dtype, S, cu):
+    """A VMEM budget too small for the one-pass resident backward runs two passes ((dq, dk), then dv, which
+    recomputes p without v); each adds to its sums in the one pass's order, so dq, dk and dv are its bits."""
+    x = Inputs(shape, dtype)
+    idx = x.block_indices(S)
+    counts = _counts("array", shape[0], shape[1], shape[3], S)
+    one, two = _resident_grads(x, idx, counts, cu, [2 ** 40, _two_pass_budget(x, idx, cu)])
+    for name, a, b in zip(("dq", "dk", "dv"), one, two):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)

@@ -80,7 +80,9 @@ which set only the grids, the lists (B * H * NR of them) and the XLA work (k and
 per call, but for the forward of a decode step).
 
 The Mosaic kernels carry names: selected_forward, selected_dq, selected_dkdv (the partials) and
-selected_dkdv_reduce.
+selected_dkdv_reduce; the resident ones (for training, below) selected_resident_forward and
+selected_resident_backward, or, where its one pass does not fit in VMEM, selected_resident_backward_dq_dk and
+selected_resident_backward_dv.
 """
 
 import functools
@@ -726,8 +728,9 @@ def backward(residuals, do, *, block_size, scale, interpret=False, config=None):
     """Gradients (dq, dk, dv, None, None, None, None) in q's, k's and v's dtypes, from `forward`'s residuals
     and do [B, T, HQ, Dv]; interpret and config as for `forward` (and a symbolic batch once per sequence)."""
     q, k, v, block_indices, block_counts, cu_seqlens, kv_lens, o, lse = residuals
-    if resident(q, k, v, block_indices, block_size, cu_seqlens, kv_lens, config, True):
-        dq, dk, dv = _resident_backward(q, k, v, block_indices, block_counts, cu_seqlens, o, lse, do,
+    passes = resident(q, k, v, block_indices, block_size, cu_seqlens, kv_lens, config, True)
+    if passes:
+        dq, dk, dv = _resident_backward(q, k, v, block_indices, block_counts, cu_seqlens, o, lse, do, passes=passes,
                                         block_size=block_size, scale=scale, interpret=interpret)
         return dq, dk, dv, None, None, None, None
     cfg = _config(config, q, k, v, block_indices, block_size)
@@ -767,12 +770,12 @@ def backward(residuals, do, *, block_size, scale, interpret=False, config=None):
 # ------------------------------------------------------------------------------------------ resident (training)
 #
 # The keys and values of one (batch row, KV head) resident in VMEM, token by token: where `resident` holds (no KV
-# cache; k, v and, in the backward, their float32 gradients within RESIDENT_SHARE of VMEM), `_attention` and
-# `backward` run these kernels instead of the union ones above. On random selections a tile's union holds nearly
-# every block, and the union kernels compute dense attention under a mask (2.6 useful TFLOP/s at 8k on a TPU v5e,
-# 2026-12-06); here each token attends to its own S blocks and nothing else: its G query heads are the M = G rows
-# of two matmuls against the SP * BR rows its slots name, gathered by dynamic slices of the resident rows (no DMA
-# per block), so the work is the useful work whatever the selections share.
+# cache; `resident_plan` finds passes whose VMEM fits RESIDENT_SHARE of the device's), `_attention` and `backward`
+# run these kernels instead of the union ones above. On random selections a tile's union holds nearly every block,
+# and the union kernels compute dense attention under a mask (2.6 useful TFLOP/s at 8k on a TPU v5e, 2026-12-06);
+# here each token attends to its own S blocks and nothing else: its G query heads are the M = G rows of two matmuls
+# against the SP * BR rows its slots name, gathered by dynamic slices of the resident rows (no DMA per block), so
+# the work is the useful work whatever the selections share.
 #
 # Layouts (XLA): q [B, H, Tp, G, Dkp], do, o [.., Dvp], lse, delta [B, H, Tp, G, 1] float32 (`_token_rows`: Tp = T
 # padded to TB = RESIDENT_TOKENS; a (TB, G, Dp) block, token j's G rows at [j]); k, v `_key_rows` [B, H, KR, Dp],
@@ -781,10 +784,27 @@ def backward(residuals, do, *, block_size, scale, interpret=False, config=None):
 # (`_resident_table`): each slot's source row in k (`_copy_rows`; 0 when skipped), then the last row c of its block
 # the token sees (min(block_size - 1, the token's key row - the block's first), -1 when skipped). SP: S padded so
 # that SP * BR logits are whole lanes (the padded slots skipped).
+#
+# Single buffers. k and v stay in HBM (memory_space HBM) and the kernel copies the (b, h)'s rows into VMEM scratch
+# [KR, Dp] itself at the row's first grid step; the backward's float32 dk and dv sums are VMEM scratch too, zeroed
+# there, and copied into their HBM outputs [B, H, KR, Dp] at the row's last step. The grid (B, H, NT) walks a row's
+# NT tiles in order on one core (NT "arbitrary"; B and H "parallel", split between a megacore's cores): one buffer
+# each, where BlockSpecs whole per (b, h) would double-buffer them (the copy in is not overlapped with compute: at
+# 64k tokens of the standard shape 32 MiB, some 40 us of a v5e's HBM, against a row's ~100 ms of work).
+#
+# Passes (`resident_plan`, from `resident_bytes`): the backward is one pass (dq, dk, dv: k, v and float32 dk, dv
+# resident), or, where that does not fit, two over the whole grid: (dq, dk), holding k, v and dk, then (dv),
+# holding k and dv only (p = exp(q k^T * scale - lse) needs no v). The second recomputes q k^T and p (7 matmuls a
+# token instead of 5); each sum is added to in the same order as in one pass, so the gradients are bitwise those of
+# one pass. At the standard shape (B = 1, HQ = 64, H = 4, D = 128, bf16, block_size 64, S = 16) within 96 MiB (3/4
+# of a v5e's 128): one pass to 32k tokens (k, v 16 MiB and dk, dv 32 MiB at 32k), two at 64k (32 + 32 MiB, then
+# 16 + 32), none at 128k (the union kernels run). The forward holds k and v: 32 MiB at 64k, 64 MiB at 128k.
 
 RESIDENT_TOKENS = 16  # query tokens per grid step: a step's fixed cost shared by 16 tokens' work
 RESIDENT_SHARE = 0.75  # the most of a TensorCore's VMEM the resident kernels plan to hold
 RESIDENT_MARGIN = 8 * 2 ** 20  # scoped VMEM asked beyond `resident_bytes`: Mosaic's temporaries ([G, SP * BR] logits)
+FORWARD = ("o", "lse")  # the outputs of the resident forward, its one pass
+BACKWARD_PLANS = ((("dq", "dk", "dv"),), (("dq", "dk"), ("dv",)))  # the backward's passes, fewest first
 
 
 def _padded_slots(S, br):
@@ -797,29 +817,73 @@ def _key_rows_count(lay):
     return lay.num_rows * lay.br if lay.blocked else lay.TK + lay.br
 
 
-def resident_bytes(lay, itemsize, backward):
-    """The VMEM a resident kernel's grid step holds: k and v double-buffered, the backward's float32 dk and dv
-    double-buffered, the tiles (q, do, o or dq double-buffered; lse, delta padded to the lanes) and two gather
-    buffers of SP * BR rows."""
-    rows, dp = _key_rows_count(lay), lay.dkp + lay.dvp
-    width = _padded_slots(lay.S, lay.br) * lay.br
-    tile = lay.tb * round_up(lay.G, sublanes(jnp.float32))
-    tiles = 2 * tile * (dp * itemsize + lanes() * 4) * (2 if backward else 1)
-    return 2 * rows * dp * itemsize + (2 * rows * dp * 4 if backward else 0) + tiles + width * dp * itemsize
+def _reads_v(outputs):
+    """Whether a pass computing `outputs` reads v: the forward (p v) and dq, dk (ds = p (do v^T - delta)); dv alone
+    (p^T do) does not."""
+    return outputs != ("dv",)
+
+
+def _resident_scratch_names(outputs):
+    """The VMEM scratch of a pass computing `outputs` (FORWARD, or some of dq, dk, dv), in the kernel's order: the
+    (b, h)'s resident rows k (and v where read), a token's gathered blocks k_buf (and v_buf), the backward's float32
+    sums dk_sum, dv_sum of those it computes."""
+    keys = ("k", "v") if _reads_v(outputs) else ("k",)
+    return keys + tuple(x + "_buf" for x in keys) + tuple(g + "_sum" for g in ("dk", "dv") if g in outputs)
+
+
+def _resident_scratch(lay, dtype, outputs):
+    """{name: (shape, dtype)} of `_resident_scratch_names`: k, v [KR, Dp] in `dtype`, k_buf, v_buf [SP * BR, Dp],
+    dk_sum, dv_sum [KR, Dp] float32."""
+    rows, width = _key_rows_count(lay), _padded_slots(lay.S, lay.br) * lay.br
+    dp = {"k": lay.dkp, "v": lay.dvp, "dk": lay.dkp, "dv": lay.dvp}
+
+    def buffer(name):
+        head, _, kind = name.partition("_")
+        return (width if kind == "buf" else rows, dp[head]), jnp.float32 if kind == "sum" else dtype
+
+    return {name: buffer(name) for name in _resident_scratch_names(outputs)}
+
+
+def _tile_bytes(lay, d, dtype):
+    """The VMEM of one (TB, G, d) block of a tile: G padded to the sublane tile, d to the lanes."""
+    return lay.tb * round_up(lay.G, sublanes(dtype)) * round_up(d, lanes()) * jnp.dtype(dtype).itemsize
+
+
+def resident_bytes(lay, dtype, outputs):
+    """The VMEM a grid step of a resident pass computing `outputs` (FORWARD, or some of dq, dk, dv) holds: its
+    `_resident_scratch`, one buffer each, and its tiles through BlockSpecs, double-buffered (forward: q in, o and
+    lse out; backward: q, do, lse, delta in, dq out if computed)."""
+    scratch = sum(math.prod(shape) * jnp.dtype(dt).itemsize
+                  for shape, dt in _resident_scratch(lay, dtype, outputs).values())
+    if outputs == FORWARD:
+        tiles = [(lay.dkp, dtype), (lay.dvp, dtype), (1, jnp.float32)]
+    else:
+        tiles = [(lay.dkp, dtype), (lay.dvp, dtype), (1, jnp.float32), (1, jnp.float32)]
+        tiles += [(lay.dkp, dtype)] if "dq" in outputs else []
+    return scratch + 2 * sum(_tile_bytes(lay, d, dt) for d, dt in tiles)
+
+
+def resident_plan(lay, dtype, backward, vmem):
+    """The passes a resident kernel runs within a TensorCore of `vmem` bytes of VMEM: (FORWARD,), or the first of
+    BACKWARD_PLANS whose every pass's `resident_bytes` + RESIDENT_MARGIN is within RESIDENT_SHARE of vmem; None
+    when none fits."""
+    for passes in BACKWARD_PLANS if backward else ((FORWARD,),):
+        if all(resident_bytes(lay, dtype, p) + RESIDENT_MARGIN <= RESIDENT_SHARE * vmem for p in passes):
+            return passes
+    return None
 
 
 def resident(q, k, v, block_indices, block_size, cu_seqlens, kv_lens, config, backward):
-    """Whether `_attention` (backward False) or `backward` runs the resident kernels on q [B, T, HQ, Dk], k [B, TK,
-    H, Dk], v [B, TK, H, Dv], block_indices [B, T, H, S]: with no Config given (a Config sets the union kernels'
-    tiles), without a KV cache, with blocks that start at multiples of the sublane tile (block_size a multiple of
-    it, or packed sequences, laid out block by block), and the kernel's `resident_bytes` within RESIDENT_SHARE of
-    the device's VMEM (off a TPU, nsa._device's smallest). The forward may fit where the backward, which adds the
-    float32 dk and dv, does not (at 32k tokens of the standard shape on a TPU v5e)."""
+    """The passes (`resident_plan`, on the device's VMEM: off a TPU, nsa._device's smallest) of the resident forward
+    (backward False) or backward that `_attention` or `backward` runs on q [B, T, HQ, Dk], k [B, TK, H, Dk], v [B,
+    TK, H, Dv], block_indices [B, T, H, S]; None (the union kernels run) with a Config given (a Config sets the union
+    kernels' tiles), with a KV cache, with blocks that do not start at multiples of the sublane tile (block_size
+    not a multiple of it, but for packed sequences, laid out block by block), or where no plan fits. At the
+    standard shape on a TPU v5e the backward is one pass to 32k tokens, two at 64k."""
     if config is not None or kv_lens is not None or (cu_seqlens is None and block_size % sublanes(k.dtype)):
-        return False
+        return None
     lay = _resident_layout(q, k, v, block_indices, block_size, cu_seqlens)
-    need = resident_bytes(lay, jnp.dtype(k.dtype).itemsize, backward) + RESIDENT_MARGIN
-    return need <= RESIDENT_SHARE * facts("tpu").vmem
+    return resident_plan(lay, k.dtype, backward, facts("tpu").vmem)
 
 
 def _resident_layout(q, k, v, block_indices, block_size, cu_seqlens):
@@ -853,17 +917,58 @@ def _resident_table(block_indices, block_counts, cu_seqlens, lay, block_size):
     return jnp.concatenate([flat(rows), flat(last)], axis=-1)[..., None, :]
 
 
-def _gather(tab_ref, j, k_ref, v_ref, k_buf, v_buf, *, slots, br, align, tokens):
-    """Token j's blocks into k_buf, v_buf [SP * BR, Dp]: slot s's BR rows from its source row, at rows s * BR, those
-    past the last row of the slot that token j sees (the table's second half; every row of a skipped slot) zeroed:
-    they hold a later token's rows, another sequence's, or stale ones, and 0 * NaN would leak into p v (forward),
-    do v^T and ds k (backward)."""
+ZEROED_ROWS = 64  # rows of a float32 sum zeroed per loop step (8 vregs at Dp = 128)
+
+
+def _zero(ref):
+    """ref [KR, Dp] = 0, ZEROED_ROWS rows a loop step, then the rest: one store of the whole (32 MiB at 64k tokens)
+    would unroll into a vreg store each."""
+    full = ref.shape[0] // ZEROED_ROWS
+
+    def step(i, carry):
+        ref[pl.ds(pl.multiple_of(i * ZEROED_ROWS, ZEROED_ROWS), ZEROED_ROWS), :] = jnp.zeros(
+            (ZEROED_ROWS, ref.shape[1]), ref.dtype)
+        return carry
+
+    lax.fori_loop(0, full, step, 0)
+    if ref.shape[0] > full * ZEROED_ROWS:
+        ref[full * ZEROED_ROWS:, :] = jnp.zeros((ref.shape[0] - full * ZEROED_ROWS, ref.shape[1]), ref.dtype)
+
+
+def _row_start(copies, sums):
+    """At the first step of a (b, h) row of the grid: `copies` (HBM -> VMEM, its resident k and v rows) run, the
+    float32 `sums` are zeroed meanwhile."""
+    @pl.when(pl.program_id(2) == 0)
+    def _start():
+        for copy in copies:
+            copy.start()
+        for ref in sums:
+            _zero(ref)
+        for copy in copies:
+            copy.wait()
+
+
+def _row_end(copies):
+    """At the last step of a (b, h) row of the grid: `copies` (VMEM -> HBM, its dk, dv sums) run to completion."""
+    @pl.when(pl.program_id(2) == pl.num_programs(2) - 1)
+    def _end():
+        for copy in copies:
+            copy.start()
+        for copy in copies:
+            copy.wait()
+
+
+def _gather(tab_ref, j, pairs, *, slots, br, align, tokens):
+    """Token j's blocks, for each (resident rows [KR, Dp], buffer [SP * BR, Dp]) of `pairs` (k's, and v's where
+    read): slot s's BR rows from its source row, at rows s * BR, those past the last row of the slot that token j
+    sees (the table's second half; every row of a skipped slot) zeroed: they hold a later token's rows, another
+    sequence's, or stale ones, and 0 * NaN would leak into p v (forward), do v^T and ds k (backward)."""
     c = lax.broadcasted_iota(jnp.int32, (br, 1), 0)
     for s in range(slots):
         src = pl.ds(pl.multiple_of(tab_ref[0, j * slots + s], align), br)
         keep = c <= tab_ref[0, (tokens + j) * slots + s]
-        k_buf[pl.ds(s * br, br), :] = jnp.where(keep, k_ref[src, :], 0).astype(k_buf.dtype)
-        v_buf[pl.ds(s * br, br), :] = jnp.where(keep, v_ref[src, :], 0).astype(v_buf.dtype)
+        for rows, buf in pairs:
+            buf[pl.ds(s * br, br), :] = jnp.where(keep, rows[src, :], 0).astype(buf.dtype)
 
 
 def _seen_columns(tab_ref, j, *, slots, br, tokens):
@@ -889,14 +994,18 @@ def _transposed_dot(a, b, precision):
     return dot(padded(a, 0, rows).T.astype(b.dtype), padded(b, 0, rows), precision)
 
 
-def _resident_fwd_kernel(tab_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, k_buf, v_buf, *, scale, slots, br, align,
-                         precision):
-    """One tile of TB tokens: q_ref (TB, G, Dkp), k_ref, v_ref [KR, Dp] (the (b, h)'s rows), o_ref (TB, G, Dvp),
-    lse_ref (TB, G, 1); k_buf, v_buf [SP * BR, Dp] a token's gathered blocks."""
+def _resident_fwd_kernel(tab_ref, q_ref, k_hbm, v_hbm, o_ref, lse_ref, k_ref, v_ref, k_buf, v_buf, sems, *, scale,
+                         slots, br, align, precision):
+    """Grid (B, H, NT), a step one tile of TB tokens. Loads q_ref (TB, G, Dkp) by BlockSpec and, at the (b, h)'s
+    first step, its rows of k_hbm, v_hbm [B, H, KR, Dp] (HBM) into k_ref, v_ref [KR, Dp] (`_row_start`); writes o_ref
+    (TB, G, Dvp), lse_ref (TB, G, 1); k_buf, v_buf [SP * BR, Dp] a token's gathered blocks."""
     tokens = q_ref.shape[0]
+    b, h = pl.program_id(0), pl.program_id(1)
+    _row_start([pltpu.make_async_copy(k_hbm.at[b, h], k_ref, sems.at[0]),
+                pltpu.make_async_copy(v_hbm.at[b, h], v_ref, sems.at[1])], [])
 
     def token(j, carry):
-        _gather(tab_ref, j, k_ref, v_ref, k_buf, v_buf, slots=slots, br=br, align=align, tokens=tokens)
+        _gather(tab_ref, j, [(k_ref, k_buf), (v_ref, v_buf)], slots=slots, br=br, align=align, tokens=tokens)
         s = dot(q_ref[j], k_buf[...], precision, transpose_b=True) * scale  # [G, SP * BR]
         s = jnp.where(_seen_columns(tab_ref, j, slots=slots, br=br, tokens=tokens), s, -jnp.inf)
         m = jnp.max(s, axis=1, keepdims=True)
@@ -912,65 +1021,78 @@ def _resident_fwd_kernel(tab_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, k_buf, v_
     lax.fori_loop(0, tokens, token, 0)
 
 
-def _resident_bwd_kernel(tab_ref, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, dq_ref, dk_ref, dv_ref, k_buf,
-                         v_buf, *, scale, slots, br, align, precision):
-    """One tile, in order along the (b, h)'s row of the grid: dq_ref (TB, G, Dkp) its own; dk_ref, dv_ref [KR, Dp]
-    float32, the (b, h)'s (unscaled dk), zeroed at its first tile and added to at each token's slots' rows."""
-    tokens = q_ref.shape[0]
-
-    @pl.when(pl.program_id(2) == 0)
-    def _init():
-        dk_ref[...] = jnp.zeros(dk_ref.shape, jnp.float32)
-        dv_ref[...] = jnp.zeros(dv_ref.shape, jnp.float32)
+def _resident_bwd_kernel(tab_ref, q_ref, do_ref, lse_ref, delta_ref, k_hbm, v_hbm, *refs, outputs, scale, slots, br,
+                         align, precision):
+    """Grid (B, H, NT), a step one tile of TB tokens, in order along the (b, h)'s row: one pass of the backward,
+    computing `outputs` (some of dq, dk, dv). Loads q_ref, do_ref (TB, G, Dp), lse_ref, delta_ref (TB, G, 1) by
+    BlockSpec and, at the row's first step, its rows of k_hbm (and v_hbm, where `_reads_v`) [B, H, KR, Dp] (HBM)
+    into VMEM. refs: the outputs (dq (TB, G, Dkp) its own tile; dk, dv [B, H, KR, Dp] float32 in HBM, the unscaled
+    dk), then the scratch of `_resident_scratch` in its order, then the DMA semaphores: dk_sum, dv_sum are zeroed at
+    the row's first step, added to at each token's slots' rows, copied out at its last."""
+    out = dict(zip(outputs, refs))
+    names = _resident_scratch_names(outputs)
+    r = dict(zip(names, refs[len(outputs):]))
+    sems = refs[len(outputs) + len(names)]
+    tokens, b, h = q_ref.shape[0], pl.program_id(0), pl.program_id(1)
+    keys = [("k", k_hbm)] + ([("v", v_hbm)] if "v" in r else [])
+    sums = [g for g in ("dk", "dv") if g in outputs]
+    _row_start([pltpu.make_async_copy(x.at[b, h], r[name], sems.at[n]) for n, (name, x) in enumerate(keys)],
+               [r[g + "_sum"] for g in sums])
 
     def token(j, carry):
-        _gather(tab_ref, j, k_ref, v_ref, k_buf, v_buf, slots=slots, br=br, align=align, tokens=tokens)
-        q, do, lse = q_ref[j], do_ref[j], lse_ref[j]
-        k, v = k_buf[...], v_buf[...]
+        _gather(tab_ref, j, [(r[name], r[name + "_buf"]) for name, _ in keys], slots=slots, br=br, align=align,
+                tokens=tokens)
+        q, do, lse, k = q_ref[j], do_ref[j], lse_ref[j], r["k_buf"][...]
         s = dot(q, k, precision, transpose_b=True) * scale
         seen = _seen_columns(tab_ref, j, slots=slots, br=br, tokens=tokens) & (lse > -jnp.inf)
         p = jnp.where(seen, jnp.exp(s - jnp.where(lse > -jnp.inf, lse, 0.0)), 0.0)  # [G, SP * BR]
-        ds = p * (dot(do, v, precision, transpose_b=True) - delta_ref[j])
-        dq_ref[j] = (dot(ds.astype(k.dtype), k, precision) * scale).astype(dq_ref.dtype)
-        dk = _transposed_dot(ds, q, precision)  # [SP * BR, Dkp]
-        dv = _transposed_dot(p, do, precision)
+        grads = {}
+        if "dv" in outputs:
+            grads["dv"] = _transposed_dot(p, do, precision)  # [SP * BR, Dvp]
+        if "v" in r:
+            ds = p * (dot(do, r["v_buf"][...], precision, transpose_b=True) - delta_ref[j])
+            if "dq" in outputs:
+                out["dq"][j] = (dot(ds.astype(k.dtype), k, precision) * scale).astype(out["dq"].dtype)
+            if "dk" in outputs:
+                grads["dk"] = _transposed_dot(ds, q, precision)  # [SP * BR, Dkp]
         for slot in range(slots):
             rows = pl.ds(pl.multiple_of(tab_ref[0, j * slots + slot], align), br)
-            dk_ref[rows, :] += dk[slot * br:(slot + 1) * br]
-            dv_ref[rows, :] += dv[slot * br:(slot + 1) * br]
+            for g in sums:
+                r[g + "_sum"][rows, :] += grads[g][slot * br:(slot + 1) * br]
         return carry
 
     lax.fori_loop(0, tokens, token, 0)
+    _row_end([pltpu.make_async_copy(r[g + "_sum"], out[g].at[b, h], sems.at[n]) for n, g in enumerate(sums)])
 
 
-def _resident_call(kernel, lay, table, tiled, k_rows, v_rows, outputs, *, q, scale, interpret, name, backward):
-    """pallas_call of a resident kernel on the grid (B, H, NT): the table row (SMEM), the tiled inputs [B, H, Tp,
-    G, .] (TB tokens each), k and v [B, H, KR, Dp] whole per (b, h); outputs [B, H, Tp, G, .] per tile, or 4-d
-    [B, H, KR, Dp] whole per (b, h) (the backward's dk, dv)."""
+def _resident_call(kernel, lay, table, tiled, k_rows, v_rows, outputs, *, computes, q, scale, interpret, name):
+    """pallas_call of a resident kernel on the grid (B, H, NT), NT "arbitrary" (a row's steps in order: `_row_start`,
+    `_row_end`): the table row (SMEM), the tiled inputs [B, H, Tp, G, .] (TB tokens each), k and v [B, H, KR, Dp] in
+    HBM; `outputs` (those of `computes`, FORWARD or some of dq, dk, dv, in its order) [B, H, Tp, G, .] per tile, or
+    4-d [B, H, KR, Dp] in HBM (the backward's dk, dv); the scratch of `_resident_scratch` and two DMA semaphores
+    (k and v in, dk and dv out). Scoped VMEM: `resident_bytes` + RESIDENT_MARGIN, at least the default, at most the
+    chip's."""
     slots = _padded_slots(lay.S, lay.br)
+    hbm = pl.BlockSpec(memory_space=pltpu.HBM)
 
     def tile_spec(shape):
         return pl.BlockSpec((None, None, lay.tb) + shape[3:], lambda b, h, i: (b, h, i) + (0,) * (len(shape) - 3))
 
-    def whole_spec(shape):
-        return pl.BlockSpec((None, None) + shape[2:], lambda b, h, i: (b, h, 0, 0))
-
-    semantics = ("parallel", "parallel", "arbitrary" if backward else "parallel")
-    need = resident_bytes(lay, jnp.dtype(k_rows.dtype).itemsize, backward) + RESIDENT_MARGIN
+    semantics = ("parallel", "parallel", "arbitrary")
+    need = resident_bytes(lay, k_rows.dtype, computes) + RESIDENT_MARGIN
     compiler = pltpu.CompilerParams(dimension_semantics=semantics,
                                     vmem_limit_bytes=int(min(facts("tpu").vmem, max(need, facts("tpu").scoped_vmem))))
     _, dots = params(q, interpret, semantics)
-    width = slots * lay.br
+    scratch = _resident_scratch(lay, k_rows.dtype, computes)
     return pl.pallas_call(
         functools.partial(kernel, scale=float(scale), slots=slots, br=lay.br, align=sublanes(k_rows.dtype), **dots),
         grid=(lay.B, lay.H, lay.nt),
         in_specs=[pl.BlockSpec((None, None, None) + table.shape[3:], lambda b, h, i: (b, h, i, 0, 0),
-                               memory_space=pltpu.SMEM)] + [tile_spec(x.shape) for x in tiled]
-        + [whole_spec(x.shape) for x in (k_rows, v_rows)],
-        out_specs=[whole_spec(o.shape) if len(o.shape) == 4 else tile_spec(o.shape) for o in outputs],
+                               memory_space=pltpu.SMEM)] + [tile_spec(x.shape) for x in tiled] + [hbm, hbm],
+        out_specs=[hbm if len(o.shape) == 4 else tile_spec(o.shape) for o in outputs],
         out_shape=outputs,
-        scratch_shapes=[pltpu.VMEM((width, lay.dkp), k_rows.dtype), pltpu.VMEM((width, lay.dvp), v_rows.dtype)],
-        name=name, compiler_params=compiler, interpret=interpret,
+        scratch_shapes=[pltpu.VMEM(shape, dtype) for shape, dtype in scratch.values()]
+        + [pltpu.SemaphoreType.DMA((2,))], name=name, compiler_params=compiler, interpret=interpret,
     )(table, *tiled, k_rows, v_rows)
 
 
@@ -983,13 +1105,15 @@ def _resident_attention(q, k, v, block_indices, block_counts, cu_seqlens, *, blo
         _resident_fwd_kernel, lay, table, [_token_rows(q, lay, lay.dkp)], _key_rows(k, lay, lay.dkp),
         _key_rows(v, lay, lay.dvp),
         [out_struct(rows + (lay.dvp,), q.dtype, q), out_struct(rows + (1,), jnp.float32, q)],
-        q=q, scale=scale, interpret=interpret, name="selected_resident_forward", backward=False)
+        computes=FORWARD, q=q, scale=scale, interpret=interpret, name="selected_resident_forward")
     return _from_token_rows(o, lay, v.shape[3]), _from_token_rows(lse, lay, 1)[..., 0]
 
 
-def _resident_backward(q, k, v, block_indices, block_counts, cu_seqlens, o, lse, do, *, block_size, scale,
+def _resident_backward(q, k, v, block_indices, block_counts, cu_seqlens, o, lse, do, *, passes, block_size, scale,
                        interpret):
-    """`backward`'s (dq, dk, dv) by the resident backward."""
+    """`backward`'s (dq, dk, dv) by the resident backward in `passes` (`resident_plan`'s): one kernel call per pass,
+    named selected_resident_backward (one pass) or selected_resident_backward_ followed by its outputs (dq_dk,
+    dv)."""
     lay = _resident_layout(q, k, v, block_indices, block_size, cu_seqlens)
     table = _resident_table(block_indices, block_counts, cu_seqlens, lay, block_size)
     delta = kernel_delta(o, do, q.dtype)
@@ -998,13 +1122,16 @@ def _resident_backward(q, k, v, block_indices, block_counts, cu_seqlens, o, lse,
              rows(delta[..., None], 1)]
     k_rows, v_rows = _key_rows(k, lay, lay.dkp), _key_rows(v, lay, lay.dvp)
     kr = k_rows.shape[2]
-    dq, dk, dv = _resident_call(
-        _resident_bwd_kernel, lay, table, tiled, k_rows, v_rows,
-        [out_struct((lay.B, lay.H, lay.nt * lay.tb, lay.G, lay.dkp), q.dtype, q),
-         out_struct((lay.B, lay.H, kr, lay.dkp), jnp.float32, q),
-         out_struct((lay.B, lay.H, kr, lay.dvp), jnp.float32, q)],
-        q=q, scale=scale, interpret=interpret, name="selected_resident_backward", backward=True)
+    shapes = {"dq": out_struct((lay.B, lay.H, lay.nt * lay.tb, lay.G, lay.dkp), q.dtype, q),
+              "dk": out_struct((lay.B, lay.H, kr, lay.dkp), jnp.float32, q),
+              "dv": out_struct((lay.B, lay.H, kr, lay.dvp), jnp.float32, q)}
+    grads = {}
+    for outputs in passes:
+        name = "selected_resident_backward" + ("" if len(passes) == 1 else "_" + "_".join(outputs))
+        kernel = functools.partial(_resident_bwd_kernel, outputs=outputs)
+        grads |= zip(outputs, _resident_call(kernel, lay, table, tiled, k_rows, v_rows, [shapes[g] for g in outputs],
+                                             computes=outputs, q=q, scale=scale, interpret=interpret, name=name))
     blocks = lambda x: x[:, :, :lay.num_rows * lay.br].reshape(lay.B * lay.H * lay.num_rows, lay.br, x.shape[3])
-    dk = per_key_row(blocks(dk), k.shape, cu_seqlens, block_size=block_size) * scale
-    dv = per_key_row(blocks(dv), v.shape, cu_seqlens, block_size=block_size)
-    return _from_token_rows(dq, lay, q.shape[3]), dk.astype(k.dtype), dv.astype(v.dtype)
+    dk = per_key_row(blocks(grads["dk"]), k.shape, cu_seqlens, block_size=block_size) * scale
+    dv = per_key_row(blocks(grads["dv"]), v.shape, cu_seqlens, block_size=block_size)
+    return _from_token_rows(grads["dq"], lay, q.shape[3]), dk.astype(k.dtype), dv.astype(v.dtype)
