@@ -960,15 +960,25 @@ def _row_end(copies):
 
 def _gather(tab_ref, j, pairs, *, slots, br, align, tokens):
     """Token j's blocks, for each (resident rows [KR, Dp], buffer [SP * BR, Dp]) of `pairs` (k's, and v's where
-    read): slot s's BR rows from its source row, at rows s * BR, those past the last row of the slot that token j
-    sees (the table's second half; every row of a skipped slot) zeroed: they hold a later token's rows, another
-    sequence's, or stale ones, and 0 * NaN would leak into p v (forward), do v^T and ds k (backward)."""
+    read): slot s's BR rows from its source row, at rows s * BR. A slot token j sees whole (its last row seen, the
+    table's second half, is BR - 1: most of them) is copied as it is; in any other (its current block, a block of
+    fewer than BR rows, a skipped slot) the rows past its last seen are zeroed: they hold a later token's rows,
+    another sequence's, or stale ones, and 0 * NaN would leak into p v (forward), do v^T and ds k (backward). The
+    select per row is VPU work only those one or two slots of S pay."""
     c = lax.broadcasted_iota(jnp.int32, (br, 1), 0)
     for s in range(slots):
         src = pl.ds(pl.multiple_of(tab_ref[0, j * slots + s], align), br)
-        keep = c <= tab_ref[0, (tokens + j) * slots + s]
-        for rows, buf in pairs:
-            buf[pl.ds(s * br, br), :] = jnp.where(keep, rows[src, :], 0).astype(buf.dtype)
+        last = tab_ref[0, (tokens + j) * slots + s]
+
+        @pl.when(last == br - 1)
+        def _whole():
+            for rows, buf in pairs:
+                buf[pl.ds(s * br, br), :] = rows[src, :].astype(buf.dtype)
+
+        @pl.when(last < br - 1)
+        def _part():
+            for rows, buf in pairs:
+                buf[pl.ds(s * br, br), :] = jnp.where(c <= last, rows[src, :], 0).astype(buf.dtype)
 
 
 def _seen_columns(tab_ref, j, *, slots, br, tokens):
