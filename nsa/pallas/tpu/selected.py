@@ -1122,11 +1122,11 @@ def _union_seen(last, heads, br):
     the columns by a one-hot matmul (exact: small integers, HIGHEST precision), over the rows by sublane broadcasts."""
     slots = last.shape[1]
     cols = slots * br
-    spread = (lax.broadcasted_iota(jnp.int32, (slots, cols), 1) // br
-              == lax.broadcasted_iota(jnp.int32, (slots, cols), 0)).astype(jnp.float32)
+    col = lambda shape, axis: lax.broadcasted_iota(jnp.int32, shape, axis)  # lax.div, rem: non-negative, no sign
+    spread = (lax.div(col((slots, cols), 1), br) == col((slots, cols), 0)).astype(jnp.float32)
     per_column = dot(last, spread, lax.Precision.HIGHEST)  # [UT, UC * BR]
     rows = jnp.concatenate([jnp.broadcast_to(per_column[j:j + 1], (heads, cols)) for j in range(last.shape[0])])
-    c = (lax.broadcasted_iota(jnp.int32, (1, cols), 1) % br).astype(jnp.float32)
+    c = lax.rem(col((1, cols), 1), br).astype(jnp.float32)
     return c <= rows
 
 
