@@ -948,11 +948,14 @@ def _resident_table(names, lay, block_size):
 # later queries' outputs non-finite anyway) reaches the earlier queries of its union tile.
 
 UNION_CAP = 2  # a union tile holds at most UNION_CAP * S distinct blocks: at most ~2x the per-token path's work
+UNION_TILES = True  # False: every tile token by token (scripts/tpu_train_probe.py's baseline for part union)
 
 
 def _union_tokens(lay):
     """UT: the tokens of a union tile, the largest power of two <= MXU_ROWS / G dividing TB (1: no union tiles, G
-    alone fills the MXU)."""
+    alone fills the MXU, or UNION_TILES off)."""
+    if not UNION_TILES:
+        return 1
     ut = 1
     while ut * 2 * lay.G <= MXU_ROWS and lay.tb % (ut * 2) == 0:
         ut *= 2
