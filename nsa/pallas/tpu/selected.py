@@ -853,13 +853,12 @@ def _tile_bytes(lay, d, dtype):
 
 def resident_bytes(lay, dtype, outputs):
     """The VMEM a grid step of a resident pass computing `outputs` (FORWARD, or some of dq, dk, dv) holds: its
-    `_resident_scratch`, one buffer each, and its tiles through BlockSpecs, double-buffered (forward: q and the union
-    tiles' seen rows (TB, UC) float32 in, o and lse out; backward: q, do, lse, delta in, dq out if computed)."""
+    `_resident_scratch`, one buffer each, and its tiles through BlockSpecs, double-buffered (forward: q in, o and
+    lse out; backward: q, do, lse, delta in, dq out if computed)."""
     scratch = sum(math.prod(shape) * jnp.dtype(dt).itemsize
                   for shape, dt in _resident_scratch(lay, dtype, outputs).values())
     if outputs == FORWARD:
         tiles = [(lay.dkp, dtype), (lay.dvp, dtype), (1, jnp.float32)]
-        scratch += 2 * lay.tb * round_up(_union_slots(lay) if _union_tokens(lay) > 1 else 0, lanes()) * 4
     else:
         tiles = [(lay.dkp, dtype), (lay.dvp, dtype), (1, jnp.float32), (1, jnp.float32)]
         tiles += [(lay.dkp, dtype)] if "dq" in outputs else []
@@ -988,11 +987,11 @@ def _distinct(names, size):
 
 
 def _union_table(names, cu_seqlens, lay, block_size):
-    """The union tiles of the resident forward, from its `_resident_names` [B, H, NT, TB, S]: (int32
-    [B, H, NT, 1, NU * (1 + 2 UC)]: per union tile of the step (NU = TB / UT), 1 where it takes the union path, then
-    its union's source rows in `_key_rows` (0: an empty slot), then the last row of each that any of its tokens sees
-    (-1: an empty slot, zeroed whole); float32 [B, H, Tp, UC]: the last row of each union block that each token sees
-    (-1: not listed), for `_union_seen`)."""
+    """int32 [B, H, NT, 1, NU * (1 + (2 + UT) * UC)], the union tiles of the resident forward from its
+    `_resident_names` [B, H, NT, TB, S]: per union tile of the step (NU = TB / UT), 1 where it takes the union path,
+    then its union's source rows in `_key_rows` (0: an empty slot), the last row of each that any of its tokens sees
+    (-1: an empty slot, zeroed whole), and for each of its UT tokens the last row of each that it sees (-1: not
+    listed), for `_union_seen`."""
     B, H, nt, tb, S = names.shape
     ut, uc = _union_tokens(lay), _union_slots(lay)
     tiles = names.reshape(B, H, nt, tb // ut, ut, S)
@@ -1007,9 +1006,9 @@ def _union_table(names, cu_seqlens, lay, block_size):
     last = jnp.where(listed, _seen_last(union[..., None, :], token, block_size), -1)  # [B, H, NT, NU, UT, UC]
     empty = union == NONE
     rows = jnp.where(empty, 0, _copy_rows(jnp.where(empty, 0, union), lay, block_size))
-    table = jnp.concatenate([takes[..., None].astype(jnp.int32), rows, jnp.max(last, axis=-2)], axis=-1)
-    return (table.reshape(B, H, nt, 1, -1).astype(jnp.int32),
-            last.reshape(B, H, nt * tb, uc).astype(jnp.float32))
+    table = jnp.concatenate([takes[..., None].astype(jnp.int32), rows, jnp.max(last, axis=-2),
+                             last.reshape(B, H, nt, tb // ut, ut * uc)], axis=-1)
+    return table.reshape(B, H, nt, 1, -1).astype(jnp.int32)
 
 
 def union_tiles(q, k, v, block_indices, block_counts, cu_seqlens, *, block_size):
@@ -1019,7 +1018,7 @@ def union_tiles(q, k, v, block_indices, block_counts, cu_seqlens, *, block_size)
     if _union_tokens(lay) == 1:
         return jnp.zeros((lay.B, lay.H, lay.nt, lay.tb), bool)
     names = _resident_names(block_indices, block_counts, cu_seqlens, lay, block_size)
-    table, _ = _union_table(names, cu_seqlens, lay, block_size)
+    table = _union_table(names, cu_seqlens, lay, block_size)
     return table.reshape(lay.B, lay.H, lay.nt, lay.tb // _union_tokens(lay), -1)[..., 0] == 1
 
 
@@ -1083,18 +1082,25 @@ def _token_gather(tab_ref, j, pairs, *, slots, br, align, tokens):
     _gather(tab_ref, j * slots, (tokens + j) * slots, pairs, slots=slots, br=br, align=align)
 
 
-def _seen_columns(tab_ref, j, *, slots, br, tokens):
-    """bool [1, SP * BR]: the gathered rows token j sees, column s * BR + c iff c <= the last row of slot s it sees
-    (the table's second half). Built per 128 lanes from the slots that reach into them (each a scalar)."""
-    base, lane = (tokens + j) * slots, lanes()
+def _seen_limits(tab_ref, last_at, *, slots, br):
+    """int32 [1, slots * BR]: the last gathered column each column's slot is seen to, s * BR + tab_ref[0, last_at + s]
+    for the columns of slot s (its last row seen; -1: skipped, so below every column of it). Built per 128 lanes
+    from the slots that reach into them (each a scalar)."""
+    lane = lanes()
     pieces = []
     for g in range(slots * br // lane):
         col = g * lane + lax.broadcasted_iota(jnp.int32, (1, lane), 1)
-        limit = jnp.full((1, lane), -1, jnp.int32)  # the last column seen, per column
+        limit = jnp.full((1, lane), -1, jnp.int32)
         for s in range(g * lane // br, min(slots, ((g + 1) * lane - 1) // br + 1)):
-            limit = jnp.where(col >= s * br, s * br + tab_ref[0, base + s], limit)
+            limit = jnp.where(col >= s * br, s * br + tab_ref[0, last_at + s], limit)
         pieces.append(limit)
-    limit = pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces, axis=1)
+    return pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces, axis=1)
+
+
+def _seen_columns(tab_ref, j, *, slots, br, tokens):
+    """bool [1, SP * BR]: the gathered rows token j sees, column s * BR + c iff c <= the last row of slot s it sees
+    (the `_resident_table` row's second half)."""
+    limit = _seen_limits(tab_ref, (tokens + j) * slots, slots=slots, br=br)
     return lax.broadcasted_iota(jnp.int32, limit.shape, 1) <= limit
 
 
@@ -1119,47 +1125,42 @@ def _softmax_rows(s, seen, v, precision):
     return o, jnp.where(some, m + jnp.log(jnp.where(some, l, 1.0)), -jnp.inf)
 
 
-def _union_seen(last, heads, br):
-    """bool [UT * G, UC * BR]: row j * G + g (token j, head g) sees column u * BR + c of a union tile's gathered rows
-    iff c <= last[j, u] (float32 [UT, UC], `_union_table`; -1: token j does not list block u). last is spread over
-    the columns by a one-hot matmul (exact: small integers, HIGHEST precision), over the rows by sublane broadcasts."""
-    slots = last.shape[1]
-    cols = slots * br
-    col = lambda shape, axis: lax.broadcasted_iota(jnp.int32, shape, axis)  # lax.div, rem: non-negative, no sign
-    spread = (lax.div(col((slots, cols), 1), br) == col((slots, cols), 0)).astype(jnp.float32)
-    per_column = dot(last, spread, lax.Precision.HIGHEST)  # [UT, UC * BR]
-    rows = jnp.concatenate([jnp.broadcast_to(per_column[j:j + 1], (heads, cols)) for j in range(last.shape[0])])
-    c = lax.rem(col((1, cols), 1), br).astype(jnp.float32)
-    return c <= rows
+def _union_seen(tab_ref, last_at, *, tokens, heads, slots, br):
+    """bool [UT * G, UC * BR]: row j * G + g (token j of a union tile, head g) sees column u * BR + c of the tile's
+    gathered rows iff c <= the last row of union block u that token j sees, tab_ref[0, last_at + j * UC + u] (-1:
+    token j does not list it): each token's `_seen_limits` spread over its G rows (int32, whole sublane tiles)."""
+    limits = [_seen_limits(tab_ref, last_at + j * slots, slots=slots, br=br) for j in range(tokens)]
+    rows = jnp.concatenate([jnp.broadcast_to(limit, (heads, slots * br)) for limit in limits])
+    return lax.broadcasted_iota(jnp.int32, rows.shape, 1) <= rows
 
 
-def _union_tile(tab_ref, last_ref, q_ref, o_ref, lse_ref, pairs, n, *, at, first, tokens, slots, br, align, scale,
-                precision):
-    """Union tile n of a step (its tokens first .. first + tokens - 1, its table entries from `at`): the union's
-    blocks gathered once into pairs' buffers [UC * BR, Dp], the tile's tokens' G rows each stacked into one
-    [UT * G, Dkp] query, one masked softmax (`_union_seen`), each token's G rows of o and lse written back."""
+def _union_tile(tab_ref, q_ref, o_ref, lse_ref, pairs, *, at, first, tokens, slots, br, align, scale, precision):
+    """The union tile of a step's tokens first .. first + tokens - 1, its `_union_table` entries from `at` (its flag,
+    the union's source rows, their last rows seen, each token's last rows seen): the union's blocks gathered once
+    into pairs' buffers [UC * BR, Dp], the tokens' G rows each stacked into one [UT * G, Dkp] query, one masked
+    softmax (`_union_seen`), each token's G rows of o and lse written back."""
     _gather(tab_ref, at + 1, at + 1 + slots, pairs, slots=slots, br=br, align=align)
     (_, k_union), (_, v_union) = pairs
     q = jnp.concatenate([q_ref[first + j] for j in range(tokens)])  # [UT * G, Dkp]
     heads = q_ref.shape[1]
     s = dot(q, k_union[...], precision, transpose_b=True) * scale  # [UT * G, UC * BR]
-    o, lse = _softmax_rows(s, _union_seen(last_ref[first:first + tokens, :], heads, br), v_union[...], precision)
+    seen = _union_seen(tab_ref, at + 1 + 2 * slots, tokens=tokens, heads=heads, slots=slots, br=br)
+    o, lse = _softmax_rows(s, seen, v_union[...], precision)
     for j in range(tokens):
         o_ref[first + j] = o[j * heads:(j + 1) * heads].astype(o_ref.dtype)
         lse_ref[first + j] = lse[j * heads:(j + 1) * heads]
 
 
 def _resident_fwd_kernel(tab_ref, q_ref, *refs, scale, slots, br, align, precision, union_tokens, union_slots):
-    """Grid (B, H, NT), a step one tile of TB tokens. Loads q_ref (TB, G, Dkp) by BlockSpec, with union tiles
-    (union_tokens UT > 1) the seen rows last_ref (TB, UC) float32 by BlockSpec, and, at the (b, h)'s first step, its
-    rows of k_hbm, v_hbm [B, H, KR, Dp] (HBM) into k_ref, v_ref [KR, Dp] (`_row_start`); writes o_ref (TB, G, Dvp),
+    """Grid (B, H, NT), a step one tile of TB tokens. Loads q_ref (TB, G, Dkp) by BlockSpec and, at the (b, h)'s
+    first step, its rows of k_hbm, v_hbm [B, H, KR, Dp] (HBM) into k_ref, v_ref [KR, Dp] (`_row_start`); writes o_ref (TB, G, Dvp),
     lse_ref (TB, G, 1); k_buf, v_buf [SP * BR, Dp] a token's gathered blocks, k_union, v_union [UC * BR, Dp] a union
     tile's. The table row (SMEM): `_resident_table`'s, then `_union_table`'s: each of the TB / UT union tiles runs
     as one (`_union_tile`) where its flag is 1, token by token else."""
     if union_tokens > 1:
-        last_ref, k_hbm, v_hbm, o_ref, lse_ref, k_ref, v_ref, k_buf, v_buf, k_union, v_union, sems = refs
+        k_hbm, v_hbm, o_ref, lse_ref, k_ref, v_ref, k_buf, v_buf, k_union, v_union, sems = refs
     else:
-        last_ref = k_union = v_union = None
+        k_union = v_union = None
         k_hbm, v_hbm, o_ref, lse_ref, k_ref, v_ref, k_buf, v_buf, sems = refs
     tokens = q_ref.shape[0]
     b, h = pl.program_id(0), pl.program_id(1)
@@ -1179,13 +1180,13 @@ def _resident_fwd_kernel(tab_ref, q_ref, *refs, scale, slots, br, align, precisi
         lax.fori_loop(0, tokens, token, 0)
         return
     for n in range(tokens // union_tokens):
-        at = 2 * tokens * slots + n * (1 + 2 * union_slots)
+        at = 2 * tokens * slots + n * (1 + (2 + union_tokens) * union_slots)
         first = n * union_tokens
         takes = tab_ref[0, at] == 1
 
         @pl.when(takes)
         def _union():
-            _union_tile(tab_ref, last_ref, q_ref, o_ref, lse_ref, [(k_ref, k_union), (v_ref, v_union)], n, at=at,
+            _union_tile(tab_ref, q_ref, o_ref, lse_ref, [(k_ref, k_union), (v_ref, v_union)], at=at,
                         first=first, tokens=union_tokens, slots=union_slots, br=br, align=align, scale=scale,
                         precision=precision)
 
@@ -1277,9 +1278,7 @@ def _resident_attention(q, k, v, block_indices, block_counts, cu_seqlens, *, blo
     tiled = [_token_rows(q, lay, lay.dkp)]
     ut, uc = _union_tokens(lay), _union_slots(lay)
     if ut > 1:
-        union, last = _union_table(names, cu_seqlens, lay, block_size)
-        table = jnp.concatenate([table, union], axis=-1)
-        tiled.append(last)
+        table = jnp.concatenate([table, _union_table(names, cu_seqlens, lay, block_size)], axis=-1)
     rows = (lay.B, lay.H, lay.nt * lay.tb, lay.G)
     o, lse = _resident_call(
         functools.partial(_resident_fwd_kernel, union_tokens=ut, union_slots=uc), lay, table, tiled,
