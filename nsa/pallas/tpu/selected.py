@@ -782,7 +782,8 @@ def backward(residuals, do, *, block_size, scale, interpret=False, config=None):
 # block n's rows at n * BR (BR = block_size when it is a multiple of the sublane tile; the blocks of packed
 # sequences at multiples of BR); the table [B, H, NT, 1, 2 * TB * SP] int32 in SMEM, a row per step
 # (`_resident_table`): each slot's source row in k (`_copy_rows`; 0 when skipped), then the last row c of its block
-# the token sees (min(block_size - 1, the token's key row - the block's first), -1 when skipped). SP: S padded so
+# the token sees (min(block_size - 1, the token's key row - the block's first), -1 when skipped); the forward's row
+# followed by its union tiles' entries (`_union_table`, below). SP: S padded so
 # that SP * BR logits are whole lanes (the padded slots skipped).
 #
 # Single buffers. k and v stay in HBM (memory_space HBM) and the kernel copies the (b, h)'s rows into VMEM scratch
@@ -1153,10 +1154,11 @@ def _union_tile(tab_ref, q_ref, o_ref, lse_ref, pairs, *, at, first, tokens, slo
 
 def _resident_fwd_kernel(tab_ref, q_ref, *refs, scale, slots, br, align, precision, union_tokens, union_slots):
     """Grid (B, H, NT), a step one tile of TB tokens. Loads q_ref (TB, G, Dkp) by BlockSpec and, at the (b, h)'s
-    first step, its rows of k_hbm, v_hbm [B, H, KR, Dp] (HBM) into k_ref, v_ref [KR, Dp] (`_row_start`); writes o_ref (TB, G, Dvp),
-    lse_ref (TB, G, 1); k_buf, v_buf [SP * BR, Dp] a token's gathered blocks, k_union, v_union [UC * BR, Dp] a union
-    tile's. The table row (SMEM): `_resident_table`'s, then `_union_table`'s: each of the TB / UT union tiles runs
-    as one (`_union_tile`) where its flag is 1, token by token else."""
+    first step, its rows of k_hbm, v_hbm [B, H, KR, Dp] (HBM) into k_ref, v_ref [KR, Dp] (`_row_start`); writes
+    o_ref (TB, G, Dvp), lse_ref (TB, G, 1); k_buf, v_buf [SP * BR, Dp] a token's gathered blocks, k_union, v_union
+    [UC * BR, Dp] a union tile's (where union_tokens UT > 1). The table row (SMEM): `_resident_table`'s, then (UT > 1)
+    `_union_table`'s: each of the step's TB / UT union tiles of UT tokens runs as one [UT * G, UC * BR] softmax
+    (`_union_tile`) where its flag is 1, token by token (G rows against SP * BR) else."""
     if union_tokens > 1:
         k_hbm, v_hbm, o_ref, lse_ref, k_ref, v_ref, k_buf, v_buf, k_union, v_union, sems = refs
     else:
