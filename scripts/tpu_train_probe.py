@@ -11,7 +11,7 @@ TFLOP/s and the fraction of union tiles that took the union path, on random sele
 select_blocks' choice on inputs with locality along T (benchmarks.common.smooth_inputs); o and the gradients of the
 two agree (relative error).
 
-    python3 scripts/tpu_train_probe.py [--seq-lens 8192 16384] [--iters 5] [--out DIR] [--parts ... resident-long]
+    python3 scripts/tpu_train_probe.py [--seq-lens 8192 16384] [--iters 5] [--out DIR] [--parts ... resident-long union]
 
 Off a TPU it runs at T = 256 with HQ = 16 in interpret mode (--smoke) to prove that it runs.
 """
