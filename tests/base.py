@@ -694,10 +694,10 @@ class NSATestBase:
             forward = jax.jit(chex.assert_max_traces(f, n=1))
             o = forward(x.q, x.k, x.v)
             assert_close(o, eager, 1e-6, "o under jit")
+            if self.interpreted:  # an interpreter's repeats cannot differ; the gradient's one trace is the dispatch's
+                return            # (the same custom_vjp), checked by the compiled families (CI time: minutes here)
             grad = jax.jit(chex.assert_max_traces(lambda *args: jax.grad(loss, argnums=(0, 1, 2))(*args), n=1))
             grads = grad(x.q, x.k, x.v)
-            if self.interpreted:
-                return
             np.testing.assert_array_equal(np.asarray(forward(x.q, x.k, x.v)), np.asarray(o))
             for a, b in zip(grad(x.q, x.k, x.v), grads):
                 np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # bitwise repeatable
@@ -743,6 +743,8 @@ class NSATestBase:
 
             sharded = jax.jit(jax.shard_map(per_shard, mesh=mesh, in_specs=(spec,) * 6, out_specs=spec))
             assert_close(sharded(x.q, x.k, x.v, *g), jax.jit(f)(x.q, x.k, x.v), 1e-6, "o inside shard_map")
+            if self.interpreted:  # the interpreted kernels' gradients inside shard_map, over 2 devices: test_context's
+                return            # test_the_kernels_inside_a_context_axis (CI time: minutes here)
             loss = lambda *a: jnp.sum(sharded(*a).astype(jnp.float32) ** 2)
             dq = jax.jit(jax.grad(loss))(x.q, x.k, x.v, *g)
             dq_ref = jax.jit(jax.grad(lambda q: jnp.sum(f(q, x.k, x.v).astype(jnp.float32) ** 2)))(x.q)
