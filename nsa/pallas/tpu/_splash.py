@@ -27,8 +27,9 @@ p = exp(s - lse) is then exactly 0 in every kernel (splash's forward leaves such
 values, and in its backward a nonzero p). Two kernels: dq, grid (heads, query blocks, key blocks seen), each step
 loading a block of q, do, lse, di' and one of k and v; dk/dv, grid (key blocks, heads, query blocks seen), each step
 loading a block of k and v (held while the query blocks pass) and one of q, do, lse, di'. Not splash's fused one
-(use_fused_bwd_kernel), which writes dq once per key block in q's dtype, to be summed outside the kernel. Not yet
-timed on a TPU.
+(use_fused_bwd_kernel), which writes dq once per key block in q's dtype, to be summed outside the kernel. On a TPU v5e
+(2026-12-06, docs/tpu.md) the whole path is within 1.12-1.13x of splash's own for the window and 1.14-1.37x for
+compressed attention, forward and backward.
 """
 
 import inspect
