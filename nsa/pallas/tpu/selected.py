@@ -782,7 +782,8 @@ def backward(residuals, do, *, block_size, scale, interpret=False, config=None):
 # block n's rows at n * BR (BR = block_size when it is a multiple of the sublane tile; the blocks of packed
 # sequences at multiples of BR); the table [B, H, NT, 1, 2 * TB * SP] int32 in SMEM, a row per step
 # (`_resident_table`): each slot's source row in k (`_copy_rows`; 0 when skipped), then the last row c of its block
-# the token sees (min(block_size - 1, the token's key row - the block's first), -1 when skipped). SP: S padded so
+# the token sees (min(block_size - 1, the token's key row - the block's first), -1 when skipped); the forward's row
+# followed by its union tiles' entries (`_union_table`, below). SP: S padded so
 # that SP * BR logits are whole lanes (the padded slots skipped).
 #
 # Single buffers. k and v stay in HBM (memory_space HBM) and the kernel copies the (b, h)'s rows into VMEM scratch
@@ -823,25 +824,27 @@ def _reads_v(outputs):
     return outputs != ("dv",)
 
 
-def _resident_scratch_names(outputs):
+def _resident_scratch_names(outputs, union=False):
     """The VMEM scratch of a pass computing `outputs` (FORWARD, or some of dq, dk, dv), in the kernel's order: the
-    (b, h)'s resident rows k (and v where read), a token's gathered blocks k_buf (and v_buf), the backward's float32
-    sums dk_sum, dv_sum of those it computes."""
+    (b, h)'s resident rows k (and v where read), a token's gathered blocks k_buf (and v_buf), the forward's union
+    tile's gathered blocks k_union, v_union (where `union`: `_union_tokens` > 1), the backward's float32 sums dk_sum,
+    dv_sum of those it computes."""
     keys = ("k", "v") if _reads_v(outputs) else ("k",)
-    return keys + tuple(x + "_buf" for x in keys) + tuple(g + "_sum" for g in ("dk", "dv") if g in outputs)
+    unions = tuple(x + "_union" for x in keys) if union and outputs == FORWARD else ()
+    return keys + tuple(x + "_buf" for x in keys) + unions + tuple(g + "_sum" for g in ("dk", "dv") if g in outputs)
 
 
 def _resident_scratch(lay, dtype, outputs):
     """{name: (shape, dtype)} of `_resident_scratch_names`: k, v [KR, Dp] in `dtype`, k_buf, v_buf [SP * BR, Dp],
-    dk_sum, dv_sum [KR, Dp] float32."""
-    rows, width = _key_rows_count(lay), _padded_slots(lay.S, lay.br) * lay.br
+    k_union, v_union [UC * BR, Dp] (`_union_slots`), dk_sum, dv_sum [KR, Dp] float32."""
+    rows = {"buf": _padded_slots(lay.S, lay.br) * lay.br, "union": _union_slots(lay) * lay.br}
     dp = {"k": lay.dkp, "v": lay.dvp, "dk": lay.dkp, "dv": lay.dvp}
 
     def buffer(name):
         head, _, kind = name.partition("_")
-        return (width if kind == "buf" else rows, dp[head]), jnp.float32 if kind == "sum" else dtype
+        return (rows.get(kind, _key_rows_count(lay)), dp[head]), jnp.float32 if kind == "sum" else dtype
 
-    return {name: buffer(name) for name in _resident_scratch_names(outputs)}
+    return {name: buffer(name) for name in _resident_scratch_names(outputs, _union_tokens(lay) > 1)}
 
 
 def _tile_bytes(lay, d, dtype):
@@ -903,18 +906,121 @@ def _from_token_rows(x, lay, d):
     return x[:, :lay.T, :, :d]
 
 
-def _resident_table(block_indices, block_counts, cu_seqlens, lay, block_size):
-    """int32 [B, H, NT, 1, 2 * TB * SP]: per tile, each token's slots' source rows in `_key_rows`, then the last
-    row of its block each sees (-1: skipped)."""
-    names = tile_names(block_names(block_indices, block_counts, cu_seqlens, None, block_size=block_size), lay.tb)
+def _resident_names(block_indices, block_counts, cu_seqlens, lay, block_size):
+    """int32 [B, H, NT, TB, S]: each token's slots named by their blocks' first key rows (NONE: skipped)."""
+    return tile_names(block_names(block_indices, block_counts, cu_seqlens, None, block_size=block_size), lay.tb)
+
+
+def _tile_tokens(lay):
+    """int32 [NT, TB]: the key row (= index) of each token of each tile."""
+    return jnp.arange(lay.nt, dtype=jnp.int32)[:, None] * lay.tb + jnp.arange(lay.tb, dtype=jnp.int32)
+
+
+def _seen_last(names, token, block_size):
+    """The last row of each named block that `token` sees: min(block_size - 1, token - name), -1 where NONE."""
+    return jnp.where(names == NONE, -1, jnp.minimum(block_size - 1, token - names))
+
+
+def _resident_table(names, lay, block_size):
+    """int32 [B, H, NT, 1, 2 * TB * SP]: per tile, from its `_resident_names`, each token's slots' source rows in
+    `_key_rows`, then the last row of its block each sees (-1: skipped)."""
     slots = _padded_slots(lay.S, lay.br)
     names = jnp.pad(names, [(0, 0)] * 4 + [(0, slots - lay.S)], constant_values=NONE)  # [B, H, NT, TB, SP]
-    token = (jnp.arange(lay.nt, dtype=jnp.int32)[:, None] * lay.tb + jnp.arange(lay.tb, dtype=jnp.int32))[..., None]
     skipped = names == NONE
     rows = jnp.where(skipped, 0, _copy_rows(jnp.where(skipped, 0, names), lay, block_size))
-    last = jnp.where(skipped, -1, jnp.minimum(block_size - 1, token - names))
+    last = _seen_last(names, _tile_tokens(lay)[..., None], block_size)
     flat = lambda x: x.reshape(x.shape[:3] + (-1,)).astype(jnp.int32)
     return jnp.concatenate([flat(rows), flat(last)], axis=-1)[..., None, :]
+
+
+# The union tiles of the resident forward. On a trained model's selections neighbouring tokens list much the same
+# blocks; a tile of UT tokens (`_union_tokens`: UT * G ~ MXU_ROWS rows) whose tokens list U <= UC distinct blocks
+# (`_union_slots`: UNION_CAP * S, padded to whole lanes) runs as one [UT * G, UC * BR] logits matmul against the
+# union's gathered rows, each row masked to its token's own blocks and rows, instead of UT matmuls of G rows: at
+# G = 16, UT = 8 fills the MXU's 128 rows for at most UNION_CAP times the per-token work. A union tile must also lie
+# within one sequence and list no block twice in one token (a repeated block weighs twice; the union lists it once),
+# else it runs token by token; `_union_table` makes that choice per tile in XLA, from the selections. The two paths
+# round differently (one softmax over UC * BR columns, or SP * BR): results agree with the reference within the
+# usual tolerance, not bitwise across paths. A key row a token does not see never reaches its output through a row
+# that is zeroed (past the last row any token of the tile sees, or a slot that is not in the union); a row that a
+# later token of the same sequence and union tile sees but this one does not reaches it as 0 * that row in p v, as
+# in dense attention under a causal mask: a non-finite key or value row of a sequence's own tokens (which makes its
+# later queries' outputs non-finite anyway) reaches the earlier queries of its union tile.
+
+UNION_CAP = 2  # a union tile holds at most UNION_CAP * S distinct blocks: at most ~2x the per-token path's work
+UNION_TILES = True  # False: every tile token by token (scripts/tpu_train_probe.py's baseline for part union)
+
+
+def _union_tokens(lay):
+    """UT: the tokens of a union tile, the largest power of two <= MXU_ROWS / G dividing TB (1: no union tiles, G
+    alone fills the MXU, or UNION_TILES off)."""
+    if not UNION_TILES:
+        return 1
+    ut = 1
+    while ut * 2 * lay.G <= MXU_ROWS and lay.tb % (ut * 2) == 0:
+        ut *= 2
+    return ut
+
+
+def _union_slots(lay):
+    """UC: the blocks a union tile gathers, UNION_CAP * S padded so that UC * BR columns are whole lanes."""
+    return _padded_slots(UNION_CAP * lay.S, lay.br)
+
+
+def _sequence_ids(cu_seqlens, lay):
+    """int32 [NT, TB]: the sequence of each token of each tile (padded tokens: that of token T - 1), all 0 without
+    cu_seqlens."""
+    token = jnp.minimum(_tile_tokens(lay), lay.T - 1)
+    if cu_seqlens is None:
+        return jnp.zeros_like(token)
+    return jnp.searchsorted(cu_seqlens.astype(jnp.int32), token, side="right").astype(jnp.int32)
+
+
+def _distinct(names, size):
+    """(int32 [..., size]: the distinct names of names [..., N], increasing, NONE-padded; int32 [...]: how many)."""
+    s = jnp.sort(names, axis=-1)
+    prev = jnp.concatenate([jnp.full(s.shape[:-1] + (1,), NONE, s.dtype), s[..., :-1]], axis=-1)
+    first = (s != NONE) & (s != prev)
+    big = jnp.iinfo(jnp.int32).max
+    union = jnp.sort(jnp.where(first, s, big), axis=-1)
+    union = jnp.pad(union, [(0, 0)] * (union.ndim - 1) + [(0, max(0, size - union.shape[-1]))], constant_values=big)
+    return jnp.where(union[..., :size] == big, NONE, union[..., :size]), jnp.sum(first, axis=-1)
+
+
+def _union_table(names, cu_seqlens, lay, block_size):
+    """int32 [B, H, NT, 1, NU * (1 + (2 + UT) * UC)], the union tiles of the resident forward from its
+    `_resident_names` [B, H, NT, TB, S]: per union tile of the step (NU = TB / UT), 1 where it takes the union path,
+    then its union's source rows in `_key_rows` (0: an empty slot), the last row of each that any of its tokens sees
+    (-1: an empty slot, zeroed whole), and for each of its UT tokens the last row of each that it sees (-1: not
+    listed), for `_union_seen`."""
+    B, H, nt, tb, S = names.shape
+    ut, uc = _union_tokens(lay), _union_slots(lay)
+    tiles = names.reshape(B, H, nt, tb // ut, ut, S)
+    union, count = _distinct(tiles.reshape(B, H, nt, tb // ut, ut * S), uc)  # [B, H, NT, NU, UC], [B, H, NT, NU]
+    ordered = jnp.sort(tiles, axis=-1)
+    repeated = jnp.any((ordered[..., 1:] == ordered[..., :-1]) & (ordered[..., 1:] != NONE), axis=(-2, -1))
+    seq = _sequence_ids(cu_seqlens, lay).reshape(nt, tb // ut, ut)
+    one_sequence = jnp.all(seq == seq[..., :1], axis=-1)
+    takes = (count <= uc) & ~repeated & one_sequence
+    token = _tile_tokens(lay).reshape(nt, tb // ut, ut)[..., None]  # [NT, NU, UT, 1]
+    listed = jnp.any(tiles[..., None, :] == union[..., None, :, None], axis=-1) & (union[..., None, :] != NONE)
+    last = jnp.where(listed, _seen_last(union[..., None, :], token, block_size), -1)  # [B, H, NT, NU, UT, UC]
+    empty = union == NONE
+    rows = jnp.where(empty, 0, _copy_rows(jnp.where(empty, 0, union), lay, block_size))
+    table = jnp.concatenate([takes[..., None].astype(jnp.int32), rows, jnp.max(last, axis=-2),
+                             last.reshape(B, H, nt, tb // ut, ut * uc)], axis=-1)
+    return table.reshape(B, H, nt, 1, -1).astype(jnp.int32)
+
+
+def union_tiles(q, k, v, block_indices, block_counts, cu_seqlens, *, block_size):
+    """bool [B, H, NT, NU]: which union tiles of the resident forward take the union path (`_union_table`) on these
+    inputs; all False where G fills the MXU alone (no union tiles)."""
+    lay = _resident_layout(q, k, v, block_indices, block_size, cu_seqlens)
+    if _union_tokens(lay) == 1:
+        return jnp.zeros((lay.B, lay.H, lay.nt, lay.tb), bool)
+    names = _resident_names(block_indices, block_counts, cu_seqlens, lay, block_size)
+    table = _union_table(names, cu_seqlens, lay, block_size)
+    return table.reshape(lay.B, lay.H, lay.nt, lay.tb // _union_tokens(lay), -1)[..., 0] == 1
 
 
 ZEROED_ROWS = 64  # rows of a float32 sum zeroed per loop step (8 vregs at Dp = 128)
@@ -958,31 +1064,44 @@ def _row_end(copies):
             copy.wait()
 
 
-def _gather(tab_ref, j, pairs, *, slots, br, align, tokens):
-    """Token j's blocks, for each (resident rows [KR, Dp], buffer [SP * BR, Dp]) of `pairs` (k's, and v's where
-    read): slot s's BR rows from its source row, at rows s * BR, those past the last row of the slot that token j
-    sees (the table's second half; every row of a skipped slot) zeroed: they hold a later token's rows, another
-    sequence's, or stale ones, and 0 * NaN would leak into p v (forward), do v^T and ds k (backward)."""
+def _gather(tab_ref, rows_at, last_at, pairs, *, slots, br, align):
+    """`slots` blocks, for each (resident rows [KR, Dp], buffer [slots * BR, Dp]) of `pairs` (k's, and v's where
+    read): slot s's BR rows from its source row tab_ref[0, rows_at + s], at rows s * BR, those past the last row of
+    the slot that its token (or union tile) sees, tab_ref[0, last_at + s] (every row of a skipped slot: -1), zeroed:
+    they hold a later token's rows, another sequence's, or stale ones, and 0 * NaN would leak into p v (forward),
+    do v^T and ds k (backward)."""
     c = lax.broadcasted_iota(jnp.int32, (br, 1), 0)
     for s in range(slots):
-        src = pl.ds(pl.multiple_of(tab_ref[0, j * slots + s], align), br)
-        keep = c <= tab_ref[0, (tokens + j) * slots + s]
+        src = pl.ds(pl.multiple_of(tab_ref[0, rows_at + s], align), br)
+        keep = c <= tab_ref[0, last_at + s]
         for rows, buf in pairs:
             buf[pl.ds(s * br, br), :] = jnp.where(keep, rows[src, :], 0).astype(buf.dtype)
 
 
-def _seen_columns(tab_ref, j, *, slots, br, tokens):
-    """bool [1, SP * BR]: the gathered rows token j sees, column s * BR + c iff c <= the last row of slot s it sees
-    (the table's second half). Built per 128 lanes from the slots that reach into them (each a scalar)."""
-    base, lane = (tokens + j) * slots, lanes()
+def _token_gather(tab_ref, j, pairs, *, slots, br, align, tokens):
+    """Token j's blocks (`_gather`): its slots' source rows and last rows from the `_resident_table` row."""
+    _gather(tab_ref, j * slots, (tokens + j) * slots, pairs, slots=slots, br=br, align=align)
+
+
+def _seen_limits(tab_ref, last_at, *, slots, br):
+    """int32 [1, slots * BR]: the last gathered column each column's slot is seen to, s * BR + tab_ref[0, last_at + s]
+    for the columns of slot s (its last row seen; -1: skipped, so below every column of it). Built per 128 lanes
+    from the slots that reach into them (each a scalar)."""
+    lane = lanes()
     pieces = []
     for g in range(slots * br // lane):
         col = g * lane + lax.broadcasted_iota(jnp.int32, (1, lane), 1)
-        limit = jnp.full((1, lane), -1, jnp.int32)  # the last column seen, per column
+        limit = jnp.full((1, lane), -1, jnp.int32)
         for s in range(g * lane // br, min(slots, ((g + 1) * lane - 1) // br + 1)):
-            limit = jnp.where(col >= s * br, s * br + tab_ref[0, base + s], limit)
+            limit = jnp.where(col >= s * br, s * br + tab_ref[0, last_at + s], limit)
         pieces.append(limit)
-    limit = pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces, axis=1)
+    return pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces, axis=1)
+
+
+def _seen_columns(tab_ref, j, *, slots, br, tokens):
+    """bool [1, SP * BR]: the gathered rows token j sees, column s * BR + c iff c <= the last row of slot s it sees
+    (the `_resident_table` row's second half)."""
+    limit = _seen_limits(tab_ref, (tokens + j) * slots, slots=slots, br=br)
     return lax.broadcasted_iota(jnp.int32, limit.shape, 1) <= limit
 
 
@@ -994,31 +1113,88 @@ def _transposed_dot(a, b, precision):
     return dot(padded(a, 0, rows).T.astype(b.dtype), padded(b, 0, rows), precision)
 
 
-def _resident_fwd_kernel(tab_ref, q_ref, k_hbm, v_hbm, o_ref, lse_ref, k_ref, v_ref, k_buf, v_buf, sems, *, scale,
-                         slots, br, align, precision):
+def _softmax_rows(s, seen, v, precision):
+    """(o [R, Dvp] float32, lse [R, 1]) of logits s [R, N] over the columns `seen` (bool [R, N]) against v [N, Dvp]:
+    a row that sees nothing gets o = 0, lse = -inf (no NaN: its logits are -inf by `where`, never 0 * NaN)."""
+    s = jnp.where(seen, s, -jnp.inf)
+    m = jnp.max(s, axis=1, keepdims=True)
+    m = jnp.where(m == -jnp.inf, 0.0, m)
+    p = jnp.exp(s - m)
+    l = jnp.sum(p, axis=1, keepdims=True)
+    some = l > 0
+    o = dot(p.astype(v.dtype), v, precision) / jnp.where(some, l, 1.0)
+    return o, jnp.where(some, m + jnp.log(jnp.where(some, l, 1.0)), -jnp.inf)
+
+
+def _union_seen(tab_ref, last_at, *, tokens, heads, slots, br):
+    """bool [UT * G, UC * BR]: row j * G + g (token j of a union tile, head g) sees column u * BR + c of the tile's
+    gathered rows iff c <= the last row of union block u that token j sees, tab_ref[0, last_at + j * UC + u] (-1:
+    token j does not list it): each token's `_seen_limits` spread over its G rows (int32, whole sublane tiles)."""
+    limits = [_seen_limits(tab_ref, last_at + j * slots, slots=slots, br=br) for j in range(tokens)]
+    rows = jnp.concatenate([jnp.broadcast_to(limit, (heads, slots * br)) for limit in limits])
+    return lax.broadcasted_iota(jnp.int32, rows.shape, 1) <= rows
+
+
+def _union_tile(tab_ref, q_ref, o_ref, lse_ref, pairs, *, at, first, tokens, slots, br, align, scale, precision):
+    """The union tile of a step's tokens first .. first + tokens - 1, its `_union_table` entries from `at` (its flag,
+    the union's source rows, their last rows seen, each token's last rows seen): the union's blocks gathered once
+    into pairs' buffers [UC * BR, Dp], the tokens' G rows each stacked into one [UT * G, Dkp] query, one masked
+    softmax (`_union_seen`), each token's G rows of o and lse written back."""
+    _gather(tab_ref, at + 1, at + 1 + slots, pairs, slots=slots, br=br, align=align)
+    (_, k_union), (_, v_union) = pairs
+    q = jnp.concatenate([q_ref[first + j] for j in range(tokens)])  # [UT * G, Dkp]
+    heads = q_ref.shape[1]
+    s = dot(q, k_union[...], precision, transpose_b=True) * scale  # [UT * G, UC * BR]
+    seen = _union_seen(tab_ref, at + 1 + 2 * slots, tokens=tokens, heads=heads, slots=slots, br=br)
+    o, lse = _softmax_rows(s, seen, v_union[...], precision)
+    for j in range(tokens):
+        o_ref[first + j] = o[j * heads:(j + 1) * heads].astype(o_ref.dtype)
+        lse_ref[first + j] = lse[j * heads:(j + 1) * heads]
+
+
+def _resident_fwd_kernel(tab_ref, q_ref, *refs, scale, slots, br, align, precision, union_tokens, union_slots):
     """Grid (B, H, NT), a step one tile of TB tokens. Loads q_ref (TB, G, Dkp) by BlockSpec and, at the (b, h)'s
-    first step, its rows of k_hbm, v_hbm [B, H, KR, Dp] (HBM) into k_ref, v_ref [KR, Dp] (`_row_start`); writes o_ref
-    (TB, G, Dvp), lse_ref (TB, G, 1); k_buf, v_buf [SP * BR, Dp] a token's gathered blocks."""
+    first step, its rows of k_hbm, v_hbm [B, H, KR, Dp] (HBM) into k_ref, v_ref [KR, Dp] (`_row_start`); writes
+    o_ref (TB, G, Dvp), lse_ref (TB, G, 1); k_buf, v_buf [SP * BR, Dp] a token's gathered blocks, k_union, v_union
+    [UC * BR, Dp] a union tile's (where union_tokens UT > 1). The table row (SMEM): `_resident_table`'s, then (UT > 1)
+    `_union_table`'s: each of the step's TB / UT union tiles of UT tokens runs as one [UT * G, UC * BR] softmax
+    (`_union_tile`) where its flag is 1, token by token (G rows against SP * BR) else."""
+    if union_tokens > 1:
+        k_hbm, v_hbm, o_ref, lse_ref, k_ref, v_ref, k_buf, v_buf, k_union, v_union, sems = refs
+    else:
+        k_union = v_union = None
+        k_hbm, v_hbm, o_ref, lse_ref, k_ref, v_ref, k_buf, v_buf, sems = refs
     tokens = q_ref.shape[0]
     b, h = pl.program_id(0), pl.program_id(1)
     _row_start([pltpu.make_async_copy(k_hbm.at[b, h], k_ref, sems.at[0]),
                 pltpu.make_async_copy(v_hbm.at[b, h], v_ref, sems.at[1])], [])
 
     def token(j, carry):
-        _gather(tab_ref, j, [(k_ref, k_buf), (v_ref, v_buf)], slots=slots, br=br, align=align, tokens=tokens)
+        _token_gather(tab_ref, j, [(k_ref, k_buf), (v_ref, v_buf)], slots=slots, br=br, align=align, tokens=tokens)
         s = dot(q_ref[j], k_buf[...], precision, transpose_b=True) * scale  # [G, SP * BR]
-        s = jnp.where(_seen_columns(tab_ref, j, slots=slots, br=br, tokens=tokens), s, -jnp.inf)
-        m = jnp.max(s, axis=1, keepdims=True)
-        m = jnp.where(m == -jnp.inf, 0.0, m)  # a row that sees nothing: no NaN
-        p = jnp.exp(s - m)
-        l = jnp.sum(p, axis=1, keepdims=True)
-        seen = l > 0
-        o = dot(p.astype(v_buf.dtype), v_buf[...], precision)
-        o_ref[j] = (o / jnp.where(seen, l, 1.0)).astype(o_ref.dtype)
-        lse_ref[j] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
+        o, lse = _softmax_rows(s, _seen_columns(tab_ref, j, slots=slots, br=br, tokens=tokens), v_buf[...],
+                               precision)
+        o_ref[j] = o.astype(o_ref.dtype)
+        lse_ref[j] = lse
         return carry
 
-    lax.fori_loop(0, tokens, token, 0)
+    if union_tokens == 1:
+        lax.fori_loop(0, tokens, token, 0)
+        return
+    for n in range(tokens // union_tokens):
+        at = 2 * tokens * slots + n * (1 + (2 + union_tokens) * union_slots)
+        first = n * union_tokens
+        takes = tab_ref[0, at] == 1
+
+        @pl.when(takes)
+        def _union():
+            _union_tile(tab_ref, q_ref, o_ref, lse_ref, [(k_ref, k_union), (v_ref, v_union)], at=at,
+                        first=first, tokens=union_tokens, slots=union_slots, br=br, align=align, scale=scale,
+                        precision=precision)
+
+        @pl.when(jnp.logical_not(takes))
+        def _tokens():
+            lax.fori_loop(first, first + union_tokens, token, 0)
 
 
 def _resident_bwd_kernel(tab_ref, q_ref, do_ref, lse_ref, delta_ref, k_hbm, v_hbm, *refs, outputs, scale, slots, br,
@@ -1040,8 +1216,8 @@ def _resident_bwd_kernel(tab_ref, q_ref, do_ref, lse_ref, delta_ref, k_hbm, v_hb
                [r[g + "_sum"] for g in sums])
 
     def token(j, carry):
-        _gather(tab_ref, j, [(r[name], r[name + "_buf"]) for name, _ in keys], slots=slots, br=br, align=align,
-                tokens=tokens)
+        _token_gather(tab_ref, j, [(r[name], r[name + "_buf"]) for name, _ in keys], slots=slots, br=br, align=align,
+                      tokens=tokens)
         q, do, lse, k = q_ref[j], do_ref[j], lse_ref[j], r["k_buf"][...]
         s = dot(q, k, precision, transpose_b=True) * scale
         seen = _seen_columns(tab_ref, j, slots=slots, br=br, tokens=tokens) & (lse > -jnp.inf)
@@ -1097,13 +1273,18 @@ def _resident_call(kernel, lay, table, tiled, k_rows, v_rows, outputs, *, comput
 
 
 def _resident_attention(q, k, v, block_indices, block_counts, cu_seqlens, *, block_size, scale, interpret):
-    """`_attention`'s o and lse by the resident forward."""
+    """`_attention`'s o and lse by the resident forward, its union tiles (`_union_table`) where G leaves room."""
     lay = _resident_layout(q, k, v, block_indices, block_size, cu_seqlens)
-    table = _resident_table(block_indices, block_counts, cu_seqlens, lay, block_size)
+    names = _resident_names(block_indices, block_counts, cu_seqlens, lay, block_size)
+    table = _resident_table(names, lay, block_size)
+    tiled = [_token_rows(q, lay, lay.dkp)]
+    ut, uc = _union_tokens(lay), _union_slots(lay)
+    if ut > 1:
+        table = jnp.concatenate([table, _union_table(names, cu_seqlens, lay, block_size)], axis=-1)
     rows = (lay.B, lay.H, lay.nt * lay.tb, lay.G)
     o, lse = _resident_call(
-        _resident_fwd_kernel, lay, table, [_token_rows(q, lay, lay.dkp)], _key_rows(k, lay, lay.dkp),
-        _key_rows(v, lay, lay.dvp),
+        functools.partial(_resident_fwd_kernel, union_tokens=ut, union_slots=uc), lay, table, tiled,
+        _key_rows(k, lay, lay.dkp), _key_rows(v, lay, lay.dvp),
         [out_struct(rows + (lay.dvp,), q.dtype, q), out_struct(rows + (1,), jnp.float32, q)],
         computes=FORWARD, q=q, scale=scale, interpret=interpret, name="selected_resident_forward")
     return _from_token_rows(o, lay, v.shape[3]), _from_token_rows(lse, lay, 1)[..., 0]
@@ -1115,7 +1296,7 @@ def _resident_backward(q, k, v, block_indices, block_counts, cu_seqlens, o, lse,
     named selected_resident_backward (one pass) or selected_resident_backward_ followed by its outputs (dq_dk,
     dv)."""
     lay = _resident_layout(q, k, v, block_indices, block_size, cu_seqlens)
-    table = _resident_table(block_indices, block_counts, cu_seqlens, lay, block_size)
+    table = _resident_table(_resident_names(block_indices, block_counts, cu_seqlens, lay, block_size), lay, block_size)
     delta = kernel_delta(o, do, q.dtype)
     rows = lambda x, dp, fill=0.0: _token_rows(x, lay, dp, fill)
     tiled = [rows(q, lay.dkp), rows(do.astype(q.dtype), lay.dvp), rows(lse[..., None], 1, -jnp.inf),
