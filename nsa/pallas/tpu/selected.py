@@ -826,11 +826,11 @@ def _reads_v(outputs):
 
 def _resident_scratch_names(outputs, union=False):
     """The VMEM scratch of a pass computing `outputs` (FORWARD, or some of dq, dk, dv), in the kernel's order: the
-    (b, h)'s resident rows k (and v where read), a token's gathered blocks k_buf (and v_buf), the forward's union
-    tile's gathered blocks k_union, v_union (where `union`: `_union_tokens` > 1), the backward's float32 sums dk_sum,
-    dv_sum of those it computes."""
+    (b, h)'s resident rows k (and v where read), a token's gathered blocks k_buf (and v_buf), a union tile's gathered
+    blocks k_union (and v_union) where `union` (`_union_tokens` > 1), the backward's float32 sums dk_sum, dv_sum of
+    those it computes."""
     keys = ("k", "v") if _reads_v(outputs) else ("k",)
-    unions = tuple(x + "_union" for x in keys) if union and outputs == FORWARD else ()
+    unions = tuple(x + "_union" for x in keys) if union else ()
     return keys + tuple(x + "_buf" for x in keys) + unions + tuple(g + "_sum" for g in ("dk", "dv") if g in outputs)
 
 
@@ -854,8 +854,9 @@ def _tile_bytes(lay, d, dtype):
 
 def resident_bytes(lay, dtype, outputs):
     """The VMEM a grid step of a resident pass computing `outputs` (FORWARD, or some of dq, dk, dv) holds: its
-    `_resident_scratch`, one buffer each, and its tiles through BlockSpecs, double-buffered (forward: q in, o and
-    lse out; backward: q, do, lse, delta in, dq out if computed)."""
+    `_resident_scratch` (the union tiles' buffers included), one buffer each, and its tiles through BlockSpecs,
+    double-buffered (forward: q in, o and lse out; backward: q, do, lse, delta in, dq out if computed). Mosaic's
+    temporaries are RESIDENT_MARGIN's."""
     scratch = sum(math.prod(shape) * jnp.dtype(dt).itemsize
                   for shape, dt in _resident_scratch(lay, dtype, outputs).values())
     if outputs == FORWARD:
@@ -1012,9 +1013,19 @@ def _union_table(names, cu_seqlens, lay, block_size):
     return table.reshape(B, H, nt, 1, -1).astype(jnp.int32)
 
 
+def _step_table(block_indices, block_counts, cu_seqlens, lay, block_size):
+    """int32 [B, H, NT, 1, .], the table row per grid step that the resident forward and every backward pass read:
+    `_resident_table`'s, followed by `_union_table`'s where there are union tiles (`_union_tokens` > 1)."""
+    names = _resident_names(block_indices, block_counts, cu_seqlens, lay, block_size)
+    table = _resident_table(names, lay, block_size)
+    if _union_tokens(lay) == 1:
+        return table
+    return jnp.concatenate([table, _union_table(names, cu_seqlens, lay, block_size)], axis=-1)
+
+
 def union_tiles(q, k, v, block_indices, block_counts, cu_seqlens, *, block_size):
-    """bool [B, H, NT, NU]: which union tiles of the resident forward take the union path (`_union_table`) on these
-    inputs; all False where G fills the MXU alone (no union tiles)."""
+    """bool [B, H, NT, NU]: which union tiles of the resident forward and backward take the union path
+    (`_union_table`) on these inputs; all False where G fills the MXU alone (no union tiles)."""
     lay = _resident_layout(q, k, v, block_indices, block_size, cu_seqlens)
     if _union_tokens(lay) == 1:
         return jnp.zeros((lay.B, lay.H, lay.nt, lay.tb), bool)
@@ -1126,39 +1137,80 @@ def _softmax_rows(s, seen, v, precision):
     return o, jnp.where(some, m + jnp.log(jnp.where(some, l, 1.0)), -jnp.inf)
 
 
-def _union_seen(tab_ref, last_at, *, tokens, heads, slots, br):
-    """bool [UT * G, UC * BR]: row j * G + g (token j of a union tile, head g) sees column u * BR + c of the tile's
-    gathered rows iff c <= the last row of union block u that token j sees, tab_ref[0, last_at + j * UC + u] (-1:
-    token j does not list it): each token's `_seen_limits` spread over its G rows (int32, whole sublane tiles)."""
-    limits = [_seen_limits(tab_ref, last_at + j * slots, slots=slots, br=br) for j in range(tokens)]
+def _union_at(n, *, tokens, slots, union_tokens, union_slots):
+    """Where union tile n of a step starts in its table row (`_step_table`): past `_resident_table`'s 2 * TB * SP
+    entries and the 1 + (2 + UT) * UC `_union_table` entries of each union tile before it."""
+    return 2 * tokens * slots + n * (1 + (2 + union_tokens) * union_slots)
+
+
+def _each_tile(tab_ref, token, union, *, tokens, slots, union_tokens, union_slots):
+    """A grid step's TB tokens, in order: token(j, carry) for each where there are no union tiles (union_tokens UT =
+    1); else, per union tile n of the step's TB / UT (its entries at `_union_at`, its tokens first = n * UT .. first
+    + UT - 1), union(at, first) where its flag tab_ref[0, at] is 1, token(j, carry) for each of its tokens else."""
+    if union_tokens == 1:
+        lax.fori_loop(0, tokens, token, 0)
+        return
+    for n in range(tokens // union_tokens):
+        at = _union_at(n, tokens=tokens, slots=slots, union_tokens=union_tokens, union_slots=union_slots)
+        first = n * union_tokens
+        takes = tab_ref[0, at] == 1
+        pl.when(takes)(functools.partial(union, at, first))
+
+        @pl.when(jnp.logical_not(takes))
+        def _tokens(first=first):
+            lax.fori_loop(first, first + union_tokens, token, 0)
+
+
+def _union_gather(tab_ref, at, pairs, *, slots, br, align):
+    """A union tile's blocks (`_gather`) into pairs' buffers [UC * BR, Dp]: its union's source rows and the last row
+    of each that any of its tokens sees, from its `_union_table` entries at `at` (its flag first)."""
+    _gather(tab_ref, at + 1, at + 1 + slots, pairs, slots=slots, br=br, align=align)
+
+
+def _union_seen(tab_ref, at, *, tokens, heads, slots, br):
+    """bool [UT * G, UC * BR]: row j * G + g (token j of the union tile whose `_union_table` entries start at `at`,
+    head g) sees column u * BR + c of the tile's gathered rows iff c <= the last row of union block u that token j
+    sees, tab_ref[0, at + 1 + (2 + j) * UC + u] (-1: token j does not list it): each token's `_seen_limits` spread
+    over its G rows (int32, whole sublane tiles)."""
+    limits = [_seen_limits(tab_ref, at + 1 + (2 + j) * slots, slots=slots, br=br) for j in range(tokens)]
     rows = jnp.concatenate([jnp.broadcast_to(limit, (heads, slots * br)) for limit in limits])
     return lax.broadcasted_iota(jnp.int32, rows.shape, 1) <= rows
 
 
-def _union_tile(tab_ref, q_ref, o_ref, lse_ref, pairs, *, at, first, tokens, slots, br, align, scale, precision):
-    """The union tile of a step's tokens first .. first + tokens - 1, its `_union_table` entries from `at` (its flag,
-    the union's source rows, their last rows seen, each token's last rows seen): the union's blocks gathered once
-    into pairs' buffers [UC * BR, Dp], the tokens' G rows each stacked into one [UT * G, Dkp] query, one masked
-    softmax (`_union_seen`), each token's G rows of o and lse written back."""
-    _gather(tab_ref, at + 1, at + 1 + slots, pairs, slots=slots, br=br, align=align)
+def _stacked(ref, first, tokens):
+    """[UT * G, .]: the G rows of tokens first .. first + UT - 1 of a (TB, G, .) block ref, token j's at j * G."""
+    return jnp.concatenate([ref[first + j] for j in range(tokens)])
+
+
+def _unstack(ref, first, x):
+    """The inverse of `_stacked`: ref[first + j] = x's rows j * G .. (j + 1) * G - 1 in ref's dtype, for each token j
+    of x [UT * G, .]."""
+    heads = ref.shape[1]
+    for j in range(x.shape[0] // heads):
+        ref[first + j] = x[j * heads:(j + 1) * heads].astype(ref.dtype)
+
+
+def _union_forward(tab_ref, q_ref, o_ref, lse_ref, pairs, at, first, *, tokens, slots, br, align, scale, precision):
+    """The union tile of a step's tokens first .. first + tokens - 1, its `_union_table` entries from `at`: the
+    union's blocks gathered once into pairs' buffers [UC * BR, Dp] (`_union_gather`), the tokens' G rows each stacked
+    into one [UT * G, Dkp] query, one masked softmax (`_union_seen`), each token's G rows of o and lse written back."""
+    _union_gather(tab_ref, at, pairs, slots=slots, br=br, align=align)
     (_, k_union), (_, v_union) = pairs
-    q = jnp.concatenate([q_ref[first + j] for j in range(tokens)])  # [UT * G, Dkp]
-    heads = q_ref.shape[1]
+    q = _stacked(q_ref, first, tokens)  # [UT * G, Dkp]
     s = dot(q, k_union[...], precision, transpose_b=True) * scale  # [UT * G, UC * BR]
-    seen = _union_seen(tab_ref, at + 1 + 2 * slots, tokens=tokens, heads=heads, slots=slots, br=br)
+    seen = _union_seen(tab_ref, at, tokens=tokens, heads=q_ref.shape[1], slots=slots, br=br)
     o, lse = _softmax_rows(s, seen, v_union[...], precision)
-    for j in range(tokens):
-        o_ref[first + j] = o[j * heads:(j + 1) * heads].astype(o_ref.dtype)
-        lse_ref[first + j] = lse[j * heads:(j + 1) * heads]
+    _unstack(o_ref, first, o)
+    _unstack(lse_ref, first, lse)
 
 
 def _resident_fwd_kernel(tab_ref, q_ref, *refs, scale, slots, br, align, precision, union_tokens, union_slots):
     """Grid (B, H, NT), a step one tile of TB tokens. Loads q_ref (TB, G, Dkp) by BlockSpec and, at the (b, h)'s
     first step, its rows of k_hbm, v_hbm [B, H, KR, Dp] (HBM) into k_ref, v_ref [KR, Dp] (`_row_start`); writes
     o_ref (TB, G, Dvp), lse_ref (TB, G, 1); k_buf, v_buf [SP * BR, Dp] a token's gathered blocks, k_union, v_union
-    [UC * BR, Dp] a union tile's (where union_tokens UT > 1). The table row (SMEM): `_resident_table`'s, then (UT > 1)
-    `_union_table`'s: each of the step's TB / UT union tiles of UT tokens runs as one [UT * G, UC * BR] softmax
-    (`_union_tile`) where its flag is 1, token by token (G rows against SP * BR) else."""
+    [UC * BR, Dp] a union tile's (where union_tokens UT > 1). The table row (SMEM, `_step_table`): each of the
+    step's TB / UT union tiles of UT tokens runs as one [UT * G, UC * BR] softmax (`_union_forward`) where its flag
+    is 1, token by token (G rows against SP * BR) else (`_each_tile`)."""
     if union_tokens > 1:
         k_hbm, v_hbm, o_ref, lse_ref, k_ref, v_ref, k_buf, v_buf, k_union, v_union, sems = refs
     else:
@@ -1178,67 +1230,94 @@ def _resident_fwd_kernel(tab_ref, q_ref, *refs, scale, slots, br, align, precisi
         lse_ref[j] = lse
         return carry
 
-    if union_tokens == 1:
-        lax.fori_loop(0, tokens, token, 0)
-        return
-    for n in range(tokens // union_tokens):
-        at = 2 * tokens * slots + n * (1 + (2 + union_tokens) * union_slots)
-        first = n * union_tokens
-        takes = tab_ref[0, at] == 1
+    union = functools.partial(_union_forward, tab_ref, q_ref, o_ref, lse_ref, [(k_ref, k_union), (v_ref, v_union)],
+                              tokens=union_tokens, slots=union_slots, br=br, align=align, scale=scale,
+                              precision=precision)
+    _each_tile(tab_ref, token, union, tokens=tokens, slots=slots, union_tokens=union_tokens, union_slots=union_slots)
 
-        @pl.when(takes)
-        def _union():
-            _union_tile(tab_ref, q_ref, o_ref, lse_ref, [(k_ref, k_union), (v_ref, v_union)], at=at,
-                        first=first, tokens=union_tokens, slots=union_slots, br=br, align=align, scale=scale,
-                        precision=precision)
 
-        @pl.when(jnp.logical_not(takes))
-        def _tokens():
-            lax.fori_loop(first, first + union_tokens, token, 0)
+def _gradients(q, do, lse, delta, k, v, seen, *, outputs, scale, precision):
+    """(dq [R, Dkp] float32, None unless computed; {dk, dv of `outputs`: [N, Dp] float32, dk unscaled}) of R query
+    rows q [R, Dkp], do [R, Dvp], lse, delta [R, 1] float32 against N gathered rows k [N, Dkp], v [N, Dvp] (None in a
+    pass that reads no v), row r seeing column n where seen [R or 1, N]: p = exp(q k^T * scale - lse) where seen and
+    lse > -inf, else 0; ds = p (do v^T - delta); dq = ds k * scale, dk = ds^T q, dv = p^T do (`_transposed_dot`)."""
+    s = dot(q, k, precision, transpose_b=True) * scale  # [R, N]
+    seen = seen & (lse > -jnp.inf)
+    p = jnp.where(seen, jnp.exp(s - jnp.where(lse > -jnp.inf, lse, 0.0)), 0.0)
+    dq, grads = None, {}
+    if "dv" in outputs:
+        grads["dv"] = _transposed_dot(p, do, precision)  # [N, Dvp]
+    if v is not None:
+        ds = p * (dot(do, v, precision, transpose_b=True) - delta)
+        if "dq" in outputs:
+            dq = dot(ds.astype(k.dtype), k, precision) * scale
+        if "dk" in outputs:
+            grads["dk"] = _transposed_dot(ds, q, precision)  # [N, Dkp]
+    return dq, grads
+
+
+def _add_slots(tab_ref, rows_at, grads, sums, *, slots, br, align, last_at=None):
+    """For each slot s in order, each float32 sum g of `sums` ({name: [KR, Dp] ref}) += grads[g]'s rows s * BR ..
+    (s + 1) * BR - 1 at its BR rows from the slot's source row tab_ref[0, rows_at + s]; where last_at is given, only
+    at the slots whose last row seen tab_ref[0, last_at + s] is >= 0 (a union tile's empty slots, whose rows of
+    grads are zeros, are not added to row 0)."""
+    for s in range(slots):
+        def add(s=s):
+            rows = pl.ds(pl.multiple_of(tab_ref[0, rows_at + s], align), br)
+            for g, ref in sums.items():
+                ref[rows, :] += grads[g][s * br:(s + 1) * br]
+
+        if last_at is None:
+            add()
+        else:
+            pl.when(tab_ref[0, last_at + s] >= 0)(add)
 
 
 def _resident_bwd_kernel(tab_ref, q_ref, do_ref, lse_ref, delta_ref, k_hbm, v_hbm, *refs, outputs, scale, slots, br,
-                         align, precision):
+                         align, precision, union_tokens, union_slots):
     """Grid (B, H, NT), a step one tile of TB tokens, in order along the (b, h)'s row: one pass of the backward,
     computing `outputs` (some of dq, dk, dv). Loads q_ref, do_ref (TB, G, Dp), lse_ref, delta_ref (TB, G, 1) by
     BlockSpec and, at the row's first step, its rows of k_hbm (and v_hbm, where `_reads_v`) [B, H, KR, Dp] (HBM)
     into VMEM. refs: the outputs (dq (TB, G, Dkp) its own tile; dk, dv [B, H, KR, Dp] float32 in HBM, the unscaled
     dk), then the scratch of `_resident_scratch` in its order, then the DMA semaphores: dk_sum, dv_sum are zeroed at
-    the row's first step, added to at each token's slots' rows, copied out at its last."""
+    the row's first step, added to at each token's slots' rows, copied out at its last. As in the forward
+    (`_each_tile`), each union tile whose flag is 1 (union_tokens UT > 1) runs as one: its union's blocks gathered
+    into k_union (and v_union) [UC * BR, Dp], its tokens' rows stacked into [UT * G, .], `_gradients` of [UT * G, UC
+    * BR], dq written back per token, dk and dv added at the union's non-empty slots' rows; other tiles token by
+    token (G rows against SP * BR)."""
     out = dict(zip(outputs, refs))
-    names = _resident_scratch_names(outputs)
+    names = _resident_scratch_names(outputs, union_tokens > 1)
     r = dict(zip(names, refs[len(outputs):]))
     sems = refs[len(outputs) + len(names)]
     tokens, b, h = q_ref.shape[0], pl.program_id(0), pl.program_id(1)
     keys = [("k", k_hbm)] + ([("v", v_hbm)] if "v" in r else [])
-    sums = [g for g in ("dk", "dv") if g in outputs]
+    sums = {g: r[g + "_sum"] for g in ("dk", "dv") if g in outputs}
     _row_start([pltpu.make_async_copy(x.at[b, h], r[name], sems.at[n]) for n, (name, x) in enumerate(keys)],
-               [r[g + "_sum"] for g in sums])
+               list(sums.values()))
+    pairs = lambda kind: [(r[name], r[name + kind]) for name, _ in keys]  # (resident rows, gathered buffer)
+    grads_of = functools.partial(_gradients, outputs=outputs, scale=scale, precision=precision)
+    gathered = lambda kind: (r["k" + kind][...], r["v" + kind][...] if "v" in r else None)
 
     def token(j, carry):
-        _token_gather(tab_ref, j, [(r[name], r[name + "_buf"]) for name, _ in keys], slots=slots, br=br, align=align,
-                      tokens=tokens)
-        q, do, lse, k = q_ref[j], do_ref[j], lse_ref[j], r["k_buf"][...]
-        s = dot(q, k, precision, transpose_b=True) * scale
-        seen = _seen_columns(tab_ref, j, slots=slots, br=br, tokens=tokens) & (lse > -jnp.inf)
-        p = jnp.where(seen, jnp.exp(s - jnp.where(lse > -jnp.inf, lse, 0.0)), 0.0)  # [G, SP * BR]
-        grads = {}
-        if "dv" in outputs:
-            grads["dv"] = _transposed_dot(p, do, precision)  # [SP * BR, Dvp]
-        if "v" in r:
-            ds = p * (dot(do, r["v_buf"][...], precision, transpose_b=True) - delta_ref[j])
-            if "dq" in outputs:
-                out["dq"][j] = (dot(ds.astype(k.dtype), k, precision) * scale).astype(out["dq"].dtype)
-            if "dk" in outputs:
-                grads["dk"] = _transposed_dot(ds, q, precision)  # [SP * BR, Dkp]
-        for slot in range(slots):
-            rows = pl.ds(pl.multiple_of(tab_ref[0, j * slots + slot], align), br)
-            for g in sums:
-                r[g + "_sum"][rows, :] += grads[g][slot * br:(slot + 1) * br]
+        _token_gather(tab_ref, j, pairs("_buf"), slots=slots, br=br, align=align, tokens=tokens)
+        seen = _seen_columns(tab_ref, j, slots=slots, br=br, tokens=tokens)
+        dq, grads = grads_of(q_ref[j], do_ref[j], lse_ref[j], delta_ref[j], *gathered("_buf"), seen)
+        if dq is not None:
+            out["dq"][j] = dq.astype(out["dq"].dtype)
+        _add_slots(tab_ref, j * slots, grads, sums, slots=slots, br=br, align=align)
         return carry
 
-    lax.fori_loop(0, tokens, token, 0)
-    _row_end([pltpu.make_async_copy(r[g + "_sum"], out[g].at[b, h], sems.at[n]) for n, g in enumerate(sums)])
+    def union(at, first):
+        _union_gather(tab_ref, at, pairs("_union"), slots=union_slots, br=br, align=align)
+        seen = _union_seen(tab_ref, at, tokens=union_tokens, heads=q_ref.shape[1], slots=union_slots, br=br)
+        rows = [_stacked(x, first, union_tokens) for x in (q_ref, do_ref, lse_ref, delta_ref)]  # [UT * G, .]
+        dq, grads = grads_of(*rows, *gathered("_union"), seen)
+        if dq is not None:
+            _unstack(out["dq"], first, dq)
+        _add_slots(tab_ref, at + 1, grads, sums, slots=union_slots, br=br, align=align, last_at=at + 1 + union_slots)
+
+    _each_tile(tab_ref, token, union, tokens=tokens, slots=slots, union_tokens=union_tokens, union_slots=union_slots)
+    _row_end([pltpu.make_async_copy(ref, out[g].at[b, h], sems.at[n]) for n, (g, ref) in enumerate(sums.items())])
 
 
 def _resident_call(kernel, lay, table, tiled, k_rows, v_rows, outputs, *, computes, q, scale, interpret, name):
@@ -1261,7 +1340,8 @@ def _resident_call(kernel, lay, table, tiled, k_rows, v_rows, outputs, *, comput
     _, dots = params(q, interpret, semantics)
     scratch = _resident_scratch(lay, k_rows.dtype, computes)
     return pl.pallas_call(
-        functools.partial(kernel, scale=float(scale), slots=slots, br=lay.br, align=sublanes(k_rows.dtype), **dots),
+        functools.partial(kernel, scale=float(scale), slots=slots, br=lay.br, align=sublanes(k_rows.dtype),
+                          union_tokens=_union_tokens(lay), union_slots=_union_slots(lay), **dots),
         grid=(lay.B, lay.H, lay.nt),
         in_specs=[pl.BlockSpec((None, None, None) + table.shape[3:], lambda b, h, i: (b, h, i, 0, 0),
                                memory_space=pltpu.SMEM)] + [tile_spec(x.shape) for x in tiled] + [hbm, hbm],
@@ -1275,16 +1355,11 @@ def _resident_call(kernel, lay, table, tiled, k_rows, v_rows, outputs, *, comput
 def _resident_attention(q, k, v, block_indices, block_counts, cu_seqlens, *, block_size, scale, interpret):
     """`_attention`'s o and lse by the resident forward, its union tiles (`_union_table`) where G leaves room."""
     lay = _resident_layout(q, k, v, block_indices, block_size, cu_seqlens)
-    names = _resident_names(block_indices, block_counts, cu_seqlens, lay, block_size)
-    table = _resident_table(names, lay, block_size)
-    tiled = [_token_rows(q, lay, lay.dkp)]
-    ut, uc = _union_tokens(lay), _union_slots(lay)
-    if ut > 1:
-        table = jnp.concatenate([table, _union_table(names, cu_seqlens, lay, block_size)], axis=-1)
+    table = _step_table(block_indices, block_counts, cu_seqlens, lay, block_size)
     rows = (lay.B, lay.H, lay.nt * lay.tb, lay.G)
     o, lse = _resident_call(
-        functools.partial(_resident_fwd_kernel, union_tokens=ut, union_slots=uc), lay, table, tiled,
-        _key_rows(k, lay, lay.dkp), _key_rows(v, lay, lay.dvp),
+        _resident_fwd_kernel, lay, table, [_token_rows(q, lay, lay.dkp)], _key_rows(k, lay, lay.dkp),
+        _key_rows(v, lay, lay.dvp),
         [out_struct(rows + (lay.dvp,), q.dtype, q), out_struct(rows + (1,), jnp.float32, q)],
         computes=FORWARD, q=q, scale=scale, interpret=interpret, name="selected_resident_forward")
     return _from_token_rows(o, lay, v.shape[3]), _from_token_rows(lse, lay, 1)[..., 0]
@@ -1296,7 +1371,7 @@ def _resident_backward(q, k, v, block_indices, block_counts, cu_seqlens, o, lse,
     named selected_resident_backward (one pass) or selected_resident_backward_ followed by its outputs (dq_dk,
     dv)."""
     lay = _resident_layout(q, k, v, block_indices, block_size, cu_seqlens)
-    table = _resident_table(_resident_names(block_indices, block_counts, cu_seqlens, lay, block_size), lay, block_size)
+    table = _step_table(block_indices, block_counts, cu_seqlens, lay, block_size)
     delta = kernel_delta(o, do, q.dtype)
     rows = lambda x, dp, fill=0.0: _token_rows(x, lay, dp, fill)
     tiled = [rows(q, lay.dkp), rows(do.astype(q.dtype), lay.dvp), rows(lse[..., None], 1, -jnp.inf),
