@@ -6,10 +6,10 @@ error) with what it replaces. Standard shape: B = 1, HQ = 64, H = 4, D = 128, bf
 window 512. Part resident-long (not in the default parts): the resident kernels alone at --long-lens (32k, 64k) on
 random selections, their plan (the backward in one pass or two), and where one pass fits, the two-pass backward
 forced (its time, and its gradients bitwise those of one pass). Part union (not in the default parts): the resident
-forward's union tiles (nsa.pallas.tpu.selected.UNION_TILES) on and off, fwd and fwd+bwd times, the forward's useful
-TFLOP/s and the fraction of union tiles that took the union path, on random selections, the probe's shared ones, and
-select_blocks' choice on inputs with locality along T (benchmarks.common.smooth_inputs); o and the gradients of the
-two agree (relative error).
+kernels' union tiles (forward and backward: nsa.pallas.tpu.selected.UNION_TILES) on and off, fwd and fwd+bwd times,
+the forward's useful TFLOP/s and the fraction of union tiles that took the union path, on random selections, the
+probe's shared ones, and select_blocks' choice on inputs with locality along T (benchmarks.common.smooth_inputs); o
+and the gradients of the two agree (relative error).
 
     python3 scripts/tpu_train_probe.py [--seq-lens 8192 16384] [--iters 5] [--out DIR] [--parts ... resident-long union]
 
@@ -106,7 +106,7 @@ def resident_long(T, hq, bs, S, iters, interpret):
 
 
 def union_part(T, hq, bs, S, iters, interpret):
-    """Part union at T tokens: the resident kernels with the forward's union tiles on and off (UNION_TILES, read
+    """Part union at T tokens: the resident kernels with their union tiles on and off (UNION_TILES, read
     when a call is traced: each setting its own jitted functions), per selection."""
     q, k, v, _, do = jax_inputs(T, hq=hq)
     sq, sk, sv, _, sdo = smooth_inputs(T, hq=hq)

@@ -782,9 +782,10 @@ def backward(residuals, do, *, block_size, scale, interpret=False, config=None):
 # block n's rows at n * BR (BR = block_size when it is a multiple of the sublane tile; the blocks of packed
 # sequences at multiples of BR); the table [B, H, NT, 1, 2 * TB * SP] int32 in SMEM, a row per step
 # (`_resident_table`): each slot's source row in k (`_copy_rows`; 0 when skipped), then the last row c of its block
-# the token sees (min(block_size - 1, the token's key row - the block's first), -1 when skipped); the forward's row
-# followed by its union tiles' entries (`_union_table`, below). SP: S padded so
-# that SP * BR logits are whole lanes (the padded slots skipped).
+# the token sees (min(block_size - 1, the token's key row - the block's first), -1 when skipped), followed by its
+# union tiles' entries (`_union_table`, below): `_step_table`, one table that the forward and every backward pass
+# read, so that all take the same tiles by the union path. SP: S padded so that SP * BR logits are whole lanes (the
+# padded slots skipped).
 #
 # Single buffers. k and v stay in HBM (memory_space HBM) and the kernel copies the (b, h)'s rows into VMEM scratch
 # [KR, Dp] itself at the row's first grid step; the backward's float32 dk and dv sums are VMEM scratch too, zeroed
@@ -796,14 +797,17 @@ def backward(residuals, do, *, block_size, scale, interpret=False, config=None):
 # Passes (`resident_plan`, from `resident_bytes`): the backward is one pass (dq, dk, dv: k, v and float32 dk, dv
 # resident), or, where that does not fit, two over the whole grid: (dq, dk), holding k, v and dk, then (dv),
 # holding k and dv only (p = exp(q k^T * scale - lse) needs no v). The second recomputes q k^T and p (7 matmuls a
-# token instead of 5); each sum is added to in the same order as in one pass, so the gradients are bitwise those of
-# one pass. At the standard shape (B = 1, HQ = 64, H = 4, D = 128, bf16, block_size 64, S = 16) within 96 MiB (3/4
-# of a v5e's 128): one pass to 32k tokens (k, v 16 MiB and dk, dv 32 MiB at 32k), two at 64k (32 + 32 MiB, then
-# 16 + 32), none at 128k (the union kernels run). The forward holds k and v: 32 MiB at 64k, 64 MiB at 128k.
+# token instead of 5); each sum is added to in the same order as in one pass (the same union tiles taken), so the
+# gradients are bitwise those of one pass. At the standard shape (B = 1, HQ = 64, H = 4, D = 128, bf16, block_size
+# 64, S = 16) within 96 MiB (3/4 of a v5e's 128): one pass to 32k tokens (k, v 16 MiB and dk, dv 32 MiB at 32k), two
+# at 64k (32 + 32 MiB, then 16 + 32), none at 128k (the union kernels run). The forward holds k and v: 32 MiB at
+# 64k, 64 MiB at 128k. The union tiles' buffers add 1 MiB to each pass (k_union, v_union [UC * BR, Dp]; 0.5 to dv's).
 
 RESIDENT_TOKENS = 16  # query tokens per grid step: a step's fixed cost shared by 16 tokens' work
 RESIDENT_SHARE = 0.75  # the most of a TensorCore's VMEM the resident kernels plan to hold
-RESIDENT_MARGIN = 8 * 2 ** 20  # scoped VMEM asked beyond `resident_bytes`: Mosaic's temporaries ([G, SP * BR] logits)
+RESIDENT_MARGIN = 8 * 2 ** 20  # scoped VMEM asked beyond `resident_bytes`: Mosaic's temporaries ([G, SP * BR] logits;
+# a union tile's [UT * G, UC * BR] float32 values, 1 MiB each at the standard shape: the backward's s, p, dp, ds, p^T,
+# ds^T and its [UC * BR, Dp] dk, dv, some 6 MiB live at once if Mosaic frees each after its last use; not measured)
 FORWARD = ("o", "lse")  # the outputs of the resident forward, its one pass
 BACKWARD_PLANS = ((("dq", "dk", "dv"),), (("dq", "dk"), ("dv",)))  # the backward's passes, fewest first
 
@@ -934,7 +938,8 @@ def _resident_table(names, lay, block_size):
     return jnp.concatenate([flat(rows), flat(last)], axis=-1)[..., None, :]
 
 
-# The union tiles of the resident forward. On a trained model's selections neighbouring tokens list much the same
+# The union tiles of the resident forward and backward. On a trained model's selections neighbouring tokens list
+# much the same
 # blocks; a tile of UT tokens (`_union_tokens`: UT * G ~ MXU_ROWS rows) whose tokens list U <= UC distinct blocks
 # (`_union_slots`: UNION_CAP * S, padded to whole lanes) runs as one [UT * G, UC * BR] logits matmul against the
 # union's gathered rows, each row masked to its token's own blocks and rows, instead of UT matmuls of G rows: at
@@ -947,6 +952,16 @@ def _resident_table(names, lay, block_size):
 # later token of the same sequence and union tile sees but this one does not reaches it as 0 * that row in p v, as
 # in dense attention under a causal mask: a non-finite key or value row of a sequence's own tokens (which makes its
 # later queries' outputs non-finite anyway) reaches the earlier queries of its union tile.
+#
+# The backward takes the same tiles (`_step_table`'s flags) in each of its passes: a union tile's k (and v where the
+# pass reads it) gathered once as in the forward, its tokens' q, do, lse and delta stacked into [UT * G, .], one
+# `_gradients` of [UT * G, UC * BR] (dq written back per token; dk = ds^T q and dv = p^T do [UC * BR, Dp] of 128
+# rows at G = 16, their transposes aligned), then each union slot's BR rows of dk, dv added into the float32 sums at
+# its source row, slot after slot (a fixed order: bitwise repeatable, and bitwise in two passes as in one). An empty
+# slot (past the union's U blocks) is not added: its rows of dk, dv are zeros (its columns of p and ds are 0, q and
+# do finite), so adding them to row 0 would change no bit of a sum, only cost a read and write of BR rows. As in the
+# forward, a non-finite key or value row that a later token of the union tile sees reaches the earlier tokens' ds
+# (0 * it in do v^T) and dq (0 * it in ds k).
 
 UNION_CAP = 2  # a union tile holds at most UNION_CAP * S distinct blocks: at most ~2x the per-token path's work
 UNION_TILES = True  # False: every tile token by token (scripts/tpu_train_probe.py's baseline for part union)
@@ -989,7 +1004,7 @@ def _distinct(names, size):
 
 
 def _union_table(names, cu_seqlens, lay, block_size):
-    """int32 [B, H, NT, 1, NU * (1 + (2 + UT) * UC)], the union tiles of the resident forward from its
+    """int32 [B, H, NT, 1, NU * (1 + (2 + UT) * UC)], the union tiles of the resident forward and backward from their
     `_resident_names` [B, H, NT, TB, S]: per union tile of the step (NU = TB / UT), 1 where it takes the union path,
     then its union's source rows in `_key_rows` (0: an empty slot), the last row of each that any of its tokens sees
     (-1: an empty slot, zeroed whole), and for each of its UT tokens the last row of each that it sees (-1: not
@@ -1353,7 +1368,7 @@ def _resident_call(kernel, lay, table, tiled, k_rows, v_rows, outputs, *, comput
 
 
 def _resident_attention(q, k, v, block_indices, block_counts, cu_seqlens, *, block_size, scale, interpret):
-    """`_attention`'s o and lse by the resident forward, its union tiles (`_union_table`) where G leaves room."""
+    """`_attention`'s o and lse by the resident forward, its union tiles (`_step_table`) where G leaves room."""
     lay = _resident_layout(q, k, v, block_indices, block_size, cu_seqlens)
     table = _step_table(block_indices, block_counts, cu_seqlens, lay, block_size)
     rows = (lay.B, lay.H, lay.nt * lay.tb, lay.G)
@@ -1367,9 +1382,9 @@ def _resident_attention(q, k, v, block_indices, block_counts, cu_seqlens, *, blo
 
 def _resident_backward(q, k, v, block_indices, block_counts, cu_seqlens, o, lse, do, *, passes, block_size, scale,
                        interpret):
-    """`backward`'s (dq, dk, dv) by the resident backward in `passes` (`resident_plan`'s): one kernel call per pass,
-    named selected_resident_backward (one pass) or selected_resident_backward_ followed by its outputs (dq_dk,
-    dv)."""
+    """`backward`'s (dq, dk, dv) by the resident backward in `passes` (`resident_plan`'s), taking the forward's union
+    tiles (`_step_table`): one kernel call per pass, named selected_resident_backward (one pass) or
+    selected_resident_backward_ followed by its outputs (dq_dk, dv)."""
     lay = _resident_layout(q, k, v, block_indices, block_size, cu_seqlens)
     table = _step_table(block_indices, block_counts, cu_seqlens, lay, block_size)
     delta = kernel_delta(o, do, q.dtype)
