@@ -938,20 +938,19 @@ def _resident_table(names, lay, block_size):
     return jnp.concatenate([flat(rows), flat(last)], axis=-1)[..., None, :]
 
 
-# The union tiles of the resident forward and backward. On a trained model's selections neighbouring tokens list
-# much the same
-# blocks; a tile of UT tokens (`_union_tokens`: UT * G ~ MXU_ROWS rows) whose tokens list U <= UC distinct blocks
-# (`_union_slots`: UNION_CAP * S, padded to whole lanes) runs as one [UT * G, UC * BR] logits matmul against the
-# union's gathered rows, each row masked to its token's own blocks and rows, instead of UT matmuls of G rows: at
-# G = 16, UT = 8 fills the MXU's 128 rows for at most UNION_CAP times the per-token work. A union tile must also lie
-# within one sequence and list no block twice in one token (a repeated block weighs twice; the union lists it once),
-# else it runs token by token; `_union_table` makes that choice per tile in XLA, from the selections. The two paths
-# round differently (one softmax over UC * BR columns, or SP * BR): results agree with the reference within the
-# usual tolerance, not bitwise across paths. A key row a token does not see never reaches its output through a row
-# that is zeroed (past the last row any token of the tile sees, or a slot that is not in the union); a row that a
-# later token of the same sequence and union tile sees but this one does not reaches it as 0 * that row in p v, as
-# in dense attention under a causal mask: a non-finite key or value row of a sequence's own tokens (which makes its
-# later queries' outputs non-finite anyway) reaches the earlier queries of its union tile.
+# The union tiles of the resident forward and backward. On a trained model's selections neighbouring tokens list much
+# the same blocks; a tile of UT tokens (`_union_tokens`: UT * G ~ MXU_ROWS rows) whose tokens list U <= UC distinct
+# blocks (`_union_slots`: UNION_CAP * S, padded to whole lanes) runs as one [UT * G, UC * BR] logits matmul against the
+# union's gathered rows, each row masked to its token's own blocks and rows, instead of UT matmuls of G rows: at G = 16,
+# UT = 8 fills the MXU's 128 rows for at most UNION_CAP times the per-token work. A union tile must also lie within one
+# sequence and list no block twice in one token (a repeated block weighs twice; the union lists it once), else it runs
+# token by token; `_union_table` makes that choice per tile in XLA, from the selections. The two paths round differently
+# (one softmax over UC * BR columns, or SP * BR): results agree with the reference within the usual tolerance, not
+# bitwise across paths. A key row a token does not see never reaches its output through a row that is zeroed (past the
+# last row any token of the tile sees, or a slot that is not in the union); a row that a later token of the same
+# sequence and union tile sees but this one does not reaches it as 0 * that row in p v, as in dense attention under a
+# causal mask: a non-finite key or value row of a sequence's own tokens (which makes its later queries' outputs
+# non-finite anyway) reaches the earlier queries of its union tile.
 #
 # The backward takes the same tiles (`_step_table`'s flags) in each of its passes: a union tile's k (and v where the
 # pass reads it) gathered once as in the forward, its tokens' q, do, lse and delta stacked into [UT * G, .], one
