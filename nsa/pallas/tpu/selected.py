@@ -804,6 +804,7 @@ def backward(residuals, do, *, block_size, scale, interpret=False, config=None):
 # 64k, 64 MiB at 128k. The union tiles' buffers add 1 MiB to each pass (k_union, v_union [UC * BR, Dp]; 0.5 to dv's).
 
 RESIDENT_TOKENS = 16  # query tokens per grid step: a step's fixed cost shared by 16 tokens' work
+RESIDENT_UNROLL = 1  # tokens a step of the token loop (`_token_loop`), each with its own copy of the buffers
 RESIDENT_SHARE = 0.75  # the most of a TensorCore's VMEM the resident kernels plan to hold
 RESIDENT_MARGIN = 8 * 2 ** 20  # scoped VMEM asked beyond `resident_bytes`: Mosaic's temporaries ([G, SP * BR] logits;
 # a union tile's [UT * G, UC * BR] float32 values, 1 MiB each at the standard shape: the backward's s, p, dp, ds, p^T,
@@ -839,9 +840,9 @@ def _resident_scratch_names(outputs, union=False):
 
 
 def _resident_scratch(lay, dtype, outputs):
-    """{name: (shape, dtype)} of `_resident_scratch_names`: k, v [KR, Dp] in `dtype`, k_buf, v_buf [SP * BR, Dp],
+    """{name: (shape, dtype)} of `_resident_scratch_names`: k, v [KR, Dp] in `dtype`, k_buf, v_buf [UNROLL * SP * BR, Dp],
     k_union, v_union [UC * BR, Dp] (`_union_slots`), dk_sum, dv_sum [KR, Dp] float32."""
-    rows = {"buf": _padded_slots(lay.S, lay.br) * lay.br, "union": _union_slots(lay) * lay.br}
+    rows = {"buf": RESIDENT_UNROLL * _padded_slots(lay.S, lay.br) * lay.br, "union": _union_slots(lay) * lay.br}
     dp = {"k": lay.dkp, "v": lay.dvp, "dk": lay.dkp, "dv": lay.dvp}
 
     def buffer(name):
@@ -1089,9 +1090,9 @@ def _row_end(copies):
             copy.wait()
 
 
-def _gather(tab_ref, rows_at, last_at, pairs, *, slots, br, align):
-    """`slots` blocks, for each (resident rows [KR, Dp], buffer [slots * BR, Dp]) of `pairs` (k's, and v's where
-    read): slot s's BR rows from its source row tab_ref[0, rows_at + s], at rows s * BR, those past the last row of
+def _gather(tab_ref, rows_at, last_at, pairs, *, slots, br, align, base=0):
+    """`slots` blocks, for each (resident rows [KR, Dp], buffer [., Dp]) of `pairs` (k's, and v's where read): slot
+    s's BR rows from its source row tab_ref[0, rows_at + s], at rows base + s * BR, those past the last row of
     the slot that its token (or union tile) sees, tab_ref[0, last_at + s] (every row of a skipped slot: -1), zeroed:
     they hold a later token's rows, another sequence's, or stale ones, and 0 * NaN would leak into p v (forward),
     do v^T and ds k (backward)."""
@@ -1100,12 +1101,31 @@ def _gather(tab_ref, rows_at, last_at, pairs, *, slots, br, align):
         src = pl.ds(pl.multiple_of(tab_ref[0, rows_at + s], align), br)
         keep = c <= tab_ref[0, last_at + s]
         for rows, buf in pairs:
-            buf[pl.ds(s * br, br), :] = jnp.where(keep, rows[src, :], 0).astype(buf.dtype)
+            buf[pl.ds(base + s * br, br), :] = jnp.where(keep, rows[src, :], 0).astype(buf.dtype)
 
 
-def _token_gather(tab_ref, j, pairs, *, slots, br, align, tokens):
-    """Token j's blocks (`_gather`): its slots' source rows and last rows from the `_resident_table` row."""
-    _gather(tab_ref, j * slots, (tokens + j) * slots, pairs, slots=slots, br=br, align=align)
+def _token_gather(tab_ref, j, pairs, *, slots, br, align, tokens, copy):
+    """Token j's blocks (`_gather`) into copy `copy` of the buffers (rows copy * SP * BR ..): its slots' source rows
+    and last rows from the `_resident_table` row."""
+    _gather(tab_ref, j * slots, (tokens + j) * slots, pairs, slots=slots, br=br, align=align,
+            base=copy * slots * br)
+
+
+def _copy_of(ref, copy, slots, br):
+    """Copy `copy` of a token buffer [UNROLL * SP * BR, Dp], its rows copy * SP * BR .. (copy + 1) * SP * BR - 1."""
+    return ref[copy * slots * br:(copy + 1) * slots * br]
+
+
+def _token_loop(first, count, token, unroll):
+    """token(first + i, i % unroll) for i in 0 .. count - 1, in order, `unroll` tokens a loop step: each of a step's
+    tokens gathers into its own copy of the buffers, so that the scheduler may overlap one token's gather and
+    matmuls with the next's (a fori_loop's own `unroll` gave wrong results on a TPU v5e: 2026-12-07)."""
+    def step(i, carry):
+        for u in range(unroll):
+            token(first + i * unroll + u, u)
+        return carry
+
+    lax.fori_loop(0, count // unroll, step, 0)
 
 
 def _seen_limits(tab_ref, last_at, *, slots, br):
@@ -1157,12 +1177,13 @@ def _union_at(n, *, tokens, slots, union_tokens, union_slots):
     return 2 * tokens * slots + n * (1 + (2 + union_tokens) * union_slots)
 
 
-def _each_tile(tab_ref, token, union, *, tokens, slots, union_tokens, union_slots):
-    """A grid step's TB tokens, in order: token(j, carry) for each where there are no union tiles (union_tokens UT =
-    1); else, per union tile n of the step's TB / UT (its entries at `_union_at`, its tokens first = n * UT .. first
-    + UT - 1), union(at, first) where its flag tab_ref[0, at] is 1, token(j, carry) for each of its tokens else."""
+def _each_tile(tab_ref, token, union, *, tokens, slots, union_tokens, union_slots, unroll):
+    """A grid step's TB tokens, in order: token(j, copy) for each (`_token_loop`) where there are no union tiles
+    (union_tokens UT = 1); else, per union tile n of the step's TB / UT (its entries at `_union_at`, its tokens
+    first = n * UT .. first + UT - 1), union(at, first) where its flag tab_ref[0, at] is 1, token(j, copy) for each
+    of its tokens else."""
     if union_tokens == 1:
-        lax.fori_loop(0, tokens, token, 0)
+        _token_loop(0, tokens, token, unroll)
         return
     for n in range(tokens // union_tokens):
         at = _union_at(n, tokens=tokens, slots=slots, union_tokens=union_tokens, union_slots=union_slots)
@@ -1172,7 +1193,7 @@ def _each_tile(tab_ref, token, union, *, tokens, slots, union_tokens, union_slot
 
         @pl.when(jnp.logical_not(takes))
         def _tokens(first=first):
-            lax.fori_loop(first, first + union_tokens, token, 0)
+            _token_loop(first, union_tokens, token, unroll)
 
 
 def _union_gather(tab_ref, at, pairs, *, slots, br, align):
@@ -1218,7 +1239,8 @@ def _union_forward(tab_ref, q_ref, o_ref, lse_ref, pairs, at, first, *, tokens, 
     _unstack(lse_ref, first, lse)
 
 
-def _resident_fwd_kernel(tab_ref, q_ref, *refs, scale, slots, br, align, precision, union_tokens, union_slots):
+def _resident_fwd_kernel(tab_ref, q_ref, *refs, scale, slots, br, align, precision, union_tokens, union_slots,
+                         unroll):
     """Grid (B, H, NT), a step one tile of TB tokens. Loads q_ref (TB, G, Dkp) by BlockSpec and, at the (b, h)'s
     first step, its rows of k_hbm, v_hbm [B, H, KR, Dp] (HBM) into k_ref, v_ref [KR, Dp] (`_row_start`); writes
     o_ref (TB, G, Dvp), lse_ref (TB, G, 1); k_buf, v_buf [SP * BR, Dp] a token's gathered blocks, k_union, v_union
@@ -1235,19 +1257,20 @@ def _resident_fwd_kernel(tab_ref, q_ref, *refs, scale, slots, br, align, precisi
     _row_start([pltpu.make_async_copy(k_hbm.at[b, h], k_ref, sems.at[0]),
                 pltpu.make_async_copy(v_hbm.at[b, h], v_ref, sems.at[1])], [])
 
-    def token(j, carry):
-        _token_gather(tab_ref, j, [(k_ref, k_buf), (v_ref, v_buf)], slots=slots, br=br, align=align, tokens=tokens)
-        s = dot(q_ref[j], k_buf[...], precision, transpose_b=True) * scale  # [G, SP * BR]
-        o, lse = _softmax_rows(s, _seen_columns(tab_ref, j, slots=slots, br=br, tokens=tokens), v_buf[...],
-                               precision)
+    def token(j, copy):
+        _token_gather(tab_ref, j, [(k_ref, k_buf), (v_ref, v_buf)], slots=slots, br=br, align=align, tokens=tokens,
+                      copy=copy)
+        s = dot(q_ref[j], _copy_of(k_buf, copy, slots, br), precision, transpose_b=True) * scale  # [G, SP * BR]
+        o, lse = _softmax_rows(s, _seen_columns(tab_ref, j, slots=slots, br=br, tokens=tokens),
+                               _copy_of(v_buf, copy, slots, br), precision)
         o_ref[j] = o.astype(o_ref.dtype)
         lse_ref[j] = lse
-        return carry
 
     union = functools.partial(_union_forward, tab_ref, q_ref, o_ref, lse_ref, [(k_ref, k_union), (v_ref, v_union)],
                               tokens=union_tokens, slots=union_slots, br=br, align=align, scale=scale,
                               precision=precision)
-    _each_tile(tab_ref, token, union, tokens=tokens, slots=slots, union_tokens=union_tokens, union_slots=union_slots)
+    _each_tile(tab_ref, token, union, tokens=tokens, slots=slots, union_tokens=union_tokens, union_slots=union_slots,
+               unroll=unroll)
 
 
 def _gradients(q, do, lse, delta, k, v, seen, *, outputs, scale, precision):
@@ -1288,7 +1311,7 @@ def _add_slots(tab_ref, rows_at, grads, sums, *, slots, br, align, last_at=None)
 
 
 def _resident_bwd_kernel(tab_ref, q_ref, do_ref, lse_ref, delta_ref, k_hbm, v_hbm, *refs, outputs, scale, slots, br,
-                         align, precision, union_tokens, union_slots):
+                         align, precision, union_tokens, union_slots, unroll):
     """Grid (B, H, NT), a step one tile of TB tokens, in order along the (b, h)'s row: one pass of the backward,
     computing `outputs` (some of dq, dk, dv). Loads q_ref, do_ref (TB, G, Dp), lse_ref, delta_ref (TB, G, 1) by
     BlockSpec and, at the row's first step, its rows of k_hbm (and v_hbm, where `_reads_v`) [B, H, KR, Dp] (HBM)
@@ -1312,14 +1335,14 @@ def _resident_bwd_kernel(tab_ref, q_ref, do_ref, lse_ref, delta_ref, k_hbm, v_hb
     grads_of = functools.partial(_gradients, outputs=outputs, scale=scale, precision=precision)
     gathered = lambda kind: (r["k" + kind][...], r["v" + kind][...] if "v" in r else None)
 
-    def token(j, carry):
-        _token_gather(tab_ref, j, pairs("_buf"), slots=slots, br=br, align=align, tokens=tokens)
+    def token(j, copy):
+        _token_gather(tab_ref, j, pairs("_buf"), slots=slots, br=br, align=align, tokens=tokens, copy=copy)
         seen = _seen_columns(tab_ref, j, slots=slots, br=br, tokens=tokens)
-        dq, grads = grads_of(q_ref[j], do_ref[j], lse_ref[j], delta_ref[j], *gathered("_buf"), seen)
+        kv = [_copy_of(r[name + "_buf"], copy, slots, br) for name, _ in keys] + [None]
+        dq, grads = grads_of(q_ref[j], do_ref[j], lse_ref[j], delta_ref[j], kv[0], kv[1], seen)
         if dq is not None:
             out["dq"][j] = dq.astype(out["dq"].dtype)
         _add_slots(tab_ref, j * slots, grads, sums, slots=slots, br=br, align=align)
-        return carry
 
     def union(at, first):
         _union_gather(tab_ref, at, pairs("_union"), slots=union_slots, br=br, align=align)
@@ -1330,7 +1353,8 @@ def _resident_bwd_kernel(tab_ref, q_ref, do_ref, lse_ref, delta_ref, k_hbm, v_hb
             _unstack(out["dq"], first, dq)
         _add_slots(tab_ref, at + 1, grads, sums, slots=union_slots, br=br, align=align, last_at=at + 1 + union_slots)
 
-    _each_tile(tab_ref, token, union, tokens=tokens, slots=slots, union_tokens=union_tokens, union_slots=union_slots)
+    _each_tile(tab_ref, token, union, tokens=tokens, slots=slots, union_tokens=union_tokens, union_slots=union_slots,
+               unroll=unroll)
     _row_end([pltpu.make_async_copy(ref, out[g].at[b, h], sems.at[n]) for n, (g, ref) in enumerate(sums.items())])
 
 
@@ -1355,7 +1379,8 @@ def _resident_call(kernel, lay, table, tiled, k_rows, v_rows, outputs, *, comput
     scratch = _resident_scratch(lay, k_rows.dtype, computes)
     return pl.pallas_call(
         functools.partial(kernel, scale=float(scale), slots=slots, br=lay.br, align=sublanes(k_rows.dtype),
-                          union_tokens=_union_tokens(lay), union_slots=_union_slots(lay), **dots),
+                          union_tokens=_union_tokens(lay), union_slots=_union_slots(lay), unroll=RESIDENT_UNROLL,
+                          **dots),
         grid=(lay.B, lay.H, lay.nt),
         in_specs=[pl.BlockSpec((None, None, None) + table.shape[3:], lambda b, h, i: (b, h, i, 0, 0),
                                memory_space=pltpu.SMEM)] + [tile_spec(x.shape) for x in tiled] + [hbm, hbm],
