@@ -118,6 +118,8 @@ VARIANTS = {
     "union_on": ({"UNION_TILES": True}, True),
     "union_on_unrolled2": ({"UNION_TILES": True, "RESIDENT_UNROLL": 2}, True),
     "union_on_unrolled4": ({"UNION_TILES": True, "RESIDENT_UNROLL": 4}, True),
+    "union_off_unrolled2": ({"UNION_TILES": False, "RESIDENT_UNROLL": 2}, True),
+    "union_off_unrolled4": ({"UNION_TILES": False, "RESIDENT_UNROLL": 4}, True),
 }
 
 ROWS = []
