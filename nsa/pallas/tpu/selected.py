@@ -804,7 +804,7 @@ def backward(residuals, do, *, block_size, scale, interpret=False, config=None):
 # 64k, 64 MiB at 128k. The union tiles' buffers add 1 MiB to each pass (k_union, v_union [UC * BR, Dp]; 0.5 to dv's).
 
 RESIDENT_TOKENS = 16  # query tokens per grid step: a step's fixed cost shared by 16 tokens' work
-RESIDENT_UNROLL = 1  # tokens a step of the token loop (`_token_loop`), each with its own copy of the buffers
+RESIDENT_UNROLL = 4  # tokens a step of the token loop (`_token_loop`), each with its own copy of the buffers
 RESIDENT_SHARE = 0.75  # the most of a TensorCore's VMEM the resident kernels plan to hold
 RESIDENT_MARGIN = 8 * 2 ** 20  # scoped VMEM asked beyond `resident_bytes`: Mosaic's temporaries ([G, SP * BR] logits;
 # a union tile's [UT * G, UC * BR] float32 values, 1 MiB each at the standard shape: the backward's s, p, dp, ds, p^T,
