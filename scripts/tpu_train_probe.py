@@ -5,9 +5,13 @@ attention with a local mask; dense causal splash; and the fixed cost of one grid
 error) with what it replaces. Standard shape: B = 1, HQ = 64, H = 4, D = 128, bf16, blocks of 64, 16 selected,
 window 512. Part resident-long (not in the default parts): the resident kernels alone at --long-lens (32k, 64k) on
 random selections, their plan (the backward in one pass or two), and where one pass fits, the two-pass backward
-forced (its time, and its gradients bitwise those of one pass).
+forced (its time, and its gradients bitwise those of one pass). Part union (not in the default parts): the resident
+kernels' union tiles (forward and backward: nsa.pallas.tpu.selected.UNION_TILES) on and off, fwd and fwd+bwd times,
+the forward's useful TFLOP/s and the fraction of union tiles that took the union path, on random selections, the
+probe's shared ones, and select_blocks' choice on inputs with locality along T (benchmarks.common.smooth_inputs); o
+and the gradients of the two agree (relative error).
 
-    python3 scripts/tpu_train_probe.py [--seq-lens 8192 16384] [--iters 5] [--out DIR] [--parts ... resident-long]
+    python3 scripts/tpu_train_probe.py [--seq-lens 8192 16384] [--iters 5] [--out DIR] [--parts ... resident-long union]
 
 Off a TPU it runs at T = 256 with HQ = 16 in interpret mode (--smoke) to prove that it runs.
 """
@@ -26,7 +30,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from benchmarks.common import STANDARD, jax_inputs, random_block_indices, time_jax  # noqa: E402
+from benchmarks.common import (STANDARD, jax_inputs, random_block_indices, selection_of, smooth_inputs,  # noqa: E402
+                               time_jax, useful_flops)
 from nsa.pallas.tpu import selected, window  # noqa: E402
 
 ROWS = []
@@ -98,6 +103,42 @@ def resident_long(T, hq, bs, S, iters, interpret):
                         bitwise_one_pass=bool(all(np.array_equal(a, b) for a, b in zip(g_one, g_two))))
 
         record("selected random resident, two backward passes forced", T, forced)
+
+
+def union_part(T, hq, bs, S, iters, interpret):
+    """Part union at T tokens: the resident kernels with their union tiles on and off (UNION_TILES, read
+    when a call is traced: each setting its own jitted functions), per selection."""
+    q, k, v, _, do = jax_inputs(T, hq=hq)
+    sq, sk, sv, _, sdo = smooth_inputs(T, hq=hq)
+    idx_random = random_block_indices(T, shape=STANDARD._replace(HQ=hq))
+    cases = (("random", (q, k, v, do), idx_random), ("shared", (q, k, v, do), shared(idx_random, bs)),
+             ("local", (sq, sk, sv, sdo), selection_of("selection_local", T, sq, sk, STANDARD._replace(HQ=hq))))
+    useful = useful_flops("selection", T, STANDARD._replace(HQ=hq))
+    for sel_name, (q_, k_, v_, do_), idx in cases:
+        idx = jnp.asarray(idx, jnp.int32)
+        takes = np.asarray(selected.union_tiles(q_, k_, v_, idx, S, None, block_size=bs))
+        runs = {on: union_tiles_run(on, bs, S, interpret, (q_, k_, v_, idx), do_) for on in (True, False)}
+        for on, (f, fb, _, _) in runs.items():
+            def timing():
+                t = timed(f, fb, (q_, k_, v_, idx), (q_, k_, v_, idx, do_), iters)
+                return dict(t, fwd_useful_tflops=useful / t["fwd_ms"] / 1e9,
+                            union_fraction=float(takes.mean()) if on else 0.0)
+
+            record(f"selected {sel_name} resident, union tiles {'on' if on else 'off'}", T, timing)
+        (_, _, o_on, g_on), (_, _, o_off, g_off) = runs[True], runs[False]
+        record(f"selected {sel_name}: union tiles on vs off (agreement)", T,
+               lambda: dict(rel_o=rel(o_on, o_off), rel_grads=[rel(a, b) for a, b in zip(g_on, g_off)]))
+
+
+def union_tiles_run(on, bs, S, interpret, args, do):
+    """(fwd, fwd_bwd, o, grads): the resident kernels' jitted functions traced (by their first call, on args) with
+    selected.UNION_TILES = on, which their later calls keep; UNION_TILES set back to True."""
+    selected.UNION_TILES = on
+    try:
+        f, fb = selected_fns(None, bs, S, interpret)
+        return f, fb, f(*args), fb(*args, do)
+    finally:
+        selected.UNION_TILES = True
 
 
 def shared(idx, bs):
@@ -180,7 +221,7 @@ def main():
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--parts", nargs="+", default=["grid", "dense", "window", "selected"],
-                        help="of grid, dense, window, selected, resident-long")
+                        help="of grid, dense, window, selected, resident-long, union")
     parser.add_argument("--long-lens", type=int, nargs="+", default=[32768, 65536])
     args = parser.parse_args()
     on_tpu = jax.devices()[0].platform == "tpu"
@@ -236,6 +277,9 @@ def main():
     if "resident-long" in args.parts:
         for T in args.long_lens if on_tpu else [256]:
             resident_long(T, hq, bs, S, args.iters, interpret)
+    if "union" in args.parts:
+        for T in seq_lens:
+            union_part(T, hq, bs, S, args.iters, interpret)
     with open(os.path.join(args.out, "train-probe.json"), "w") as f:
         json.dump(dict(jax=jax.__version__, device=str(jax.devices()[0].device_kind), rows=ROWS), f, indent=1)
 

@@ -8,7 +8,9 @@ repeated entries and per-token counts, packed sequences with an empty one (cu_se
 rows that see nothing, keys that must never be read (NaN: invalid entries, the rows a copy takes past a
 block or past a sequence's end), lists split into many dk/dv segments, queries at the end of a KV cache's
 ragged sequences over several tiles and segments, and bitwise repeatable gradients; the resident backward in
-two passes (a VMEM budget too small for one) bitwise its one pass; no data race between two simulated cores.
+two passes (a VMEM budget too small for one) bitwise its one pass, with union tiles too; the resident kernels'
+union tiles (local selections; forward and backward) beside tiles token by token in one call, and never reading the
+next sequence; no data race between two simulated cores.
 Forward and backward are also exported for TPU (jax.export, platforms=["tpu"]), which lowers them through Mosaic's
 Pallas lowering, at the standard shape and an odd one, and the resident kernels at 32k and 64k tokens; and the
 VMEM of a grid step is bounded up to heads of 256 in float32.
@@ -341,9 +343,9 @@ def test_lowers_for_tpu(shape, S, dtype, resident):
 
 
 @pytest.mark.parametrize("T, kernels", [
-    (32768, {"selected_resident_forward": 26, "selected_resident_backward": 58}),
-    (65536, {"selected_resident_forward": 42, "selected_resident_backward_dq_dk": 74,
-             "selected_resident_backward_dv": 58})])
+    (32768, {"selected_resident_forward": 28, "selected_resident_backward": 60}),
+    (65536, {"selected_resident_forward": 44, "selected_resident_backward_dq_dk": 76,
+             "selected_resident_backward_dv": 59})])
 def test_long_resident_kernels_lower_for_tpu(T, kernels):
     """At 32k and 64k tokens of the standard shape the resident kernels lower through Mosaic (jax.export for a TPU
     v5e): the backward in one pass at 32k, two at 64k; each asks for a scoped VMEM (backend_config's
@@ -467,16 +469,77 @@ def _resident_grads(x, idx, counts, cu, budgets):
     return run(x.q, x.k, x.v, x.do)
 
 
-@pytest.mark.parametrize("shape, dtype, S, cu", [
-    ((1, 32, 3, 1, 32, 16, 16), "float32", 3, np.array([0, 13, 13, 32], np.int32)),  # G = 3, Dv != Dk, packed
-    ((1, 32, 1, 1, 16, 32, 32), "float32", 2, None),  # G = 1
-    ((1, 32, 16, 1, 16, 24, 32), "bfloat16", 2, None)], ids=["G3-packed", "G1", "G16-bf16"])  # G = 16
-def test_the_two_pass_backward_is_bitwise_the_one_pass(shape, dtype, S, cu):
+@pytest.mark.parametrize("shape, dtype, S, cu, local", [
+    ((1, 32, 3, 1, 32, 16, 16), "float32", 3, np.array([0, 13, 13, 32], np.int32), False),  # G = 3, Dv != Dk, packed
+    ((1, 32, 1, 1, 16, 32, 32), "float32", 2, None, False),  # G = 1
+    ((1, 32, 16, 1, 16, 24, 32), "bfloat16", 2, None, False),  # G = 16
+    ((1, 48, 3, 1, 32, 16, 8), "float32", 2, np.array([0, 21, 21, 48], np.int32), True),  # union tiles of 16 tokens
+    ((1, 48, 16, 1, 16, 24, 16), "bfloat16", 2, None, True)],  # union tiles of 8 tokens
+    ids=["G3-packed", "G1", "G16-bf16", "G3-packed-union", "G16-bf16-union"])
+def test_the_two_pass_backward_is_bitwise_the_one_pass(shape, dtype, S, cu, local):
     """A VMEM budget too small for the one-pass resident backward runs two passes ((dq, dk), then dv, which
-    recomputes p without v); each adds to its sums in the one pass's order, so dq, dk and dv are its bits."""
+    recomputes p without v); each adds to its sums in the one pass's order, so dq, dk and dv are its bits: token by
+    token, and (local) with union tiles taken beside tiles token by token (each pass takes the same tiles)."""
     x = Inputs(shape, dtype)
-    idx = x.block_indices(S)
-    counts = _counts("array", shape[0], shape[1], shape[3], S)
+    if local:
+        idx, counts = _half_local(x, S, cu)
+    else:
+        idx = x.block_indices(S)
+        counts = _counts("array", shape[0], shape[1], shape[3], S)
     one, two = _resident_grads(x, idx, counts, cu, [2 ** 40, _two_pass_budget(x, idx, cu)])
     for name, a, b in zip(("dq", "dk", "dv"), one, two):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+
+
+def _local_indices(B, T, H, S, bs, cu=None):
+    """Selections as a trained model's are, neighbouring tokens listing much the same blocks: the token at in-sequence
+    position p lists its own block and the S - 1 before it (those before the sequence's first: -1, skipped)."""
+    starts = np.zeros(T, np.int64) if cu is None else np.asarray(cu)[np.searchsorted(cu, np.arange(T), "right") - 1]
+    own = (np.arange(T) - starts) // bs
+    idx = np.maximum(own[:, None] - np.arange(S), -1)
+    return np.broadcast_to(idx[None, :, None, :], (B, T, H, S)).astype(np.int32)
+
+
+def _half_local(x, S, cu):
+    """(block_indices, block_counts): `_local_indices` in the first half of the tokens (their tiles take the union
+    path), x's random ones with repeated entries in the second (token by token); asserted to take both paths."""
+    B, T, _, H = x.shape[:4]
+    idx = np.where((np.arange(T) < T // 2)[None, :, None, None], _local_indices(B, T, H, S, x.block_size, cu),
+                   x.block_indices(S))
+    counts = jnp.full((B, T, H), S, jnp.int32)
+    takes = np.asarray(selected.union_tiles(x.q, x.k, x.v, jnp.asarray(idx), counts,
+                                            None if cu is None else jnp.asarray(cu), block_size=x.block_size))
+    assert takes.any() and not takes.all(), takes
+    return idx, counts
+
+
+@pytest.mark.parametrize("shape, dtype, S, cu", [
+    ((1, 64, 1, 1, 16, 32, 8), "float32", 3, None),  # G = 1: union tiles of 16 tokens
+    ((1, 64, 6, 2, 32, 16, 8), "float32", 2, np.array([0, 21, 21, 64], np.int32)),  # G = 3, packed, Dv != Dk
+    ((1, 48, 16, 1, 16, 24, 16), "bfloat16", 2, None)], ids=["G1", "G3-packed", "G16-bf16"])  # 8 tokens a tile
+def test_union_tiles_match_the_reference(shape, dtype, S, cu):
+    """The resident kernels' union tiles: local selections in the first half (their tiles take the union path, in
+    the forward and the backward), random ones with repeated entries in the second (token by token), one call; o,
+    lse and the gradients dq, dk, dv (the backward from the forward's lse) against the reference."""
+    x = Inputs(shape, dtype)
+    idx, counts = _half_local(x, S, cu)
+    _assert_matches(_kernels(x, idx, counts, cu), _reference(x, idx, counts, cu), x, dtype, "union tiles:")
+
+
+def test_a_union_tile_never_reads_the_next_sequence():
+    """Packed sequences [0, 24) and [24, 48), blocks of 16, G = 16 (union tiles of 8 tokens): tokens 16 to 23 of the
+    first take the union path on its block 1, rows 16 to 31, of which 24 to 31 are the second sequence's, NaN here;
+    the second's queries list only invalid blocks. Nothing of those rows may reach o, lse or the gradients (the
+    backward takes the same union tiles)."""
+    B, T, HQ, H, D, bs = 1, 48, 16, 1, 16, 16
+    x = Inputs((B, T, HQ, H, D, D, bs), "float32")
+    cu = np.array([0, 24, 48], np.int32)
+    first = (np.arange(T) < 24)[None, :, None, None]
+    idx = np.where(first, _local_indices(B, T, H, 2, bs, cu), 5).astype(np.int32)
+    counts = jnp.full((B, T, H), 2, jnp.int32)
+    takes = np.asarray(selected.union_tiles(x.q, x.k, x.v, jnp.asarray(idx), counts, jnp.asarray(cu), block_size=bs))
+    assert takes[0, 0, 1, 1], takes  # tokens 16 to 23
+    x.k, x.v = (jnp.where(~first, jnp.nan, a) for a in (x.k, x.v))
+    got = _kernels(x, idx, counts, cu)
+    x.k, x.v = (jnp.where(~first, 0.0, a) for a in (x.k, x.v))
+    _assert_matches(got, _reference(x, idx, counts, cu), x, "float32", "next sequence, union tiles:")

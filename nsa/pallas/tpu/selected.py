@@ -782,8 +782,10 @@ def backward(residuals, do, *, block_size, scale, interpret=False, config=None):
 # block n's rows at n * BR (BR = block_size when it is a multiple of the sublane tile; the blocks of packed
 # sequences at multiples of BR); the table [B, H, NT, 1, 2 * TB * SP] int32 in SMEM, a row per step
 # (`_resident_table`): each slot's source row in k (`_copy_rows`; 0 when skipped), then the last row c of its block
-# the token sees (min(block_size - 1, the token's key row - the block's first), -1 when skipped). SP: S padded so
-# that SP * BR logits are whole lanes (the padded slots skipped).
+# the token sees (min(block_size - 1, the token's key row - the block's first), -1 when skipped), followed by its
+# union tiles' entries (`_union_table`, below): `_step_table`, one table that the forward and every backward pass
+# read, so that all take the same tiles by the union path. SP: S padded so that SP * BR logits are whole lanes (the
+# padded slots skipped).
 #
 # Single buffers. k and v stay in HBM (memory_space HBM) and the kernel copies the (b, h)'s rows into VMEM scratch
 # [KR, Dp] itself at the row's first grid step; the backward's float32 dk and dv sums are VMEM scratch too, zeroed
@@ -795,14 +797,18 @@ def backward(residuals, do, *, block_size, scale, interpret=False, config=None):
 # Passes (`resident_plan`, from `resident_bytes`): the backward is one pass (dq, dk, dv: k, v and float32 dk, dv
 # resident), or, where that does not fit, two over the whole grid: (dq, dk), holding k, v and dk, then (dv),
 # holding k and dv only (p = exp(q k^T * scale - lse) needs no v). The second recomputes q k^T and p (7 matmuls a
-# token instead of 5); each sum is added to in the same order as in one pass, so the gradients are bitwise those of
-# one pass. At the standard shape (B = 1, HQ = 64, H = 4, D = 128, bf16, block_size 64, S = 16) within 96 MiB (3/4
-# of a v5e's 128): one pass to 32k tokens (k, v 16 MiB and dk, dv 32 MiB at 32k), two at 64k (32 + 32 MiB, then
-# 16 + 32), none at 128k (the union kernels run). The forward holds k and v: 32 MiB at 64k, 64 MiB at 128k.
+# token instead of 5); each sum is added to in the same order as in one pass (the same union tiles taken), so the
+# gradients are bitwise those of one pass. At the standard shape (B = 1, HQ = 64, H = 4, D = 128, bf16, block_size
+# 64, S = 16) within 96 MiB (3/4 of a v5e's 128): one pass to 32k tokens (k, v 16 MiB and dk, dv 32 MiB at 32k), two
+# at 64k (32 + 32 MiB, then 16 + 32), none at 128k (the union kernels run). The forward holds k and v: 32 MiB at
+# 64k, 64 MiB at 128k. The union tiles' buffers add 1 MiB to each pass (k_union, v_union [UC * BR, Dp]; 0.5 to dv's).
 
 RESIDENT_TOKENS = 16  # query tokens per grid step: a step's fixed cost shared by 16 tokens' work
+RESIDENT_UNROLL = 4  # tokens a step of the token loop (`_token_loop`), each with its own copy of the buffers
 RESIDENT_SHARE = 0.75  # the most of a TensorCore's VMEM the resident kernels plan to hold
-RESIDENT_MARGIN = 8 * 2 ** 20  # scoped VMEM asked beyond `resident_bytes`: Mosaic's temporaries ([G, SP * BR] logits)
+RESIDENT_MARGIN = 8 * 2 ** 20  # scoped VMEM asked beyond `resident_bytes`: Mosaic's temporaries ([G, SP * BR] logits;
+# a union tile's [UT * G, UC * BR] float32 values, 1 MiB each at the standard shape: the backward's s, p, dp, ds, p^T,
+# ds^T and its [UC * BR, Dp] dk, dv, some 6 MiB live at once if Mosaic frees each after its last use; not measured)
 FORWARD = ("o", "lse")  # the outputs of the resident forward, its one pass
 BACKWARD_PLANS = ((("dq", "dk", "dv"),), (("dq", "dk"), ("dv",)))  # the backward's passes, fewest first
 
@@ -823,25 +829,27 @@ def _reads_v(outputs):
     return outputs != ("dv",)
 
 
-def _resident_scratch_names(outputs):
+def _resident_scratch_names(outputs, union=False):
     """The VMEM scratch of a pass computing `outputs` (FORWARD, or some of dq, dk, dv), in the kernel's order: the
-    (b, h)'s resident rows k (and v where read), a token's gathered blocks k_buf (and v_buf), the backward's float32
-    sums dk_sum, dv_sum of those it computes."""
+    (b, h)'s resident rows k (and v where read), a token's gathered blocks k_buf (and v_buf), a union tile's gathered
+    blocks k_union (and v_union) where `union` (`_union_tokens` > 1), the backward's float32 sums dk_sum, dv_sum of
+    those it computes."""
     keys = ("k", "v") if _reads_v(outputs) else ("k",)
-    return keys + tuple(x + "_buf" for x in keys) + tuple(g + "_sum" for g in ("dk", "dv") if g in outputs)
+    unions = tuple(x + "_union" for x in keys) if union else ()
+    return keys + tuple(x + "_buf" for x in keys) + unions + tuple(g + "_sum" for g in ("dk", "dv") if g in outputs)
 
 
 def _resident_scratch(lay, dtype, outputs):
-    """{name: (shape, dtype)} of `_resident_scratch_names`: k, v [KR, Dp] in `dtype`, k_buf, v_buf [SP * BR, Dp],
-    dk_sum, dv_sum [KR, Dp] float32."""
-    rows, width = _key_rows_count(lay), _padded_slots(lay.S, lay.br) * lay.br
+    """{name: (shape, dtype)} of `_resident_scratch_names`: k, v [KR, Dp] in `dtype`, k_buf, v_buf [UNROLL * SP * BR, Dp],
+    k_union, v_union [UC * BR, Dp] (`_union_slots`), dk_sum, dv_sum [KR, Dp] float32."""
+    rows = {"buf": RESIDENT_UNROLL * _padded_slots(lay.S, lay.br) * lay.br, "union": _union_slots(lay) * lay.br}
     dp = {"k": lay.dkp, "v": lay.dvp, "dk": lay.dkp, "dv": lay.dvp}
 
     def buffer(name):
         head, _, kind = name.partition("_")
-        return (width if kind == "buf" else rows, dp[head]), jnp.float32 if kind == "sum" else dtype
+        return (rows.get(kind, _key_rows_count(lay)), dp[head]), jnp.float32 if kind == "sum" else dtype
 
-    return {name: buffer(name) for name in _resident_scratch_names(outputs)}
+    return {name: buffer(name) for name in _resident_scratch_names(outputs, _union_tokens(lay) > 1)}
 
 
 def _tile_bytes(lay, d, dtype):
@@ -851,8 +859,9 @@ def _tile_bytes(lay, d, dtype):
 
 def resident_bytes(lay, dtype, outputs):
     """The VMEM a grid step of a resident pass computing `outputs` (FORWARD, or some of dq, dk, dv) holds: its
-    `_resident_scratch`, one buffer each, and its tiles through BlockSpecs, double-buffered (forward: q in, o and
-    lse out; backward: q, do, lse, delta in, dq out if computed)."""
+    `_resident_scratch` (the union tiles' buffers included), one buffer each, and its tiles through BlockSpecs,
+    double-buffered (forward: q in, o and lse out; backward: q, do, lse, delta in, dq out if computed). Mosaic's
+    temporaries are RESIDENT_MARGIN's."""
     scratch = sum(math.prod(shape) * jnp.dtype(dt).itemsize
                   for shape, dt in _resident_scratch(lay, dtype, outputs).values())
     if outputs == FORWARD:
@@ -903,18 +912,141 @@ def _from_token_rows(x, lay, d):
     return x[:, :lay.T, :, :d]
 
 
-def _resident_table(block_indices, block_counts, cu_seqlens, lay, block_size):
-    """int32 [B, H, NT, 1, 2 * TB * SP]: per tile, each token's slots' source rows in `_key_rows`, then the last
-    row of its block each sees (-1: skipped)."""
-    names = tile_names(block_names(block_indices, block_counts, cu_seqlens, None, block_size=block_size), lay.tb)
+def _resident_names(block_indices, block_counts, cu_seqlens, lay, block_size):
+    """int32 [B, H, NT, TB, S]: each token's slots named by their blocks' first key rows (NONE: skipped)."""
+    return tile_names(block_names(block_indices, block_counts, cu_seqlens, None, block_size=block_size), lay.tb)
+
+
+def _tile_tokens(lay):
+    """int32 [NT, TB]: the key row (= index) of each token of each tile."""
+    return jnp.arange(lay.nt, dtype=jnp.int32)[:, None] * lay.tb + jnp.arange(lay.tb, dtype=jnp.int32)
+
+
+def _seen_last(names, token, block_size):
+    """The last row of each named block that `token` sees: min(block_size - 1, token - name), -1 where NONE."""
+    return jnp.where(names == NONE, -1, jnp.minimum(block_size - 1, token - names))
+
+
+def _resident_table(names, lay, block_size):
+    """int32 [B, H, NT, 1, 2 * TB * SP]: per tile, from its `_resident_names`, each token's slots' source rows in
+    `_key_rows`, then the last row of its block each sees (-1: skipped)."""
     slots = _padded_slots(lay.S, lay.br)
     names = jnp.pad(names, [(0, 0)] * 4 + [(0, slots - lay.S)], constant_values=NONE)  # [B, H, NT, TB, SP]
-    token = (jnp.arange(lay.nt, dtype=jnp.int32)[:, None] * lay.tb + jnp.arange(lay.tb, dtype=jnp.int32))[..., None]
     skipped = names == NONE
     rows = jnp.where(skipped, 0, _copy_rows(jnp.where(skipped, 0, names), lay, block_size))
-    last = jnp.where(skipped, -1, jnp.minimum(block_size - 1, token - names))
+    last = _seen_last(names, _tile_tokens(lay)[..., None], block_size)
     flat = lambda x: x.reshape(x.shape[:3] + (-1,)).astype(jnp.int32)
     return jnp.concatenate([flat(rows), flat(last)], axis=-1)[..., None, :]
+
+
+# The union tiles of the resident forward and backward. On a trained model's selections neighbouring tokens list much
+# the same blocks; a tile of UT tokens (`_union_tokens`: UT * G ~ MXU_ROWS rows) whose tokens list U <= UC distinct
+# blocks (`_union_slots`: UNION_CAP * S, padded to whole lanes) runs as one [UT * G, UC * BR] logits matmul against the
+# union's gathered rows, each row masked to its token's own blocks and rows, instead of UT matmuls of G rows: at G = 16,
+# UT = 8 fills the MXU's 128 rows for at most UNION_CAP times the per-token work. A union tile must also lie within one
+# sequence and list no block twice in one token (a repeated block weighs twice; the union lists it once), else it runs
+# token by token; `_union_table` makes that choice per tile in XLA, from the selections. The two paths round differently
+# (one softmax over UC * BR columns, or SP * BR): results agree with the reference within the usual tolerance, not
+# bitwise across paths. A key row a token does not see never reaches its output through a row that is zeroed (past the
+# last row any token of the tile sees, or a slot that is not in the union); a row that a later token of the same
+# sequence and union tile sees but this one does not reaches it as 0 * that row in p v, as in dense attention under a
+# causal mask: a non-finite key or value row of a sequence's own tokens (which makes its later queries' outputs
+# non-finite anyway) reaches the earlier queries of its union tile.
+#
+# The backward takes the same tiles (`_step_table`'s flags) in each of its passes: a union tile's k (and v where the
+# pass reads it) gathered once as in the forward, its tokens' q, do, lse and delta stacked into [UT * G, .], one
+# `_gradients` of [UT * G, UC * BR] (dq written back per token; dk = ds^T q and dv = p^T do [UC * BR, Dp] of 128
+# rows at G = 16, their transposes aligned), then each union slot's BR rows of dk, dv added into the float32 sums at
+# its source row, slot after slot (a fixed order: bitwise repeatable, and bitwise in two passes as in one). An empty
+# slot (past the union's U blocks) is not added: its rows of dk, dv are zeros (its columns of p and ds are 0, q and
+# do finite), so adding them to row 0 would change no bit of a sum, only cost a read and write of BR rows. As in the
+# forward, a non-finite key or value row that a later token of the union tile sees reaches the earlier tokens' ds
+# (0 * it in do v^T) and dq (0 * it in ds k).
+
+UNION_CAP = 2  # a union tile holds at most UNION_CAP * S distinct blocks: at most ~2x the per-token path's work
+UNION_TILES = True  # False: every tile token by token (scripts/tpu_train_probe.py's baseline for part union)
+
+
+def _union_tokens(lay):
+    """UT: the tokens of a union tile, the largest power of two <= MXU_ROWS / G dividing TB (1: no union tiles, G
+    alone fills the MXU, or UNION_TILES off)."""
+    if not UNION_TILES:
+        return 1
+    ut = 1
+    while ut * 2 * lay.G <= MXU_ROWS and lay.tb % (ut * 2) == 0:
+        ut *= 2
+    return ut
+
+
+def _union_slots(lay):
+    """UC: the blocks a union tile gathers, UNION_CAP * S padded so that UC * BR columns are whole lanes."""
+    return _padded_slots(UNION_CAP * lay.S, lay.br)
+
+
+def _sequence_ids(cu_seqlens, lay):
+    """int32 [NT, TB]: the sequence of each token of each tile (padded tokens: that of token T - 1), all 0 without
+    cu_seqlens."""
+    token = jnp.minimum(_tile_tokens(lay), lay.T - 1)
+    if cu_seqlens is None:
+        return jnp.zeros_like(token)
+    return jnp.searchsorted(cu_seqlens.astype(jnp.int32), token, side="right").astype(jnp.int32)
+
+
+def _distinct(names, size):
+    """(int32 [..., size]: the distinct names of names [..., N], increasing, NONE-padded; int32 [...]: how many)."""
+    s = jnp.sort(names, axis=-1)
+    prev = jnp.concatenate([jnp.full(s.shape[:-1] + (1,), NONE, s.dtype), s[..., :-1]], axis=-1)
+    first = (s != NONE) & (s != prev)
+    big = jnp.iinfo(jnp.int32).max
+    union = jnp.sort(jnp.where(first, s, big), axis=-1)
+    union = jnp.pad(union, [(0, 0)] * (union.ndim - 1) + [(0, max(0, size - union.shape[-1]))], constant_values=big)
+    return jnp.where(union[..., :size] == big, NONE, union[..., :size]), jnp.sum(first, axis=-1)
+
+
+def _union_table(names, cu_seqlens, lay, block_size):
+    """int32 [B, H, NT, 1, NU * (1 + (2 + UT) * UC)], the union tiles of the resident forward and backward from their
+    `_resident_names` [B, H, NT, TB, S]: per union tile of the step (NU = TB / UT), 1 where it takes the union path,
+    then its union's source rows in `_key_rows` (0: an empty slot), the last row of each that any of its tokens sees
+    (-1: an empty slot, zeroed whole), and for each of its UT tokens the last row of each that it sees (-1: not
+    listed), for `_union_seen`."""
+    B, H, nt, tb, S = names.shape
+    ut, uc = _union_tokens(lay), _union_slots(lay)
+    tiles = names.reshape(B, H, nt, tb // ut, ut, S)
+    union, count = _distinct(tiles.reshape(B, H, nt, tb // ut, ut * S), uc)  # [B, H, NT, NU, UC], [B, H, NT, NU]
+    ordered = jnp.sort(tiles, axis=-1)
+    repeated = jnp.any((ordered[..., 1:] == ordered[..., :-1]) & (ordered[..., 1:] != NONE), axis=(-2, -1))
+    seq = _sequence_ids(cu_seqlens, lay).reshape(nt, tb // ut, ut)
+    one_sequence = jnp.all(seq == seq[..., :1], axis=-1)
+    takes = (count <= uc) & ~repeated & one_sequence
+    token = _tile_tokens(lay).reshape(nt, tb // ut, ut)[..., None]  # [NT, NU, UT, 1]
+    listed = jnp.any(tiles[..., None, :] == union[..., None, :, None], axis=-1) & (union[..., None, :] != NONE)
+    last = jnp.where(listed, _seen_last(union[..., None, :], token, block_size), -1)  # [B, H, NT, NU, UT, UC]
+    empty = union == NONE
+    rows = jnp.where(empty, 0, _copy_rows(jnp.where(empty, 0, union), lay, block_size))
+    table = jnp.concatenate([takes[..., None].astype(jnp.int32), rows, jnp.max(last, axis=-2),
+                             last.reshape(B, H, nt, tb // ut, ut * uc)], axis=-1)
+    return table.reshape(B, H, nt, 1, -1).astype(jnp.int32)
+
+
+def _step_table(block_indices, block_counts, cu_seqlens, lay, block_size):
+    """int32 [B, H, NT, 1, .], the table row per grid step that the resident forward and every backward pass read:
+    `_resident_table`'s, followed by `_union_table`'s where there are union tiles (`_union_tokens` > 1)."""
+    names = _resident_names(block_indices, block_counts, cu_seqlens, lay, block_size)
+    table = _resident_table(names, lay, block_size)
+    if _union_tokens(lay) == 1:
+        return table
+    return jnp.concatenate([table, _union_table(names, cu_seqlens, lay, block_size)], axis=-1)
+
+
+def union_tiles(q, k, v, block_indices, block_counts, cu_seqlens, *, block_size):
+    """bool [B, H, NT, NU]: which union tiles of the resident forward and backward take the union path
+    (`_union_table`) on these inputs; all False where G fills the MXU alone (no union tiles)."""
+    lay = _resident_layout(q, k, v, block_indices, block_size, cu_seqlens)
+    if _union_tokens(lay) == 1:
+        return jnp.zeros((lay.B, lay.H, lay.nt, lay.tb), bool)
+    names = _resident_names(block_indices, block_counts, cu_seqlens, lay, block_size)
+    table = _union_table(names, cu_seqlens, lay, block_size)
+    return table.reshape(lay.B, lay.H, lay.nt, lay.tb // _union_tokens(lay), -1)[..., 0] == 1
 
 
 ZEROED_ROWS = 64  # rows of a float32 sum zeroed per loop step (8 vregs at Dp = 128)
@@ -958,31 +1090,63 @@ def _row_end(copies):
             copy.wait()
 
 
-def _gather(tab_ref, j, pairs, *, slots, br, align, tokens):
-    """Token j's blocks, for each (resident rows [KR, Dp], buffer [SP * BR, Dp]) of `pairs` (k's, and v's where
-    read): slot s's BR rows from its source row, at rows s * BR, those past the last row of the slot that token j
-    sees (the table's second half; every row of a skipped slot) zeroed: they hold a later token's rows, another
-    sequence's, or stale ones, and 0 * NaN would leak into p v (forward), do v^T and ds k (backward)."""
+def _gather(tab_ref, rows_at, last_at, pairs, *, slots, br, align, base=0):
+    """`slots` blocks, for each (resident rows [KR, Dp], buffer [., Dp]) of `pairs` (k's, and v's where read): slot
+    s's BR rows from its source row tab_ref[0, rows_at + s], at rows base + s * BR, those past the last row of
+    the slot that its token (or union tile) sees, tab_ref[0, last_at + s] (every row of a skipped slot: -1), zeroed:
+    they hold a later token's rows, another sequence's, or stale ones, and 0 * NaN would leak into p v (forward),
+    do v^T and ds k (backward)."""
     c = lax.broadcasted_iota(jnp.int32, (br, 1), 0)
     for s in range(slots):
-        src = pl.ds(pl.multiple_of(tab_ref[0, j * slots + s], align), br)
-        keep = c <= tab_ref[0, (tokens + j) * slots + s]
+        src = pl.ds(pl.multiple_of(tab_ref[0, rows_at + s], align), br)
+        keep = c <= tab_ref[0, last_at + s]
         for rows, buf in pairs:
-            buf[pl.ds(s * br, br), :] = jnp.where(keep, rows[src, :], 0).astype(buf.dtype)
+            buf[pl.ds(base + s * br, br), :] = jnp.where(keep, rows[src, :], 0).astype(buf.dtype)
+
+
+def _token_gather(tab_ref, j, pairs, *, slots, br, align, tokens, copy):
+    """Token j's blocks (`_gather`) into copy `copy` of the buffers (rows copy * SP * BR ..): its slots' source rows
+    and last rows from the `_resident_table` row."""
+    _gather(tab_ref, j * slots, (tokens + j) * slots, pairs, slots=slots, br=br, align=align,
+            base=copy * slots * br)
+
+
+def _copy_of(ref, copy, slots, br):
+    """Copy `copy` of a token buffer [UNROLL * SP * BR, Dp], its rows copy * SP * BR .. (copy + 1) * SP * BR - 1."""
+    return ref[copy * slots * br:(copy + 1) * slots * br]
+
+
+def _token_loop(first, count, token, unroll):
+    """token(first + i, i % unroll) for i in 0 .. count - 1, in order, `unroll` tokens a loop step: each of a step's
+    tokens gathers into its own copy of the buffers, so that the scheduler may overlap one token's gather and
+    matmuls with the next's (a fori_loop's own `unroll` gave wrong results on a TPU v5e: 2026-12-07)."""
+    def step(i, carry):
+        for u in range(unroll):
+            token(first + i * unroll + u, u)
+        return carry
+
+    lax.fori_loop(0, count // unroll, step, 0)
+
+
+def _seen_limits(tab_ref, last_at, *, slots, br):
+    """int32 [1, slots * BR]: the last gathered column each column's slot is seen to, s * BR + tab_ref[0, last_at + s]
+    for the columns of slot s (its last row seen; -1: skipped, so below every column of it). Built per 128 lanes
+    from the slots that reach into them (each a scalar)."""
+    lane = lanes()
+    pieces = []
+    for g in range(slots * br // lane):
+        col = g * lane + lax.broadcasted_iota(jnp.int32, (1, lane), 1)
+        limit = jnp.full((1, lane), -1, jnp.int32)
+        for s in range(g * lane // br, min(slots, ((g + 1) * lane - 1) // br + 1)):
+            limit = jnp.where(col >= s * br, s * br + tab_ref[0, last_at + s], limit)
+        pieces.append(limit)
+    return pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces, axis=1)
 
 
 def _seen_columns(tab_ref, j, *, slots, br, tokens):
     """bool [1, SP * BR]: the gathered rows token j sees, column s * BR + c iff c <= the last row of slot s it sees
-    (the table's second half). Built per 128 lanes from the slots that reach into them (each a scalar)."""
-    base, lane = (tokens + j) * slots, lanes()
-    pieces = []
-    for g in range(slots * br // lane):
-        col = g * lane + lax.broadcasted_iota(jnp.int32, (1, lane), 1)
-        limit = jnp.full((1, lane), -1, jnp.int32)  # the last column seen, per column
-        for s in range(g * lane // br, min(slots, ((g + 1) * lane - 1) // br + 1)):
-            limit = jnp.where(col >= s * br, s * br + tab_ref[0, base + s], limit)
-        pieces.append(limit)
-    limit = pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces, axis=1)
+    (the `_resident_table` row's second half)."""
+    limit = _seen_limits(tab_ref, (tokens + j) * slots, slots=slots, br=br)
     return lax.broadcasted_iota(jnp.int32, limit.shape, 1) <= limit
 
 
@@ -994,75 +1158,204 @@ def _transposed_dot(a, b, precision):
     return dot(padded(a, 0, rows).T.astype(b.dtype), padded(b, 0, rows), precision)
 
 
-def _resident_fwd_kernel(tab_ref, q_ref, k_hbm, v_hbm, o_ref, lse_ref, k_ref, v_ref, k_buf, v_buf, sems, *, scale,
-                         slots, br, align, precision):
+def _softmax_rows(s, seen, v, precision):
+    """(o [R, Dvp] float32, lse [R, 1]) of logits s [R, N] over the columns `seen` (bool [R, N]) against v [N, Dvp]:
+    a row that sees nothing gets o = 0, lse = -inf (no NaN: its logits are -inf by `where`, never 0 * NaN)."""
+    s = jnp.where(seen, s, -jnp.inf)
+    m = jnp.max(s, axis=1, keepdims=True)
+    m = jnp.where(m == -jnp.inf, 0.0, m)
+    p = jnp.exp(s - m)
+    l = jnp.sum(p, axis=1, keepdims=True)
+    some = l > 0
+    o = dot(p.astype(v.dtype), v, precision) / jnp.where(some, l, 1.0)
+    return o, jnp.where(some, m + jnp.log(jnp.where(some, l, 1.0)), -jnp.inf)
+
+
+def _union_at(n, *, tokens, slots, union_tokens, union_slots):
+    """Where union tile n of a step starts in its table row (`_step_table`): past `_resident_table`'s 2 * TB * SP
+    entries and the 1 + (2 + UT) * UC `_union_table` entries of each union tile before it."""
+    return 2 * tokens * slots + n * (1 + (2 + union_tokens) * union_slots)
+
+
+def _each_tile(tab_ref, token, union, *, tokens, slots, union_tokens, union_slots, unroll):
+    """A grid step's TB tokens, in order: token(j, copy) for each (`_token_loop`) where there are no union tiles
+    (union_tokens UT = 1); else, per union tile n of the step's TB / UT (its entries at `_union_at`, its tokens
+    first = n * UT .. first + UT - 1), union(at, first) where its flag tab_ref[0, at] is 1, token(j, copy) for each
+    of its tokens else."""
+    if union_tokens == 1:
+        _token_loop(0, tokens, token, unroll)
+        return
+    for n in range(tokens // union_tokens):
+        at = _union_at(n, tokens=tokens, slots=slots, union_tokens=union_tokens, union_slots=union_slots)
+        first = n * union_tokens
+        takes = tab_ref[0, at] == 1
+        pl.when(takes)(functools.partial(union, at, first))
+
+        @pl.when(jnp.logical_not(takes))
+        def _tokens(first=first):
+            _token_loop(first, union_tokens, token, unroll)
+
+
+def _union_gather(tab_ref, at, pairs, *, slots, br, align):
+    """A union tile's blocks (`_gather`) into pairs' buffers [UC * BR, Dp]: its union's source rows and the last row
+    of each that any of its tokens sees, from its `_union_table` entries at `at` (its flag first)."""
+    _gather(tab_ref, at + 1, at + 1 + slots, pairs, slots=slots, br=br, align=align)
+
+
+def _union_seen(tab_ref, at, *, tokens, heads, slots, br):
+    """bool [UT * G, UC * BR]: row j * G + g (token j of the union tile whose `_union_table` entries start at `at`,
+    head g) sees column u * BR + c of the tile's gathered rows iff c <= the last row of union block u that token j
+    sees, tab_ref[0, at + 1 + (2 + j) * UC + u] (-1: token j does not list it): each token's `_seen_limits` spread
+    over its G rows (int32, whole sublane tiles)."""
+    limits = [_seen_limits(tab_ref, at + 1 + (2 + j) * slots, slots=slots, br=br) for j in range(tokens)]
+    rows = jnp.concatenate([jnp.broadcast_to(limit, (heads, slots * br)) for limit in limits])
+    return lax.broadcasted_iota(jnp.int32, rows.shape, 1) <= rows
+
+
+def _stacked(ref, first, tokens):
+    """[UT * G, .]: the G rows of tokens first .. first + UT - 1 of a (TB, G, .) block ref, token j's at j * G."""
+    return jnp.concatenate([ref[first + j] for j in range(tokens)])
+
+
+def _unstack(ref, first, x):
+    """The inverse of `_stacked`: ref[first + j] = x's rows j * G .. (j + 1) * G - 1 in ref's dtype, for each token j
+    of x [UT * G, .]."""
+    heads = ref.shape[1]
+    for j in range(x.shape[0] // heads):
+        ref[first + j] = x[j * heads:(j + 1) * heads].astype(ref.dtype)
+
+
+def _union_forward(tab_ref, q_ref, o_ref, lse_ref, pairs, at, first, *, tokens, slots, br, align, scale, precision):
+    """The union tile of a step's tokens first .. first + tokens - 1, its `_union_table` entries from `at`: the
+    union's blocks gathered once into pairs' buffers [UC * BR, Dp] (`_union_gather`), the tokens' G rows each stacked
+    into one [UT * G, Dkp] query, one masked softmax (`_union_seen`), each token's G rows of o and lse written back."""
+    _union_gather(tab_ref, at, pairs, slots=slots, br=br, align=align)
+    (_, k_union), (_, v_union) = pairs
+    q = _stacked(q_ref, first, tokens)  # [UT * G, Dkp]
+    s = dot(q, k_union[...], precision, transpose_b=True) * scale  # [UT * G, UC * BR]
+    seen = _union_seen(tab_ref, at, tokens=tokens, heads=q_ref.shape[1], slots=slots, br=br)
+    o, lse = _softmax_rows(s, seen, v_union[...], precision)
+    _unstack(o_ref, first, o)
+    _unstack(lse_ref, first, lse)
+
+
+def _resident_fwd_kernel(tab_ref, q_ref, *refs, scale, slots, br, align, precision, union_tokens, union_slots,
+                         unroll):
     """Grid (B, H, NT), a step one tile of TB tokens. Loads q_ref (TB, G, Dkp) by BlockSpec and, at the (b, h)'s
-    first step, its rows of k_hbm, v_hbm [B, H, KR, Dp] (HBM) into k_ref, v_ref [KR, Dp] (`_row_start`); writes o_ref
-    (TB, G, Dvp), lse_ref (TB, G, 1); k_buf, v_buf [SP * BR, Dp] a token's gathered blocks."""
+    first step, its rows of k_hbm, v_hbm [B, H, KR, Dp] (HBM) into k_ref, v_ref [KR, Dp] (`_row_start`); writes
+    o_ref (TB, G, Dvp), lse_ref (TB, G, 1); k_buf, v_buf [SP * BR, Dp] a token's gathered blocks, k_union, v_union
+    [UC * BR, Dp] a union tile's (where union_tokens UT > 1). The table row (SMEM, `_step_table`): each of the
+    step's TB / UT union tiles of UT tokens runs as one [UT * G, UC * BR] softmax (`_union_forward`) where its flag
+    is 1, token by token (G rows against SP * BR) else (`_each_tile`)."""
+    if union_tokens > 1:
+        k_hbm, v_hbm, o_ref, lse_ref, k_ref, v_ref, k_buf, v_buf, k_union, v_union, sems = refs
+    else:
+        k_union = v_union = None
+        k_hbm, v_hbm, o_ref, lse_ref, k_ref, v_ref, k_buf, v_buf, sems = refs
     tokens = q_ref.shape[0]
     b, h = pl.program_id(0), pl.program_id(1)
     _row_start([pltpu.make_async_copy(k_hbm.at[b, h], k_ref, sems.at[0]),
                 pltpu.make_async_copy(v_hbm.at[b, h], v_ref, sems.at[1])], [])
 
-    def token(j, carry):
-        _gather(tab_ref, j, [(k_ref, k_buf), (v_ref, v_buf)], slots=slots, br=br, align=align, tokens=tokens)
-        s = dot(q_ref[j], k_buf[...], precision, transpose_b=True) * scale  # [G, SP * BR]
-        s = jnp.where(_seen_columns(tab_ref, j, slots=slots, br=br, tokens=tokens), s, -jnp.inf)
-        m = jnp.max(s, axis=1, keepdims=True)
-        m = jnp.where(m == -jnp.inf, 0.0, m)  # a row that sees nothing: no NaN
-        p = jnp.exp(s - m)
-        l = jnp.sum(p, axis=1, keepdims=True)
-        seen = l > 0
-        o = dot(p.astype(v_buf.dtype), v_buf[...], precision)
-        o_ref[j] = (o / jnp.where(seen, l, 1.0)).astype(o_ref.dtype)
-        lse_ref[j] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
-        return carry
+    def token(j, copy):
+        _token_gather(tab_ref, j, [(k_ref, k_buf), (v_ref, v_buf)], slots=slots, br=br, align=align, tokens=tokens,
+                      copy=copy)
+        s = dot(q_ref[j], _copy_of(k_buf, copy, slots, br), precision, transpose_b=True) * scale  # [G, SP * BR]
+        o, lse = _softmax_rows(s, _seen_columns(tab_ref, j, slots=slots, br=br, tokens=tokens),
+                               _copy_of(v_buf, copy, slots, br), precision)
+        o_ref[j] = o.astype(o_ref.dtype)
+        lse_ref[j] = lse
 
-    lax.fori_loop(0, tokens, token, 0)
+    union = functools.partial(_union_forward, tab_ref, q_ref, o_ref, lse_ref, [(k_ref, k_union), (v_ref, v_union)],
+                              tokens=union_tokens, slots=union_slots, br=br, align=align, scale=scale,
+                              precision=precision)
+    _each_tile(tab_ref, token, union, tokens=tokens, slots=slots, union_tokens=union_tokens, union_slots=union_slots,
+               unroll=unroll)
+
+
+def _gradients(q, do, lse, delta, k, v, seen, *, outputs, scale, precision):
+    """(dq [R, Dkp] float32, None unless computed; {dk, dv of `outputs`: [N, Dp] float32, dk unscaled}) of R query
+    rows q [R, Dkp], do [R, Dvp], lse, delta [R, 1] float32 against N gathered rows k [N, Dkp], v [N, Dvp] (None in a
+    pass that reads no v), row r seeing column n where seen [R or 1, N]: p = exp(q k^T * scale - lse) where seen and
+    lse > -inf, else 0; ds = p (do v^T - delta); dq = ds k * scale, dk = ds^T q, dv = p^T do (`_transposed_dot`)."""
+    s = dot(q, k, precision, transpose_b=True) * scale  # [R, N]
+    seen = seen & (lse > -jnp.inf)
+    p = jnp.where(seen, jnp.exp(s - jnp.where(lse > -jnp.inf, lse, 0.0)), 0.0)
+    dq, grads = None, {}
+    if "dv" in outputs:
+        grads["dv"] = _transposed_dot(p, do, precision)  # [N, Dvp]
+    if v is not None:
+        ds = p * (dot(do, v, precision, transpose_b=True) - delta)
+        if "dq" in outputs:
+            dq = dot(ds.astype(k.dtype), k, precision) * scale
+        if "dk" in outputs:
+            grads["dk"] = _transposed_dot(ds, q, precision)  # [N, Dkp]
+    return dq, grads
+
+
+def _add_slots(tab_ref, rows_at, grads, sums, *, slots, br, align, last_at=None):
+    """For each slot s in order, each float32 sum g of `sums` ({name: [KR, Dp] ref}) += grads[g]'s rows s * BR ..
+    (s + 1) * BR - 1 at its BR rows from the slot's source row tab_ref[0, rows_at + s]; where last_at is given, only
+    at the slots whose last row seen tab_ref[0, last_at + s] is >= 0 (a union tile's empty slots, whose rows of
+    grads are zeros, are not added to row 0)."""
+    for s in range(slots):
+        def add(s=s):
+            rows = pl.ds(pl.multiple_of(tab_ref[0, rows_at + s], align), br)
+            for g, ref in sums.items():
+                ref[rows, :] += grads[g][s * br:(s + 1) * br]
+
+        if last_at is None:
+            add()
+        else:
+            pl.when(tab_ref[0, last_at + s] >= 0)(add)
 
 
 def _resident_bwd_kernel(tab_ref, q_ref, do_ref, lse_ref, delta_ref, k_hbm, v_hbm, *refs, outputs, scale, slots, br,
-                         align, precision):
+                         align, precision, union_tokens, union_slots, unroll):
     """Grid (B, H, NT), a step one tile of TB tokens, in order along the (b, h)'s row: one pass of the backward,
     computing `outputs` (some of dq, dk, dv). Loads q_ref, do_ref (TB, G, Dp), lse_ref, delta_ref (TB, G, 1) by
     BlockSpec and, at the row's first step, its rows of k_hbm (and v_hbm, where `_reads_v`) [B, H, KR, Dp] (HBM)
     into VMEM. refs: the outputs (dq (TB, G, Dkp) its own tile; dk, dv [B, H, KR, Dp] float32 in HBM, the unscaled
     dk), then the scratch of `_resident_scratch` in its order, then the DMA semaphores: dk_sum, dv_sum are zeroed at
-    the row's first step, added to at each token's slots' rows, copied out at its last."""
+    the row's first step, added to at each token's slots' rows, copied out at its last. As in the forward
+    (`_each_tile`), each union tile whose flag is 1 (union_tokens UT > 1) runs as one: its union's blocks gathered
+    into k_union (and v_union) [UC * BR, Dp], its tokens' rows stacked into [UT * G, .], `_gradients` of [UT * G, UC
+    * BR], dq written back per token, dk and dv added at the union's non-empty slots' rows; other tiles token by
+    token (G rows against SP * BR)."""
     out = dict(zip(outputs, refs))
-    names = _resident_scratch_names(outputs)
+    names = _resident_scratch_names(outputs, union_tokens > 1)
     r = dict(zip(names, refs[len(outputs):]))
     sems = refs[len(outputs) + len(names)]
     tokens, b, h = q_ref.shape[0], pl.program_id(0), pl.program_id(1)
     keys = [("k", k_hbm)] + ([("v", v_hbm)] if "v" in r else [])
-    sums = [g for g in ("dk", "dv") if g in outputs]
+    sums = {g: r[g + "_sum"] for g in ("dk", "dv") if g in outputs}
     _row_start([pltpu.make_async_copy(x.at[b, h], r[name], sems.at[n]) for n, (name, x) in enumerate(keys)],
-               [r[g + "_sum"] for g in sums])
+               list(sums.values()))
+    pairs = lambda kind: [(r[name], r[name + kind]) for name, _ in keys]  # (resident rows, gathered buffer)
+    grads_of = functools.partial(_gradients, outputs=outputs, scale=scale, precision=precision)
+    gathered = lambda kind: (r["k" + kind][...], r["v" + kind][...] if "v" in r else None)
 
-    def token(j, carry):
-        _gather(tab_ref, j, [(r[name], r[name + "_buf"]) for name, _ in keys], slots=slots, br=br, align=align,
-                tokens=tokens)
-        q, do, lse, k = q_ref[j], do_ref[j], lse_ref[j], r["k_buf"][...]
-        s = dot(q, k, precision, transpose_b=True) * scale
-        seen = _seen_columns(tab_ref, j, slots=slots, br=br, tokens=tokens) & (lse > -jnp.inf)
-        p = jnp.where(seen, jnp.exp(s - jnp.where(lse > -jnp.inf, lse, 0.0)), 0.0)  # [G, SP * BR]
-        grads = {}
-        if "dv" in outputs:
-            grads["dv"] = _transposed_dot(p, do, precision)  # [SP * BR, Dvp]
-        if "v" in r:
-            ds = p * (dot(do, r["v_buf"][...], precision, transpose_b=True) - delta_ref[j])
-            if "dq" in outputs:
-                out["dq"][j] = (dot(ds.astype(k.dtype), k, precision) * scale).astype(out["dq"].dtype)
-            if "dk" in outputs:
-                grads["dk"] = _transposed_dot(ds, q, precision)  # [SP * BR, Dkp]
-        for slot in range(slots):
-            rows = pl.ds(pl.multiple_of(tab_ref[0, j * slots + slot], align), br)
-            for g in sums:
-                r[g + "_sum"][rows, :] += grads[g][slot * br:(slot + 1) * br]
-        return carry
+    def token(j, copy):
+        _token_gather(tab_ref, j, pairs("_buf"), slots=slots, br=br, align=align, tokens=tokens, copy=copy)
+        seen = _seen_columns(tab_ref, j, slots=slots, br=br, tokens=tokens)
+        kv = [_copy_of(r[name + "_buf"], copy, slots, br) for name, _ in keys] + [None]
+        dq, grads = grads_of(q_ref[j], do_ref[j], lse_ref[j], delta_ref[j], kv[0], kv[1], seen)
+        if dq is not None:
+            out["dq"][j] = dq.astype(out["dq"].dtype)
+        _add_slots(tab_ref, j * slots, grads, sums, slots=slots, br=br, align=align)
 
-    lax.fori_loop(0, tokens, token, 0)
-    _row_end([pltpu.make_async_copy(r[g + "_sum"], out[g].at[b, h], sems.at[n]) for n, g in enumerate(sums)])
+    def union(at, first):
+        _union_gather(tab_ref, at, pairs("_union"), slots=union_slots, br=br, align=align)
+        seen = _union_seen(tab_ref, at, tokens=union_tokens, heads=q_ref.shape[1], slots=union_slots, br=br)
+        rows = [_stacked(x, first, union_tokens) for x in (q_ref, do_ref, lse_ref, delta_ref)]  # [UT * G, .]
+        dq, grads = grads_of(*rows, *gathered("_union"), seen)
+        if dq is not None:
+            _unstack(out["dq"], first, dq)
+        _add_slots(tab_ref, at + 1, grads, sums, slots=union_slots, br=br, align=align, last_at=at + 1 + union_slots)
+
+    _each_tile(tab_ref, token, union, tokens=tokens, slots=slots, union_tokens=union_tokens, union_slots=union_slots,
+               unroll=unroll)
+    _row_end([pltpu.make_async_copy(ref, out[g].at[b, h], sems.at[n]) for n, (g, ref) in enumerate(sums.items())])
 
 
 def _resident_call(kernel, lay, table, tiled, k_rows, v_rows, outputs, *, computes, q, scale, interpret, name):
@@ -1085,7 +1378,9 @@ def _resident_call(kernel, lay, table, tiled, k_rows, v_rows, outputs, *, comput
     _, dots = params(q, interpret, semantics)
     scratch = _resident_scratch(lay, k_rows.dtype, computes)
     return pl.pallas_call(
-        functools.partial(kernel, scale=float(scale), slots=slots, br=lay.br, align=sublanes(k_rows.dtype), **dots),
+        functools.partial(kernel, scale=float(scale), slots=slots, br=lay.br, align=sublanes(k_rows.dtype),
+                          union_tokens=_union_tokens(lay), union_slots=_union_slots(lay), unroll=RESIDENT_UNROLL,
+                          **dots),
         grid=(lay.B, lay.H, lay.nt),
         in_specs=[pl.BlockSpec((None, None, None) + table.shape[3:], lambda b, h, i: (b, h, i, 0, 0),
                                memory_space=pltpu.SMEM)] + [tile_spec(x.shape) for x in tiled] + [hbm, hbm],
@@ -1097,9 +1392,9 @@ def _resident_call(kernel, lay, table, tiled, k_rows, v_rows, outputs, *, comput
 
 
 def _resident_attention(q, k, v, block_indices, block_counts, cu_seqlens, *, block_size, scale, interpret):
-    """`_attention`'s o and lse by the resident forward."""
+    """`_attention`'s o and lse by the resident forward, its union tiles (`_step_table`) where G leaves room."""
     lay = _resident_layout(q, k, v, block_indices, block_size, cu_seqlens)
-    table = _resident_table(block_indices, block_counts, cu_seqlens, lay, block_size)
+    table = _step_table(block_indices, block_counts, cu_seqlens, lay, block_size)
     rows = (lay.B, lay.H, lay.nt * lay.tb, lay.G)
     o, lse = _resident_call(
         _resident_fwd_kernel, lay, table, [_token_rows(q, lay, lay.dkp)], _key_rows(k, lay, lay.dkp),
@@ -1111,11 +1406,11 @@ def _resident_attention(q, k, v, block_indices, block_counts, cu_seqlens, *, blo
 
 def _resident_backward(q, k, v, block_indices, block_counts, cu_seqlens, o, lse, do, *, passes, block_size, scale,
                        interpret):
-    """`backward`'s (dq, dk, dv) by the resident backward in `passes` (`resident_plan`'s): one kernel call per pass,
-    named selected_resident_backward (one pass) or selected_resident_backward_ followed by its outputs (dq_dk,
-    dv)."""
+    """`backward`'s (dq, dk, dv) by the resident backward in `passes` (`resident_plan`'s), taking the forward's union
+    tiles (`_step_table`): one kernel call per pass, named selected_resident_backward (one pass) or
+    selected_resident_backward_ followed by its outputs (dq_dk, dv)."""
     lay = _resident_layout(q, k, v, block_indices, block_size, cu_seqlens)
-    table = _resident_table(block_indices, block_counts, cu_seqlens, lay, block_size)
+    table = _step_table(block_indices, block_counts, cu_seqlens, lay, block_size)
     delta = kernel_delta(o, do, q.dtype)
     rows = lambda x, dp, fill=0.0: _token_rows(x, lay, dp, fill)
     tiled = [rows(q, lay.dkp), rows(do.astype(q.dtype), lay.dvp), rows(lse[..., None], 1, -jnp.inf),
