@@ -113,6 +113,7 @@ VARIANTS = {
     # the tokens of the resident kernels' token loop unrolled by hand, each with its own buffers (RESIDENT_UNROLL)
     "unrolled2": ({"RESIDENT_UNROLL": 2}, True),
     "unrolled4": ({"RESIDENT_UNROLL": 4}, True),
+    "unrolled1": ({"RESIDENT_UNROLL": 1}, True),
     # union tiles (UNION_TILES) off and on, the token loop unrolled or not
     "union_off": ({"UNION_TILES": False}, True),
     "union_on": ({"UNION_TILES": True}, True),
