@@ -57,11 +57,11 @@ SHORT_CU = np.array([0, 13, 13, 40, 60], np.int32)  # lengths 13, 0, 27, 20 (T =
 
 # (B, T, HQ, H, Dk, Dv, block_size), dtype, block_counts, cu_seqlens
 CASES = {
-    "G1-dv32-bs8-B2": ((2, 40, 2, 2, 16, 32, 8), "float32", "int", None),
+    "G1-dv32-bs8-B2": ((2, 40, 1, 1, 16, 32, 8), "float32", "int", None),  # (H = 2: "G3-bf16-bs8")
     "G3-T70": ((1, 70, 3, 1, 32, 16, 16), "float32", "array", None),  # one partial tile of 128 tokens
     "G16-bs32": ((1, 50, 16, 1, 16, 24, 32), "float32", "array", None),  # 7 tiles of 8 tokens, the last partial
     "G3-bf16-bs8": ((1, 60, 6, 2, 64, 48, 8), "bfloat16", "array", None),  # 16 rows copied per block of 8
-    "G2-varlen": ((1, 200, 4, 2, 32, 32, 16), "float32", "array", CU),
+    "G2-varlen": ((1, 200, 2, 1, 32, 32, 16), "float32", "array", CU),
     "T<bs-bs64": ((1, 40, 2, 1, 16, 24, 64), "float32", "all", None),
 }
 
@@ -124,10 +124,10 @@ def test_matches_the_reference_in_interpret_mode(shape, dtype, counts, cu):
     _assert_matches(_kernels(x, idx, counts, cu), _reference(x, idx, counts, cu), x, dtype)
 
 
-def test_lists_split_into_segments_and_bitwise_repeatable():
+def test_lists_split_into_segments():
     """A Config of tiles of 8 tokens and dk/dv segments of 2 tiles: block 0 of a sequence and each token's
     own block (listed twice) are in every tile's union, so their lists are cut into several segments
-    that the reduce adds; packed sequences (traced), against the reference, and two runs bitwise equal."""
+    that the reduce adds; packed sequences (traced), against the reference."""
     x = Inputs((1, 60, 3, 1, 16, 24, 16), "float32")
     B, T, _, H = x.shape[:4]
     pos = np.asarray(tokens(T, 16, jnp.asarray(SHORT_CU)).pos[0])
@@ -135,10 +135,8 @@ def test_lists_split_into_segments_and_bitwise_repeatable():
     idx = np.stack([0 * pos, pos // 16, pos // 16, rand], -1)[None, :, None].astype(np.int32)
     counts = jnp.full((B, T, H), 4, jnp.int32)
     config = selected.Config(tokens=8, segment=2)
-    first, second = (_kernels(x, idx, counts, SHORT_CU, config=config) for _ in range(2))
-    for a, b in zip(jax.tree_util.tree_leaves(first), jax.tree_util.tree_leaves(second)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    _assert_matches(first, _reference(x, idx, counts, SHORT_CU), x, "float32", "segments")
+    _assert_matches(_kernels(x, idx, counts, SHORT_CU, config=config), _reference(x, idx, counts, SHORT_CU), x,
+                    "float32", "segments")
 
 
 def test_invalid_entries_are_never_read():
@@ -399,9 +397,10 @@ def test_errors_name_the_argument():
                          block_size=4, scale=1.0)
 
 
-def test_resident_kernels_agree_with_the_union_kernels_and_repeat_bitwise():
+def test_resident_kernels_agree_with_the_union_kernels():
     """The resident kernels (the default where they fit) against the union kernels (an explicit Config) on the same
-    inputs, packed, with repeated and skipped slots; the resident backward run twice gives the same bits."""
+    inputs, packed, with repeated and skipped slots. (Their bitwise repeatability is the chip's to show, where a
+    schedule could differ: scripts/tpu_train_probe.py; an interpreter's repeats cannot.)"""
     x = Inputs((1, 60, 4, 2, 16, 32, 16), "float32")
     idx, counts = x.block_indices(3), _counts("array", 1, 60, 2, 3)
     lay_q = Shapes.of(x.q, x.k, x.v, block_size=16, block_counts=3)
@@ -409,9 +408,6 @@ def test_resident_kernels_agree_with_the_union_kernels_and_repeat_bitwise():
     got = _kernels(x, idx, counts, SHORT_CU)
     union = _kernels(x, idx, counts, SHORT_CU, config=selected.default_config(lay_q, jnp.float32, facts("tpu")))
     _assert_matches(got, union, x, "float32", "resident against union:")
-    again = _kernels(x, idx, counts, SHORT_CU)
-    for a, b in zip(got[2], again[2]):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_what_the_resident_kernels_take(monkeypatch):
@@ -470,12 +466,11 @@ def _resident_grads(x, idx, counts, cu, budgets):
 
 
 @pytest.mark.parametrize("shape, dtype, S, cu, local", [
-    ((1, 32, 3, 1, 32, 16, 16), "float32", 3, np.array([0, 13, 13, 32], np.int32), False),  # G = 3, Dv != Dk, packed
     ((1, 32, 1, 1, 16, 32, 32), "float32", 2, None, False),  # G = 1
-    ((1, 32, 16, 1, 16, 24, 32), "bfloat16", 2, None, False),  # G = 16
-    ((1, 48, 3, 1, 32, 16, 8), "float32", 2, np.array([0, 21, 21, 48], np.int32), True),  # union tiles of 16 tokens
-    ((1, 48, 16, 1, 16, 24, 16), "bfloat16", 2, None, True)],  # union tiles of 8 tokens
-    ids=["G3-packed", "G1", "G16-bf16", "G3-packed-union", "G16-bf16-union"])
+    # half local, half random selections: tiles taking the union path and tiles token by token in one call
+    ((1, 48, 3, 1, 32, 16, 8), "float32", 2, np.array([0, 21, 21, 48], np.int32), True),  # G = 3, Dv != Dk, packed
+    ((1, 48, 16, 1, 16, 24, 16), "bfloat16", 2, None, True)],  # G = 16: union tiles of 8 tokens
+    ids=["G1", "G3-packed-union", "G16-bf16-union"])
 def test_the_two_pass_backward_is_bitwise_the_one_pass(shape, dtype, S, cu, local):
     """A VMEM budget too small for the one-pass resident backward runs two passes ((dq, dk), then dv, which
     recomputes p without v); each adds to its sums in the one pass's order, so dq, dk and dv are its bits: token by
@@ -515,7 +510,7 @@ def _half_local(x, S, cu):
 
 @pytest.mark.parametrize("shape, dtype, S, cu", [
     ((1, 64, 1, 1, 16, 32, 8), "float32", 3, None),  # G = 1: union tiles of 16 tokens
-    ((1, 64, 6, 2, 32, 16, 8), "float32", 2, np.array([0, 21, 21, 64], np.int32)),  # G = 3, packed, Dv != Dk
+    ((1, 64, 3, 1, 32, 16, 8), "float32", 2, np.array([0, 21, 21, 64], np.int32)),  # G = 3, packed, Dv != Dk
     ((1, 48, 16, 1, 16, 24, 16), "bfloat16", 2, None)], ids=["G1", "G3-packed", "G16-bf16"])  # 8 tokens a tile
 def test_union_tiles_match_the_reference(shape, dtype, S, cu):
     """The resident kernels' union tiles: local selections in the first half (their tiles take the union path, in
