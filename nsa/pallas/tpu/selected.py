@@ -840,7 +840,8 @@ def _resident_scratch_names(outputs, union=False):
 
 
 def _resident_scratch(lay, dtype, outputs):
-    """{name: (shape, dtype)} of `_resident_scratch_names`: k, v [KR, Dp] in `dtype`, k_buf, v_buf [UNROLL * SP * BR, Dp],
+    """{name: (shape, dtype)} of `_resident_scratch_names`: k, v [KR, Dp] in `dtype`, k_buf, v_buf
+    [UNROLL * SP * BR, Dp] (a copy per token of a `_token_loop` step),
     k_union, v_union [UC * BR, Dp] (`_union_slots`), dk_sum, dv_sum [KR, Dp] float32."""
     rows = {"buf": RESIDENT_UNROLL * _padded_slots(lay.S, lay.br) * lay.br, "union": _union_slots(lay) * lay.br}
     dp = {"k": lay.dkp, "v": lay.dvp, "dk": lay.dkp, "dv": lay.dvp}
