@@ -33,7 +33,8 @@ from benchmarks.common import (STANDARD, jax_inputs, random_block_indices, selec
 from nsa._plan import padded  # noqa: E402
 from nsa.pallas.tpu import _common, selected  # noqa: E402
 
-PATCHED = ("_gather", "_transposed_dot", "_seen_columns", "lax", "RESIDENT_UNROLL", "UNION_TILES")
+PATCHED = ("_gather", "_transposed_dot", "_seen_columns", "lax", "RESIDENT_UNROLL", "UNION_TILES", "_union_seen",
+           "_union_gather")
 ORIGINAL = {name: getattr(selected, name) for name in PATCHED if hasattr(selected, name)}
 
 
@@ -57,6 +58,15 @@ def pl_ds(start, align, size):
 def _seen_all(tab_ref, j, *, slots, br, tokens):
     """Ablation: every gathered column seen (no per-column mask)."""
     return jnp.ones((1, slots * br), jnp.bool_)
+
+
+def _union_seen_all(tab_ref, at, *, tokens, heads, slots, br):
+    """Ablation: a union tile's every gathered column seen by every row (no [UT * G, UC * BR] mask built)."""
+    return jnp.ones((tokens * heads, slots * br), jnp.bool_)
+
+
+def _union_gather_none(tab_ref, at, pairs, *, slots, br, align):
+    """Ablation: no union gather (the union buffers keep whatever they hold): its whole cost."""
 
 
 def _tdot_bf16_padded(a, b, precision):
@@ -110,6 +120,8 @@ VARIANTS = {
     "no_gather": ({"_gather": _gather_none}, False),
     "no_column_mask": ({"_seen_columns": _seen_all}, False),
     "no_dkdv_products": ({"_transposed_dot": _tdot_skipped}, False),
+    "no_union_mask": ({"_union_seen": _union_seen_all}, False),
+    "no_union_gather": ({"_union_gather": _union_gather_none}, False),
     # the tokens of the resident kernels' token loop unrolled by hand, each with its own buffers (RESIDENT_UNROLL)
     "unrolled2": ({"RESIDENT_UNROLL": 2}, True),
     "unrolled4": ({"RESIDENT_UNROLL": 4}, True),
