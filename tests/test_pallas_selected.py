@@ -184,6 +184,33 @@ def test_the_next_sequence_is_never_read():
     _assert_matches(got, _reference(x, idx, counts, cu), x, "float32", "next sequence")
 
 
+def test_a_token_zeroes_the_block_it_sees_in_part(monkeypatch):
+    """Token by token (no union tiles), blocks of 8, key rows 5 and 21 NaN: the tokens before each in its block list
+    that block (their own, last in their lists: it sees the NaN row's place in part), no later token lists it. Each
+    token's gather zeroes only its first slot after the table puts the slot it sees in part there; in the second grid
+    step a token lists its own block twice (two slots seen in part), so that step zeroes every slot. Every output
+    and gradient equals the reference's on zeros there."""
+    monkeypatch.setattr(selected, "UNION_TILES", False)
+    B, T, HQ, H, D, bs = 1, 32, 3, 1, 16, 8
+    x = Inputs((B, T, HQ, H, D, D, bs), "float32")
+    t = np.arange(T)
+    poison = np.isin(t, [5, 21])
+    own = np.where((t // bs == 0) & (t >= 5) | (t // bs == 2) & (t >= 21), -1, t // bs)  # never past a NaN row
+    other = np.where(t >= 2 * bs, 1, -1)  # block 1, wholly seen from token 16 on
+    idx = np.stack([other, np.full(T, -1), own], -1)
+    idx[17] = [2, 1, 2]  # its own block twice
+    idx = idx.astype(np.int32)[None, :, None, :]
+    counts = jnp.full((B, T, H), 3, jnp.int32)
+    lay = selected._resident_layout(x.q, x.k, x.v, idx, bs, None)
+    table = np.asarray(selected._step_table(jnp.asarray(idx), counts, None, lay, bs))
+    slots = selected._padded_slots(3, lay.br)
+    np.testing.assert_array_equal(table[0, 0, :, 0, 2 * lay.tb * slots], [1, 0])  # the steps' flags
+    x.k, x.v = (jnp.where(poison[None, :, None, None], jnp.nan, a) for a in (x.k, x.v))
+    got = _kernels(x, idx, counts, None)
+    x.k, x.v = (jnp.where(poison[None, :, None, None], 0.0, a) for a in (x.k, x.v))
+    _assert_matches(got, _reference(x, idx, counts, None), x, "float32", "rows seen in part")
+
+
 def test_a_kv_cache():
     """The last 24 queries of sequences of 60 and 37 tokens in a 64-row cache (kv_lens, traced): key rows
     per batch row over 3 tiles of 8 tokens, dk/dv lists cut into segments of 2 tiles, random selections
