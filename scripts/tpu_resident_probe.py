@@ -60,12 +60,12 @@ def _seen_all(tab_ref, j, *, slots, br, tokens):
     return jnp.ones((1, slots * br), jnp.bool_)
 
 
-def _union_seen_all(tab_ref, at, *, tokens, heads, slots, br):
-    """Ablation: a union tile's every gathered column seen by every row (no [UT * G, UC * BR] mask built)."""
+def _union_seen_all(tab_ref, start, *, tokens, heads, slots, union_slots, br):
+    """Ablation: a union chunk's every gathered column seen by every row (no [UT * G, UCH * BR] mask built)."""
     return jnp.ones((tokens * heads, slots * br), jnp.bool_)
 
 
-def _union_gather_none(tab_ref, at, pairs, *, slots, br, align):
+def _union_gather_none(tab_ref, start, pairs, *, slots, union_slots, br, align):
     """Ablation: no union gather (the union buffers keep whatever they hold): its whole cost."""
 
 

@@ -801,14 +801,16 @@ def backward(residuals, do, *, block_size, scale, interpret=False, config=None):
 # gradients are bitwise those of one pass. At the standard shape (B = 1, HQ = 64, H = 4, D = 128, bf16, block_size
 # 64, S = 16) within 96 MiB (3/4 of a v5e's 128): one pass to 32k tokens (k, v 16 MiB and dk, dv 32 MiB at 32k), two
 # at 64k (32 + 32 MiB, then 16 + 32), none at 128k (the union kernels run). The forward holds k and v: 32 MiB at
-# 64k, 64 MiB at 128k. The union tiles' buffers add 1 MiB to each pass (k_union, v_union [UC * BR, Dp]; 0.5 to dv's).
+# 64k, 64 MiB at 128k. The union tiles' buffers add 0.25 MiB to each pass (k_union, v_union [UCH * BR, Dp], a
+# chunk's; 0.125 to dv's).
 
 RESIDENT_TOKENS = 16  # query tokens per grid step: a step's fixed cost shared by 16 tokens' work
 RESIDENT_UNROLL = 4  # tokens a step of the token loop (`_token_loop`), each with its own copy of the buffers
 RESIDENT_SHARE = 0.75  # the most of a TensorCore's VMEM the resident kernels plan to hold
 RESIDENT_MARGIN = 8 * 2 ** 20  # scoped VMEM asked beyond `resident_bytes`: Mosaic's temporaries ([G, SP * BR] logits;
-# a union tile's [UT * G, UC * BR] float32 values, 1 MiB each at the standard shape: the backward's s, p, dp, ds, p^T,
-# ds^T and its [UC * BR, Dp] dk, dv, some 6 MiB live at once if Mosaic frees each after its last use; not measured)
+# a union tile's chunk's [UT * G, UCH * BR] float32 values, 0.25 MiB each at the standard shape: the backward's s, p,
+# dp, ds, p^T, ds^T and its [UCH * BR, Dp] dk, dv, some 1.5 MiB live at once if Mosaic frees each after its last use;
+# not measured)
 FORWARD = ("o", "lse")  # the outputs of the resident forward, its one pass
 BACKWARD_PLANS = ((("dq", "dk", "dv"),), (("dq", "dk"), ("dv",)))  # the backward's passes, fewest first
 
@@ -832,7 +834,7 @@ def _reads_v(outputs):
 def _resident_scratch_names(outputs, union=False):
     """The VMEM scratch of a pass computing `outputs` (FORWARD, or some of dq, dk, dv), in the kernel's order: the
     (b, h)'s resident rows k (and v where read), a token's gathered blocks k_buf (and v_buf), a union tile's gathered
-    blocks k_union (and v_union) where `union` (`_union_tokens` > 1), the backward's float32 sums dk_sum, dv_sum of
+    chunk k_union (and v_union) where `union` (`_union_tokens` > 1), the backward's float32 sums dk_sum, dv_sum of
     those it computes."""
     keys = ("k", "v") if _reads_v(outputs) else ("k",)
     unions = tuple(x + "_union" for x in keys) if union else ()
@@ -841,9 +843,9 @@ def _resident_scratch_names(outputs, union=False):
 
 def _resident_scratch(lay, dtype, outputs):
     """{name: (shape, dtype)} of `_resident_scratch_names`: k, v [KR, Dp] in `dtype`, k_buf, v_buf
-    [UNROLL * SP * BR, Dp] (a copy per token of a `_token_loop` step),
-    k_union, v_union [UC * BR, Dp] (`_union_slots`), dk_sum, dv_sum [KR, Dp] float32."""
-    rows = {"buf": RESIDENT_UNROLL * _padded_slots(lay.S, lay.br) * lay.br, "union": _union_slots(lay) * lay.br}
+    [UNROLL * SP * BR, Dp] (a copy per token of a `_token_loop` step), k_union, v_union [UCH * BR, Dp] (a union
+    tile's chunk: `_chunk_slots`), dk_sum, dv_sum [KR, Dp] float32."""
+    rows = {"buf": RESIDENT_UNROLL * _padded_slots(lay.S, lay.br) * lay.br, "union": _chunk_slots(lay) * lay.br}
     dp = {"k": lay.dkp, "v": lay.dvp, "dk": lay.dkp, "dv": lay.dvp}
 
     def buffer(name):
@@ -942,30 +944,42 @@ def _resident_table(names, lay, block_size):
 
 # The union tiles of the resident forward and backward. On a trained model's selections neighbouring tokens list much
 # the same blocks; a tile of UT tokens (`_union_tokens`: UT * G ~ MXU_ROWS rows) whose tokens list U <= UC distinct
-# blocks (`_union_slots`: UNION_CAP * S, padded to whole lanes) runs as one [UT * G, UC * BR] logits matmul against the
-# union's gathered rows, each row masked to its token's own blocks and rows, instead of UT matmuls of G rows: at G = 16,
-# UT = 8 fills the MXU's 128 rows for at most UNION_CAP times the per-token work. A union tile must also lie within one
-# sequence and list no block twice in one token (a repeated block weighs twice; the union lists it once), else it runs
-# token by token; `_union_table` makes that choice per tile in XLA, from the selections. The two paths round differently
-# (one softmax over UC * BR columns, or SP * BR): results agree with the reference within the usual tolerance, not
-# bitwise across paths. A key row a token does not see never reaches its output through a row that is zeroed (past the
-# last row any token of the tile sees, or a slot that is not in the union); a row that a later token of the same
-# sequence and union tile sees but this one does not reaches it as 0 * that row in p v, as in dense attention under a
-# causal mask: a non-finite key or value row of a sequence's own tokens (which makes its later queries' outputs
-# non-finite anyway) reaches the earlier queries of its union tile.
+# blocks (`_union_slots`: UNION_CAP * S, rounded up to whole chunks) runs as one softmax of UT * G rows against the
+# union's gathered rows, each row masked to its token's own blocks and rows, instead of UT matmuls of G rows: at
+# G = 16, UT = 8 fills the MXU's 128 rows for at most UNION_CAP times the per-token work. A union tile must also lie
+# within one sequence and list no block twice in one token (a repeated block weighs twice; the union lists it once),
+# else it runs token by token; `_union_table` makes that choice per tile in XLA, from the selections.
 #
-# The backward takes the same tiles (`_step_table`'s flags) in each of its passes: a union tile's k (and v where the
-# pass reads it) gathered once as in the forward, its tokens' q, do, lse and delta stacked into [UT * G, .], one
-# `_gradients` of [UT * G, UC * BR] (dq written back per token; dk = ds^T q and dv = p^T do [UC * BR, Dp] of 128
-# rows at G = 16, their transposes aligned), then each union slot's BR rows of dk, dv added into the float32 sums at
-# its source row, slot after slot (a fixed order: bitwise repeatable, and bitwise in two passes as in one). An empty
-# slot (past the union's U blocks) is not added: its rows of dk, dv are zeros (its columns of p and ds are 0, q and
-# do finite), so adding them to row 0 would change no bit of a sum, only cost a read and write of BR rows. As in the
-# forward, a non-finite key or value row that a later token of the union tile sees reaches the earlier tokens' ds
-# (0 * it in do v^T) and dq (0 * it in ds k).
+# Chunks. The union's slots are taken UCH at a time (`_chunk_slots`: UNION_CHUNK columns, UCH * BR whole lanes; UC a
+# multiple of UCH), and a tile runs only the C = ceil(U / UCH) chunks its union fills (its `_union_table` entry; 0:
+# token by token, as is a tile whose tokens list nothing): chunk c gathers union slots c * UCH .. (c + 1) * UCH - 1
+# into k_union, v_union [UCH * BR, Dp] and computes [UT * G, UCH * BR] logits against them. The forward carries an
+# online softmax over the chunks (`_softmax_step`, as in flash attention: running max m, sum l and float32 o
+# [UT * G, Dvp]); the backward runs `_gradients` per chunk from the forward's lse. On a trained model's local
+# selections at 8k tokens a union of 8 tokens fills 22 of 32 slots on average (10th, 50th, 90th percentiles 13, 23,
+# 29: 2, 3 and 4 chunks of UCH = 8 at BR = 64), and early tokens' unions are small.
+#
+# The two paths round differently (one softmax over the union's chunks, or over SP * BR columns): results agree with
+# the reference within the usual tolerance, not bitwise across paths. A key row a token does not see never reaches its
+# output through a row that is zeroed (past the last row any token of the tile sees, or a slot that is not in the
+# union); a row that a later token of the same sequence and union tile sees but this one does not reaches it as 0 *
+# that row in p v, as in dense attention under a causal mask: a non-finite key or value row of a sequence's own tokens
+# (which makes its later queries' outputs non-finite anyway) reaches the earlier queries of its union tile.
+#
+# The backward takes the same tiles and chunks (`_step_table`'s entries) in each of its passes: per chunk its k (and
+# v where the pass reads it) gathered as in the forward, one `_gradients` of [UT * G, UCH * BR] on the tile's q, do,
+# lse and delta stacked into [UT * G, .] (dq summed over the chunks in float32, written back per token once; dk =
+# ds^T q and dv = p^T do [UCH * BR, Dp] of 128 rows at G = 16, their transposes aligned), then each of the chunk's
+# slots' BR rows of dk, dv added into the float32 sums at its source row, slot after slot, chunk after chunk (a fixed
+# order: bitwise repeatable, and bitwise in two passes as in one). An empty slot (past the union's U blocks, in its
+# last chunk) is not added: its rows of dk, dv are zeros (its columns of p and ds are 0, q and do finite), so adding
+# them to row 0 would change no bit of a sum, only cost a read and write of BR rows. As in the forward, a non-finite
+# key or value row that a later token of the union tile sees reaches the earlier tokens' ds (0 * it in do v^T) and dq
+# (0 * it in ds k).
 
 UNION_CAP = 2  # a union tile holds at most UNION_CAP * S distinct blocks: at most ~2x the per-token path's work
 UNION_TILES = True  # False: every tile token by token (scripts/tpu_train_probe.py's baseline for part union)
+UNION_CHUNK = 512  # the columns of a union tile's chunk: its logits [UT * G, UNION_CHUNK], 4 chunks of 8 slots at BR 64
 
 
 def _union_tokens(lay):
@@ -979,9 +993,15 @@ def _union_tokens(lay):
     return ut
 
 
+def _chunk_slots(lay):
+    """UCH: the slots of a union tile's chunk, UNION_CHUNK / BR padded so that UCH * BR columns are whole lanes, at
+    most UNION_CAP * S padded so."""
+    return min(_padded_slots(max(1, UNION_CHUNK // lay.br), lay.br), _padded_slots(UNION_CAP * lay.S, lay.br))
+
+
 def _union_slots(lay):
-    """UC: the blocks a union tile gathers, UNION_CAP * S padded so that UC * BR columns are whole lanes."""
-    return _padded_slots(UNION_CAP * lay.S, lay.br)
+    """UC: the most blocks a union tile holds, UNION_CAP * S rounded up to whole chunks (`_chunk_slots`)."""
+    return round_up(UNION_CAP * lay.S, _chunk_slots(lay))
 
 
 def _sequence_ids(cu_seqlens, lay):
@@ -1006,10 +1026,10 @@ def _distinct(names, size):
 
 def _union_table(names, cu_seqlens, lay, block_size):
     """int32 [B, H, NT, 1, NU * (1 + (2 + UT) * UC)], the union tiles of the resident forward and backward from their
-    `_resident_names` [B, H, NT, TB, S]: per union tile of the step (NU = TB / UT), 1 where it takes the union path,
-    then its union's source rows in `_key_rows` (0: an empty slot), the last row of each that any of its tokens sees
-    (-1: an empty slot, zeroed whole), and for each of its UT tokens the last row of each that it sees (-1: not
-    listed), for `_union_seen`."""
+    `_resident_names` [B, H, NT, TB, S]: per union tile of the step (NU = TB / UT), the chunks C = ceil(U / UCH) its
+    union of U blocks fills where it takes the union path (0: token by token), then its union's source rows in
+    `_key_rows` (0: an empty slot), the last row of each that any of its tokens sees (-1: an empty slot, zeroed
+    whole), and for each of its UT tokens the last row of each that it sees (-1: not listed), for `_union_seen`."""
     B, H, nt, tb, S = names.shape
     ut, uc = _union_tokens(lay), _union_slots(lay)
     tiles = names.reshape(B, H, nt, tb // ut, ut, S)
@@ -1018,13 +1038,13 @@ def _union_table(names, cu_seqlens, lay, block_size):
     repeated = jnp.any((ordered[..., 1:] == ordered[..., :-1]) & (ordered[..., 1:] != NONE), axis=(-2, -1))
     seq = _sequence_ids(cu_seqlens, lay).reshape(nt, tb // ut, ut)
     one_sequence = jnp.all(seq == seq[..., :1], axis=-1)
-    takes = (count <= uc) & ~repeated & one_sequence
+    chunks = jnp.where((count <= uc) & ~repeated & one_sequence, -(-count // _chunk_slots(lay)), 0)
     token = _tile_tokens(lay).reshape(nt, tb // ut, ut)[..., None]  # [NT, NU, UT, 1]
     listed = jnp.any(tiles[..., None, :] == union[..., None, :, None], axis=-1) & (union[..., None, :] != NONE)
     last = jnp.where(listed, _seen_last(union[..., None, :], token, block_size), -1)  # [B, H, NT, NU, UT, UC]
     empty = union == NONE
     rows = jnp.where(empty, 0, _copy_rows(jnp.where(empty, 0, union), lay, block_size))
-    table = jnp.concatenate([takes[..., None].astype(jnp.int32), rows, jnp.max(last, axis=-2),
+    table = jnp.concatenate([chunks[..., None].astype(jnp.int32), rows, jnp.max(last, axis=-2),
                              last.reshape(B, H, nt, tb // ut, ut * uc)], axis=-1)
     return table.reshape(B, H, nt, 1, -1).astype(jnp.int32)
 
@@ -1039,15 +1059,21 @@ def _step_table(block_indices, block_counts, cu_seqlens, lay, block_size):
     return jnp.concatenate([table, _union_table(names, cu_seqlens, lay, block_size)], axis=-1)
 
 
-def union_tiles(q, k, v, block_indices, block_counts, cu_seqlens, *, block_size):
-    """bool [B, H, NT, NU]: which union tiles of the resident forward and backward take the union path
-    (`_union_table`) on these inputs; all False where G fills the MXU alone (no union tiles)."""
+def union_chunks(q, k, v, block_indices, block_counts, cu_seqlens, *, block_size):
+    """int32 [B, H, NT, NU]: the chunks each union tile of the resident forward and backward runs on these inputs
+    (`_union_table`; 0: token by token); all 0 where G fills the MXU alone (no union tiles)."""
     lay = _resident_layout(q, k, v, block_indices, block_size, cu_seqlens)
     if _union_tokens(lay) == 1:
-        return jnp.zeros((lay.B, lay.H, lay.nt, lay.tb), bool)
+        return jnp.zeros((lay.B, lay.H, lay.nt, lay.tb), jnp.int32)
     names = _resident_names(block_indices, block_counts, cu_seqlens, lay, block_size)
     table = _union_table(names, cu_seqlens, lay, block_size)
-    return table.reshape(lay.B, lay.H, lay.nt, lay.tb // _union_tokens(lay), -1)[..., 0] == 1
+    return table.reshape(lay.B, lay.H, lay.nt, lay.tb // _union_tokens(lay), -1)[..., 0]
+
+
+def union_tiles(q, k, v, block_indices, block_counts, cu_seqlens, *, block_size):
+    """bool [B, H, NT, NU]: which union tiles of the resident forward and backward take the union path on these
+    inputs (`union_chunks` > 0)."""
+    return union_chunks(q, k, v, block_indices, block_counts, cu_seqlens, block_size=block_size) > 0
 
 
 ZEROED_ROWS = 64  # rows of a float32 sum zeroed per loop step (8 vregs at Dp = 128)
@@ -1159,17 +1185,39 @@ def _transposed_dot(a, b, precision):
     return dot(padded(a, 0, rows).T.astype(b.dtype), padded(b, 0, rows), precision)
 
 
-def _softmax_rows(s, seen, v, precision):
-    """(o [R, Dvp] float32, lse [R, 1]) of logits s [R, N] over the columns `seen` (bool [R, N]) against v [N, Dvp]:
-    a row that sees nothing gets o = 0, lse = -inf (no NaN: its logits are -inf by `where`, never 0 * NaN)."""
+def _softmax_step(s, seen, v, precision, state=None):
+    """The online softmax (as in flash attention) of R rows after one more block of columns: (m [R, 1], l [R, 1],
+    acc [R, Dvp] float32) of logits s [R, N] over the columns `seen` (bool [R, N]) against v [N, Dvp], from the
+    (m, l, acc) of the columns before (state; None: none). m is the running max of the logits seen (-inf: none
+    yet), l the sum of exp(s - m) over them, acc that of exp(s - m) v; the state before is rescaled by exp(m_before
+    - m). A row that has seen nothing keeps m = -inf, l = 0, acc = 0 (no NaN: its logits are -inf by `where`, its
+    exponents taken from 0, never 0 * NaN)."""
     s = jnp.where(seen, s, -jnp.inf)
     m = jnp.max(s, axis=1, keepdims=True)
-    m = jnp.where(m == -jnp.inf, 0.0, m)
-    p = jnp.exp(s - m)
+    if state is not None:
+        m = jnp.maximum(state[0], m)
+    base = jnp.where(m == -jnp.inf, 0.0, m)
+    p = jnp.exp(s - base)
     l = jnp.sum(p, axis=1, keepdims=True)
+    acc = dot(p.astype(v.dtype), v, precision)
+    if state is not None:
+        rescale = jnp.exp(state[0] - base)
+        l, acc = rescale * state[1] + l, rescale * state[2] + acc
+    return m, l, acc
+
+
+def _softmax_end(m, l, acc):
+    """(o [R, Dvp] float32, lse [R, 1]) of an online softmax's (m, l, acc) (`_softmax_step`): a row that saw
+    nothing gets o = 0, lse = -inf."""
     some = l > 0
-    o = dot(p.astype(v.dtype), v, precision) / jnp.where(some, l, 1.0)
-    return o, jnp.where(some, m + jnp.log(jnp.where(some, l, 1.0)), -jnp.inf)
+    safe = jnp.where(some, l, 1.0)
+    return acc / safe, jnp.where(some, m + jnp.log(safe), -jnp.inf)
+
+
+def _softmax_rows(s, seen, v, precision):
+    """(o [R, Dvp] float32, lse [R, 1]) of logits s [R, N] over the columns `seen` (bool [R, N]) against v [N, Dvp],
+    in one step (`_softmax_step`, `_softmax_end`)."""
+    return _softmax_end(*_softmax_step(s, seen, v, precision))
 
 
 def _union_at(n, *, tokens, slots, union_tokens, union_slots):
@@ -1181,15 +1229,15 @@ def _union_at(n, *, tokens, slots, union_tokens, union_slots):
 def _each_tile(tab_ref, token, union, *, tokens, slots, union_tokens, union_slots, unroll):
     """A grid step's TB tokens, in order: token(j, copy) for each (`_token_loop`) where there are no union tiles
     (union_tokens UT = 1); else, per union tile n of the step's TB / UT (its entries at `_union_at`, its tokens
-    first = n * UT .. first + UT - 1), union(at, first) where its flag tab_ref[0, at] is 1, token(j, copy) for each
-    of its tokens else."""
+    first = n * UT .. first + UT - 1), union(at, first) where its chunks tab_ref[0, at] are > 0, token(j, copy) for
+    each of its tokens else."""
     if union_tokens == 1:
         _token_loop(0, tokens, token, unroll)
         return
     for n in range(tokens // union_tokens):
         at = _union_at(n, tokens=tokens, slots=slots, union_tokens=union_tokens, union_slots=union_slots)
         first = n * union_tokens
-        takes = tab_ref[0, at] == 1
+        takes = tab_ref[0, at] > 0
         pl.when(takes)(functools.partial(union, at, first))
 
         @pl.when(jnp.logical_not(takes))
@@ -1197,18 +1245,27 @@ def _each_tile(tab_ref, token, union, *, tokens, slots, union_tokens, union_slot
             _token_loop(first, union_tokens, token, unroll)
 
 
-def _union_gather(tab_ref, at, pairs, *, slots, br, align):
-    """A union tile's blocks (`_gather`) into pairs' buffers [UC * BR, Dp]: its union's source rows and the last row
-    of each that any of its tokens sees, from its `_union_table` entries at `at` (its flag first)."""
-    _gather(tab_ref, at + 1, at + 1 + slots, pairs, slots=slots, br=br, align=align)
+def _chunk_loop(tab_ref, at, chunk, init, *, slots):
+    """carry = chunk(start, carry) from `init`, for each chunk c of the union tile whose `_union_table` entries
+    start at `at`, in order, as many as its entry tab_ref[0, at] says: start = at + 1 + c * UCH (`slots`), where
+    chunk c's entries begin (`_union_gather`, `_union_seen`). A loop of dynamic length (no unrolling)."""
+    return lax.fori_loop(0, tab_ref[0, at], lambda c, carry: chunk(at + 1 + c * slots, carry), init)
 
 
-def _union_seen(tab_ref, at, *, tokens, heads, slots, br):
-    """bool [UT * G, UC * BR]: row j * G + g (token j of the union tile whose `_union_table` entries start at `at`,
-    head g) sees column u * BR + c of the tile's gathered rows iff c <= the last row of union block u that token j
-    sees, tab_ref[0, at + 1 + (2 + j) * UC + u] (-1: token j does not list it): each token's `_seen_limits` spread
-    over its G rows (int32, whole sublane tiles)."""
-    limits = [_seen_limits(tab_ref, at + 1 + (2 + j) * slots, slots=slots, br=br) for j in range(tokens)]
+def _union_gather(tab_ref, start, pairs, *, slots, union_slots, br, align):
+    """A union tile's chunk (`_gather`: its UCH = `slots` blocks) into pairs' buffers [UCH * BR, Dp]: their source
+    rows from tab_ref[0, start], the last row of each that any of the tile's tokens sees from start + UC (UC =
+    union_slots: `_union_table`'s entries of a union tile, from the chunk's start)."""
+    _gather(tab_ref, start, start + union_slots, pairs, slots=slots, br=br, align=align)
+
+
+def _union_seen(tab_ref, start, *, tokens, heads, slots, union_slots, br):
+    """bool [UT * G, UCH * BR] of a union tile's chunk of UCH = `slots` blocks whose `_union_table` entries start at
+    `start` (`_chunk_loop`): row j * G + g (token j of the tile, head g) sees column u * BR + c of the chunk's gathered
+    rows iff c <= the last row of its block u that token j sees, tab_ref[0, start + (2 + j) * UC + u] (UC =
+    union_slots; -1: token j does not list it): each token's `_seen_limits` spread over its G rows (int32, whole
+    sublane tiles)."""
+    limits = [_seen_limits(tab_ref, start + (2 + j) * union_slots, slots=slots, br=br) for j in range(tokens)]
     rows = jnp.concatenate([jnp.broadcast_to(limit, (heads, slots * br)) for limit in limits])
     return lax.broadcasted_iota(jnp.int32, rows.shape, 1) <= rows
 
@@ -1226,28 +1283,39 @@ def _unstack(ref, first, x):
         ref[first + j] = x[j * heads:(j + 1) * heads].astype(ref.dtype)
 
 
-def _union_forward(tab_ref, q_ref, o_ref, lse_ref, pairs, at, first, *, tokens, slots, br, align, scale, precision):
+def _union_forward(tab_ref, q_ref, o_ref, lse_ref, pairs, at, first, *, tokens, slots, union_slots, br, align,
+                   scale, precision):
     """The union tile of a step's tokens first .. first + tokens - 1, its `_union_table` entries from `at`: the
-    union's blocks gathered once into pairs' buffers [UC * BR, Dp] (`_union_gather`), the tokens' G rows each stacked
-    into one [UT * G, Dkp] query, one masked softmax (`_union_seen`), each token's G rows of o and lse written back."""
-    _union_gather(tab_ref, at, pairs, slots=slots, br=br, align=align)
+    tokens' G rows each stacked into one [UT * G, Dkp] query; per chunk (`_chunk_loop`) its UCH = `slots` blocks
+    gathered into pairs' buffers [UCH * BR, Dp] (`_union_gather`), [UT * G, UCH * BR] logits masked by
+    `_union_seen`, one step of an online softmax (`_softmax_step`); each token's G rows of o and lse written back."""
     (_, k_union), (_, v_union) = pairs
     q = _stacked(q_ref, first, tokens)  # [UT * G, Dkp]
-    s = dot(q, k_union[...], precision, transpose_b=True) * scale  # [UT * G, UC * BR]
-    seen = _union_seen(tab_ref, at, tokens=tokens, heads=q_ref.shape[1], slots=slots, br=br)
-    o, lse = _softmax_rows(s, seen, v_union[...], precision)
+    where = dict(slots=slots, union_slots=union_slots, br=br)
+
+    def chunk(start, state):
+        _union_gather(tab_ref, start, pairs, align=align, **where)
+        s = dot(q, k_union[...], precision, transpose_b=True) * scale  # [UT * G, UCH * BR]
+        seen = _union_seen(tab_ref, start, tokens=tokens, heads=q_ref.shape[1], **where)
+        return _softmax_step(s, seen, v_union[...], precision, state)
+
+    rows = (q.shape[0], 1)
+    none = (jnp.full(rows, -jnp.inf, jnp.float32), jnp.zeros(rows, jnp.float32),
+            jnp.zeros((q.shape[0], v_union.shape[1]), jnp.float32))
+    o, lse = _softmax_end(*_chunk_loop(tab_ref, at, chunk, none, slots=slots))
     _unstack(o_ref, first, o)
     _unstack(lse_ref, first, lse)
 
 
 def _resident_fwd_kernel(tab_ref, q_ref, *refs, scale, slots, br, align, precision, union_tokens, union_slots,
-                         unroll):
+                         chunk_slots, unroll):
     """Grid (B, H, NT), a step one tile of TB tokens. Loads q_ref (TB, G, Dkp) by BlockSpec and, at the (b, h)'s
     first step, its rows of k_hbm, v_hbm [B, H, KR, Dp] (HBM) into k_ref, v_ref [KR, Dp] (`_row_start`); writes
-    o_ref (TB, G, Dvp), lse_ref (TB, G, 1); k_buf, v_buf [SP * BR, Dp] a token's gathered blocks, k_union, v_union
-    [UC * BR, Dp] a union tile's (where union_tokens UT > 1). The table row (SMEM, `_step_table`): each of the
-    step's TB / UT union tiles of UT tokens runs as one [UT * G, UC * BR] softmax (`_union_forward`) where its flag
-    is 1, token by token (G rows against SP * BR) else (`_each_tile`)."""
+    o_ref (TB, G, Dvp), lse_ref (TB, G, 1); k_buf, v_buf [UNROLL * SP * BR, Dp] tokens' gathered blocks, k_union,
+    v_union [UCH * BR, Dp] a union tile's chunk (where union_tokens UT > 1; UCH = chunk_slots). The table row (SMEM,
+    `_step_table`): each of the step's TB / UT union tiles of UT tokens runs as one softmax of UT * G rows over the
+    C chunks of UCH * BR columns its entry names (`_union_forward`) where C > 0, token by token (G rows against
+    SP * BR) else (`_each_tile`)."""
     if union_tokens > 1:
         k_hbm, v_hbm, o_ref, lse_ref, k_ref, v_ref, k_buf, v_buf, k_union, v_union, sems = refs
     else:
@@ -1268,8 +1336,8 @@ def _resident_fwd_kernel(tab_ref, q_ref, *refs, scale, slots, br, align, precisi
         lse_ref[j] = lse
 
     union = functools.partial(_union_forward, tab_ref, q_ref, o_ref, lse_ref, [(k_ref, k_union), (v_ref, v_union)],
-                              tokens=union_tokens, slots=union_slots, br=br, align=align, scale=scale,
-                              precision=precision)
+                              tokens=union_tokens, slots=chunk_slots, union_slots=union_slots, br=br, align=align,
+                              scale=scale, precision=precision)
     _each_tile(tab_ref, token, union, tokens=tokens, slots=slots, union_tokens=union_tokens, union_slots=union_slots,
                unroll=unroll)
 
@@ -1312,17 +1380,18 @@ def _add_slots(tab_ref, rows_at, grads, sums, *, slots, br, align, last_at=None)
 
 
 def _resident_bwd_kernel(tab_ref, q_ref, do_ref, lse_ref, delta_ref, k_hbm, v_hbm, *refs, outputs, scale, slots, br,
-                         align, precision, union_tokens, union_slots, unroll):
+                         align, precision, union_tokens, union_slots, chunk_slots, unroll):
     """Grid (B, H, NT), a step one tile of TB tokens, in order along the (b, h)'s row: one pass of the backward,
     computing `outputs` (some of dq, dk, dv). Loads q_ref, do_ref (TB, G, Dp), lse_ref, delta_ref (TB, G, 1) by
     BlockSpec and, at the row's first step, its rows of k_hbm (and v_hbm, where `_reads_v`) [B, H, KR, Dp] (HBM)
     into VMEM. refs: the outputs (dq (TB, G, Dkp) its own tile; dk, dv [B, H, KR, Dp] float32 in HBM, the unscaled
     dk), then the scratch of `_resident_scratch` in its order, then the DMA semaphores: dk_sum, dv_sum are zeroed at
     the row's first step, added to at each token's slots' rows, copied out at its last. As in the forward
-    (`_each_tile`), each union tile whose flag is 1 (union_tokens UT > 1) runs as one: its union's blocks gathered
-    into k_union (and v_union) [UC * BR, Dp], its tokens' rows stacked into [UT * G, .], `_gradients` of [UT * G, UC
-    * BR], dq written back per token, dk and dv added at the union's non-empty slots' rows; other tiles token by
-    token (G rows against SP * BR)."""
+    (`_each_tile`), each union tile whose entry names C > 0 chunks (union_tokens UT > 1) runs as one: its tokens'
+    rows stacked into [UT * G, .]; per chunk (`_chunk_loop`) its UCH = chunk_slots blocks gathered into k_union (and
+    v_union) [UCH * BR, Dp], `_gradients` of [UT * G, UCH * BR], dk and dv added at its non-empty slots' rows; dq
+    summed over the chunks in float32, written back per token; other tiles token by token (G rows against
+    SP * BR)."""
     out = dict(zip(outputs, refs))
     names = _resident_scratch_names(outputs, union_tokens > 1)
     r = dict(zip(names, refs[len(outputs):]))
@@ -1346,13 +1415,21 @@ def _resident_bwd_kernel(tab_ref, q_ref, do_ref, lse_ref, delta_ref, k_hbm, v_hb
         _add_slots(tab_ref, j * slots, grads, sums, slots=slots, br=br, align=align)
 
     def union(at, first):
-        _union_gather(tab_ref, at, pairs("_union"), slots=union_slots, br=br, align=align)
-        seen = _union_seen(tab_ref, at, tokens=union_tokens, heads=q_ref.shape[1], slots=union_slots, br=br)
         rows = [_stacked(x, first, union_tokens) for x in (q_ref, do_ref, lse_ref, delta_ref)]  # [UT * G, .]
-        dq, grads = grads_of(*rows, *gathered("_union"), seen)
+        where = dict(slots=chunk_slots, union_slots=union_slots, br=br)
+
+        def chunk(start, dq):
+            _union_gather(tab_ref, start, pairs("_union"), align=align, **where)
+            seen = _union_seen(tab_ref, start, tokens=union_tokens, heads=q_ref.shape[1], **where)
+            dq_chunk, grads = grads_of(*rows, *gathered("_union"), seen)
+            _add_slots(tab_ref, start, grads, sums, slots=chunk_slots, br=br, align=align,
+                       last_at=start + union_slots)
+            return None if dq is None else dq + dq_chunk
+
+        none = jnp.zeros(rows[0].shape, jnp.float32) if "dq" in out else None
+        dq = _chunk_loop(tab_ref, at, chunk, none, slots=chunk_slots)
         if dq is not None:
             _unstack(out["dq"], first, dq)
-        _add_slots(tab_ref, at + 1, grads, sums, slots=union_slots, br=br, align=align, last_at=at + 1 + union_slots)
 
     _each_tile(tab_ref, token, union, tokens=tokens, slots=slots, union_tokens=union_tokens, union_slots=union_slots,
                unroll=unroll)
@@ -1380,7 +1457,8 @@ def _resident_call(kernel, lay, table, tiled, k_rows, v_rows, outputs, *, comput
     scratch = _resident_scratch(lay, k_rows.dtype, computes)
     return pl.pallas_call(
         functools.partial(kernel, scale=float(scale), slots=slots, br=lay.br, align=sublanes(k_rows.dtype),
-                          union_tokens=_union_tokens(lay), union_slots=_union_slots(lay), unroll=RESIDENT_UNROLL,
+                          union_tokens=_union_tokens(lay), union_slots=_union_slots(lay),
+                          chunk_slots=_chunk_slots(lay), unroll=RESIDENT_UNROLL,
                           **dots),
         grid=(lay.B, lay.H, lay.nt),
         in_specs=[pl.BlockSpec((None, None, None) + table.shape[3:], lambda b, h, i: (b, h, i, 0, 0),
