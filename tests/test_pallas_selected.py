@@ -549,7 +549,7 @@ def test_a_union_tile_never_reads_the_next_sequence():
     idx = np.where(first, _local_indices(B, T, H, 2, bs, cu), 5).astype(np.int32)
     counts = jnp.full((B, T, H), 2, jnp.int32)
     takes = np.asarray(selected.union_tiles(x.q, x.k, x.v, jnp.asarray(idx), counts, jnp.asarray(cu), block_size=bs))
-    assert takes[0, 0, 1, 1], takes  # tokens 16 to 23
+    assert takes[0, 0, 1, 0], takes  # tokens 16 to 23 (union tile 0 of grid step 1)
     x.k, x.v = (jnp.where(~first, jnp.nan, a) for a in (x.k, x.v))
     got = _kernels(x, idx, counts, cu)
     x.k, x.v = (jnp.where(~first, 0.0, a) for a in (x.k, x.v))
