@@ -9,8 +9,8 @@ rows that see nothing, keys that must never be read (NaN: invalid entries, the r
 block or past a sequence's end), lists split into many dk/dv segments, queries at the end of a KV cache's
 ragged sequences over several tiles and segments, and bitwise repeatable gradients; the resident backward in
 two passes (a VMEM budget too small for one) bitwise its one pass, with union tiles too; the resident kernels'
-union tiles (local selections; forward and backward) beside tiles token by token in one call, and never reading the
-next sequence; no data race between two simulated cores.
+union tiles (local selections; forward and backward) beside tiles token by token in one call, in chunks (tiles of one
+and of two chunks in one call), and never reading the next sequence; no data race between two simulated cores.
 Forward and backward are also exported for TPU (jax.export, platforms=["tpu"]), which lowers them through Mosaic's
 Pallas lowering, at the standard shape and an odd one, and the resident kernels at 32k and 64k tokens; and the
 VMEM of a grid step is bounded up to heads of 256 in float32.
