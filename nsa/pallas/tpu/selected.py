@@ -791,8 +791,8 @@ def backward(residuals, do, *, block_size, scale, interpret=False, config=None):
 # (`_copy_rows`; the zero rows when it sees none of it), then the last row c of its block the token sees
 # (min(block_size - 1, the token's key row - the block's first), -1 when none), then whether every token sees at most
 # one slot in part (its own current block: then its gather zeroes that slot alone, `_token_path`), followed by its
-# union tiles' entries in the backward (`_union_table`, below): `_step_table`, one table that every backward pass
-# reads, so that all take the same tiles by the union path. SP: S padded so that SP * BR logits are whole lanes (the
+# union tiles' entries (`_union_table`, below): `_step_table`, one table that the forward and every backward pass
+# read, so that all take the same tiles by the union path. SP: S padded so that SP * BR logits are whole lanes (the
 # padded slots skipped).
 #
 # Single buffers. k and v stay in HBM (memory_space HBM) and the kernel copies the (b, h)'s rows into VMEM scratch
@@ -809,8 +809,7 @@ def backward(residuals, do, *, block_size, scale, interpret=False, config=None):
 # gradients are bitwise those of one pass. At the standard shape (B = 1, HQ = 64, H = 4, D = 128, bf16, block_size
 # 64, S = 16) within 96 MiB (3/4 of a v5e's 128): one pass to 32k tokens (k, v 16 MiB and dk, dv 32 MiB at 32k), two
 # at 64k (32 + 32 MiB, then 16 + 32), none at 128k (the union kernels run). The forward holds k and v: 32 MiB at
-# 64k, 64 MiB at 128k. The union tiles' buffers add 1 MiB to each backward pass (k_union, v_union [UC * BR, Dp]; 0.5
-# to dv's).
+# 64k, 64 MiB at 128k. The union tiles' buffers add 1 MiB to each pass (k_union, v_union [UC * BR, Dp]; 0.5 to dv's).
 
 RESIDENT_TOKENS = 16  # query tokens per grid step: a step's fixed cost shared by 16 tokens' work
 RESIDENT_UNROLL = 4  # tokens a step of the token loop (`_token_loop`), each with its own copy of the buffers
@@ -859,8 +858,7 @@ def _resident_scratch(lay, dtype, outputs):
         head, _, kind = name.partition("_")
         return (rows.get(kind, _key_rows_count(lay)), dp[head]), jnp.float32 if kind == "sum" else dtype
 
-    union = outputs != FORWARD and _union_tokens(lay) > 1
-    return {name: buffer(name) for name in _resident_scratch_names(outputs, union)}
+    return {name: buffer(name) for name in _resident_scratch_names(outputs, _union_tokens(lay) > 1)}
 
 
 def _tile_bytes(lay, d, dtype):
@@ -964,7 +962,7 @@ def _resident_table(names, lay, block_size):
     return jnp.concatenate([flat(rows), flat(last), simple[..., None].astype(jnp.int32)], axis=-1)[..., None, :]
 
 
-# The union tiles of the resident backward. On a trained model's selections neighbouring tokens list much
+# The union tiles of the resident forward and backward. On a trained model's selections neighbouring tokens list much
 # the same blocks; a tile of UT tokens (`_union_tokens`: UT * G ~ MXU_ROWS rows) whose tokens list U <= UC distinct
 # blocks (`_union_slots`: UNION_CAP * S, padded to whole lanes) runs as one [UT * G, UC * BR] logits matmul against the
 # union's gathered rows, each row masked to its token's own blocks and rows, instead of UT matmuls of G rows: at G = 16,
@@ -972,30 +970,29 @@ def _resident_table(names, lay, block_size):
 # sequence and list no block twice in one token (a repeated block weighs twice; the union lists it once), else it runs
 # token by token; `_union_table` makes that choice per tile in XLA, from the selections. The two paths round differently
 # (one softmax over UC * BR columns, or SP * BR): results agree with the reference within the usual tolerance, not
-# bitwise across paths. A key row a token does not see never reaches its gradients through a row that is zeroed (past
-# the last row any token of the tile sees, or a slot that is not in the union).
+# bitwise across paths. A key row a token does not see never reaches its output through a row that is zeroed (past the
+# last row any token of the tile sees, or a slot that is not in the union); a row that a later token of the same
+# sequence and union tile sees but this one does not reaches it as 0 * that row in p v, as in dense attention under a
+# causal mask: a non-finite key or value row of a sequence's own tokens (which makes its later queries' outputs
+# non-finite anyway) reaches the earlier queries of its union tile.
 #
 # The backward takes the same tiles (`_step_table`'s flags) in each of its passes: a union tile's k (and v where the
-# pass reads it) gathered once, its tokens' q, do, lse and delta stacked into [UT * G, .], one
+# pass reads it) gathered once as in the forward, its tokens' q, do, lse and delta stacked into [UT * G, .], one
 # `_gradients` of [UT * G, UC * BR] (dq written back per token; dk = ds^T q and dv = p^T do [UC * BR, Dp] of 128
 # rows at G = 16, their transposes aligned), then each union slot's BR rows of dk, dv added into the float32 sums at
 # its source row, slot after slot (a fixed order: bitwise repeatable, and bitwise in two passes as in one). An empty
 # slot (past the union's U blocks) is not added: its rows of dk, dv are zeros (its columns of p and ds are 0, q and
-# do finite), so adding them to row 0 would change no bit of a sum, only cost a read and write of BR rows. A
-# non-finite key or value row that a later token of the union tile sees reaches the earlier tokens' ds (0 * it in
-# do v^T) and dq (0 * it in ds k), as in a dense kernel's diagonal block; their o, from the forward token by token,
-# stays finite.
+# do finite), so adding them to row 0 would change no bit of a sum, only cost a read and write of BR rows. As in the
+# forward, a non-finite key or value row that a later token of the union tile sees reaches the earlier tokens' ds
+# (0 * it in do v^T) and dq (0 * it in ds k).
 
 UNION_CAP = 2  # a union tile holds at most UNION_CAP * S distinct blocks: at most ~2x the per-token path's work
 UNION_TILES = True  # False: every tile token by token (scripts/tpu_train_probe.py's baseline for part union)
-# The forward takes no union tiles: once a token's gather zeroed only the slot it sees in part, its tokens one by one
-# were faster than its union tiles on a TPU v5e at 8k, on local selections too (2026-12-07: 12.9 ms against 13.8; in
-# chunks of 8 slots, branch tpu-union-chunks, 15.1), where the backward's union tiles stay 2x faster than its tokens.
 
 
 def _union_tokens(lay):
-    """UT: the tokens of a union tile of the resident backward, the largest power of two <= MXU_ROWS / G dividing TB
-    (1: no union tiles: G alone fills the MXU, or UNION_TILES off)."""
+    """UT: the tokens of a union tile, the largest power of two <= MXU_ROWS / G dividing TB (1: no union tiles, G
+    alone fills the MXU, or UNION_TILES off)."""
     if not UNION_TILES:
         return 1
     ut = 1
@@ -1030,7 +1027,7 @@ def _distinct(names, size):
 
 
 def _union_table(names, cu_seqlens, lay, block_size):
-    """int32 [B, H, NT, 1, NU * (1 + (2 + UT) * UC)], the union tiles of the resident backward from their
+    """int32 [B, H, NT, 1, NU * (1 + (2 + UT) * UC)], the union tiles of the resident forward and backward from their
     `_resident_names` [B, H, NT, TB, S]: per union tile of the step (NU = TB / UT), 1 where it takes the union path,
     then its union's source rows in `_key_rows` (0: an empty slot), the last row of each that any of its tokens sees
     (-1: an empty slot, zeroed whole), and for each of its UT tokens the last row of each that it sees (-1: not
@@ -1054,20 +1051,19 @@ def _union_table(names, cu_seqlens, lay, block_size):
     return table.reshape(B, H, nt, 1, -1).astype(jnp.int32)
 
 
-def _step_table(block_indices, block_counts, cu_seqlens, lay, block_size, forward=False):
-    """int32 [B, H, NT, 1, .], the table row per grid step that every resident backward pass reads (forward: the
-    resident forward): `_resident_table`'s, followed by `_union_table`'s where there are union tiles
-    (`_union_tokens` > 1)."""
+def _step_table(block_indices, block_counts, cu_seqlens, lay, block_size):
+    """int32 [B, H, NT, 1, .], the table row per grid step that the resident forward and every backward pass read:
+    `_resident_table`'s, followed by `_union_table`'s where there are union tiles (`_union_tokens` > 1)."""
     names = _resident_names(block_indices, block_counts, cu_seqlens, lay, block_size)
     table = _resident_table(names, lay, block_size)
-    if forward or _union_tokens(lay) == 1:
+    if _union_tokens(lay) == 1:
         return table
     return jnp.concatenate([table, _union_table(names, cu_seqlens, lay, block_size)], axis=-1)
 
 
 def union_tiles(q, k, v, block_indices, block_counts, cu_seqlens, *, block_size):
-    """bool [B, H, NT, NU]: which union tiles of the resident backward take the union path (`_union_table`) on these
-    inputs; all False where G fills the MXU alone (no union tiles)."""
+    """bool [B, H, NT, NU]: which union tiles of the resident forward and backward take the union path
+    (`_union_table`) on these inputs; all False where G fills the MXU alone (no union tiles)."""
     lay = _resident_layout(q, k, v, block_indices, block_size, cu_seqlens)
     if _union_tokens(lay) == 1:
         return jnp.zeros((lay.B, lay.H, lay.nt, lay.tb), bool)
@@ -1263,13 +1259,33 @@ def _unstack(ref, first, x):
         ref[first + j] = x[j * heads:(j + 1) * heads].astype(ref.dtype)
 
 
-def _resident_fwd_kernel(tab_ref, q_ref, k_hbm, v_hbm, o_ref, lse_ref, k_ref, v_ref, k_buf, v_buf, sems, *, scale,
-                         slots, br, align, precision, unroll):
-    """Grid (B, H, NT), a step one tile of TB tokens, token by token (no union tiles). Loads q_ref
-    (TB, G, Dkp) by BlockSpec and, at the (b, h)'s first step, its rows of k_hbm, v_hbm [B, H, KR, Dp] (HBM) into
-    k_ref, v_ref [KR, Dp] (`_row_start`); writes o_ref (TB, G, Dvp), lse_ref (TB, G, 1); k_buf, v_buf
-    [UNROLL * SP * BR, Dp] its tokens' gathered blocks, from the table row (SMEM, `_step_table`): each token's G rows
-    against SP * BR (`_token_path`)."""
+def _union_forward(tab_ref, q_ref, o_ref, lse_ref, pairs, at, first, *, tokens, slots, br, align, scale, precision):
+    """The union tile of a step's tokens first .. first + tokens - 1, its `_union_table` entries from `at`: the
+    union's blocks gathered once into pairs' buffers [UC * BR, Dp] (`_union_gather`), the tokens' G rows each stacked
+    into one [UT * G, Dkp] query, one masked softmax (`_union_seen`), each token's G rows of o and lse written back."""
+    _union_gather(tab_ref, at, pairs, slots=slots, br=br, align=align)
+    (_, k_union), (_, v_union) = pairs
+    q = _stacked(q_ref, first, tokens)  # [UT * G, Dkp]
+    s = dot(q, k_union[...], precision, transpose_b=True) * scale  # [UT * G, UC * BR]
+    seen = _union_seen(tab_ref, at, tokens=tokens, heads=q_ref.shape[1], slots=slots, br=br)
+    o, lse = _softmax_rows(s, seen, v_union[...], precision)
+    _unstack(o_ref, first, o)
+    _unstack(lse_ref, first, lse)
+
+
+def _resident_fwd_kernel(tab_ref, q_ref, *refs, scale, slots, br, align, precision, union_tokens, union_slots,
+                         unroll):
+    """Grid (B, H, NT), a step one tile of TB tokens. Loads q_ref (TB, G, Dkp) by BlockSpec and, at the (b, h)'s
+    first step, its rows of k_hbm, v_hbm [B, H, KR, Dp] (HBM) into k_ref, v_ref [KR, Dp] (`_row_start`); writes
+    o_ref (TB, G, Dvp), lse_ref (TB, G, 1); k_buf, v_buf [SP * BR, Dp] a token's gathered blocks, k_union, v_union
+    [UC * BR, Dp] a union tile's (where union_tokens UT > 1). The table row (SMEM, `_step_table`): each of the
+    step's TB / UT union tiles of UT tokens runs as one [UT * G, UC * BR] softmax (`_union_forward`) where its flag
+    is 1, token by token (G rows against SP * BR) else (`_each_tile`)."""
+    if union_tokens > 1:
+        k_hbm, v_hbm, o_ref, lse_ref, k_ref, v_ref, k_buf, v_buf, k_union, v_union, sems = refs
+    else:
+        k_union = v_union = None
+        k_hbm, v_hbm, o_ref, lse_ref, k_ref, v_ref, k_buf, v_buf, sems = refs
     tokens = q_ref.shape[0]
     b, h = pl.program_id(0), pl.program_id(1)
     _row_start([pltpu.make_async_copy(k_hbm.at[b, h], k_ref, sems.at[0]),
@@ -1284,7 +1300,11 @@ def _resident_fwd_kernel(tab_ref, q_ref, k_hbm, v_hbm, o_ref, lse_ref, k_ref, v_
         o_ref[j] = o.astype(o_ref.dtype)
         lse_ref[j] = lse
 
-    _token_path(tab_ref, token, 0, tokens, tokens=tokens, slots=slots, unroll=unroll)
+    union = functools.partial(_union_forward, tab_ref, q_ref, o_ref, lse_ref, [(k_ref, k_union), (v_ref, v_union)],
+                              tokens=union_tokens, slots=union_slots, br=br, align=align, scale=scale,
+                              precision=precision)
+    _each_tile(tab_ref, token, union, tokens=tokens, slots=slots, union_tokens=union_tokens, union_slots=union_slots,
+               unroll=unroll)
 
 
 def _gradients(q, do, lse, delta, k, v, seen, *, outputs, scale, precision):
@@ -1392,10 +1412,10 @@ def _resident_call(kernel, lay, table, tiled, k_rows, v_rows, outputs, *, comput
                                     vmem_limit_bytes=int(min(facts("tpu").vmem, max(need, facts("tpu").scoped_vmem))))
     _, dots = params(q, interpret, semantics)
     scratch = _resident_scratch(lay, k_rows.dtype, computes)
-    union = {} if computes == FORWARD else dict(union_tokens=_union_tokens(lay), union_slots=_union_slots(lay))
     return pl.pallas_call(
         functools.partial(kernel, scale=float(scale), slots=slots, br=lay.br, align=sublanes(k_rows.dtype),
-                          unroll=RESIDENT_UNROLL, **union, **dots),
+                          union_tokens=_union_tokens(lay), union_slots=_union_slots(lay), unroll=RESIDENT_UNROLL,
+                          **dots),
         grid=(lay.B, lay.H, lay.nt),
         in_specs=[pl.BlockSpec((None, None, None) + table.shape[3:], lambda b, h, i: (b, h, i, 0, 0),
                                memory_space=pltpu.SMEM)] + [tile_spec(x.shape) for x in tiled] + [hbm, hbm],
@@ -1407,9 +1427,9 @@ def _resident_call(kernel, lay, table, tiled, k_rows, v_rows, outputs, *, comput
 
 
 def _resident_attention(q, k, v, block_indices, block_counts, cu_seqlens, *, block_size, scale, interpret):
-    """`_attention`'s o and lse by the resident forward, token by token (`_step_table`'s, forward)."""
+    """`_attention`'s o and lse by the resident forward, its union tiles (`_step_table`) where G leaves room."""
     lay = _resident_layout(q, k, v, block_indices, block_size, cu_seqlens)
-    table = _step_table(block_indices, block_counts, cu_seqlens, lay, block_size, forward=True)
+    table = _step_table(block_indices, block_counts, cu_seqlens, lay, block_size)
     rows = (lay.B, lay.H, lay.nt * lay.tb, lay.G)
     o, lse = _resident_call(
         _resident_fwd_kernel, lay, table, [_token_rows(q, lay, lay.dkp)], _key_rows(k, lay, lay.dkp),
@@ -1421,7 +1441,7 @@ def _resident_attention(q, k, v, block_indices, block_counts, cu_seqlens, *, blo
 
 def _resident_backward(q, k, v, block_indices, block_counts, cu_seqlens, o, lse, do, *, passes, block_size, scale,
                        interpret):
-    """`backward`'s (dq, dk, dv) by the resident backward in `passes` (`resident_plan`'s), each taking the same union
+    """`backward`'s (dq, dk, dv) by the resident backward in `passes` (`resident_plan`'s), taking the forward's union
     tiles (`_step_table`): one kernel call per pass, named selected_resident_backward (one pass) or
     selected_resident_backward_ followed by its outputs (dq_dk, dv)."""
     lay = _resident_layout(q, k, v, block_indices, block_size, cu_seqlens)
