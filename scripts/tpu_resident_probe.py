@@ -4,7 +4,8 @@ variant's run only) and times selected attention's forward and forward+backward 
 standard shape (B = 1, HQ = 64, H = 4, D = 128, bf16, blocks of 64, 16 selected), on random selections or local
 ones (`benchmarks.common.smooth_inputs`, selected by nsa's own select, as the benchmarks' `selection_local`).
 
-Variants that compute the same thing (rewrites: a lever if faster) are checked against the kernels as they are
+Each selection's first row times the table the kernels read, built by XLA from the block indices alone. Variants
+that compute the same thing (rewrites: a lever if faster) are checked against the kernels as they are
 (relative error of o and of each gradient); ablations (a piece removed: wrong results, an upper bound on what that
 piece costs) are timed only.
 
@@ -38,15 +39,15 @@ PATCHED = ("_gather", "_transposed_dot", "_seen_columns", "lax", "RESIDENT_UNROL
 ORIGINAL = {name: getattr(selected, name) for name in PATCHED if hasattr(selected, name)}
 
 
-def _gather_unzeroed(tab_ref, j, pairs, *, slots, br, align, tokens):
+def _gather_unzeroed(tab_ref, rows_at, last_at, pairs, *, slots, br, align, base=0, zeroed=None):
     """Ablation: the slots copied without zeroing the rows a token does not see (the NaN fix's cost)."""
     for s in range(slots):
-        src = pl_ds(tab_ref[0, j * slots + s], align, br)
+        src = pl_ds(tab_ref[0, rows_at + s], align, br)
         for rows, buf in pairs:
-            buf[pl_ds(s * br, None, br), :] = rows[src, :]
+            buf[pl_ds(base + s * br, None, br), :] = rows[src, :]
 
 
-def _gather_none(tab_ref, j, pairs, *, slots, br, align, tokens):
+def _gather_none(tab_ref, rows_at, last_at, pairs, *, slots, br, align, base=0, zeroed=None):
     """Ablation: no gather at all (the buffers keep whatever they hold): the gather's whole cost."""
 
 
@@ -191,6 +192,17 @@ def run_variant(name, T, selection, args_fwd, args_bwd, iters, interpret, want):
     return want
 
 
+def time_table(T, selection, q, k, v, idx, iters):
+    """A row of the time XLA takes to build the resident kernels' table (`selected._step_table`, its union entries
+    included: sorts) from the block indices alone, jitted: a part of the forward's time in every variant."""
+    S, bs = STANDARD.blocks, STANDARD.block_size
+    lay = selected._resident_layout(q, k, v, idx, bs, None)
+    table = jax.jit(lambda idx: selected._step_table(idx, S, None, lay, bs))
+    row = dict(name="table", T=T, selection=selection, table_ms=1e3 * time_jax(table, (idx,), iters))
+    ROWS.append(row)
+    print(json.dumps(row), flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[8192])
@@ -212,6 +224,7 @@ def main():
             else:
                 q, k, v, _, do = smooth_inputs(T, hq=hq)
                 idx = jnp.asarray(selection_of("selection_local", T, q, k, shape), jnp.int32)
+            time_table(T, selection, q, k, v, idx, args.iters)
             want = None
             for name in ["base"] + [n for n in args.variants if n != "base"]:
                 want = run_variant(name, T, selection, (q, k, v, idx), (q, k, v, idx, do), args.iters, interpret,
