@@ -16,6 +16,7 @@ Off a TPU it runs at T = 256 with HQ = 16 in interpret mode to prove that it run
 """
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -35,7 +36,7 @@ from nsa._plan import padded  # noqa: E402
 from nsa.pallas.tpu import _common, selected  # noqa: E402
 
 PATCHED = ("_gather", "_transposed_dot", "_seen_columns", "lax", "RESIDENT_UNROLL", "UNION_TILES", "_union_seen",
-           "_union_gather")
+           "_union_gather", "_token_path")
 ORIGINAL = {name: getattr(selected, name) for name in PATCHED if hasattr(selected, name)}
 
 
@@ -59,6 +60,13 @@ def pl_ds(start, align, size):
 def _seen_all(tab_ref, j, *, slots, br, tokens):
     """Ablation: every gathered column seen (no per-column mask)."""
     return jnp.ones((1, slots * br), jnp.bool_)
+
+
+def _token_path_simple(tab_ref, token, first, count, *, tokens, slots, unroll):
+    """Rewrite where every grid step's tokens see at most one slot in part (random and local selections): the token
+    loop that zeroes one slot alone, without the other loop for the steps that need every slot zeroed (the kernels'
+    code a third smaller: whether their size costs time)."""
+    selected._token_loop(first, count, functools.partial(token, zeroed=1), unroll)
 
 
 def _union_seen_all(tab_ref, at, *, tokens, heads, slots, br):
@@ -121,6 +129,7 @@ VARIANTS = {
     "no_gather": ({"_gather": _gather_none}, False),
     "no_column_mask": ({"_seen_columns": _seen_all}, False),
     "no_dkdv_products": ({"_transposed_dot": _tdot_skipped}, False),
+    "no_fallback": ({"_token_path": _token_path_simple}, True),
     "no_union_mask": ({"_union_seen": _union_seen_all}, False),
     "no_union_gather": ({"_union_gather": _union_gather_none}, False),
     # the tokens of the resident kernels' token loop unrolled by hand, each with its own buffers (RESIDENT_UNROLL)
