@@ -203,8 +203,8 @@ def test_a_token_zeroes_the_block_it_sees_in_part(monkeypatch):
     counts = jnp.full((B, T, H), 3, jnp.int32)
     lay = selected._resident_layout(x.q, x.k, x.v, idx, bs, None)
     table = np.asarray(selected._step_table(jnp.asarray(idx), counts, None, lay, bs))
-    slots = selected._padded_slots(3, lay.br)
-    np.testing.assert_array_equal(table[0, 0, :, 0, 2 * lay.tb * slots], [1, 0])  # the steps' flags
+    flag = selected._flag_at(lay.tb, selected._padded_slots(3, lay.br))
+    np.testing.assert_array_equal(table[0, 0, :, 0, flag], [1, 0])  # the steps' flags
     x.k, x.v = (jnp.where(poison[None, :, None, None], jnp.nan, a) for a in (x.k, x.v))
     got = _kernels(x, idx, counts, None)
     x.k, x.v = (jnp.where(poison[None, :, None, None], 0.0, a) for a in (x.k, x.v))

@@ -945,11 +945,17 @@ def _first_to_front(x, flags):
     return jnp.where(slot == 0, at_first, jnp.where(slot == first, x[..., :1], x))
 
 
+def _flag_at(tokens, slots):
+    """Where a `_resident_table` row holds its step's flag: past its TB tokens' SP source rows and SP last rows."""
+    return 2 * tokens * slots
+
+
 def _resident_table(names, lay, block_size):
     """int32 [B, H, NT, 1, 2 * TB * SP + 1]: per tile, from its `_resident_names`, each token's slots, the first it
-    sees in part moved to the front (`_first_to_front`): their source rows in `_key_rows` (a slot it sees nothing of, skipped or past it:
-    the zero rows, `_zero_row`), then the last row of its block each sees (-1: nothing); then 1 where every token
-    of the step sees at most one slot in part (its first: `_token_path` zeroes no other), 0 else."""
+    sees in part moved to the front (`_first_to_front`): their source rows in `_key_rows` (a slot it sees nothing
+    of, skipped or past it: the zero rows, `_zero_row`), then the last row of its block each sees (-1: nothing);
+    then, at `_flag_at`, 1 where every token of the step sees at most one slot in part (its first: `_token_path`
+    zeroes no other), 0 else."""
     slots = _padded_slots(lay.S, lay.br)
     names = jnp.pad(names, [(0, 0)] * 4 + [(0, slots - lay.S)], constant_values=NONE)  # [B, H, NT, TB, SP]
     last = _seen_last(names, _tile_tokens(lay)[..., None], block_size)
@@ -1158,7 +1164,7 @@ def _token_path(tab_ref, token, first, count, *, tokens, slots, unroll):
     step's `_resident_table` flag says every token sees at most its first slot in part (selections that list no
     block twice), each token's gather zeroes that slot alone, `unroll` tokens a loop step; else every slot, one
     token a loop step (a rare path, kept small)."""
-    simple = tab_ref[0, 2 * tokens * slots] == 1
+    simple = tab_ref[0, _flag_at(tokens, slots)] == 1
     pl.when(simple)(lambda: _token_loop(first, count, functools.partial(token, zeroed=1), unroll))
     pl.when(jnp.logical_not(simple))(lambda: _token_loop(first, count, functools.partial(token, zeroed=None), 1))
 
@@ -1209,7 +1215,7 @@ def _softmax_rows(s, seen, v, precision):
 def _union_at(n, *, tokens, slots, union_tokens, union_slots):
     """Where union tile n of a step starts in its table row (`_step_table`): past `_resident_table`'s 2 * TB * SP
     + 1 entries and the 1 + (2 + UT) * UC `_union_table` entries of each union tile before it."""
-    return 2 * tokens * slots + 1 + n * (1 + (2 + union_tokens) * union_slots)
+    return _flag_at(tokens, slots) + 1 + n * (1 + (2 + union_tokens) * union_slots)
 
 
 def _each_tile(tab_ref, token, union, *, tokens, slots, union_tokens, union_slots, unroll):
