@@ -13,6 +13,9 @@
 #            mkdir -p .ab/NAME && git archive <commit> nsa $(git ls-files 'benchmarks/*.py') | tar -x -C .ab/NAME;
 #            carry [".ab"]; AB_TREES names some), so that this tree's step is compared with theirs on the same chip;
 #   trace    each kernel's device time in one decode step (benchmarks/decode.py --trace, TRACE_ARGS);
+#   probe    scripts/tpu_resident_probe.py (selected attention alone, the resident kernels piece by piece), PROBE_ARGS
+#            (default: the table row and base, random and local selections at 8k), in this tree, then with
+#            PROBE_TREE_ARGS (default: base) in each tree of .ab named by PROBE_TREES (default none);
 #   bench    benchmarks/tpu.py, BENCH_ARGS (default: its default cases at 8192 tokens, 5 iterations), its JSON and
 #            table written after each length (a run cut by BENCH_TIMEOUT keeps the lengths it finished).
 # Logs and JSON in /tmp/tpu-check, packed at exit into $OUT/tpu-check.tgz (the device tool brings back 8 files at
@@ -58,6 +61,16 @@ if [[ $parts == *" trace "* ]]; then  # each kernel's device time in one decode 
     timeout "${TRACE_TIMEOUT:-120}" python3 benchmarks/decode.py --out "$out" --name decode-tpu --trace --impls pallas \
         ${TRACE_ARGS:---batches 8 --contexts 16384 --long} --iters 5 > "$out/decode-tpu-trace.log" 2>&1 || status=1
     head -n 30 "$out/decode-tpu-trace.log" | cut -c1-160
+fi
+if [[ $parts == *" probe "* ]]; then  # selected attention alone, here and in each earlier tree of .ab/ named
+    for tree in . ${PROBE_TREES:-}; do
+        [[ $tree == . ]] && name=main && args=${PROBE_ARGS:---variants base --selections random local} \
+            || { name=$tree && tree=.ab/$tree && args=${PROBE_TREE_ARGS:---variants base --selections random local}; }
+        mkdir -p "$out/probe-$name"
+        (cd "$tree" && timeout "${PROBE_TIMEOUT:-200}" python3 scripts/tpu_resident_probe.py --out "$out/probe-$name" \
+            $args > "$out/probe-$name.log" 2>&1) || status=1
+        echo "=== probe $name"; grep '^{' "$out/probe-$name.log" | cut -c1-230
+    done
 fi
 if [[ $parts == *" bench "* ]]; then
     timeout "${BENCH_TIMEOUT:-150}" python3 benchmarks/tpu.py --out "$out" ${BENCH_ARGS:---seq-lens 8192 --iters 5} \
