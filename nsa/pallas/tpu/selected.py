@@ -1042,9 +1042,11 @@ def _distinct(names, size):
 def _union_table(names, cu_seqlens, lay, block_size):
     """int32 [B, H, NT, 1, NU * (1 + (2 + UT) * UC)], the union tiles of the resident forward and backward from their
     `_resident_names` [B, H, NT, TB, S]: per union tile of the step (NU = TB / UT), 1 where it takes the union path,
-    then its union's source rows in `_key_rows` (0: an empty slot), the last row of each that any of its tokens sees
-    (-1: an empty slot, zeroed whole), and for each of its UT tokens the last row of each that it sees (-1: not
-    listed), for `_union_seen`."""
+    then its union's source rows in `_key_rows` (its `_distinct` blocks, in the order of their first occurrences; 0:
+    an empty slot), the last row of each that any of its tokens sees (-1: an empty slot, zeroed whole), and for each
+    of its UT tokens the last row of each that it sees (-1: not listed), for `_union_seen`. By compares, selects, sums
+    and a cumsum, no sort or gather (XLA's are slow on a TPU v5e), but for packed sequences' searches of cu_seqlens
+    (`_sequence_ids`, `_copy_rows`)."""
     B, H, nt, tb, S = names.shape
     ut, uc = _union_tokens(lay), _union_slots(lay)
     tiles = names.reshape(B, H, nt, tb // ut, ut, S)
