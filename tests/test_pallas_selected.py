@@ -535,6 +535,23 @@ def _half_local(x, S, cu):
     return idx, counts
 
 
+@pytest.mark.parametrize("size", [4, 12, 40])
+def test_distinct_names_in_first_occurrence_order(size):
+    """`_distinct` (the union of a tile's names, by compares, without a sort) against np.unique: the distinct names
+    that are not NONE, in the order of their first occurrences, NONE-padded to `size` (those past it dropped), and
+    how many; rows with duplicates, NONE entries, an all-NONE row and a name 0."""
+    rng = np.random.default_rng(0)
+    names = rng.integers(-1, 12, (3, 5, 24)).astype(np.int32)  # -1: NONE
+    names[0, 0] = selected.NONE
+    names[0, 1, 3] = 0
+    union, count = (np.asarray(a) for a in jax.jit(selected._distinct, static_argnums=1)(jnp.asarray(names), size))
+    for row, got, n in zip(names.reshape(-1, 24), union.reshape(-1, size), count.reshape(-1)):
+        seen, first = np.unique(row[row != selected.NONE], return_index=True)
+        want = seen[np.argsort(first)]
+        assert n == want.size
+        np.testing.assert_array_equal(got, np.pad(want[:size], (0, max(0, size - want.size)), constant_values=-1))
+
+
 @pytest.mark.parametrize("shape, dtype, S, cu", [
     ((1, 64, 1, 1, 16, 32, 8), "float32", 3, None),  # G = 1: union tiles of 16 tokens
     ((1, 64, 3, 1, 32, 16, 8), "float32", 2, np.array([0, 21, 21, 64], np.int32)),  # G = 3, packed, Dv != Dk

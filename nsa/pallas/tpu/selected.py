@@ -1018,29 +1018,43 @@ def _sequence_ids(cu_seqlens, lay):
     return jnp.searchsorted(cu_seqlens.astype(jnp.int32), token, side="right").astype(jnp.int32)
 
 
+def _repeats(names):
+    """bool [..., N]: whether each entry of names [..., N] is a name (not NONE) that an earlier entry (lower index)
+    lists too, by pairwise compares [..., N, N] (the earlier entry on the second-minor axis) reduced by any."""
+    n = names.shape[-1]
+    earlier = jnp.arange(n)[:, None] < jnp.arange(n)  # [N (earlier), N]
+    same = (names[..., :, None] == names[..., None, :]) & earlier
+    return jnp.any(same, axis=-2) & (names != NONE)
+
+
 def _distinct(names, size):
-    """(int32 [..., size]: the distinct names of names [..., N], increasing, NONE-padded; int32 [...]: how many)."""
-    s = jnp.sort(names, axis=-1)
-    prev = jnp.concatenate([jnp.full(s.shape[:-1] + (1,), NONE, s.dtype), s[..., :-1]], axis=-1)
-    first = (s != NONE) & (s != prev)
-    big = jnp.iinfo(jnp.int32).max
-    union = jnp.sort(jnp.where(first, s, big), axis=-1)
-    union = jnp.pad(union, [(0, 0)] * (union.ndim - 1) + [(0, max(0, size - union.shape[-1]))], constant_values=big)
-    return jnp.where(union[..., :size] == big, NONE, union[..., :size]), jnp.sum(first, axis=-1)
+    """(int32 [..., size]: the distinct names of names [..., N] in the order of their first occurrences, NONE-padded,
+    those past `size` dropped; int32 [...]: how many, dropped ones included), by compares, a cumsum and sums (no sort
+    or gather: XLA's are slow on a TPU). Slot u holds the first occurrence that u first occurrences precede, picked by
+    a one-hot sum [..., size, N]."""
+    first = (names != NONE) & ~_repeats(names)
+    ones = first.astype(jnp.int32)
+    slot = jnp.cumsum(ones, axis=-1) - ones  # [..., N]: the first occurrences before each entry
+    u = jnp.arange(size, dtype=jnp.int32)
+    picked = first[..., None, :] & (slot[..., None, :] == u[:, None])  # [..., size, N]
+    union = jnp.sum(jnp.where(picked, names[..., None, :], 0), axis=-1)
+    count = jnp.sum(ones, axis=-1)
+    return jnp.where(u < count[..., None], union, NONE), count
 
 
 def _union_table(names, cu_seqlens, lay, block_size):
     """int32 [B, H, NT, 1, NU * (1 + (2 + UT) * UC)], the union tiles of the resident backward from their
     `_resident_names` [B, H, NT, TB, S]: per union tile of the step (NU = TB / UT), 1 where it takes the union path,
-    then its union's source rows in `_key_rows` (0: an empty slot), the last row of each that any of its tokens sees
-    (-1: an empty slot, zeroed whole), and for each of its UT tokens the last row of each that it sees (-1: not
-    listed), for `_union_seen`."""
+    then its union's source rows in `_key_rows` (its `_distinct` blocks, in the order of their first occurrences; 0:
+    an empty slot), the last row of each that any of its tokens sees (-1: an empty slot, zeroed whole), and for each
+    of its UT tokens the last row of each that it sees (-1: not listed), for `_union_seen`. By compares, selects, sums
+    and a cumsum, no sort or gather (XLA's are slow on a TPU v5e), but for packed sequences' searches of cu_seqlens
+    (`_sequence_ids`, `_copy_rows`)."""
     B, H, nt, tb, S = names.shape
     ut, uc = _union_tokens(lay), _union_slots(lay)
     tiles = names.reshape(B, H, nt, tb // ut, ut, S)
     union, count = _distinct(tiles.reshape(B, H, nt, tb // ut, ut * S), uc)  # [B, H, NT, NU, UC], [B, H, NT, NU]
-    ordered = jnp.sort(tiles, axis=-1)
-    repeated = jnp.any((ordered[..., 1:] == ordered[..., :-1]) & (ordered[..., 1:] != NONE), axis=(-2, -1))
+    repeated = jnp.any(_repeats(tiles), axis=(-2, -1))  # a token lists a block twice
     seq = _sequence_ids(cu_seqlens, lay).reshape(nt, tb // ut, ut)
     one_sequence = jnp.all(seq == seq[..., :1], axis=-1)
     takes = (count <= uc) & ~repeated & one_sequence
