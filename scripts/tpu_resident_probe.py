@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -40,6 +41,11 @@ PATCHED = ("_gather", "_transposed_dot", "_seen_columns", "lax", "RESIDENT_UNROL
 ORIGINAL = {name: getattr(selected, name) for name in PATCHED if hasattr(selected, name)}
 
 
+def pl_ds(start, align, size):
+    """pl.ds(start, size), start marked a multiple of `align` where given."""
+    return pl.ds(pl.multiple_of(start, align) if align else start, size)
+
+
 def _gather_unzeroed(tab_ref, rows_at, last_at, pairs, *, slots, br, align, base=0, zeroed=None):
     """Ablation: the slots copied without zeroing the rows a token does not see (the NaN fix's cost)."""
     for s in range(slots):
@@ -50,11 +56,6 @@ def _gather_unzeroed(tab_ref, rows_at, last_at, pairs, *, slots, br, align, base
 
 def _gather_none(tab_ref, rows_at, last_at, pairs, *, slots, br, align, base=0, zeroed=None):
     """Ablation: no gather at all (the buffers keep whatever they hold): the gather's whole cost."""
-
-
-def pl_ds(start, align, size):
-    from jax.experimental import pallas as pl
-    return pl.ds(pl.multiple_of(start, align) if align else start, size)
 
 
 def _seen_all(tab_ref, j, *, slots, br, tokens):

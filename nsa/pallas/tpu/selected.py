@@ -1149,16 +1149,24 @@ def _gather(tab_ref, rows_at, last_at, pairs, *, slots, br, align, base=0, zeroe
             buf[pl.ds(base + s * br, br), :] = block.astype(buf.dtype)
 
 
+def _copy_start(copy, slots, br):
+    """The first row of copy `copy` of a gathered buffer of `slots` blocks of BR rows, copy * slots * BR: a token
+    buffer [UNROLL * SP * BR, Dp] holds a copy per token of a `_token_loop` step, a union buffer [UC * BR, Dp] one
+    (copy 0)."""
+    return copy * slots * br
+
+
 def _token_gather(tab_ref, j, pairs, *, slots, br, align, tokens, copy, zeroed):
     """Token j's blocks (`_gather`, its first `zeroed` slots zeroed past their last rows seen) into copy `copy` of
-    the buffers (rows copy * SP * BR ..): its slots' source rows and last rows from the `_resident_table` row."""
+    the buffers (`_copy_start`): its slots' source rows and last rows from the `_resident_table` row."""
     _gather(tab_ref, j * slots, (tokens + j) * slots, pairs, slots=slots, br=br, align=align,
-            base=copy * slots * br, zeroed=zeroed)
+            base=_copy_start(copy, slots, br), zeroed=zeroed)
 
 
 def _copy_of(ref, copy, slots, br):
-    """Copy `copy` of a token buffer [UNROLL * SP * BR, Dp], its rows copy * SP * BR .. (copy + 1) * SP * BR - 1."""
-    return ref[copy * slots * br:(copy + 1) * slots * br]
+    """Copy `copy` of a gathered buffer of `slots` blocks (`_copy_start`): its slots * BR rows, loaded."""
+    start = _copy_start(copy, slots, br)
+    return ref[start:start + slots * br]
 
 
 def _token_loop(first, count, token, unroll):
@@ -1387,14 +1395,18 @@ def _resident_bwd_kernel(tab_ref, q_ref, do_ref, lse_ref, delta_ref, k_hbm, v_hb
                list(sums.values()))
     pairs = lambda kind: [(r[name], r[name + kind]) for name, _ in keys]  # (resident rows, gathered buffer)
     grads_of = functools.partial(_gradients, outputs=outputs, scale=scale, precision=precision)
-    gathered = lambda kind: (r["k" + kind][...], r["v" + kind][...] if "v" in r else None)
+
+    def gathered(kind, copy, count):
+        """(k, v) as gathered into copy `copy` of the `kind` buffers ("_buf": a token's, "_union": a union tile's),
+        `count` slots each (`_copy_of`); v None in a pass that reads no v."""
+        return tuple(_copy_of(r[name + kind], copy, count, br) if name in r else None for name in ("k", "v"))
 
     def token(j, copy, zeroed):
         _token_gather(tab_ref, j, pairs("_buf"), slots=slots, br=br, align=align, tokens=tokens, copy=copy,
                       zeroed=zeroed)
         seen = _seen_columns(tab_ref, j, slots=slots, br=br, tokens=tokens)
-        kv = [_copy_of(r[name + "_buf"], copy, slots, br) for name, _ in keys] + [None]
-        dq, grads = grads_of(q_ref[j], do_ref[j], lse_ref[j], delta_ref[j], kv[0], kv[1], seen)
+        k, v = gathered("_buf", copy, slots)
+        dq, grads = grads_of(q_ref[j], do_ref[j], lse_ref[j], delta_ref[j], k, v, seen)
         if dq is not None:
             out["dq"][j] = dq.astype(out["dq"].dtype)
         _add_slots(tab_ref, j * slots, grads, sums, slots=slots, br=br, align=align)
@@ -1403,7 +1415,7 @@ def _resident_bwd_kernel(tab_ref, q_ref, do_ref, lse_ref, delta_ref, k_hbm, v_hb
         _union_gather(tab_ref, at, pairs("_union"), slots=union_slots, br=br, align=align)
         seen = _union_seen(tab_ref, at, tokens=union_tokens, heads=q_ref.shape[1], slots=union_slots, br=br)
         rows = [_stacked(x, first, union_tokens) for x in (q_ref, do_ref, lse_ref, delta_ref)]  # [UT * G, .]
-        dq, grads = grads_of(*rows, *gathered("_union"), seen)
+        dq, grads = grads_of(*rows, *gathered("_union", 0, union_slots), seen)
         if dq is not None:
             _unstack(out["dq"], first, dq)
         _add_slots(tab_ref, at + 1, grads, sums, slots=union_slots, br=br, align=align, last_at=at + 1 + union_slots)
