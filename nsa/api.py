@@ -35,6 +35,15 @@ def _statics(**kwargs):
     return tuple(sorted(kwargs.items()))
 
 
+@functools.partial(jax.checkpoint, policy=jax.checkpoint_policies.nothing_saveable, static_argnums=(2,))
+def _gated_sum(gates, outputs, acc):
+    """sum over the branches b of g_b * o_b in dtype `acc` (a None gate: o_b alone), gates [B, T, HQ], outputs
+    [B, T, HQ, Dv]. Under jax.checkpoint its backward converts each o_b to `acc` again from o_b itself, which its
+    branch's vjp keeps anyway: without it, autodiff keeps each converted o_b, a float32 copy of every branch's output
+    (at the standard shape and 64k tokens 6 of the 12.4 GiB that nsa.attention's backward holds)."""
+    return sum(o.astype(acc) if g is None else g[..., None].astype(acc) * o.astype(acc) for g, o in zip(gates, outputs))
+
+
 def _paged_selected_attention(q, k, v, block_indices, block_counts, kv_lens, page_table, *, block_size, scale,
                               implementation):
     """Selected attention of a decode step (T = 1) over a paged cache's pools k, v [P, S, H, D]: by a kernel that
@@ -737,9 +746,8 @@ def attention(q: Array, k: Optional[Array] = None, v: Optional[Array] = None, *,
             o_swa = sliding_window_attention(*((q,) + window[:2]), window_size=window_size,
                                              **dict(common, kv_lens=window[2]))
             gated.append((g_swa, o_swa))
-        acc = jnp.promote_types(q.dtype, jnp.float32)
-        o = sum(o_b.astype(acc) if g is None else g[..., None].astype(acc) * o_b.astype(acc) for g, o_b in gated)
-        return o.astype(q.dtype)
+        gates, outputs = zip(*gated)
+        return _gated_sum(gates, outputs, jnp.promote_types(q.dtype, jnp.float32)).astype(q.dtype)
 
     serving = kv_lens is not None and block_indices is None and g_cmp is not None  # maybe a fused step
     if pools is not None and not serving:

@@ -376,6 +376,19 @@ def test_forward_mode_is_the_vjp_transposed():
         assert_close(jvp, (shifted(1) - shifted(-1)) / (2 * h), 1e-6, "jvp")
 
 
+def test_the_backward_keeps_no_float32_copy_of_the_branch_outputs(capsys):
+    """The gated sum of the branches computes in float32, but what nsa.attention's backward keeps of it is each
+    branch's output in its own dtype (the gate's gradient converts it again): no float32 [B, T, HQ, Dv] residual
+    (three of them, 6 GiB at 64k tokens, before `api._gated_sum`)."""
+    x = Inputs((1, 64, HQ, H, D, D, 8), "bfloat16")
+    f = lambda q, k, v, g: nsa.attention(q, k, v, g_cmp=g, g_slc=g, g_swa=g, block_counts=2, block_size=8,
+                                         window_size=9, implementation="xla").astype(jnp.float32).sum()
+    jax.ad_checkpoint.print_saved_residuals(f, x.q, x.k, x.v, x.gates[0][0])
+    residuals = capsys.readouterr().out.splitlines()
+    assert any(line.startswith(f"bf16[1,64,{HQ},{D}]") for line in residuals), residuals  # the outputs, kept
+    assert not any(line.startswith(f"f32[1,64,{HQ},{D}]") for line in residuals), residuals
+
+
 def test_gradient_scales_are_never_zero_where_the_gradient_is():
     """The test base's natural sizes: a window of 1 makes dq and dk exactly 0, yet their sizes are not."""
     x = Inputs((B, 30, HQ, H, D, D, BS), "float32")
