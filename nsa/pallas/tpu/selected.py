@@ -1305,8 +1305,9 @@ def _resident_fwd_kernel(tab_ref, q_ref, *refs, scale, slots, br, align, precisi
                          unroll):
     """Grid (B, H, NT), a step one tile of TB tokens. Loads q_ref (TB, G, Dkp) by BlockSpec and, at the (b, h)'s
     first step, its rows of k_hbm, v_hbm [B, H, KR, Dp] (HBM) into k_ref, v_ref [KR, Dp] (`_row_start`); writes
-    o_ref (TB, G, Dvp), lse_ref (TB, G, 1); k_buf, v_buf [SP * BR, Dp] a token's gathered blocks, k_union, v_union
-    [UC * BR, Dp] a union tile's (where union_tokens UT > 1). The table row (SMEM, `_step_table`): each of the
+    o_ref (TB, G, Dvp), lse_ref (TB, G, 1); k_buf, v_buf [UNROLL * SP * BR, Dp] the gathered blocks of a
+    `_token_loop` step's tokens, a copy each, k_union, v_union [UC * BR, Dp] a union tile's (where union_tokens
+    UT > 1). The table row (SMEM, `_step_table`): each of the
     step's TB / UT union tiles of UT tokens runs as one [UT * G, UC * BR] softmax (`_union_forward`) where its flag
     is 1, token by token (G rows against SP * BR) else (`_each_tile`)."""
     if union_tokens > 1:
