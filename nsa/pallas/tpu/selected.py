@@ -783,8 +783,9 @@ def backward(residuals, do, *, block_size, scale, interpret=False, config=None):
 # against the SP * BR rows its slots name, gathered by dynamic slices of the resident rows (no DMA per block), so
 # the work is the useful work whatever the selections share.
 #
-# Layouts (XLA): q [B, H, Tp, G, Dkp], do, o [.., Dvp], lse, delta [B, H, Tp, G, 1] float32 (`_token_rows`: Tp = T
-# padded to TB = RESIDENT_TOKENS; a (TB, G, Dp) block, token j's G rows at [j]); k, v `_key_rows` [B, H, KR, Dp],
+# Layouts (XLA): q [B, Tp, H, G, Dkp], do, o [.., Dvp], lse, delta [B, Tp, H, G, 1] float32 (`_token_rows`: Tp = T
+# padded to TB = RESIDENT_TOKENS; nsa's [B, T, HQ, D] itself where T = Tp and D = Dp, no transpose: a (b, h)'s (TB,
+# G, Dp) block, token j's G rows at [j], is TB runs of G * Dp contiguous elements); k, v `_key_rows` [B, H, KR, Dp],
 # block n's rows at n * BR (BR = block_size when it is a multiple of the sublane tile; the blocks of packed
 # sequences at multiples of BR), then BR rows of zeros; the table [B, H, NT, 1, 2 * TB * SP + 1] int32 in SMEM, a
 # row per step (`_resident_table`): each token's slots, those it sees in part first: each one's source row in k
@@ -910,15 +911,15 @@ def _resident_layout(q, k, v, block_indices, block_size, cu_seqlens):
 
 
 def _token_rows(x, lay, dp, fill=0.0):
-    """[B, T, HQ, D] -> [B, H, Tp, G, dp], padded with zeros (D) and `fill` (T)."""
+    """[B, T, HQ, D] -> [B, Tp, H, G, dp], padded with zeros (D) and `fill` (T): no transpose (a reshape, free where
+    D = dp and T = Tp), the kernels' BlockSpecs take each (b, h)'s (TB, G, dp) tiles from it."""
     x = jnp.pad(padded(x, 3, dp), [(0, 0), (0, lay.nt * lay.tb - lay.T), (0, 0), (0, 0)], constant_values=fill)
-    return jnp.transpose(x.reshape(lay.B, lay.nt * lay.tb, lay.H, lay.G, dp), (0, 2, 1, 3, 4))
+    return x.reshape(lay.B, lay.nt * lay.tb, lay.H, lay.G, dp)
 
 
 def _from_token_rows(x, lay, d):
-    """[B, H, Tp, G, Dp] -> [B, T, HQ, d]."""
-    x = jnp.transpose(x, (0, 2, 1, 3, 4)).reshape(lay.B, lay.nt * lay.tb, lay.H * lay.G, x.shape[4])
-    return x[:, :lay.T, :, :d]
+    """[B, Tp, H, G, Dp] -> [B, T, HQ, d]."""
+    return x.reshape(lay.B, lay.nt * lay.tb, lay.H * lay.G, x.shape[4])[:, :lay.T, :, :d]
 
 
 def _resident_names(block_indices, block_counts, cu_seqlens, lay, block_size):
@@ -1428,16 +1429,16 @@ def _resident_bwd_kernel(tab_ref, q_ref, do_ref, lse_ref, delta_ref, k_hbm, v_hb
 
 def _resident_call(kernel, lay, table, tiled, k_rows, v_rows, outputs, *, computes, q, scale, interpret, name):
     """pallas_call of a resident kernel on the grid (B, H, NT), NT "arbitrary" (a row's steps in order: `_row_start`,
-    `_row_end`): the table row (SMEM), the tiled inputs [B, H, Tp, G, .] (TB tokens each), k and v [B, H, KR, Dp] in
-    HBM; `outputs` (those of `computes`, FORWARD or some of dq, dk, dv, in its order) [B, H, Tp, G, .] per tile, or
+    `_row_end`): the table row (SMEM), the tiled inputs [B, Tp, H, G, .] (TB tokens each), k and v [B, H, KR, Dp] in
+    HBM; `outputs` (those of `computes`, FORWARD or some of dq, dk, dv, in its order) [B, Tp, H, G, .] per tile, or
     4-d [B, H, KR, Dp] in HBM (the backward's dk, dv); the scratch of `_resident_scratch` and two DMA semaphores
     (k and v in, dk and dv out). Scoped VMEM: `resident_bytes` + RESIDENT_MARGIN, at least the default, at most the
     chip's."""
     slots = _padded_slots(lay.S, lay.br)
     hbm = pl.BlockSpec(memory_space=pltpu.HBM)
 
-    def tile_spec(shape):
-        return pl.BlockSpec((None, None, lay.tb) + shape[3:], lambda b, h, i: (b, h, i) + (0,) * (len(shape) - 3))
+    def tile_spec(shape):  # [B, Tp, H, G, .]: the (TB, G, .) tile of tokens i * TB ... of KV head h
+        return pl.BlockSpec((None, lay.tb, None) + shape[3:], lambda b, h, i: (b, i, h) + (0,) * (len(shape) - 3))
 
     semantics = ("parallel", "parallel", "arbitrary")
     need = resident_bytes(lay, k_rows.dtype, computes) + RESIDENT_MARGIN
@@ -1463,7 +1464,7 @@ def _resident_attention(q, k, v, block_indices, block_counts, cu_seqlens, *, blo
     """`_attention`'s o and lse by the resident forward, its union tiles (`_step_table`) where G leaves room."""
     lay = _resident_layout(q, k, v, block_indices, block_size, cu_seqlens)
     table = _step_table(block_indices, block_counts, cu_seqlens, lay, block_size)
-    rows = (lay.B, lay.H, lay.nt * lay.tb, lay.G)
+    rows = (lay.B, lay.nt * lay.tb, lay.H, lay.G)
     o, lse = _resident_call(
         _resident_fwd_kernel, lay, table, [_token_rows(q, lay, lay.dkp)], _key_rows(k, lay, lay.dkp),
         _key_rows(v, lay, lay.dvp),
@@ -1485,7 +1486,7 @@ def _resident_backward(q, k, v, block_indices, block_counts, cu_seqlens, o, lse,
              rows(delta[..., None], 1)]
     k_rows, v_rows = _key_rows(k, lay, lay.dkp), _key_rows(v, lay, lay.dvp)
     kr = k_rows.shape[2]
-    shapes = {"dq": out_struct((lay.B, lay.H, lay.nt * lay.tb, lay.G, lay.dkp), q.dtype, q),
+    shapes = {"dq": out_struct((lay.B, lay.nt * lay.tb, lay.H, lay.G, lay.dkp), q.dtype, q),
               "dk": out_struct((lay.B, lay.H, kr, lay.dkp), jnp.float32, q),
               "dv": out_struct((lay.B, lay.H, kr, lay.dvp), jnp.float32, q)}
     grads = {}
