@@ -1,12 +1,13 @@
-"""Where the GPU time of each op goes, kernel by kernel, from a jax.profiler trace.
+"""Where the device time of each op goes (GPU or TPU), kernel by kernel, from a jax.profiler trace.
 
     python -m benchmarks.trace --out DIR [--seq-lens 8192 65536] [--ops window selected ...] [--iters 5]
-                               [--impl pallas] [--compression 32 16]
+                               [--impl pallas] [--compression 32 16] [--hlo]
 
 Takes the op cases of benchmarks/ops.py (standard shape, implementation --impl, "triton" unless told). For
 each op it runs the forward+backward (select: the forward) once to compile, then --iters times under
 jax.profiler.trace(create_perfetto_trace=True), and sums the device events of the trace by name: the
-Triton kernels by their function name, XLA's fusions, sorts and copies by theirs. Prints, per op, the
+kernels by their names, XLA's fusions, sorts and copies by theirs. With --hlo it also writes the optimized HLO
+of each executable traced (hlo-<op>-<T>.txt: what each fusion and copy of the trace is). Prints, per op, the
 device time per run and the events that take at least 1% of it, and writes trace-<seq lens>[-<impl>].json
 into --out (no suffix for triton).
 """
@@ -52,6 +53,9 @@ def main():
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--impl", default="triton",
                         help="triton, pallas, xla, or auto (implementation=None: the per-op choice of nsa._dispatch)")
+    parser.add_argument("--hlo", action="store_true",
+                        help="also write each op's optimized HLO (the names of the trace's fusions and copies) "
+                             "into --out as hlo-<op>-<T>.txt")
     add_compression_argument(parser)
     args = parser.parse_args()
     compression = tuple(args.compression)
@@ -61,7 +65,12 @@ def main():
         for name, fwd, fwd_bwd, op_args in op_cases(T, args.impl, compression=compression):
             if args.ops and name not in args.ops:
                 continue
-            times = device_times(fwd_bwd or fwd, op_args, args.iters)
+            fn = fwd_bwd or fwd
+            if args.hlo:  # the executable traced is the one whose optimized HLO is written
+                fn = fn.lower(*op_args).compile()
+                with open(f"{args.out}/hlo-{name}-{T}.txt", "w") as f:
+                    f.write(fn.as_text())
+            times = device_times(fn, op_args, args.iters)
             total = sum(times.values())
             print(f"\n{name} T={T} ({'fwd+bwd' if fwd_bwd else 'fwd'}): {total / 1e3:.3f} ms of device events per run")
             for event, us in times.most_common():

@@ -16,6 +16,8 @@
 #   probe    scripts/tpu_resident_probe.py (selected attention alone, the resident kernels piece by piece), PROBE_ARGS
 #            (default: the table row and base, random and local selections at 8k), in this tree, then with
 #            PROBE_TREE_ARGS (default: base) in each tree of .ab named by PROBE_TREES (default none);
+#   profile  benchmarks/trace.py --impl pallas --hlo (PROFILE_ARGS, default: nsa.attention's fwd+bwd at 8k): each
+#            kernel's and XLA op's device time, and the optimized HLO that names them;
 #   bench    benchmarks/tpu.py, BENCH_ARGS (default: its default cases at 8192 tokens, 5 iterations), its JSON and
 #            table written after each length (a run cut by BENCH_TIMEOUT keeps the lengths it finished).
 # Logs and JSON in /tmp/tpu-check, packed at exit into $OUT/tpu-check.tgz (the device tool brings back 8 files at
@@ -71,6 +73,11 @@ if [[ $parts == *" probe "* ]]; then  # selected attention alone, here and in ea
             $args > "$out/probe-$name.log" 2>&1) || status=1
         echo "=== probe $name"; grep '^{' "$out/probe-$name.log" | cut -c1-230
     done
+fi
+if [[ $parts == *" profile "* ]]; then  # where nsa.attention's device time goes, with the HLO naming each event
+    timeout "${PROFILE_TIMEOUT:-150}" python3 -m benchmarks.trace --out "$out" --impl pallas --hlo \
+        ${PROFILE_ARGS:---ops attention --seq-lens 8192 --iters 3} > "$out/profile.log" 2>&1 || status=1
+    grep -v '^{' "$out/profile.log" | grep -E '^ +[0-9]|T=' | head -n 40 | cut -c1-160
 fi
 if [[ $parts == *" bench "* ]]; then
     timeout "${BENCH_TIMEOUT:-150}" python3 benchmarks/tpu.py --out "$out" ${BENCH_ARGS:---seq-lens 8192 --iters 5} \
