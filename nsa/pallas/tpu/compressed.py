@@ -30,7 +30,7 @@ of the T queries: the spans that size the kernels' grids.
 import jax.numpy as jnp
 import numpy as np
 
-from nsa._varlen import complete_rows, compressed_key_range
+from nsa._varlen import compressed_key_range
 from nsa.pallas.tpu import _flash, _splash
 
 
@@ -71,8 +71,8 @@ def forward(q, k_cmp, v_cmp, cu_seqlens, kv_lens=None, *, block_size, stride, sc
     if by_splash(q, k_cmp, v_cmp, cu_seqlens, kv_lens, config):
         o, lse = _splash.forward(_mask(block_size, stride, k_cmp.shape[1]), q, k_cmp, v_cmp, None, scale=scale,
                                  interpret=interpret)
-        sees = (complete_rows(jnp.arange(q.shape[1]), block_size, stride) > 0)[None, :, None]
-        o, lse = jnp.where(sees[..., None], o, 0).astype(o.dtype), jnp.where(sees, lse, -jnp.inf)
+        blind = min(block_size - 1, q.shape[1])  # the queries t < block_size - 1, before their first whole window
+        o, lse = o.at[:, :blind].set(0), lse.at[:, :blind].set(-jnp.inf)  # in place: not a pass over all of o
         return (o, lse), (q, k_cmp, v_cmp, cu_seqlens, kv_lens, o, lse)
     lo, hi = compressed_key_range(q.shape[1], k_cmp.shape[1], block_size, cu_seqlens, kv_lens, stride)
     o, lse = _flash.attend(q, k_cmp, v_cmp, lo, hi, scale=scale, key_span=k_cmp.shape[1], interpret=interpret,
