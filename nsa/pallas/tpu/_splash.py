@@ -154,10 +154,6 @@ def forward(mask, q, k, v, segments, *, scale, interpret):
     TP, KP = _padded_shape(q, k)
     run = kernel(mask((TP, KP)), B * HQ, residuals=True, interpret=interpret)
     o, (lse,) = run(_heads((q * scale).astype(q.dtype), TP), _heads(k, KP), _heads(v, KP), segments)
-    # splash's lse is lane 0 of a [B * HQ, TP, 128] float32 output; without the barrier XLA (TPU v5e, 2026-12-07's
-    # HLO at 8k) kept that whole output for the backward and copied it into a transposed layout there, 0.8 ms each
-    # for the window and compressed attention, to read lane 0: the barrier makes lse [B * HQ, TP] here, in the forward
-    lse = jax.lax.optimization_barrier(lse)
     lse = jnp.transpose(lse.reshape(B, HQ, TP), (0, 2, 1))[:, :T]
     return _unheads(o, B, T), lse.astype(jnp.float32)
 
