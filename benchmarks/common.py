@@ -7,8 +7,6 @@ as soon as it is timed, and returns them; `table` renders them as markdown, with
 against a baseline row the benchmark names; `write_json` writes {meta, rows}.
 """
 
-import concurrent.futures
-import hashlib
 import json
 import os
 import platform
@@ -280,47 +278,12 @@ def measure(row, timings, strict=False):
     return row
 
 
-class Compiler:
-    """XLA compiles of jitted fns on a pool of `workers` threads (XLA's compile releases the GIL), each distinct
-    program once: `submit` lowers on the calling thread and keys the compile by a hash of the lowered module's text
-    (closed-over arrays are constants in it) and its argument and result trees."""
-
-    def __init__(self, workers=1):
-        self.pool, self.futures, self.submits = concurrent.futures.ThreadPoolExecutor(workers), {}, 0
-
-    def submit(self, fn, args):
-        """A future of fn.lower(*args).compile(), shared with every earlier submit of the same program; a lowering
-        that raises gives a future that raises."""
-        self.submits += 1
-        try:
-            lowered = fn.lower(*args)
-            text = f"{lowered.as_text()}\n{lowered.in_tree}\n{lowered.out_tree}"
-        except Exception as e:
-            future = concurrent.futures.Future()
-            future.set_exception(e)
-            return future
-        key = hashlib.sha256(text.encode()).hexdigest()
-        if key not in self.futures:
-            self.futures[key] = self.pool.submit(lowered.compile)
-        return self.futures[key]
-
-    def wait(self):
-        """Block until every compile submitted is done (or failed), and end the threads: no submit after."""
-        self.pool.shutdown(wait=True)
-
-
-def jax_timings(fwd, fwd_bwd, fwd_args, fwd_bwd_args, iters, compiled=None):
+def jax_timings(fwd, fwd_bwd, fwd_args, fwd_bwd_args, iters):
     """A `timings` for `measure`: fwd_ms, fwd_bwd_ms (medians) and the fwd+bwd memory of two jitted fns, each
-    compiled once (the executable timed is the one whose memory is read), or taken from `compiled`, a pair of
-    futures of their executables (Compiler.submit); a compile's error raises in the timings, as its row's error."""
-    fwd_future, fwd_bwd_future = compiled or (None, None)
-
-    def executable(fn, args, future):
-        return fn.lower(*args).compile() if future is None else future.result()
-
+    compiled once (the executable timed is the one whose memory is read)."""
     def timings(row):
-        row["fwd_ms"] = 1e3 * time_jax(executable(fwd, fwd_args, fwd_future), fwd_args, iters)
-        fwd_bwd_compiled = executable(fwd_bwd, fwd_bwd_args, fwd_bwd_future)
+        row["fwd_ms"] = 1e3 * time_jax(fwd.lower(*fwd_args).compile(), fwd_args, iters)
+        fwd_bwd_compiled = fwd_bwd.lower(*fwd_bwd_args).compile()
         row["fwd_bwd_ms"] = 1e3 * time_jax(fwd_bwd_compiled, fwd_bwd_args, iters)
         row["fwd_bwd_peak_gib"], row["fwd_bwd_io_gib"] = compiled_memory_gib(fwd_bwd_compiled)
 

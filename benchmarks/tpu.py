@@ -1,7 +1,7 @@
 """The TPU benchmark: nsa's Pallas kernels against nsa's XLA reference and dense splash attention.
 
     python benchmarks/tpu.py --out benchmarks/results [--seq-lens 8192 16384 32768 65536]
-        [--cases selection full dense] [--impls pallas xla] [--iters 20] [--compile-workers 8]
+        [--cases selection full dense] [--impls pallas xla] [--iters 20]
     python benchmarks/tpu.py --out DIR --smoke      # the whole script on a CPU, at a tiny shape
 
 On a TPU VM with nsa installed from a checkout (`pip install . 'jax[tpu]'`). Standard shape of benchmarks/gpu.py: B = 1, HQ = 64,
@@ -26,13 +26,6 @@ full cases, the gates), with the forward+backward's peak memory from XLA's buffe
 work only (benchmarks/common.py). A row that fails records its error (e.g. the reference out of memory at long T);
 with --smoke every error is raised instead.
 
-The compiles (forward and forward+backward of each row, tens of seconds each on a TPU host) run before each length's
-rows are timed: every row's two fns are lowered on the main thread, case by case (each case's inputs made and
-dropped), and their compiles go to --compile-workers threads (default 8 on a TPU, 1 off it; 0: each row compiles its
-own when it is timed, as before), each distinct program once (keyed by a hash of the lowered module's text: full and
-full_local, one program on other values, share one compile). The timing starts when every compile is done; a compile
-that fails is its row's error. A line on stderr per length gives the lowering's and the compiles' wall time.
-
 Writes tpu.json (meta: date, device kind, TPU generation, jax / jaxlib / libtpu versions, shape; rows)
 and tpu.md (the table) into --out, and prints the table.
 
@@ -45,7 +38,6 @@ import argparse
 import json
 import os
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -54,9 +46,9 @@ if not __package__:  # run as a script (python benchmarks/tpu.py): the repo root
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import nsa
-from benchmarks.common import (BRANCH_CASES, FULL_CASES, LOCAL_CASES, STANDARD, Compiler, Shape, case_shape,
-                               implementation_of, jax_inputs, jax_timings, loss_of, measure, meta, module_versions,
-                               nsa_fns, run, selection_of, smooth_inputs, table, useful_flops, window_flops, write_json)
+from benchmarks.common import (BRANCH_CASES, FULL_CASES, LOCAL_CASES, STANDARD, Shape, case_shape, implementation_of,
+                               jax_inputs, jax_timings, loss_of, measure, meta, module_versions, nsa_fns, run,
+                               selection_of, smooth_inputs, table, useful_flops, window_flops, write_json)
 
 SMOKE = Shape(B=1, HQ=8, H=2, D=128, block_size=16, blocks=4, window=32)
 SMOKE_SEQ_LEN, SMOKE_ITERS = 128, 1
@@ -145,12 +137,9 @@ def compressed_rows(q, k, v, shape):
 
 
 def tpu_rows(args, shape, strict, interpret):
-    """(rows_for of common.run, precompile): nsa's implementations at each nsa case, splash attention at dense and
-    beside the window. precompile(cases, T, compiler) submits the compiles of every row of those cases at T, case by
-    case (each case's inputs made, lowered on and dropped); rows_for then times each row on its executables (or, for a
-    row not precompiled, compiles it itself)."""
-    def jobs(case, T):
-        """Each row of (case, T) with what it times: (row, fwd, fwd_bwd, fwd_args, fwd_bwd_args)."""
+    """rows_for of common.run: nsa's implementations at each nsa case, splash attention at dense and beside the
+    window."""
+    def rows_for(case, T):
         inputs = (smooth_inputs if case in LOCAL_CASES else jax_inputs)(T, shape=shape)
         q, k, v, gates, do = inputs
         row = lambda impl, flops: dict(case=case, T=T, impl=impl, useful_tflop_fwd=flops / 1e12)
@@ -162,7 +151,8 @@ def tpu_rows(args, shape, strict, interpret):
             keys = (k, v) if case not in BRANCH_CASES else compressed_rows(q, k, v, case_shape(case, shape))
             fwd, fwd_bwd = dense_fns(mask, shape, interpret)
             qs, ks, vs, dos = splash_layout(q, *keys, do, shape, rows=mask.shape[1])
-            yield row(name, flops), fwd, fwd_bwd, (qs, ks, vs), (qs, ks, vs, dos)
+            yield measure(row(name, flops), jax_timings(fwd, fwd_bwd, (qs, ks, vs), (qs, ks, vs, dos), args.iters),
+                          strict)
             if case == "dense":
                 return
         idx = selection_of(case, T, q, k, shape) if LOCAL_CASES.get(case, case) == "selection" else None
@@ -173,28 +163,13 @@ def tpu_rows(args, shape, strict, interpret):
             if case in BRANCH_CASES:
                 fwd, fwd_bwd = compressed_fns(implementation_of(impl), case_shape(case, shape))
                 k_cmp, v_cmp = compressed_rows(q, k, v, case_shape(case, shape))
-                yield row(f"nsa-{impl}", flops), fwd, fwd_bwd, (q, k_cmp, v_cmp), (q, k_cmp, v_cmp, do)
+                timings = jax_timings(fwd, fwd_bwd, (q, k_cmp, v_cmp), (q, k_cmp, v_cmp, do), args.iters)
             else:
                 fwd, fwd_bwd = nsa_fns(case, implementation_of(impl), T, idx, shape)
-                yield row(f"nsa-{impl}", flops), fwd, fwd_bwd, inputs, inputs
+                timings = jax_timings(fwd, fwd_bwd, inputs, inputs, args.iters)
+            yield measure(row(f"nsa-{impl}", flops), timings, strict)
 
-    compiled = {}  # (case, T, impl): the futures of its row's two executables, until the row is timed
-
-    def precompile(cases, T, compiler):
-        for case in cases:
-            try:
-                for row, fwd, fwd_bwd, fwd_args, fwd_bwd_args in jobs(case, T):
-                    compiled[case, T, row["impl"]] = (compiler.submit(fwd, fwd_args),
-                                                      compiler.submit(fwd_bwd, fwd_bwd_args))
-            except Exception:  # making the case's inputs failed: rows_for meets it again, as without precompile
-                pass
-
-    def rows_for(case, T):
-        for row, fwd, fwd_bwd, fwd_args, fwd_bwd_args in jobs(case, T):
-            futures = compiled.pop((case, T, row["impl"]), None)
-            yield measure(row, jax_timings(fwd, fwd_bwd, fwd_args, fwd_bwd_args, args.iters, futures), strict)
-
-    return rows_for, precompile
+    return rows_for
 
 
 def is_dense_of(row, other):
@@ -214,9 +189,6 @@ def parse_args(argv=None):
     parser.add_argument("--xla-max-seq-len", type=int, default=16384)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--name", default="tpu", help="the files' name: NAME.json, NAME.md")
-    parser.add_argument("--compile-workers", type=int, default=None,
-                        help="threads compiling each length's programs before its rows are timed (0: each row "
-                             "compiles its own when timed); default 8 on a TPU, else 1")
     parser.add_argument("--smoke", action="store_true",
                         help=f"CPU run at T={SMOKE_SEQ_LEN} and a tiny shape, Pallas in interpret mode, errors raised")
     args = parser.parse_args(argv)
@@ -231,18 +203,9 @@ def main(argv=None):
     interpret = jax.devices()[0].platform != "tpu"
     info = meta(shape, platform=jax.devices()[0].platform, tpu_generation=tpu_generation(), smoke=args.smoke,
                 splash_interpret=interpret, **module_versions(("jaxlib", "libtpu")))
-    (rows_for, precompile), rows = tpu_rows(args, shape, strict=args.smoke, interpret=interpret), []
-    workers = args.compile_workers if args.compile_workers is not None else 1 if interpret else 8
+    rows_for, rows = tpu_rows(args, shape, strict=args.smoke, interpret=interpret), []
     os.makedirs(args.out, exist_ok=True)
     for T in args.seq_lens:  # length by length, written after each: a run cut short keeps what it timed
-        if workers:
-            start, compiler = time.perf_counter(), Compiler(workers)
-            precompile(args.cases, T, compiler)
-            lowered = time.perf_counter()
-            compiler.wait()
-            print(f"T={T}: {compiler.submits} fns lowered in {lowered - start:.1f} s, {len(compiler.futures)} distinct "
-                  f"programs compiled on {workers} threads, all done {time.perf_counter() - start:.1f} s after the "
-                  f"start", file=sys.stderr, flush=True)
         rows += run(args.cases, [T], rows_for)
         write_json(f"{args.out}/{args.name}.json", info, rows)
         text = table(rows, "splash (causal; the window and compressed rows: under their own mask)", is_dense_of)

@@ -20,8 +20,7 @@ import nsa
 import nsa._kvcache
 
 from benchmarks import tpu, tpu_roofline
-from benchmarks.common import (LOCAL_CASES, STANDARD, Compiler, case_shape, jax_inputs, jax_timings, measure,
-                               nsa_fns, selection_of, smooth_inputs, useful_flops)
+from benchmarks.common import STANDARD, case_shape, jax_inputs, useful_flops
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -44,29 +43,6 @@ def test_tpu_smoke(tmp_path):
     assert meta["shape"] == tpu.SMOKE._asdict() | {"dtype": "bfloat16"} and meta["smoke"]
     assert {"date", "device", "tpu_generation", "jax", "jaxlib", "libtpu"} <= set(meta)
     assert "dense-splash" in (tmp_path / "tpu.md").read_text()
-
-
-def test_compiler_compiles_each_program_once():
-    """Compiler.submit at the smoke shape: full and full_local (one program on other values) share one compile,
-    selection and selection_local (other block indices, constants of the program) do not, and the executable shared
-    runs each case's inputs as its own jit does; a fn whose lowering raises records its error in its row."""
-    shape, T, compiler, submitted = tpu.SMOKE, 128, Compiler(2), {}
-    for case in ("full", "full_local", "selection", "selection_local"):
-        inputs = (smooth_inputs if case in LOCAL_CASES else jax_inputs)(T, shape=shape)
-        idx = selection_of(case, T, inputs[0], inputs[1], shape) if "selection" in case else None
-        fwd = nsa_fns(case, "xla", T, idx, shape)[0]
-        submitted[case] = compiler.submit(fwd, inputs), fwd, inputs
-    bad = jax.jit(lambda x: x @ x)
-    x = jnp.ones((2, 3))
-    row = measure(dict(case="bad"), jax_timings(bad, bad, (x,), (x,), 1, (compiler.submit(bad, (x,)),) * 2))
-    assert row["error"].startswith("TypeError") and "fwd_ms" not in row, row
-    compiler.wait()
-    assert submitted["full"][0] is submitted["full_local"][0]
-    assert submitted["selection"][0] is not submitted["selection_local"][0]
-    assert compiler.submits == 5 and len(compiler.futures) == 3
-    for future, fwd, inputs in submitted.values():
-        np.testing.assert_array_equal(np.asarray(future.result()(*inputs), np.float32),
-                                      np.asarray(fwd(*inputs), np.float32))
 
 
 def test_dense_baseline_is_causal_gqa_attention():
