@@ -18,6 +18,9 @@
 #            PROBE_TREE_ARGS (default: base) in each tree of .ab named by PROBE_TREES (default none);
 #   profile  benchmarks/trace.py --impl pallas --hlo (PROFILE_ARGS, default: nsa.attention's fwd+bwd at 8k): each
 #            kernel's and XLA op's device time, and the optimized HLO that names them;
+#   memory   scripts/tpu_memory_probe.py (MEMORY_ARGS, default: full at 16k and 64k; compiles only): the buffer
+#            assignment's peak and the residuals of nsa.attention's fwd+bwd, beside splash's, in this tree, then in each
+#            tree of .ab named by MEMORY_TREES (default none);
 #   bench    benchmarks/tpu.py, BENCH_ARGS (default: its default cases at 8192 tokens, 5 iterations), its JSON and
 #            table written after each length (a run cut by BENCH_TIMEOUT keeps the lengths it finished).
 # Logs and JSON in /tmp/tpu-check, packed at exit into $OUT/tpu-check.tgz (the device tool brings back 8 files at
@@ -78,6 +81,16 @@ if [[ $parts == *" profile "* ]]; then  # where nsa.attention's device time goes
     timeout "${PROFILE_TIMEOUT:-150}" python3 -m benchmarks.trace --out "$out" --impl pallas --hlo \
         ${PROFILE_ARGS:---ops attention --seq-lens 8192 --iters 3} > "$out/profile.log" 2>&1 || status=1
     grep -v '^{' "$out/profile.log" | grep -E '^ +[0-9]|T=' | head -n 40 | cut -c1-160
+fi
+if [[ $parts == *" memory "* ]]; then  # the fwd+bwd's memory (compiles only), here and in each tree of .ab named
+    for tree in . ${MEMORY_TREES:-}; do
+        name=$([[ $tree == . ]] && echo main || echo "$tree"); dir=$([[ $tree == . ]] && echo . || echo ".ab/$tree")
+        mkdir -p "$out/memory-$name"
+        (cd "$dir" && timeout "${MEMORY_TIMEOUT:-200}" python3 scripts/tpu_memory_probe.py --out "$out/memory-$name" \
+            ${MEMORY_ARGS:---seq-lens 16384 65536} > "$out/memory-$name.log" 2>&1) || status=1
+        echo "=== memory $name"; grep -v '^{' "$out/memory-$name.log" | grep -v Warning | head -n 40 | cut -c1-160
+        grep '^{' "$out/memory-$name.log" | cut -c1-200
+    done
 fi
 if [[ $parts == *" bench "* ]]; then
     timeout "${BENCH_TIMEOUT:-150}" python3 benchmarks/tpu.py --out "$out" ${BENCH_ARGS:---seq-lens 8192 --iters 5} \

@@ -1,0 +1,104 @@
+"""Where nsa.attention's forward+backward memory goes (issue 52: a peak of at most 1.5x splash attention's at 64k), one
+row per (case, T): XLA's buffer assignment of the compiled forward+backward of `benchmarks.common.nsa_fns` (peak,
+temporaries, arguments, outputs; the peak `benchmarks/tpu.py` reports), splash's causal forward+backward beside it,
+and the residuals autodiff keeps from the forward for the backward (`jax.ad_checkpoint.print_saved_residuals`,
+summed by shape and dtype, largest first; an array saved for several ops, such as q, counts once for each). It compiles and never runs, so a tree's rows take its compiles only
+(about 40 s an nsa row on a TPU v5e); run in an earlier tree (scripts/tpu_check.sh part memory) it says what a
+change did to the memory.
+
+    python3 scripts/tpu_memory_probe.py [--seq-lens 16384 65536] [--cases full full_nowin] [--out DIR]
+
+Off a TPU it runs at T = 256 with the benchmarks' smoke shape (Pallas in interpret mode) to prove that it runs.
+"""
+
+import argparse
+import collections
+import contextlib
+import io
+import json
+import os
+import re
+import sys
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from benchmarks import tpu  # noqa: E402
+from benchmarks.common import STANDARD, compiled_memory_gib, nsa_fns  # noqa: E402
+
+GIB = 2 ** 30
+
+
+def residuals(fn, args):
+    """[(shape and dtype, count, GiB)] of what autodiff saves of fn(*args) for its backward, largest first."""
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):
+        jax.ad_checkpoint.print_saved_residuals(fn, *args)
+    sizes = collections.Counter()
+    counts = collections.Counter()
+    for dtype, dims in re.findall(r"^(\w+)\[([\d,]*)\]", text.getvalue(), flags=re.M):
+        n = 1
+        for d in filter(None, dims.split(",")):
+            n *= int(d)
+        key = f"{dtype}[{dims}]"
+        bits = re.search(r"\d+$", dtype)  # jaxpr's names: bf16, f32, i32 (bool: a byte)
+        sizes[key] += n * (int(bits.group()) // 8 if bits else 1) / GIB
+        counts[key] += 1
+    return [(key, counts[key], round(gib, 4)) for key, gib in sizes.most_common()]
+
+
+def memory_row(name, T, compiled):
+    """The buffer assignment's sizes of a compiled fn, GiB."""
+    stats = compiled.memory_analysis()
+    peak, io_gib = compiled_memory_gib(compiled)
+    return dict(case=name, T=T, peak_gib=peak, arguments_outputs_gib=io_gib,
+                temp_gib=stats.temp_size_in_bytes / GIB, alias_gib=stats.alias_size_in_bytes / GIB)
+
+
+def nsa_row(case, T, shape, implementation):
+    """The memory row of nsa's `case` at T, with its residuals."""
+    B, H, D, HQ = shape.B, shape.H, shape.D, shape.HQ
+    struct = lambda *dims: jax.ShapeDtypeStruct(dims, jnp.bfloat16)
+    q, k, gates = struct(B, T, HQ, D), struct(B, T, H, D), struct(3, B, T, HQ)
+    args = (q, k, k, gates, q)
+    fwd, fwd_bwd = nsa_fns(case, implementation, T, None, shape)
+    row = memory_row(case, T, fwd_bwd.lower(*args).compile())
+    row["residuals"] = residuals(lambda q, k, v, g: fwd(q, k, v, g, None), args[:4])
+    row["residuals_gib"] = sum(gib for _, _, gib in row["residuals"])
+    return row
+
+
+def splash_row(T, shape, interpret):
+    """The memory row of splash's causal forward+backward at T, in its own layout (benchmarks/tpu.py's dense row)."""
+    G = shape.HQ // shape.H
+    _, fwd_bwd = tpu.dense_fns(tpu.splash_mask("dense", T, shape), shape, interpret)
+    qs = jax.ShapeDtypeStruct((shape.B, shape.H, G, T, shape.D), jnp.bfloat16)
+    ks = jax.ShapeDtypeStruct((shape.B, shape.H, T, shape.D), jnp.bfloat16)
+    return memory_row("dense-splash", T, fwd_bwd.lower(qs, ks, ks, qs).compile())
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seq-lens", type=int, nargs="+", default=[16384])
+    parser.add_argument("--cases", nargs="+", default=["full"], choices=["full", "full_nowin", "paper", "paper_nowin"])
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    on_tpu = jax.devices()[0].platform == "tpu"
+    shape, lens = (STANDARD, args.seq_lens) if on_tpu else (tpu.SMOKE, [tpu.SMOKE_SEQ_LEN])
+    rows = []
+    for T in lens:
+        rows.append(splash_row(T, shape, interpret=not on_tpu))
+        print(json.dumps(rows[-1]), flush=True)
+        for case in args.cases:
+            rows.append(nsa_row(case, T, shape, "pallas"))
+            print(json.dumps({k: v for k, v in rows[-1].items() if k != "residuals"}), flush=True)
+            for key, count, gib in rows[-1]["residuals"][:12]:
+                print(f"    {gib:8.3f} GiB  {count} x {key}", flush=True)
+    if args.out:
+        with open(os.path.join(args.out, "memory-probe.json"), "w") as f:
+            json.dump(dict(device=str(jax.devices()[0].device_kind), jax=jax.__version__, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
