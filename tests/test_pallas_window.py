@@ -23,12 +23,32 @@ CASES = {
 }
 
 
+# the resident kernels' (window.resident): G a multiple of the sublanes (16 in bfloat16, 8 in float32)
+RESIDENT_CASES = {
+    "G16-w40-bf16": ((1, 200, 16, 1, 128, 128), "bfloat16", 40, None),
+    "G8-packed-w64-dv256": ((1, 200, 16, 2, 128, 256), "float32", 64, CU),
+    "G16-B2-w300-bf16": ((2, 130, 32, 2, 128, 128), "bfloat16", 300, None),
+}
+
+
 @pytest.mark.parametrize("shape, dtype, window_size, cu", CASES.values(), ids=CASES.keys())
-def test_splash_matches_the_reference(shape, dtype, window_size, cu):
+def test_splash_matches_the_reference(shape, dtype, window_size, cu, monkeypatch):
+    monkeypatch.setattr(window, "RESIDENT_WINDOW", False)
     x = Inputs(shape + (1,), dtype)
+    assert window.by_splash(x.q, x.v, None, window_size, None)
+    _matches_the_reference(x, shape, dtype, window_size, cu)
+
+
+@pytest.mark.parametrize("shape, dtype, window_size, cu", RESIDENT_CASES.values(), ids=RESIDENT_CASES.keys())
+def test_resident_matches_the_reference(shape, dtype, window_size, cu):
+    x = Inputs(shape + (1,), dtype)
+    assert window.resident(x.q, x.k, x.v, None, window_size, None, backward=True) is not None
+    _matches_the_reference(x, shape, dtype, window_size, cu)
+
+
+def _matches_the_reference(x, shape, dtype, window_size, cu):
     cu = None if cu is None else jnp.asarray(cu)
     scale = shape[4] ** -0.5
-    assert window.by_splash(x.q, x.v, None, window_size, None)
     kw = dict(window_size=window_size, scale=scale)
     o, res = window.forward(x.q, x.k, x.v, cu, None, interpret=INTERPRET, **kw)
     grads = window.backward(res, x.do, interpret=INTERPRET, **kw)

@@ -1,5 +1,6 @@
-"""Sliding-window attention on TPUs: jax's own splash attention kernels where they apply (`by_splash`), else the
-Pallas TPU flash kernels of nsa/pallas/tpu/_flash.py.
+"""Sliding-window attention on TPUs: the resident kernels below where they apply (`resident`: training, G query
+heads per KV head a multiple of the sublanes, k and v within VMEM), else jax's own splash attention kernels where
+they apply (`by_splash`), else the Pallas TPU flash kernels of nsa/pallas/tpu/_flash.py.
 
 Query t, at key row p (t itself, or kv_lens[b] - T + t at the end of a KV cache's sequence b), sees the key
 rows [max(sequence start, p - window_size + 1), p]; signatures and residuals are those of
@@ -26,10 +27,19 @@ short chunk), k and v are first cut to those rows of each batch row (`nsa._plan.
 see, and XLA never copies or relays out, the rest of the cache); the backward scatters dk and dv back.
 """
 
-import jax.numpy as jnp
+import functools
+from typing import NamedTuple
 
-from nsa._plan import window_keys, window_uncut
-from nsa.pallas.tpu import _flash, _splash
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from nsa._device import facts
+from nsa._plan import kernel_delta, padded, window_keys, window_uncut
+from nsa._varlen import cdiv, round_up, window_key_range
+from nsa.pallas.tpu import _flash, _splash, selected
+from nsa.pallas.tpu._common import dot, lane_padded, lanes, out_struct, params, sublanes
 
 
 def by_splash(q, v, kv_lens, window_size, config):
@@ -40,6 +50,10 @@ def by_splash(q, v, kv_lens, window_size, config):
 def forward(q, k, v, cu_seqlens, kv_lens=None, *, window_size, scale, interpret=False, config=None):
     """Returns o [B, T, HQ, Dv] and the residuals (inputs, o, lse [B, T, HQ]); k, v [B, TK, H, D], kv_lens
     None (TK = T) or int32 [B]."""
+    lay = resident(q, k, v, kv_lens, window_size, config, backward=False)
+    if lay is not None:
+        o, lse = _resident_forward(q, k, v, cu_seqlens, lay, window_size=window_size, scale=scale, interpret=interpret)
+        return o, (q, k, v, cu_seqlens, kv_lens, o, lse)
     if by_splash(q, v, kv_lens, window_size, config):
         o, lse = _splash.forward(_local_mask(window_size), q, k, v, _segments(cu_seqlens, q.shape[1]), scale=scale,
                                  interpret=interpret)
@@ -53,6 +67,10 @@ def forward(q, k, v, cu_seqlens, kv_lens=None, *, window_size, scale, interpret=
 def backward(residuals, do, *, window_size, scale, interpret=False, config=None):
     """Gradients (dq, dk, dv, None, None)."""
     q, k, v, cu_seqlens, kv_lens, o, lse = residuals
+    lay = resident(q, k, v, kv_lens, window_size, config, backward=True)
+    if lay is not None:
+        return (*_resident_backward(q, k, v, cu_seqlens, o, lse, do, lay, window_size=window_size, scale=scale,
+                                    interpret=interpret), None, None)
     if by_splash(q, v, kv_lens, window_size, config):
         dq, dk, dv = _splash.backward(_local_mask(window_size), q, k, v, _segments(cu_seqlens, q.shape[1]), o, lse,
                                       do, scale=scale, interpret=interpret)
@@ -77,3 +95,196 @@ def _segments(cu_seqlens, T):
     ids = jnp.searchsorted(cu_seqlens.astype(jnp.int32), jnp.arange(TP, dtype=jnp.int32), side="right") - 1
     ids = jnp.where(jnp.arange(TP) < T, ids, cu_seqlens.shape[0]).astype(jnp.int32)
     return _splash.splash.SegmentIds(q=ids, kv=ids)
+
+
+# Resident kernels (training: no KV cache, no Config). A grid step owns TB consecutive tokens of one KV head, their G
+# query heads stacked into R = TB * G MXU rows (token j's at j * G, as selected attention's union tiles), and attends
+# them to the contiguous key rows [t0 + TB - SPAN, t0 + TB) (t0 = i * TB, SPAN = W - 1 + TB rounded up to whole lanes:
+# every key any of its tokens sees) of the (b, h)'s k and v, held in VMEM for the whole grid row (copied in at its
+# first step, as the resident selected kernels do), k and v zero-padded in front by PAD = SPAN - TB rows so that
+# every step's rows are a slice [i * TB, i * TB + SPAN) aligned to TB. One [R, SPAN] softmax a step: at the standard
+# shape (G = 16, TB = 16, W = 512) 256 x 640, 80% of it seen (splash's blocks of 512 against a 512-token window see
+# half of theirs). The backward recomputes p from lse and adds each step's dk, dv into float32 sums resident like k
+# and v, copied out at the row's last step (`selected._row_end`); no atomics, a fixed order: bitwise repeatable.
+# Layouts: q, do, o, dq in nsa's own [B, T, HQ, D] as [B, Tp, H, G, Dp] (`selected._token_rows`), lse and delta
+# [B, Tp, H, G, 1] float32; the table (SMEM, a row per step) the first and last column each token sees, from
+# `nsa._varlen.window_key_range` (packed sequences: a sequence's start bounds its window), a padded token none.
+
+RESIDENT_WINDOW_TOKENS = 16  # TB: the tokens of a step (R = TB * G rows)
+RESIDENT_WINDOW = True  # False: the window runs splash attention where it applies
+
+
+class ResidentLayout(NamedTuple):
+    """The resident kernels' shapes (module comment above): batch, tokens and their padded count, KV heads, query
+    heads per KV head, tokens per step and steps, padded head dims, the key rows a step reads and the zero rows in
+    front of k and v."""
+
+    B: int
+    T: int
+    H: int
+    G: int
+    tb: int
+    nt: int
+    dkp: int
+    dvp: int
+    span: int
+    pad: int
+
+
+def _resident_layout(q, k, v, window_size):
+    B, T, HQ, _ = q.shape
+    H = k.shape[2]
+    tb = RESIDENT_WINDOW_TOKENS
+    span = round_up(min(int(window_size), T) - 1 + tb, lanes())
+    return ResidentLayout(B, T, H, HQ // H, tb, cdiv(T, tb), lane_padded(q.shape[3]), lane_padded(v.shape[3]), span,
+                          span - tb)
+
+
+def _resident_bytes(lay, dtype, backward):
+    """VMEM a step holds: k and v resident (and float32 dk, dv sums in the backward), the tiles through BlockSpecs
+    double-buffered (q, o, lse; or q, do, lse, delta, dq), and the [R, SPAN] float32 logits a few times over."""
+    rows = lay.pad + lay.nt * lay.tb
+    size = jnp.dtype(dtype).itemsize
+    keys = rows * (lay.dkp + lay.dvp) * (size + (4 if backward else 0))
+    tile = lambda d, itemsize: lay.tb * round_up(lay.G, sublanes(dtype)) * round_up(d, lanes()) * itemsize
+    tiles = [tile(lay.dkp, size), tile(lay.dvp, size), tile(1, 4)]
+    tiles += [tile(1, 4), tile(lay.dkp, size)] if backward else []
+    return keys + 2 * sum(tiles) + 4 * lay.tb * lay.G * lay.span * 4
+
+
+def resident(q, k, v, kv_lens, window_size, config, backward):
+    """The ResidentLayout of the window of q [B, T, HQ, Dk] over k, v [B, T, H, D] when the resident kernels run it
+    (RESIDENT_WINDOW; no KV cache or Config; window_size >= 1; G a multiple of the sublanes of q's dtype, so that a
+    token's G rows are whole sublane tiles; within selected.RESIDENT_SHARE of the chip's VMEM, the backward's sums
+    included), else None."""
+    if not RESIDENT_WINDOW or config is not None or kv_lens is not None or int(window_size) < 1:
+        return None
+    if (q.shape[2] // k.shape[2]) % sublanes(q.dtype) or not isinstance(q.shape[0], int):
+        return None
+    lay = _resident_layout(q, k, v, window_size)
+    need = _resident_bytes(lay, k.dtype, backward) + selected.RESIDENT_MARGIN
+    return lay if need <= selected.RESIDENT_SHARE * facts("tpu").vmem else None
+
+
+def _resident_keys(x, lay, dp):
+    """k or v [B, T, H, D] -> [B, H, PAD + Tp, dp]: PAD zero rows in front, T padded to Tp, D to dp."""
+    x = jnp.transpose(padded(x, 3, dp), (0, 2, 1, 3))
+    return jnp.pad(x, [(0, 0), (0, 0), (lay.pad, lay.nt * lay.tb - lay.T), (0, 0)])
+
+
+def _resident_table(lay, window_size, cu_seqlens):
+    """int32 [NT, 1, 2 * TB]: per step, the first then the last column (of its SPAN key rows) each token sees; a
+    padded token sees none (first SPAN, last -1)."""
+    lo, hi = window_key_range(lay.T, window_size, cu_seqlens)
+    t = jnp.arange(lay.nt * lay.tb, dtype=jnp.int32)
+    base = (t // lay.tb) * lay.tb - lay.pad  # the key row of each token's step's column 0
+    real = t < lay.T
+    first = jnp.where(real, padded(lo.reshape(-1), 0, t.shape[0]) - base, lay.span)
+    last = jnp.where(real, padded(hi.reshape(-1), 0, t.shape[0]) - base, -1)
+    return jnp.concatenate([first.reshape(lay.nt, 1, lay.tb), last.reshape(lay.nt, 1, lay.tb)], axis=2)
+
+
+def _resident_seen(tab_ref, *, tokens, heads, span):
+    """bool [TB * G, SPAN]: row j * G + g sees column c iff first_j <= c <= last_j (the step's table row)."""
+    bounds = [jnp.concatenate([jnp.full((heads, span), tab_ref[0, at + j], jnp.int32) for j in range(tokens)])
+              for at in (0, tokens)]
+    col = lax.broadcasted_iota(jnp.int32, bounds[0].shape, 1)
+    return (col >= bounds[0]) & (col <= bounds[1])
+
+
+def _resident_keys_copies(k_hbm, v_hbm, k_ref, v_ref, sems):
+    b, h = pl.program_id(0), pl.program_id(1)
+    return [pltpu.make_async_copy(k_hbm.at[b, h], k_ref, sems.at[0]),
+            pltpu.make_async_copy(v_hbm.at[b, h], v_ref, sems.at[1])]
+
+
+def _resident_fwd_kernel(tab_ref, q_ref, k_hbm, v_hbm, o_ref, lse_ref, k_ref, v_ref, sems, *, span, scale, precision):
+    """Grid (B, H, NT), a step TB tokens: q_ref (TB, G, Dkp) stacked into [R, Dkp] against k_ref, v_ref's rows
+    [i * TB, i * TB + SPAN) (resident [PAD + Tp, Dp]: `selected._row_start`); o_ref (TB, G, Dvp), lse_ref (TB, G,
+    1)."""
+    selected._row_start(_resident_keys_copies(k_hbm, v_hbm, k_ref, v_ref, sems), [])
+    tokens, heads = q_ref.shape[:2]
+    rows = pl.ds(pl.multiple_of(pl.program_id(2) * tokens, tokens), span)
+    s = dot(selected._stacked(q_ref, 0, tokens), k_ref[rows, :], precision, transpose_b=True) * scale
+    o, lse = selected._softmax_rows(s, _resident_seen(tab_ref, tokens=tokens, heads=heads, span=span), v_ref[rows, :],
+                                    precision)
+    selected._unstack(o_ref, 0, o)
+    selected._unstack(lse_ref, 0, lse)
+
+
+def _resident_bwd_kernel(tab_ref, q_ref, do_ref, lse_ref, delta_ref, k_hbm, v_hbm, dq_ref, dk_hbm, dv_hbm, k_ref,
+                         v_ref, dk_sum, dv_sum, sems, *, span, scale, precision):
+    """Grid (B, H, NT), in order along a (b, h)'s row: the forward's step again from lse (`selected._gradients`),
+    dq_ref (TB, G, Dkp) written, the step's dk, dv [SPAN, Dp] added into the float32 sums at its rows, which the
+    row's last step copies into dk_hbm, dv_hbm [B, H, PAD + Tp, Dp] (dk unscaled)."""
+    selected._row_start(_resident_keys_copies(k_hbm, v_hbm, k_ref, v_ref, sems), [dk_sum, dv_sum])
+    tokens, heads = q_ref.shape[:2]
+    rows = pl.ds(pl.multiple_of(pl.program_id(2) * tokens, tokens), span)
+    stacked = [selected._stacked(x, 0, tokens) for x in (q_ref, do_ref, lse_ref, delta_ref)]
+    dq, grads = selected._gradients(*stacked, k_ref[rows, :], v_ref[rows, :],
+                                    _resident_seen(tab_ref, tokens=tokens, heads=heads, span=span),
+                                    outputs=("dq", "dk", "dv"), scale=scale, precision=precision)
+    selected._unstack(dq_ref, 0, dq)
+    dk_sum[rows, :] += grads["dk"]
+    dv_sum[rows, :] += grads["dv"]
+    b, h = pl.program_id(0), pl.program_id(1)
+    selected._row_end([pltpu.make_async_copy(dk_sum, dk_hbm.at[b, h], sems.at[0]),
+                       pltpu.make_async_copy(dv_sum, dv_hbm.at[b, h], sems.at[1])])
+
+
+def _resident_call(kernel, lay, table, tiled, k_rows, v_rows, outputs, scratch, *, backward, q, scale, interpret,
+                   name):
+    """pallas_call of a resident kernel on the grid (B, H, NT), NT "arbitrary" (a row's steps in order): the table
+    row (SMEM), the tiled inputs [B, Tp, H, G, .] (TB tokens of KV head h a step), k and v in HBM, `outputs` tiled
+    likewise or 4-d in HBM (dk, dv), `scratch` [(shape, dtype)] and two DMA semaphores."""
+    hbm = pl.BlockSpec(memory_space=pltpu.HBM)
+
+    def tile_spec(shape):
+        return pl.BlockSpec((None, lay.tb, None) + shape[3:], lambda b, h, i: (b, i, h) + (0,) * (len(shape) - 3))
+
+    semantics = ("parallel", "parallel", "arbitrary")
+    need = _resident_bytes(lay, k_rows.dtype, backward) + selected.RESIDENT_MARGIN
+    compiler = pltpu.CompilerParams(dimension_semantics=semantics,
+                                    vmem_limit_bytes=int(min(facts("tpu").vmem, max(need, facts("tpu").scoped_vmem))))
+    _, dots = params(q, interpret, semantics)
+    return pl.pallas_call(
+        functools.partial(kernel, span=lay.span, scale=float(scale), **dots),
+        grid=(lay.B, lay.H, lay.nt),
+        in_specs=[pl.BlockSpec((None, 1, 2 * lay.tb), lambda b, h, i: (i, 0, 0), memory_space=pltpu.SMEM)]
+        + [tile_spec(x.shape) for x in tiled] + [hbm, hbm],
+        out_specs=[hbm if len(o.shape) == 4 else tile_spec(o.shape) for o in outputs],
+        out_shape=outputs,
+        scratch_shapes=[pltpu.VMEM(shape, dtype) for shape, dtype in scratch] + [pltpu.SemaphoreType.DMA((2,))],
+        name=name, compiler_params=compiler, interpret=interpret,
+    )(table, *tiled, k_rows, v_rows)
+
+
+def _resident_forward(q, k, v, cu_seqlens, lay, *, window_size, scale, interpret):
+    """o [B, T, HQ, Dv], lse [B, T, HQ] float32 by the resident forward (kernel name window_resident_forward)."""
+    k_rows, v_rows = _resident_keys(k, lay, lay.dkp), _resident_keys(v, lay, lay.dvp)
+    rows = (lay.B, lay.nt * lay.tb, lay.H, lay.G)
+    o, lse = _resident_call(
+        _resident_fwd_kernel, lay, _resident_table(lay, window_size, cu_seqlens),
+        [selected._token_rows(q, lay, lay.dkp)], k_rows, v_rows,
+        [out_struct(rows + (lay.dvp,), q.dtype, q), out_struct(rows + (1,), jnp.float32, q)],
+        [(k_rows.shape[2:], k.dtype), (v_rows.shape[2:], v.dtype)], backward=False, q=q, scale=scale,
+        interpret=interpret, name="window_resident_forward")
+    return selected._from_token_rows(o, lay, v.shape[3]), selected._from_token_rows(lse, lay, 1)[..., 0]
+
+
+def _resident_backward(q, k, v, cu_seqlens, o, lse, do, lay, *, window_size, scale, interpret):
+    """(dq, dk, dv) by the resident backward (kernel name window_resident_backward)."""
+    k_rows, v_rows = _resident_keys(k, lay, lay.dkp), _resident_keys(v, lay, lay.dvp)
+    rows = lambda x, dp, fill=0.0: selected._token_rows(x, lay, dp, fill)
+    tiled = [rows(q, lay.dkp), rows(do.astype(q.dtype), lay.dvp), rows(lse[..., None], 1, -jnp.inf),
+             rows(kernel_delta(o, do, q.dtype)[..., None], 1)]
+    kr = k_rows.shape[2]
+    dq, dk, dv = _resident_call(
+        _resident_bwd_kernel, lay, _resident_table(lay, window_size, cu_seqlens), tiled, k_rows, v_rows,
+        [out_struct((lay.B, lay.nt * lay.tb, lay.H, lay.G, lay.dkp), q.dtype, q),
+         out_struct((lay.B, lay.H, kr, lay.dkp), jnp.float32, q), out_struct((lay.B, lay.H, kr, lay.dvp), jnp.float32, q)],
+        [((kr, lay.dkp), k.dtype), ((kr, lay.dvp), v.dtype), ((kr, lay.dkp), jnp.float32), ((kr, lay.dvp), jnp.float32)],
+        backward=True, q=q, scale=scale, interpret=interpret, name="window_resident_backward")
+    keys = lambda x, d: jnp.transpose(x[:, :, lay.pad:lay.pad + lay.T, :d], (0, 2, 1, 3))
+    return (selected._from_token_rows(dq, lay, q.shape[3]), (keys(dk, k.shape[3]) * scale).astype(k.dtype),
+            keys(dv, v.shape[3]).astype(v.dtype))
