@@ -90,3 +90,17 @@ def test_resident_backward_in_two_passes_is_bitwise_one(monkeypatch):
     two = window.backward(res, x.do, **kw)
     for name, a, b in zip(("dq", "dk", "dv"), one, two):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+
+
+def test_what_the_resident_kernels_take():
+    """Training (no KV cache, no flash Config, a window of at least one key) in bfloat16 or float32 with G a multiple
+    of the sublanes (16 in bfloat16, 8 in float32); the rest goes to splash or the flash kernels."""
+    q, k = jnp.zeros((1, 64, 16, 128), jnp.bfloat16), jnp.zeros((1, 64, 1, 128), jnp.bfloat16)
+    assert window.resident(q, k, k, None, 8, None, backward=True) is not None
+    assert window.resident(q.astype(jnp.float32), k, k, None, 8, None, backward=True) is not None
+    assert window.resident(q[:, :, :8].astype(jnp.float32), k, k, None, 8, None, backward=True) is not None
+    assert window.resident(q[:, :, :8], k, k, None, 8, None, backward=True) is None  # G = 8 in bfloat16
+    assert window.resident(q.astype(jnp.float16), k, k, None, 8, None, backward=True) is None
+    assert window.resident(q, k, k, jnp.array([64]), 8, None, backward=True) is None
+    assert window.resident(q, k, k, None, 8, _flash.Config(), backward=True) is None
+    assert window.resident(q, k, k, None, 0, None, backward=True) is None

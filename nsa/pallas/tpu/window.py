@@ -164,13 +164,15 @@ def _resident_bytes(lay, dtype, outputs):
 
 def resident(q, k, v, kv_lens, window_size, config, backward):
     """(ResidentLayout, passes) of the window of q [B, T, HQ, Dk] over k, v [B, T, H, D] when the resident kernels
-    run it (RESIDENT_WINDOW; no KV cache or Config; window_size >= 1; G a multiple of the sublanes of q's dtype, so
-    that a token's G rows are whole sublane tiles), else None; passes as selected attention's: (FORWARD,), or the
+    run it (RESIDENT_WINDOW; no KV cache or Config; window_size >= 1; bfloat16 or float32; G a multiple of the
+    sublanes of q's dtype, so that a token's G rows are whole sublane tiles), else None; passes as selected attention's: (FORWARD,), or the
     first of selected.BACKWARD_PLANS whose every pass fits within selected.RESIDENT_SHARE of the chip's VMEM (at
     the standard shape on a TPU v5e one pass to 32k tokens, two at 64k)."""
     if not RESIDENT_WINDOW or config is not None or kv_lens is not None or int(window_size) < 1:
         return None
     if (q.shape[2] // k.shape[2]) % sublanes(q.dtype) or not isinstance(q.shape[0], int):
+        return None
+    if jnp.dtype(q.dtype) not in _splash.SPLASH_DTYPES:  # bfloat16 and float32, as splash (float16: the flash kernels)
         return None
     lay = _resident_layout(q, k, v, window_size)
     fits = lambda outputs: (_resident_bytes(lay, k.dtype, outputs) + selected.RESIDENT_MARGIN
