@@ -110,6 +110,9 @@ def _segments(cu_seqlens, T):
 # Where one pass does not fit (64k tokens at the standard shape on a v5e), two, as selected attention's: (dq, dk),
 # then (dv) holding k and dv alone, bitwise the same; none at 128k (splash then runs the backward, from the same o
 # and lse).
+# A non-finite key or value row inside a step's span that one of its tokens does not see (a later token of the
+# tile, or another packed sequence's row) reaches that token as 0 * NaN, as in splash's blocks (training inputs are
+# finite; the KV caches, whose rows past a sequence may hold anything, never take these kernels).
 # Layouts: q, do, o, dq in nsa's own [B, T, HQ, D] as [B, Tp, H, G, Dp] (`selected._token_rows`), lse and delta
 # [B, Tp, H, G, 1] float32; the table (SMEM, a row per step) the first and last column each token sees, from
 # `nsa._varlen.window_key_range` (packed sequences: a sequence's start bounds its window), a padded token none.
