@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from nsa.pallas.tpu import _flash, window
+from nsa.pallas.tpu import _flash, selected, window
 from nsa.reference import window as reference
 from tests.base import GRAD_TOLERANCE, TOLERANCE, Inputs, assert_close, gradient_scales
 
@@ -23,12 +23,32 @@ CASES = {
 }
 
 
+# the resident kernels' (window.resident): G a multiple of the sublanes (16 in bfloat16, 8 in float32)
+RESIDENT_CASES = {
+    "G16-w40-bf16": ((1, 200, 16, 1, 128, 128), "bfloat16", 40, None),
+    "G8-packed-w64-dv256": ((1, 200, 16, 2, 128, 256), "float32", 64, CU),
+    "G16-B2-w300-bf16": ((2, 130, 32, 2, 128, 128), "bfloat16", 300, None),
+}
+
+
 @pytest.mark.parametrize("shape, dtype, window_size, cu", CASES.values(), ids=CASES.keys())
-def test_splash_matches_the_reference(shape, dtype, window_size, cu):
+def test_splash_matches_the_reference(shape, dtype, window_size, cu, monkeypatch):
+    monkeypatch.setattr(window, "RESIDENT_WINDOW", False)
     x = Inputs(shape + (1,), dtype)
+    assert window.by_splash(x.q, x.v, None, window_size, None)
+    _matches_the_reference(x, shape, dtype, window_size, cu)
+
+
+@pytest.mark.parametrize("shape, dtype, window_size, cu", RESIDENT_CASES.values(), ids=RESIDENT_CASES.keys())
+def test_resident_matches_the_reference(shape, dtype, window_size, cu):
+    x = Inputs(shape + (1,), dtype)
+    assert window.resident(x.q, x.k, x.v, None, window_size, None, backward=True) is not None
+    _matches_the_reference(x, shape, dtype, window_size, cu)
+
+
+def _matches_the_reference(x, shape, dtype, window_size, cu):
     cu = None if cu is None else jnp.asarray(cu)
     scale = shape[4] ** -0.5
-    assert window.by_splash(x.q, x.v, None, window_size, None)
     kw = dict(window_size=window_size, scale=scale)
     o, res = window.forward(x.q, x.k, x.v, cu, None, interpret=INTERPRET, **kw)
     grads = window.backward(res, x.do, interpret=INTERPRET, **kw)
@@ -55,3 +75,32 @@ def test_what_splash_takes():
     assert not window.by_splash(q, v, None, 0, None)
     assert not window.by_splash(q[..., :64], v, None, 4, None)
     assert not window.by_splash(q, v[..., :64], None, 4, None)
+
+
+def test_resident_backward_in_two_passes_is_bitwise_one(monkeypatch):
+    """Where one pass does not fit in VMEM (64k tokens at the standard shape), the backward runs (dq, dk) and then
+    (dv): each sum is added to in the same order, so the gradients are bitwise those of one pass."""
+    shape, dtype, window_size, cu = RESIDENT_CASES["G8-packed-w64-dv256"]
+    x = Inputs(shape + (1,), dtype)
+    kw = dict(window_size=window_size, scale=shape[4] ** -0.5, interpret=INTERPRET)
+    _, res = window.forward(x.q, x.k, x.v, jnp.asarray(cu), None, **kw)
+    one = window.backward(res, x.do, **kw)
+    monkeypatch.setattr(selected, "BACKWARD_PLANS", ((("dq", "dk"), ("dv",)),))
+    assert window.resident(x.q, x.k, x.v, None, window_size, None, backward=True)[1] == (("dq", "dk"), ("dv",))
+    two = window.backward(res, x.do, **kw)
+    for name, a, b in zip(("dq", "dk", "dv"), one, two):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+
+
+def test_what_the_resident_kernels_take():
+    """Training (no KV cache, no flash Config, a window of at least one key) in bfloat16 or float32 with G a multiple
+    of the sublanes (16 in bfloat16, 8 in float32); the rest goes to splash or the flash kernels."""
+    q, k = jnp.zeros((1, 64, 16, 128), jnp.bfloat16), jnp.zeros((1, 64, 1, 128), jnp.bfloat16)
+    assert window.resident(q, k, k, None, 8, None, backward=True) is not None
+    assert window.resident(q.astype(jnp.float32), k, k, None, 8, None, backward=True) is not None
+    assert window.resident(q[:, :, :8].astype(jnp.float32), k, k, None, 8, None, backward=True) is not None
+    assert window.resident(q[:, :, :8], k, k, None, 8, None, backward=True) is None  # G = 8 in bfloat16
+    assert window.resident(q.astype(jnp.float16), k, k, None, 8, None, backward=True) is None
+    assert window.resident(q, k, k, jnp.array([64]), 8, None, backward=True) is None
+    assert window.resident(q, k, k, None, 8, _flash.Config(), backward=True) is None
+    assert window.resident(q, k, k, None, 0, None, backward=True) is None
