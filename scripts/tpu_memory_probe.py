@@ -1,7 +1,8 @@
 """Where nsa.attention's forward+backward memory goes (issue 52: a peak of at most 1.5x splash attention's at 64k), one
 row per (case, T): XLA's buffer assignment of the compiled forward+backward of `benchmarks.common.nsa_fns` (peak,
-temporaries, arguments, outputs; the peak `benchmarks/tpu.py` reports), splash's causal forward+backward beside it,
-and the residuals autodiff keeps from the forward for the backward (`jax.ad_checkpoint.print_saved_residuals`,
+temporaries, arguments, outputs; the peak `benchmarks/tpu.py` reports), the largest arrays of its optimized HLO as
+the chip stores them (the minor dims rounded up to the layout's tiles: a float32 [.., G, 1] row statistic takes 128
+lanes a value), splash's causal forward+backward beside it, and the residuals autodiff keeps from the forward for the backward (`jax.ad_checkpoint.print_saved_residuals`,
 summed by shape and dtype, largest first; an array saved for several ops, such as q, counts once for each). It
 compiles and never runs, so a tree's rows take its compiles only (about 40 s an nsa row on a TPU v5e); run in an
 earlier tree (scripts/tpu_check.sh part memory) it says what a change did to the memory.
@@ -48,12 +49,60 @@ def residuals(fn, args):
     return [(key, counts[key], round(gib, 4)) for key, gib in sizes.most_common()]
 
 
+BYTES = dict(pred=1, s8=1, u8=1, bf16=2, f16=2, s16=2, u16=2, f32=4, s32=4, u32=4, f64=8, s64=8, u64=8)
+ARRAY = re.compile(r"(\w+)\[([\d,]*)\](?:\{([^}]*)\})?")
+INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = (.*?) ([a-z][\w\-]*)\(")
+ALIASES = ("bitcast", "get-tuple-element", "tuple")  # views of another instruction's buffer
+
+
+def tiled_bytes(dtype, dims, layout):
+    """(logical, stored) bytes of one array of an optimized HLO: stored rounds the minor dims up to the layout's first
+    tile, as the TPU keeps them (f32[.., 16, 1]{..:T(8,128)} holds 128 lanes for each row's one value)."""
+    dims = [int(d) for d in filter(None, dims.split(","))]
+    logical = BYTES.get(dtype, 4)
+    for d in dims:
+        logical *= d
+    tile = re.search(r":.*?T\(([\d,]+)\)", layout or "")
+    if not tile or not dims:
+        return logical, logical
+    minor_to_major = [int(d) for d in layout.split(":")[0].split(",") if d]
+    stored = list(dims)
+    for dim, size in zip(minor_to_major, reversed([int(t) for t in tile.group(1).split(",")])):
+        stored[dim] = -(-stored[dim] // size) * size
+    stored_bytes = BYTES.get(dtype, 4)
+    for d in stored:
+        stored_bytes *= d
+    return logical, stored_bytes
+
+
+def largest_buffers(hlo_text, top=10):
+    """The `top` largest arrays that the optimized HLO's non-fused computations define (entry, loops), by their
+    stored size under the layout's tiles: [dict(name, op, type, gib, stored_gib)]; views (bitcasts, tuples, a loop
+    body's parameters) skipped. A list of suspects, not the peak's live set (XLA's buffer assignment, the peak)."""
+    rows, fused, entry = [], False, False
+    for line in hlo_text.splitlines():
+        if line and not line[0].isspace():  # a computation's header
+            fused = line.split()[0].lstrip("%").startswith("fused")
+            entry = line.startswith("ENTRY")
+            continue
+        match = INSTRUCTION.match(line)
+        if fused or not match or match.group(3) in ALIASES or (match.group(3) == "parameter" and not entry):
+            continue
+        name, kind, op = match.groups()
+        sizes = [tiled_bytes(*array) for array in ARRAY.findall(kind)]
+        stored = sum(s for _, s in sizes)
+        rows.append(dict(name=name, op=op, type=kind[:160], gib=round(sum(l for l, _ in sizes) / GIB, 4),
+                         stored_gib=round(stored / GIB, 4)))
+    return sorted(rows, key=lambda row: -row["stored_gib"])[:top]
+
+
 def memory_row(name, T, compiled):
-    """The buffer assignment's sizes of a compiled fn, GiB."""
+    """The buffer assignment's sizes of a compiled fn, GiB, and its largest arrays as the chip stores them."""
     stats = compiled.memory_analysis()
     peak, io_gib = compiled_memory_gib(compiled)
     return dict(case=name, T=T, peak_gib=peak, arguments_outputs_gib=io_gib,
-                temp_gib=stats.temp_size_in_bytes / GIB, alias_gib=stats.alias_size_in_bytes / GIB)
+                temp_gib=stats.temp_size_in_bytes / GIB, alias_gib=stats.alias_size_in_bytes / GIB,
+                largest_buffers=largest_buffers(compiled.as_text()))
 
 
 def nsa_row(case, T, shape, implementation):
@@ -78,6 +127,16 @@ def splash_row(T, shape, interpret):
     return memory_row("dense-splash", T, fwd_bwd.lower(qs, ks, ks, qs).compile())
 
 
+def report(row):
+    """A row's sizes, its largest stored arrays and its largest residuals, printed."""
+    print(json.dumps({k: v for k, v in row.items() if k not in ("residuals", "largest_buffers")}), flush=True)
+    for buffer in row["largest_buffers"]:
+        print(f"    stored {buffer['stored_gib']:8.3f} GiB (logical {buffer['gib']:.3f})  {buffer['op']} "
+              f"{buffer['name']}: {buffer['type']}", flush=True)
+    for key, count, gib in row.get("residuals", [])[:12]:
+        print(f"    residual {gib:8.3f} GiB  {count} x {key}", flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[16384])
@@ -89,12 +148,10 @@ def main():
     rows = []
     for T in lens:
         rows.append(splash_row(T, shape, interpret=not on_tpu))
-        print(json.dumps(rows[-1]), flush=True)
+        report(rows[-1])
         for case in args.cases:
             rows.append(nsa_row(case, T, shape, "pallas"))
-            print(json.dumps({k: v for k, v in rows[-1].items() if k != "residuals"}), flush=True)
-            for key, count, gib in rows[-1]["residuals"][:12]:
-                print(f"    {gib:8.3f} GiB  {count} x {key}", flush=True)
+            report(rows[-1])
     if args.out:
         with open(os.path.join(args.out, "memory-probe.json"), "w") as f:
             json.dump(dict(device=str(jax.devices()[0].device_kind), jax=jax.__version__, rows=rows), f, indent=1)
