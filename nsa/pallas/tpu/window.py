@@ -113,10 +113,11 @@ def _segments(cu_seqlens, T):
 # A non-finite key or value row inside a step's span that one of its tokens does not see (a later token of the
 # tile, or another packed sequence's row) reaches that token as 0 * NaN, as in splash's blocks (training inputs are
 # finite; the KV caches, whose rows past a sequence may hold anything, never take these kernels).
-# Layouts: q, do, o, dq in nsa's own [B, T, HQ, D] as [B, Tp, H, G, Dp] (`selected._token_rows`); the forward's lse
-# [B, Tp, H, G, 1] float32, the backward's lse and delta lane rows [B, H, 1, Tp * G] (`selected._lane_rows`: the
-# [.., G, 1] form takes 128 lanes a value on the TPU, 2 GiB each at 64k, and a 0.43 ms copy at 8k); the table (SMEM, a row per step) the first and last column each token sees, from
-# `nsa._varlen.window_key_range` (packed sequences: a sequence's start bounds its window), a padded token none.
+# Layouts: q, do, o, dq in nsa's own [B, T, HQ, D] as [B, Tp, H, G, Dp] (`selected._token_rows`); lse and delta
+# float32 lane rows [B, H, 1, Tp * G] (`selected._lane_rows`: a [.., G, 1] form takes 128 lanes a value on the TPU, 2
+# GiB each at 64k, and a 0.43 ms copy at 8k); the table (SMEM, a row per step) the first and last column each token
+# sees, from `nsa._varlen.window_key_range` (packed sequences: a sequence's start bounds its window), a padded token
+# none.
 
 RESIDENT_WINDOW_TOKENS = 16  # TB: the tokens of a step (R = TB * G rows)
 RESIDENT_WINDOW = True  # False: the window runs splash attention where it applies
@@ -158,20 +159,20 @@ def _resident_bytes(lay, dtype, outputs):
     keys = rows * sum(dp[x] * size for x in (("k", "v") if selected._reads_v(outputs) else ("k",)))
     keys += rows * sum(dp[g[1]] * 4 for g in ("dk", "dv") if g in outputs)
     tile = lambda d, itemsize: lay.tb * round_up(lay.G, sublanes(dtype)) * round_up(d, lanes()) * itemsize
+    lane_row = sublanes(jnp.float32) * lay.tb * lay.G * 4  # lse (and delta): a (1, TB * G) float32 row
     if outputs == selected.FORWARD:
-        tiles = [tile(lay.dkp, size), tile(lay.dvp, size), tile(1, 4)]
+        tiles = [tile(lay.dkp, size), tile(lay.dvp, size), lane_row]
     else:
-        lane_row = sublanes(jnp.float32) * lay.tb * lay.G * 4  # lse, delta: a (1, TB * G) float32 row
         tiles = [tile(lay.dkp, size), tile(lay.dvp, size), lane_row, lane_row]
         tiles += [tile(lay.dkp, size)] if "dq" in outputs else []
     return keys + 2 * sum(tiles) + 4 * lay.tb * lay.G * lay.span * 4
 
 
 def resident(q, k, v, kv_lens, window_size, config, backward):
-    """(ResidentLayout, passes) of the window of q [B, T, HQ, Dk] over k, v [B, T, H, D] when the resident kernels
-    run it (RESIDENT_WINDOW; no KV cache or Config; window_size >= 1; bfloat16 or float32; G a multiple of the
-    sublanes of q's dtype, so that a token's G rows are whole sublane tiles), else None; passes as selected attention's: (FORWARD,), or the
-    first of selected.BACKWARD_PLANS whose every pass fits within selected.RESIDENT_SHARE of the chip's VMEM (at
+    """(ResidentLayout, passes) of the window of q [B, T, HQ, Dk] over k, v [B, T, H, D] when the resident kernels run
+    it (RESIDENT_WINDOW; no KV cache or Config; window_size >= 1; bfloat16 or float32; G a multiple of the sublanes of
+    q's dtype, so that a token's G rows are whole sublane tiles), else None; passes as selected attention's: (FORWARD,),
+    or the first of selected.BACKWARD_PLANS whose every pass fits within selected.RESIDENT_SHARE of the chip's VMEM (at
     the standard shape on a TPU v5e one pass to 32k tokens, two at 64k)."""
     if not RESIDENT_WINDOW or config is not None or kv_lens is not None or int(window_size) < 1:
         return None
@@ -222,8 +223,8 @@ def _resident_keys_copies(k_hbm, v_hbm, k_ref, v_ref, sems):
 
 def _resident_fwd_kernel(tab_ref, q_ref, k_hbm, v_hbm, o_ref, lse_ref, k_ref, v_ref, sems, *, span, scale, precision):
     """Grid (B, H, NT), a step TB tokens: q_ref (TB, G, Dkp) stacked into [R, Dkp] against k_ref, v_ref's rows
-    [i * TB, i * TB + SPAN) (resident [PAD + Tp, Dp]: `selected._row_start`); o_ref (TB, G, Dvp), lse_ref (TB, G,
-    1)."""
+    [i * TB, i * TB + SPAN) (resident [PAD + Tp, Dp]: `selected._row_start`); o_ref (TB, G, Dvp), lse_ref (1, R)
+    float32, a lane row (`selected._lane_rows`)."""
     selected._row_start(_resident_keys_copies(k_hbm, v_hbm, k_ref, v_ref, sems), [])
     tokens, heads = q_ref.shape[:2]
     rows = pl.ds(pl.multiple_of(pl.program_id(2) * tokens, tokens), span)
@@ -231,17 +232,17 @@ def _resident_fwd_kernel(tab_ref, q_ref, k_hbm, v_hbm, o_ref, lse_ref, k_ref, v_
     o, lse = selected._softmax_rows(s, _resident_seen(tab_ref, tokens=tokens, heads=heads, span=span), v_ref[rows, :],
                                     precision)
     selected._unstack(o_ref, 0, o)
-    selected._unstack(lse_ref, 0, lse)
+    lse_ref[...] = selected._lane_row(lse)
 
 
 def _resident_bwd_kernel(tab_ref, q_ref, do_ref, lse_ref, delta_ref, k_hbm, v_hbm, *refs, outputs, span, scale,
                          precision):
     """Grid (B, H, NT), in order along a (b, h)'s row: one pass of the backward computing `outputs` (some of dq, dk,
     dv), the forward's step again from lse (`selected._gradients`): q_ref, do_ref (TB, G, Dp) stacked into [R, Dp],
-    lse_ref, delta_ref (1, R) float32 lane rows (`selected._lane_rows`) turned into [R, 1] columns. refs: the outputs (dq_ref (TB, G, Dkp) its own
-    tile; dk, dv [B, H, PAD + Tp, Dp] float32 in HBM, dk unscaled), the resident k (and v where the pass reads it),
-    the float32 sums of dk, dv it computes (a step adds its [SPAN, Dp] at its rows; the row's last step copies them
-    out), the DMA semaphores."""
+    lse_ref, delta_ref (1, R) float32 lane rows (`selected._lane_rows`) turned into [R, 1] columns. refs: the outputs
+    (dq_ref (TB, G, Dkp) its own tile; dk, dv [B, H, PAD + Tp, Dp] float32 in HBM, dk unscaled), the resident k (and v
+    where the pass reads it), the float32 sums of dk, dv it computes (a step adds its [SPAN, Dp] at its rows; the row's
+    last step copies them out), the DMA semaphores."""
     names = ("k", "v") if selected._reads_v(outputs) else ("k",)
     out = dict(zip(outputs, refs))
     sums = {g: ref for g, ref in zip((g for g in ("dk", "dv") if g in outputs), refs[len(outputs) + len(names):])}
@@ -275,7 +276,7 @@ def _resident_call(kernel, lay, table, tiled, k_rows, v_rows, out_shapes, scratc
     hbm = pl.BlockSpec(memory_space=pltpu.HBM)
 
     def tile_spec(shape):  # token rows [B, Tp, H, G, .]: (TB, G, .); lane rows [B, H, 1, Tp * G]: (1, TB * G)
-        if len(shape) == 4:
+        if selected._is_lane_rows(shape):
             return pl.BlockSpec((None, None, 1, lay.tb * lay.G), lambda b, h, i: (b, h, 0, i))
         return pl.BlockSpec((None, lay.tb, None) + shape[3:], lambda b, h, i: (b, i, h) + (0,) * (len(shape) - 3))
 
@@ -289,7 +290,8 @@ def _resident_call(kernel, lay, table, tiled, k_rows, v_rows, out_shapes, scratc
         grid=(lay.B, lay.H, lay.nt),
         in_specs=[pl.BlockSpec((None, 1, 2 * lay.tb), lambda b, h, i: (i, 0, 0), memory_space=pltpu.SMEM)]
         + [tile_spec(x.shape) for x in tiled] + [hbm, hbm],
-        out_specs=[hbm if len(o.shape) == 4 else tile_spec(o.shape) for o in out_shapes],
+        out_specs=[hbm if len(o.shape) == 4 and not selected._is_lane_rows(o.shape) else tile_spec(o.shape)
+                   for o in out_shapes],
         out_shape=out_shapes,
         scratch_shapes=[pltpu.VMEM(shape, dtype) for shape, dtype in scratch] + [pltpu.SemaphoreType.DMA((2,))],
         name=name, compiler_params=compiler, interpret=interpret,
@@ -303,10 +305,11 @@ def _resident_forward(q, k, v, cu_seqlens, lay, *, window_size, scale, interpret
     o, lse = _resident_call(
         _resident_fwd_kernel, lay, _resident_table(lay, window_size, cu_seqlens),
         [selected._token_rows(q, lay, lay.dkp)], k_rows, v_rows,
-        [out_struct(rows + (lay.dvp,), q.dtype, q), out_struct(rows + (1,), jnp.float32, q)],
+        [out_struct(rows + (lay.dvp,), q.dtype, q),
+         out_struct((lay.B, lay.H, 1, lay.nt * lay.tb * lay.G), jnp.float32, q)],
         [(k_rows.shape[2:], k.dtype), (v_rows.shape[2:], v.dtype)], outputs=selected.FORWARD, q=q, scale=scale,
         interpret=interpret, name="window_resident_forward")
-    return selected._from_token_rows(o, lay, v.shape[3]), selected._from_token_rows(lse, lay, 1)[..., 0]
+    return selected._from_token_rows(o, lay, v.shape[3]), selected._from_lane_rows(lse, lay)
 
 
 def _resident_backward(q, k, v, cu_seqlens, o, lse, do, lay, passes, *, window_size, scale, interpret):
