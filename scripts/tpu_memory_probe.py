@@ -1,15 +1,16 @@
 """Where nsa.attention's forward+backward memory goes (issue 52: a peak of at most 1.5x splash attention's at 64k), one
 row per (case, T): XLA's buffer assignment of the compiled forward+backward of `benchmarks.common.nsa_fns` (peak,
-temporaries, arguments, outputs; the peak `benchmarks/tpu.py` reports), the largest arrays of its optimized HLO as
-the chip stores them (the minor dims rounded up to the layout's tiles: a float32 [.., G, 1] row statistic takes 128
-lanes a value), splash's causal forward+backward beside it, and the residuals autodiff keeps from the forward for the backward (`jax.ad_checkpoint.print_saved_residuals`,
-summed by shape and dtype, largest first; an array saved for several ops, such as q, counts once for each). It
-compiles and never runs, so a tree's rows take its compiles only (about 40 s an nsa row on a TPU v5e); run in an
-earlier tree (scripts/tpu_check.sh part memory) it says what a change did to the memory.
+temporaries, arguments, outputs; the peak `benchmarks/tpu.py` reports), the largest arrays of its optimized HLO as the
+chip stores them (the minor dims rounded up to the layout's tiles: a float32 [.., G, 1] row statistic takes 128 lanes a
+value), splash's causal forward+backward beside it, and the residuals autodiff keeps from the forward for the backward
+(`jax.ad_checkpoint.print_saved_residuals`, summed by shape and dtype, largest first; an array saved for several ops,
+such as q, counts once for each). It compiles and never runs, so a tree's rows take its compiles only (about 40 s an nsa
+row on a TPU v5e); run in an earlier tree (scripts/tpu_check.sh part memory) it says what a change did to the memory.
 
     python3 scripts/tpu_memory_probe.py [--seq-lens 16384 65536] [--cases full full_nowin] [--out DIR]
 
-Off a TPU it runs at benchmarks/tpu.py's smoke shape and length (T = 128) (Pallas in interpret mode) to prove that it runs.
+Off a TPU it runs at benchmarks/tpu.py's smoke shape and length (T = 128), Pallas in interpret mode, to prove that it
+runs.
 """
 
 import argparse
