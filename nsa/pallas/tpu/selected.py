@@ -882,12 +882,13 @@ def resident_bytes(lay, dtype, outputs):
     return scratch + 2 * sum(_tile_bytes(lay, d, dt) for d, dt in tiles)
 
 
-def resident_plan(lay, dtype, backward, vmem):
+def resident_plan(lay, dtype, backward, vmem, bytes_of=None):
     """The passes a resident kernel runs within a TensorCore of `vmem` bytes of VMEM: (FORWARD,), or the first of
-    BACKWARD_PLANS whose every pass's `resident_bytes` + RESIDENT_MARGIN is within RESIDENT_SHARE of vmem; None
-    when none fits."""
+    BACKWARD_PLANS whose every pass's bytes (`bytes_of(lay, dtype, outputs)`, default `resident_bytes`) +
+    RESIDENT_MARGIN is within RESIDENT_SHARE of vmem; None when none fits."""
+    bytes_of = bytes_of or resident_bytes
     for passes in BACKWARD_PLANS if backward else ((FORWARD,),):
-        if all(resident_bytes(lay, dtype, p) + RESIDENT_MARGIN <= RESIDENT_SHARE * vmem for p in passes):
+        if all(bytes_of(lay, dtype, p) + RESIDENT_MARGIN <= RESIDENT_SHARE * vmem for p in passes):
             return passes
     return None
 

@@ -156,21 +156,19 @@ def _resident_bytes(lay, dtype, outputs):
     dp = {"k": lay.dkp, "v": lay.dvp}
     keys = rows * sum(dp[x] * size for x in (("k", "v") if selected._reads_v(outputs) else ("k",)))
     keys += rows * sum(dp[g[1]] * 4 for g in ("dk", "dv") if g in outputs)
-    tile = lambda d, itemsize: lay.tb * round_up(lay.G, sublanes(dtype)) * round_up(d, lanes()) * itemsize
-    if outputs == selected.FORWARD:
-        tiles = [tile(lay.dkp, size), tile(lay.dvp, size), tile(1, 4)]
-    else:
-        tiles = [tile(lay.dkp, size), tile(lay.dvp, size), tile(1, 4), tile(1, 4)]
-        tiles += [tile(lay.dkp, size)] if "dq" in outputs else []
-    return keys + 2 * sum(tiles) + 4 * lay.tb * lay.G * lay.span * 4
+    stats = 1 if outputs == selected.FORWARD else 2  # lse (and delta)
+    tiles = [(lay.dkp, dtype), (lay.dvp, dtype)] + [(1, jnp.float32)] * stats
+    tiles += [(lay.dkp, dtype)] if "dq" in outputs else []
+    return keys + 2 * sum(selected._tile_bytes(lay, d, dt) for d, dt in tiles) + 4 * lay.tb * lay.G * lay.span * 4
 
 
 def resident(q, k, v, kv_lens, window_size, config, backward):
-    """(ResidentLayout, passes) of the window of q [B, T, HQ, Dk] over k, v [B, T, H, D] when the resident kernels
-    run it (RESIDENT_WINDOW; no KV cache or Config; window_size >= 1; bfloat16 or float32; G a multiple of the
-    sublanes of q's dtype, so that a token's G rows are whole sublane tiles), else None; passes as selected attention's: (FORWARD,), or the
-    first of selected.BACKWARD_PLANS whose every pass fits within selected.RESIDENT_SHARE of the chip's VMEM (at
-    the standard shape on a TPU v5e one pass to 32k tokens, two at 64k)."""
+    """(ResidentLayout, passes) of the window of q [B, T, HQ, Dk] over k, v [B, T, H, D] when the resident kernels run
+    it (RESIDENT_WINDOW; no KV cache or Config; window_size >= 1; bfloat16 or float32; G a multiple of the sublanes of
+    q's dtype, so that a token's G rows are whole sublane tiles), else None; passes by selected.resident_plan on
+    `_resident_bytes`: (FORWARD,), or the first of selected.BACKWARD_PLANS whose every pass fits within
+    selected.RESIDENT_SHARE of the chip's VMEM (at the standard shape on a TPU v5e one pass to 32k tokens, two at
+    64k)."""
     if not RESIDENT_WINDOW or config is not None or kv_lens is not None or int(window_size) < 1:
         return None
     if (q.shape[2] // k.shape[2]) % sublanes(q.dtype) or not isinstance(q.shape[0], int):
@@ -178,12 +176,8 @@ def resident(q, k, v, kv_lens, window_size, config, backward):
     if jnp.dtype(q.dtype) not in _splash.SPLASH_DTYPES:  # bfloat16 and float32, as splash (float16: the flash kernels)
         return None
     lay = _resident_layout(q, k, v, window_size)
-    fits = lambda outputs: (_resident_bytes(lay, k.dtype, outputs) + selected.RESIDENT_MARGIN
-                            <= selected.RESIDENT_SHARE * facts("tpu").vmem)
-    for passes in selected.BACKWARD_PLANS if backward else ((selected.FORWARD,),):
-        if all(fits(p) for p in passes):
-            return lay, passes
-    return None
+    passes = selected.resident_plan(lay, k.dtype, backward, facts("tpu").vmem, _resident_bytes)
+    return None if passes is None else (lay, passes)
 
 
 def _resident_keys(x, lay, dp):
@@ -212,17 +206,18 @@ def _resident_seen(tab_ref, *, tokens, heads, span):
     return (col >= bounds[0]) & (col <= bounds[1])
 
 
-def _resident_keys_copies(k_hbm, v_hbm, k_ref, v_ref, sems):
+def _resident_keys_copies(pairs, sems):
+    """The copies of the (b, h)'s rows of each (HBM source [B, H, rows, Dp], VMEM destination) pair, a semaphore
+    each."""
     b, h = pl.program_id(0), pl.program_id(1)
-    return [pltpu.make_async_copy(k_hbm.at[b, h], k_ref, sems.at[0]),
-            pltpu.make_async_copy(v_hbm.at[b, h], v_ref, sems.at[1])]
+    return [pltpu.make_async_copy(src.at[b, h], dst, sems.at[n]) for n, (src, dst) in enumerate(pairs)]
 
 
 def _resident_fwd_kernel(tab_ref, q_ref, k_hbm, v_hbm, o_ref, lse_ref, k_ref, v_ref, sems, *, span, scale, precision):
     """Grid (B, H, NT), a step TB tokens: q_ref (TB, G, Dkp) stacked into [R, Dkp] against k_ref, v_ref's rows
     [i * TB, i * TB + SPAN) (resident [PAD + Tp, Dp]: `selected._row_start`); o_ref (TB, G, Dvp), lse_ref (TB, G,
     1)."""
-    selected._row_start(_resident_keys_copies(k_hbm, v_hbm, k_ref, v_ref, sems), [])
+    selected._row_start(_resident_keys_copies([(k_hbm, k_ref), (v_hbm, v_ref)], sems), [])
     tokens, heads = q_ref.shape[:2]
     rows = pl.ds(pl.multiple_of(pl.program_id(2) * tokens, tokens), span)
     s = dot(selected._stacked(q_ref, 0, tokens), k_ref[rows, :], precision, transpose_b=True) * scale
@@ -246,8 +241,7 @@ def _resident_bwd_kernel(tab_ref, q_ref, do_ref, lse_ref, delta_ref, k_hbm, v_hb
     sems = refs[-1]
     b, h = pl.program_id(0), pl.program_id(1)
     hbm = {"k": k_hbm, "v": v_hbm}
-    selected._row_start([pltpu.make_async_copy(hbm[x].at[b, h], keys[x], sems.at[n]) for n, x in enumerate(names)],
-                        list(sums.values()))
+    selected._row_start(_resident_keys_copies([(hbm[x], keys[x]) for x in names], sems), list(sums.values()))
     tokens, heads = q_ref.shape[:2]
     rows = pl.ds(pl.multiple_of(pl.program_id(2) * tokens, tokens), span)
     stacked = [selected._stacked(x, 0, tokens) for x in (q_ref, do_ref, lse_ref, delta_ref)]
