@@ -113,8 +113,9 @@ def _segments(cu_seqlens, T):
 # A non-finite key or value row inside a step's span that one of its tokens does not see (a later token of the
 # tile, or another packed sequence's row) reaches that token as 0 * NaN, as in splash's blocks (training inputs are
 # finite; the KV caches, whose rows past a sequence may hold anything, never take these kernels).
-# Layouts: q, do, o, dq in nsa's own [B, T, HQ, D] as [B, Tp, H, G, Dp] (`selected._token_rows`), lse and delta
-# [B, Tp, H, G, 1] float32; the table (SMEM, a row per step) the first and last column each token sees, from
+# Layouts: q, do, o, dq in nsa's own [B, T, HQ, D] as [B, Tp, H, G, Dp] (`selected._token_rows`); the forward's lse
+# [B, Tp, H, G, 1] float32, the backward's lse and delta lane rows [B, H, 1, Tp * G] (`selected._lane_rows`: the
+# [.., G, 1] form takes 128 lanes a value on the TPU, 2 GiB each at 64k, and a 0.43 ms copy at 8k); the table (SMEM, a row per step) the first and last column each token sees, from
 # `nsa._varlen.window_key_range` (packed sequences: a sequence's start bounds its window), a padded token none.
 
 RESIDENT_WINDOW_TOKENS = 16  # TB: the tokens of a step (R = TB * G rows)
@@ -156,10 +157,11 @@ def _resident_bytes(lay, dtype, outputs):
     dp = {"k": lay.dkp, "v": lay.dvp}
     keys = rows * sum(dp[x] * size for x in (("k", "v") if selected._reads_v(outputs) else ("k",)))
     keys += rows * sum(dp[g[1]] * 4 for g in ("dk", "dv") if g in outputs)
-    stats = 1 if outputs == selected.FORWARD else 2  # lse (and delta)
-    tiles = [(lay.dkp, dtype), (lay.dvp, dtype)] + [(1, jnp.float32)] * stats
+    tiles = [(lay.dkp, dtype), (lay.dvp, dtype)] + ([(1, jnp.float32)] if outputs == selected.FORWARD else [])
     tiles += [(lay.dkp, dtype)] if "dq" in outputs else []
-    return keys + 2 * sum(selected._tile_bytes(lay, d, dt) for d, dt in tiles) + 4 * lay.tb * lay.G * lay.span * 4
+    lane_rows = 0 if outputs == selected.FORWARD else 2 * sublanes(jnp.float32) * lay.tb * lay.G * 4  # lse, delta
+    return (keys + 2 * (sum(selected._tile_bytes(lay, d, dt) for d, dt in tiles) + lane_rows)
+            + 4 * lay.tb * lay.G * lay.span * 4)
 
 
 def resident(q, k, v, kv_lens, window_size, config, backward):
@@ -230,7 +232,8 @@ def _resident_fwd_kernel(tab_ref, q_ref, k_hbm, v_hbm, o_ref, lse_ref, k_ref, v_
 def _resident_bwd_kernel(tab_ref, q_ref, do_ref, lse_ref, delta_ref, k_hbm, v_hbm, *refs, outputs, span, scale,
                          precision):
     """Grid (B, H, NT), in order along a (b, h)'s row: one pass of the backward computing `outputs` (some of dq, dk,
-    dv), the forward's step again from lse (`selected._gradients`). refs: the outputs (dq_ref (TB, G, Dkp) its own
+    dv), the forward's step again from lse (`selected._gradients`): q_ref, do_ref (TB, G, Dp) stacked into [R, Dp],
+    lse_ref, delta_ref (1, R) float32 lane rows (`selected._lane_rows`) turned into [R, 1] columns. refs: the outputs (dq_ref (TB, G, Dkp) its own
     tile; dk, dv [B, H, PAD + Tp, Dp] float32 in HBM, dk unscaled), the resident k (and v where the pass reads it),
     the float32 sums of dk, dv it computes (a step adds its [SPAN, Dp] at its rows; the row's last step copies them
     out), the DMA semaphores."""
@@ -244,7 +247,8 @@ def _resident_bwd_kernel(tab_ref, q_ref, do_ref, lse_ref, delta_ref, k_hbm, v_hb
     selected._row_start(_resident_keys_copies([(hbm[x], keys[x]) for x in names], sems), list(sums.values()))
     tokens, heads = q_ref.shape[:2]
     rows = pl.ds(pl.multiple_of(pl.program_id(2) * tokens, tokens), span)
-    stacked = [selected._stacked(x, 0, tokens) for x in (q_ref, do_ref, lse_ref, delta_ref)]
+    stacked = [selected._stacked(x, 0, tokens) for x in (q_ref, do_ref)] + [
+        selected._lane_column(x) for x in (lse_ref, delta_ref)]
     v = keys["v"][rows, :] if "v" in keys else None
     dq, grads = selected._gradients(*stacked, keys["k"][rows, :], v,
                                     _resident_seen(tab_ref, tokens=tokens, heads=heads, span=span),
@@ -264,7 +268,9 @@ def _resident_call(kernel, lay, table, tiled, k_rows, v_rows, out_shapes, scratc
     `outputs`) tiled likewise or 4-d in HBM (dk, dv), `scratch` [(shape, dtype)] and two DMA semaphores."""
     hbm = pl.BlockSpec(memory_space=pltpu.HBM)
 
-    def tile_spec(shape):
+    def tile_spec(shape):  # token rows [B, Tp, H, G, .]: (TB, G, .); lane rows [B, H, 1, Tp * G]: (1, TB * G)
+        if len(shape) == 4:
+            return pl.BlockSpec((None, None, 1, lay.tb * lay.G), lambda b, h, i: (b, h, 0, i))
         return pl.BlockSpec((None, lay.tb, None) + shape[3:], lambda b, h, i: (b, i, h) + (0,) * (len(shape) - 3))
 
     semantics = ("parallel", "parallel", "arbitrary")
@@ -302,8 +308,8 @@ def _resident_backward(q, k, v, cu_seqlens, o, lse, do, lay, passes, *, window_s
     window_resident_backward (one pass) or window_resident_backward_ followed by its outputs (dq_dk, dv)."""
     k_rows, v_rows = _resident_keys(k, lay, lay.dkp), _resident_keys(v, lay, lay.dvp)
     rows = lambda x, dp, fill=0.0: selected._token_rows(x, lay, dp, fill)
-    tiled = [rows(q, lay.dkp), rows(do.astype(q.dtype), lay.dvp), rows(lse[..., None], 1, -jnp.inf),
-             rows(kernel_delta(o, do, q.dtype)[..., None], 1)]
+    tiled = [rows(q, lay.dkp), rows(do.astype(q.dtype), lay.dvp), selected._lane_rows(lse, lay, -jnp.inf),
+             selected._lane_rows(kernel_delta(o, do, q.dtype), lay)]
     kr = k_rows.shape[2]
     shapes = {"dq": out_struct((lay.B, lay.nt * lay.tb, lay.H, lay.G, lay.dkp), q.dtype, q),
               "dk": out_struct((lay.B, lay.H, kr, lay.dkp), jnp.float32, q),
