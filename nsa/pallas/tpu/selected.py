@@ -843,11 +843,11 @@ def _resident_scratch_names(outputs, union=False, lane_rows=False):
     """The VMEM scratch of a pass computing `outputs` (FORWARD, or some of dq, dk, dv), in the kernel's order: the
     (b, h)'s resident rows k (and v where read), a token's gathered blocks k_buf (and v_buf), a union tile's gathered
     blocks k_union (and v_union) where `union` (`_union_tokens` > 1), the backward's float32 sums dk_sum, dv_sum of
-    those it computes, and where its lse and delta come as `lane_rows` (`_stats_in_lanes`), their (TB, G, 1) tiles
-    lse_rows, delta_rows."""
+    those it computes, and where its lse (and the backward's delta) are `lane_rows` (`_stats_in_lanes`), their
+    (TB, G, 1) tiles lse_rows (and delta_rows)."""
     keys = ("k", "v") if _reads_v(outputs) else ("k",)
     unions = tuple(x + "_union" for x in keys) if union else ()
-    stats = ("lse_rows", "delta_rows") if lane_rows and outputs != FORWARD else ()
+    stats = (("lse_rows",) if outputs == FORWARD else ("lse_rows", "delta_rows")) if lane_rows else ()
     return (keys + tuple(x + "_buf" for x in keys) + unions + tuple(g + "_sum" for g in ("dk", "dv") if g in outputs)
             + stats)
 
@@ -888,12 +888,12 @@ def resident_bytes(lay, dtype, outputs):
     temporaries are RESIDENT_MARGIN's."""
     scratch = sum(math.prod(shape[:-2]) * round_up(shape[-2], sublanes(dt)) * round_up(shape[-1], lanes())
                   * jnp.dtype(dt).itemsize for shape, dt in _resident_scratch(lay, dtype, outputs).values())
-    if outputs == FORWARD:
-        tiles = [(lay.dkp, dtype), (lay.dvp, dtype), (1, jnp.float32)]
+    stats = 1 if outputs == FORWARD else 2  # lse (and delta)
+    tiles = [(lay.dkp, dtype), (lay.dvp, dtype)] + ([(lay.dkp, dtype)] if "dq" in outputs else [])
+    if _stats_in_lanes(lay):
+        lane_rows = stats * sublanes(jnp.float32) * lay.tb * lay.G * 4  # (1, TB * G) float32 rows
     else:
-        tiles = [(lay.dkp, dtype), (lay.dvp, dtype)] + ([] if _stats_in_lanes(lay) else [(1, jnp.float32)] * 2)
-        tiles += [(lay.dkp, dtype)] if "dq" in outputs else []
-    lane_rows = 2 * sublanes(jnp.float32) * lay.tb * lay.G * 4 if outputs != FORWARD and _stats_in_lanes(lay) else 0
+        lane_rows, tiles = 0, tiles + [(1, jnp.float32)] * stats
     return scratch + 2 * (sum(_tile_bytes(lay, d, dt) for d, dt in tiles) + lane_rows)
 
 
@@ -946,6 +946,23 @@ def _lane_rows(x, lay, fill=0.0):
 def _lane_column(ref):
     """A `_lane_rows` block (1, R) as the column [R, 1] (as splash's backward reads its logsumexp)."""
     return jnp.expand_dims(ref[0], -1)
+
+
+def _lane_row(column):
+    """A column [R, 1] float32 as a `_lane_rows` block (1, R): broadcast over the lanes, transposed (a 32-bit
+    transpose of whole (8, 128) tiles on the XLU, R a multiple of 128), its first row."""
+    return jnp.broadcast_to(column, (column.shape[0], lanes())).T[:1]
+
+
+def _is_lane_rows(shape):
+    """Whether an array of a resident kernel's call is lane rows [B, H, 1, Tp * G] (not [B, H, KR, Dp] in HBM)."""
+    return len(shape) == 4 and shape[2] == 1
+
+
+def _from_lane_rows(x, lay):
+    """The inverse of `_lane_rows`: [B, H, 1, Tp * G] -> [B, T, HQ]."""
+    x = jnp.transpose(x.reshape(lay.B, lay.H, lay.nt * lay.tb, lay.G), (0, 2, 1, 3))
+    return x.reshape(lay.B, lay.nt * lay.tb, lay.H * lay.G)[:, :lay.T]
 
 
 def _from_token_rows(x, lay, d):
@@ -1335,18 +1352,20 @@ def _union_forward(tab_ref, q_ref, o_ref, lse_ref, pairs, at, first, *, tokens, 
 
 def _resident_fwd_kernel(tab_ref, q_ref, *refs, scale, slots, br, align, precision, union_tokens, union_slots,
                          unroll):
-    """Grid (B, H, NT), a step one tile of TB tokens. Loads q_ref (TB, G, Dkp) by BlockSpec and, at the (b, h)'s
-    first step, its rows of k_hbm, v_hbm [B, H, KR, Dp] (HBM) into k_ref, v_ref [KR, Dp] (`_row_start`); writes
-    o_ref (TB, G, Dvp), lse_ref (TB, G, 1); k_buf, v_buf [UNROLL * SP * BR, Dp] the gathered blocks of a
-    `_token_loop` step's tokens, a copy each, k_union, v_union [UC * BR, Dp] a union tile's (where union_tokens
-    UT > 1). The table row (SMEM, `_step_table`): each of the
-    step's TB / UT union tiles of UT tokens runs as one [UT * G, UC * BR] softmax (`_union_forward`) where its flag
-    is 1, token by token (G rows against SP * BR) else (`_each_tile`)."""
-    if union_tokens > 1:
-        k_hbm, v_hbm, o_ref, lse_ref, k_ref, v_ref, k_buf, v_buf, k_union, v_union, sems = refs
-    else:
-        k_union = v_union = None
-        k_hbm, v_hbm, o_ref, lse_ref, k_ref, v_ref, k_buf, v_buf, sems = refs
+    """Grid (B, H, NT), a step one tile of TB tokens. Loads q_ref (TB, G, Dkp) by BlockSpec and, at the (b, h)'s first
+    step, its rows of k_hbm, v_hbm [B, H, KR, Dp] (HBM) into k_ref, v_ref [KR, Dp] (`_row_start`); writes o_ref (TB, G,
+    Dvp), lse_ref (TB, G, 1), or a (1, TB * G) lane row (`_lane_rows`) from lse_rows (TB, G, 1) at the step's end; the
+    scratch of `_resident_scratch` by name: k_buf, v_buf [UNROLL * SP * BR, Dp] the gathered blocks of a `_token_loop`
+    step's tokens, a copy each, k_union, v_union [UC * BR, Dp] a union tile's (where union_tokens UT > 1). The table row
+    (SMEM, `_step_table`): each of the step's TB / UT union tiles of UT tokens runs as one [UT * G, UC * BR] softmax
+    (`_union_forward`) where its flag is 1, token by token (G rows against SP * BR) else (`_each_tile`)."""
+    k_hbm, v_hbm, o_ref, lse_out = refs[:4]
+    names = _resident_scratch_names(FORWARD, union_tokens > 1, lane_rows=len(lse_out.shape) == 2)
+    r = dict(zip(names, refs[4:]))
+    sems = refs[4 + len(names)]
+    k_ref, v_ref, k_buf, v_buf, k_union, v_union = (r.get(x) for x in ("k", "v", "k_buf", "v_buf", "k_union",
+                                                                       "v_union"))
+    lse_ref = r.get("lse_rows", lse_out)
     tokens = q_ref.shape[0]
     b, h = pl.program_id(0), pl.program_id(1)
     _row_start([pltpu.make_async_copy(k_hbm.at[b, h], k_ref, sems.at[0]),
@@ -1366,6 +1385,8 @@ def _resident_fwd_kernel(tab_ref, q_ref, *refs, scale, slots, br, align, precisi
                               precision=precision)
     _each_tile(tab_ref, token, union, tokens=tokens, slots=slots, union_tokens=union_tokens, union_slots=union_slots,
                unroll=unroll)
+    if "lse_rows" in r:
+        lse_out[...] = _lane_row(_stacked(lse_ref, 0, tokens))
 
 
 def _gradients(q, do, lse, delta, k, v, seen, *, outputs, scale, precision):
@@ -1474,7 +1495,7 @@ def _resident_call(kernel, lay, table, tiled, k_rows, v_rows, outputs, *, comput
     hbm = pl.BlockSpec(memory_space=pltpu.HBM)
 
     def tile_spec(shape):  # [B, Tp, H, G, .]: the (TB, G, .) tile of tokens i * TB ... of KV head h
-        if len(shape) == 4:  # lane rows [B, H, 1, Tp * G]: (1, TB * G)
+        if _is_lane_rows(shape):  # [B, H, 1, Tp * G]: (1, TB * G)
             return pl.BlockSpec((None, None, 1, lay.tb * lay.G), lambda b, h, i: (b, h, 0, i))
         return pl.BlockSpec((None, lay.tb, None) + shape[3:], lambda b, h, i: (b, i, h) + (0,) * (len(shape) - 3))
 
@@ -1491,7 +1512,7 @@ def _resident_call(kernel, lay, table, tiled, k_rows, v_rows, outputs, *, comput
         grid=(lay.B, lay.H, lay.nt),
         in_specs=[pl.BlockSpec((None, None, None) + table.shape[3:], lambda b, h, i: (b, h, i, 0, 0),
                                memory_space=pltpu.SMEM)] + [tile_spec(x.shape) for x in tiled] + [hbm, hbm],
-        out_specs=[hbm if len(o.shape) == 4 else tile_spec(o.shape) for o in outputs],
+        out_specs=[hbm if len(o.shape) == 4 and not _is_lane_rows(o.shape) else tile_spec(o.shape) for o in outputs],
         out_shape=outputs,
         scratch_shapes=[pltpu.VMEM(shape, dtype) for shape, dtype in scratch.values()]
         + [pltpu.SemaphoreType.DMA((2,))], name=name, compiler_params=compiler, interpret=interpret,
@@ -1503,12 +1524,15 @@ def _resident_attention(q, k, v, block_indices, block_counts, cu_seqlens, *, blo
     lay = _resident_layout(q, k, v, block_indices, block_size, cu_seqlens)
     table = _step_table(block_indices, block_counts, cu_seqlens, lay, block_size)
     rows = (lay.B, lay.nt * lay.tb, lay.H, lay.G)
+    lanes_in = _stats_in_lanes(lay)
+    lse_shape = (lay.B, lay.H, 1, lay.nt * lay.tb * lay.G) if lanes_in else rows + (1,)
     o, lse = _resident_call(
         _resident_fwd_kernel, lay, table, [_token_rows(q, lay, lay.dkp)], _key_rows(k, lay, lay.dkp),
         _key_rows(v, lay, lay.dvp),
-        [out_struct(rows + (lay.dvp,), q.dtype, q), out_struct(rows + (1,), jnp.float32, q)],
+        [out_struct(rows + (lay.dvp,), q.dtype, q), out_struct(lse_shape, jnp.float32, q)],
         computes=FORWARD, q=q, scale=scale, interpret=interpret, name="selected_resident_forward")
-    return _from_token_rows(o, lay, v.shape[3]), _from_token_rows(lse, lay, 1)[..., 0]
+    lse = _from_lane_rows(lse, lay) if lanes_in else _from_token_rows(lse, lay, 1)[..., 0]
+    return _from_token_rows(o, lay, v.shape[3]), lse
 
 
 def _resident_backward(q, k, v, block_indices, block_counts, cu_seqlens, o, lse, do, *, passes, block_size, scale,

@@ -113,10 +113,11 @@ def _segments(cu_seqlens, T):
 # A non-finite key or value row inside a step's span that one of its tokens does not see (a later token of the
 # tile, or another packed sequence's row) reaches that token as 0 * NaN, as in splash's blocks (training inputs are
 # finite; the KV caches, whose rows past a sequence may hold anything, never take these kernels).
-# Layouts: q, do, o, dq in nsa's own [B, T, HQ, D] as [B, Tp, H, G, Dp] (`selected._token_rows`); the forward's lse
-# [B, Tp, H, G, 1] float32, the backward's lse and delta lane rows [B, H, 1, Tp * G] (`selected._lane_rows`: the
-# [.., G, 1] form takes 128 lanes a value on the TPU, 2 GiB each at 64k, and a 0.43 ms copy at 8k); the table (SMEM, a row per step) the first and last column each token sees, from
-# `nsa._varlen.window_key_range` (packed sequences: a sequence's start bounds its window), a padded token none.
+# Layouts: q, do, o, dq in nsa's own [B, T, HQ, D] as [B, Tp, H, G, Dp] (`selected._token_rows`); lse and delta
+# float32 lane rows [B, H, 1, Tp * G] (`selected._lane_rows`: a [.., G, 1] form takes 128 lanes a value on the TPU, 2
+# GiB each at 64k, and a 0.43 ms copy at 8k); the table (SMEM, a row per step) the first and last column each token
+# sees, from `nsa._varlen.window_key_range` (packed sequences: a sequence's start bounds its window), a padded token
+# none.
 
 RESIDENT_WINDOW_TOKENS = 16  # TB: the tokens of a step (R = TB * G rows)
 RESIDENT_WINDOW = True  # False: the window runs splash attention where it applies
@@ -157,9 +158,9 @@ def _resident_bytes(lay, dtype, outputs):
     dp = {"k": lay.dkp, "v": lay.dvp}
     keys = rows * sum(dp[x] * size for x in (("k", "v") if selected._reads_v(outputs) else ("k",)))
     keys += rows * sum(dp[g[1]] * 4 for g in ("dk", "dv") if g in outputs)
-    tiles = [(lay.dkp, dtype), (lay.dvp, dtype)] + ([(1, jnp.float32)] if outputs == selected.FORWARD else [])
-    tiles += [(lay.dkp, dtype)] if "dq" in outputs else []
-    lane_rows = 0 if outputs == selected.FORWARD else 2 * sublanes(jnp.float32) * lay.tb * lay.G * 4  # lse, delta
+    tiles = [(lay.dkp, dtype), (lay.dvp, dtype)] + ([(lay.dkp, dtype)] if "dq" in outputs else [])
+    stats = 1 if outputs == selected.FORWARD else 2  # lse (and delta): (1, TB * G) float32 lane rows
+    lane_rows = stats * sublanes(jnp.float32) * lay.tb * lay.G * 4
     return (keys + 2 * (sum(selected._tile_bytes(lay, d, dt) for d, dt in tiles) + lane_rows)
             + 4 * lay.tb * lay.G * lay.span * 4)
 
@@ -217,8 +218,8 @@ def _resident_keys_copies(pairs, sems):
 
 def _resident_fwd_kernel(tab_ref, q_ref, k_hbm, v_hbm, o_ref, lse_ref, k_ref, v_ref, sems, *, span, scale, precision):
     """Grid (B, H, NT), a step TB tokens: q_ref (TB, G, Dkp) stacked into [R, Dkp] against k_ref, v_ref's rows
-    [i * TB, i * TB + SPAN) (resident [PAD + Tp, Dp]: `selected._row_start`); o_ref (TB, G, Dvp), lse_ref (TB, G,
-    1)."""
+    [i * TB, i * TB + SPAN) (resident [PAD + Tp, Dp]: `selected._row_start`); o_ref (TB, G, Dvp), lse_ref (1, R)
+    float32, a lane row (`selected._lane_rows`)."""
     selected._row_start(_resident_keys_copies([(k_hbm, k_ref), (v_hbm, v_ref)], sems), [])
     tokens, heads = q_ref.shape[:2]
     rows = pl.ds(pl.multiple_of(pl.program_id(2) * tokens, tokens), span)
@@ -226,17 +227,17 @@ def _resident_fwd_kernel(tab_ref, q_ref, k_hbm, v_hbm, o_ref, lse_ref, k_ref, v_
     o, lse = selected._softmax_rows(s, _resident_seen(tab_ref, tokens=tokens, heads=heads, span=span), v_ref[rows, :],
                                     precision)
     selected._unstack(o_ref, 0, o)
-    selected._unstack(lse_ref, 0, lse)
+    lse_ref[...] = selected._lane_row(lse)
 
 
 def _resident_bwd_kernel(tab_ref, q_ref, do_ref, lse_ref, delta_ref, k_hbm, v_hbm, *refs, outputs, span, scale,
                          precision):
     """Grid (B, H, NT), in order along a (b, h)'s row: one pass of the backward computing `outputs` (some of dq, dk,
     dv), the forward's step again from lse (`selected._gradients`): q_ref, do_ref (TB, G, Dp) stacked into [R, Dp],
-    lse_ref, delta_ref (1, R) float32 lane rows (`selected._lane_rows`) turned into [R, 1] columns. refs: the outputs (dq_ref (TB, G, Dkp) its own
-    tile; dk, dv [B, H, PAD + Tp, Dp] float32 in HBM, dk unscaled), the resident k (and v where the pass reads it),
-    the float32 sums of dk, dv it computes (a step adds its [SPAN, Dp] at its rows; the row's last step copies them
-    out), the DMA semaphores."""
+    lse_ref, delta_ref (1, R) float32 lane rows (`selected._lane_rows`) turned into [R, 1] columns. refs: the outputs
+    (dq_ref (TB, G, Dkp) its own tile; dk, dv [B, H, PAD + Tp, Dp] float32 in HBM, dk unscaled), the resident k (and v
+    where the pass reads it), the float32 sums of dk, dv it computes (a step adds its [SPAN, Dp] at its rows; the row's
+    last step copies them out), the DMA semaphores."""
     names = ("k", "v") if selected._reads_v(outputs) else ("k",)
     out = dict(zip(outputs, refs))
     sums = {g: ref for g, ref in zip((g for g in ("dk", "dv") if g in outputs), refs[len(outputs) + len(names):])}
@@ -269,7 +270,7 @@ def _resident_call(kernel, lay, table, tiled, k_rows, v_rows, out_shapes, scratc
     hbm = pl.BlockSpec(memory_space=pltpu.HBM)
 
     def tile_spec(shape):  # token rows [B, Tp, H, G, .]: (TB, G, .); lane rows [B, H, 1, Tp * G]: (1, TB * G)
-        if len(shape) == 4:
+        if selected._is_lane_rows(shape):
             return pl.BlockSpec((None, None, 1, lay.tb * lay.G), lambda b, h, i: (b, h, 0, i))
         return pl.BlockSpec((None, lay.tb, None) + shape[3:], lambda b, h, i: (b, i, h) + (0,) * (len(shape) - 3))
 
@@ -283,7 +284,8 @@ def _resident_call(kernel, lay, table, tiled, k_rows, v_rows, out_shapes, scratc
         grid=(lay.B, lay.H, lay.nt),
         in_specs=[pl.BlockSpec((None, 1, 2 * lay.tb), lambda b, h, i: (i, 0, 0), memory_space=pltpu.SMEM)]
         + [tile_spec(x.shape) for x in tiled] + [hbm, hbm],
-        out_specs=[hbm if len(o.shape) == 4 else tile_spec(o.shape) for o in out_shapes],
+        out_specs=[hbm if len(o.shape) == 4 and not selected._is_lane_rows(o.shape) else tile_spec(o.shape)
+                   for o in out_shapes],
         out_shape=out_shapes,
         scratch_shapes=[pltpu.VMEM(shape, dtype) for shape, dtype in scratch] + [pltpu.SemaphoreType.DMA((2,))],
         name=name, compiler_params=compiler, interpret=interpret,
@@ -297,10 +299,11 @@ def _resident_forward(q, k, v, cu_seqlens, lay, *, window_size, scale, interpret
     o, lse = _resident_call(
         _resident_fwd_kernel, lay, _resident_table(lay, window_size, cu_seqlens),
         [selected._token_rows(q, lay, lay.dkp)], k_rows, v_rows,
-        [out_struct(rows + (lay.dvp,), q.dtype, q), out_struct(rows + (1,), jnp.float32, q)],
+        [out_struct(rows + (lay.dvp,), q.dtype, q),
+         out_struct((lay.B, lay.H, 1, lay.nt * lay.tb * lay.G), jnp.float32, q)],
         [(k_rows.shape[2:], k.dtype), (v_rows.shape[2:], v.dtype)], outputs=selected.FORWARD, q=q, scale=scale,
         interpret=interpret, name="window_resident_forward")
-    return selected._from_token_rows(o, lay, v.shape[3]), selected._from_token_rows(lse, lay, 1)[..., 0]
+    return selected._from_token_rows(o, lay, v.shape[3]), selected._from_lane_rows(lse, lay)
 
 
 def _resident_backward(q, k, v, cu_seqlens, o, lse, do, lay, passes, *, window_size, scale, interpret):
