@@ -365,6 +365,9 @@ def test_lowers_for_tpu(shape, S, dtype, resident):
     assert module.count("tpu_custom_call") == len(names)
     assert names == (["selected_resident_backward", "selected_resident_forward"] if resident else
                      ["selected_dkdv", "selected_dkdv_reduce", "selected_dq", "selected_forward"])
+    B, T, HQ, H = shape[:4]
+    lane_rows = f"tensor<{B}x{H}x1x{T * HQ // H}xf32>"  # the resident backward's lse and delta (G = 16)
+    assert (lane_rows in module) == (resident and HQ // H == 16)
 
 
 @pytest.mark.parametrize("T, kernels", [

@@ -783,7 +783,8 @@ def backward(residuals, do, *, block_size, scale, interpret=False, config=None):
 # against the SP * BR rows its slots name, gathered by dynamic slices of the resident rows (no DMA per block), so
 # the work is the useful work whatever the selections share.
 #
-# Layouts (XLA): q [B, Tp, H, G, Dkp], do, o [.., Dvp], lse, delta [B, Tp, H, G, 1] float32 (`_token_rows`: Tp = T
+# Layouts (XLA): q [B, Tp, H, G, Dkp], do, o [.., Dvp], lse, delta [B, Tp, H, G, 1] float32 (the backward's where
+# G is a multiple of 8: lane rows [B, H, 1, Tp * G], `_lane_rows`, lane-dense) (`_token_rows`: Tp = T
 # padded to TB = RESIDENT_TOKENS; nsa's [B, T, HQ, D] itself where T = Tp and D = Dp, no transpose: a (b, h)'s (TB,
 # G, Dp) block, token j's G rows at [j], is TB runs of G * Dp contiguous elements); k, v `_key_rows` [B, H, KR, Dp],
 # block n's rows at n * BR (BR = block_size when it is a multiple of the sublane tile; the blocks of packed
@@ -838,28 +839,41 @@ def _reads_v(outputs):
     return outputs != ("dv",)
 
 
-def _resident_scratch_names(outputs, union=False):
+def _resident_scratch_names(outputs, union=False, lane_rows=False):
     """The VMEM scratch of a pass computing `outputs` (FORWARD, or some of dq, dk, dv), in the kernel's order: the
     (b, h)'s resident rows k (and v where read), a token's gathered blocks k_buf (and v_buf), a union tile's gathered
     blocks k_union (and v_union) where `union` (`_union_tokens` > 1), the backward's float32 sums dk_sum, dv_sum of
-    those it computes."""
+    those it computes, and where its lse (and the backward's delta) are `lane_rows` (`_stats_in_lanes`), their
+    (TB, G, 1) tiles lse_rows (and delta_rows)."""
     keys = ("k", "v") if _reads_v(outputs) else ("k",)
     unions = tuple(x + "_union" for x in keys) if union else ()
-    return keys + tuple(x + "_buf" for x in keys) + unions + tuple(g + "_sum" for g in ("dk", "dv") if g in outputs)
+    stats = (("lse_rows",) if outputs == FORWARD else ("lse_rows", "delta_rows")) if lane_rows else ()
+    return (keys + tuple(x + "_buf" for x in keys) + unions + tuple(g + "_sum" for g in ("dk", "dv") if g in outputs)
+            + stats)
 
 
 def _resident_scratch(lay, dtype, outputs):
     """{name: (shape, dtype)} of `_resident_scratch_names`: k, v [KR, Dp] in `dtype`, k_buf, v_buf
     [UNROLL * SP * BR, Dp] (a copy per token of a `_token_loop` step),
-    k_union, v_union [UC * BR, Dp] (`_union_slots`), dk_sum, dv_sum [KR, Dp] float32."""
+    k_union, v_union [UC * BR, Dp] (`_union_slots`), dk_sum, dv_sum [KR, Dp] float32, lse_rows, delta_rows (TB, G,
+    1) float32."""
     rows = {"buf": RESIDENT_UNROLL * _padded_slots(lay.S, lay.br) * lay.br, "union": _union_slots(lay) * lay.br}
     dp = {"k": lay.dkp, "v": lay.dvp, "dk": lay.dkp, "dv": lay.dvp}
 
     def buffer(name):
         head, _, kind = name.partition("_")
+        if kind == "rows":
+            return (lay.tb, lay.G, 1), jnp.float32
         return (rows.get(kind, _key_rows_count(lay)), dp[head]), jnp.float32 if kind == "sum" else dtype
 
-    return {name: buffer(name) for name in _resident_scratch_names(outputs, _union_tokens(lay) > 1)}
+    names = _resident_scratch_names(outputs, _union_tokens(lay) > 1, _stats_in_lanes(lay))
+    return {name: buffer(name) for name in names}
+
+
+def _stats_in_lanes(lay):
+    """Whether the resident backward takes lse and delta as lane rows (`_lane_rows`): a step's TB * G values whole
+    lanes, and each token's G rows of their column whole float32 sublane tiles (G a multiple of 8)."""
+    return (lay.tb * lay.G) % lanes() == 0 and lay.G % sublanes(jnp.float32) == 0
 
 
 def _tile_bytes(lay, d, dtype):
@@ -872,14 +886,15 @@ def resident_bytes(lay, dtype, outputs):
     `_resident_scratch` (the union tiles' buffers included), one buffer each, and its tiles through BlockSpecs,
     double-buffered (forward: q in, o and lse out; backward: q, do, lse, delta in, dq out if computed). Mosaic's
     temporaries are RESIDENT_MARGIN's."""
-    scratch = sum(math.prod(shape) * jnp.dtype(dt).itemsize
-                  for shape, dt in _resident_scratch(lay, dtype, outputs).values())
-    if outputs == FORWARD:
-        tiles = [(lay.dkp, dtype), (lay.dvp, dtype), (1, jnp.float32)]
+    scratch = sum(math.prod(shape[:-2]) * round_up(shape[-2], sublanes(dt)) * round_up(shape[-1], lanes())
+                  * jnp.dtype(dt).itemsize for shape, dt in _resident_scratch(lay, dtype, outputs).values())
+    stats = 1 if outputs == FORWARD else 2  # lse (and delta)
+    tiles = [(lay.dkp, dtype), (lay.dvp, dtype)] + ([(lay.dkp, dtype)] if "dq" in outputs else [])
+    if _stats_in_lanes(lay):
+        lane_rows = stats * sublanes(jnp.float32) * lay.tb * lay.G * 4  # (1, TB * G) float32 rows
     else:
-        tiles = [(lay.dkp, dtype), (lay.dvp, dtype), (1, jnp.float32), (1, jnp.float32)]
-        tiles += [(lay.dkp, dtype)] if "dq" in outputs else []
-    return scratch + 2 * sum(_tile_bytes(lay, d, dt) for d, dt in tiles)
+        lane_rows, tiles = 0, tiles + [(1, jnp.float32)] * stats
+    return scratch + 2 * (sum(_tile_bytes(lay, d, dt) for d, dt in tiles) + lane_rows)
 
 
 def resident_plan(lay, dtype, backward, vmem, bytes_of=None):
@@ -916,6 +931,38 @@ def _token_rows(x, lay, dp, fill=0.0):
     D = dp and T = Tp), the kernels' BlockSpecs take each (b, h)'s (TB, G, dp) tiles from it."""
     x = jnp.pad(padded(x, 3, dp), [(0, 0), (0, lay.nt * lay.tb - lay.T), (0, 0), (0, 0)], constant_values=fill)
     return x.reshape(lay.B, lay.nt * lay.tb, lay.H, lay.G, dp)
+
+
+def _lane_rows(x, lay, fill=0.0):
+    """A row statistic [B, T, HQ] float32 -> [B, H, 1, Tp * G], token-major as `_token_rows` (token t's head g at t *
+    G + g), lane-dense: [B, Tp, H, G, 1] would take 128 lanes a value under the TPU's (8, 128) tiles (2 GiB where this
+    takes 16 MiB, at 64k tokens of the standard shape). A step's (1, TB * G) block is a row a kernel turns into its
+    [TB * G, 1] column (`_lane_column`); TB * G must be whole lanes."""
+    x = jnp.pad(x, [(0, 0), (0, lay.nt * lay.tb - lay.T), (0, 0)], constant_values=fill)
+    x = jnp.transpose(x.reshape(lay.B, lay.nt * lay.tb, lay.H, lay.G), (0, 2, 1, 3))
+    return x.reshape(lay.B, lay.H, 1, lay.nt * lay.tb * lay.G)
+
+
+def _lane_column(ref):
+    """A `_lane_rows` block (1, R) as the column [R, 1] (as splash's backward reads its logsumexp)."""
+    return jnp.expand_dims(ref[0], -1)
+
+
+def _lane_row(column):
+    """A column [R, 1] float32 as a `_lane_rows` block (1, R): broadcast over the lanes, transposed (a 32-bit
+    transpose of whole (8, 128) tiles on the XLU, R a multiple of 128), its first row."""
+    return jnp.broadcast_to(column, (column.shape[0], lanes())).T[:1]
+
+
+def _is_lane_rows(shape):
+    """Whether an array of a resident kernel's call is lane rows [B, H, 1, Tp * G] (not [B, H, KR, Dp] in HBM)."""
+    return len(shape) == 4 and shape[2] == 1
+
+
+def _from_lane_rows(x, lay):
+    """The inverse of `_lane_rows`: [B, H, 1, Tp * G] -> [B, T, HQ]."""
+    x = jnp.transpose(x.reshape(lay.B, lay.H, lay.nt * lay.tb, lay.G), (0, 2, 1, 3))
+    return x.reshape(lay.B, lay.nt * lay.tb, lay.H * lay.G)[:, :lay.T]
 
 
 def _from_token_rows(x, lay, d):
@@ -1305,18 +1352,20 @@ def _union_forward(tab_ref, q_ref, o_ref, lse_ref, pairs, at, first, *, tokens, 
 
 def _resident_fwd_kernel(tab_ref, q_ref, *refs, scale, slots, br, align, precision, union_tokens, union_slots,
                          unroll):
-    """Grid (B, H, NT), a step one tile of TB tokens. Loads q_ref (TB, G, Dkp) by BlockSpec and, at the (b, h)'s
-    first step, its rows of k_hbm, v_hbm [B, H, KR, Dp] (HBM) into k_ref, v_ref [KR, Dp] (`_row_start`); writes
-    o_ref (TB, G, Dvp), lse_ref (TB, G, 1); k_buf, v_buf [UNROLL * SP * BR, Dp] the gathered blocks of a
-    `_token_loop` step's tokens, a copy each, k_union, v_union [UC * BR, Dp] a union tile's (where union_tokens
-    UT > 1). The table row (SMEM, `_step_table`): each of the
-    step's TB / UT union tiles of UT tokens runs as one [UT * G, UC * BR] softmax (`_union_forward`) where its flag
-    is 1, token by token (G rows against SP * BR) else (`_each_tile`)."""
-    if union_tokens > 1:
-        k_hbm, v_hbm, o_ref, lse_ref, k_ref, v_ref, k_buf, v_buf, k_union, v_union, sems = refs
-    else:
-        k_union = v_union = None
-        k_hbm, v_hbm, o_ref, lse_ref, k_ref, v_ref, k_buf, v_buf, sems = refs
+    """Grid (B, H, NT), a step one tile of TB tokens. Loads q_ref (TB, G, Dkp) by BlockSpec and, at the (b, h)'s first
+    step, its rows of k_hbm, v_hbm [B, H, KR, Dp] (HBM) into k_ref, v_ref [KR, Dp] (`_row_start`); writes o_ref (TB, G,
+    Dvp), lse_ref (TB, G, 1), or a (1, TB * G) lane row (`_lane_rows`) from lse_rows (TB, G, 1) at the step's end; the
+    scratch of `_resident_scratch` by name: k_buf, v_buf [UNROLL * SP * BR, Dp] the gathered blocks of a `_token_loop`
+    step's tokens, a copy each, k_union, v_union [UC * BR, Dp] a union tile's (where union_tokens UT > 1). The table row
+    (SMEM, `_step_table`): each of the step's TB / UT union tiles of UT tokens runs as one [UT * G, UC * BR] softmax
+    (`_union_forward`) where its flag is 1, token by token (G rows against SP * BR) else (`_each_tile`)."""
+    k_hbm, v_hbm, o_ref, lse_out = refs[:4]
+    names = _resident_scratch_names(FORWARD, union_tokens > 1, lane_rows=len(lse_out.shape) == 2)
+    r = dict(zip(names, refs[4:]))
+    sems = refs[4 + len(names)]
+    k_ref, v_ref, k_buf, v_buf, k_union, v_union = (r.get(x) for x in ("k", "v", "k_buf", "v_buf", "k_union",
+                                                                       "v_union"))
+    lse_ref = r.get("lse_rows", lse_out)
     tokens = q_ref.shape[0]
     b, h = pl.program_id(0), pl.program_id(1)
     _row_start([pltpu.make_async_copy(k_hbm.at[b, h], k_ref, sems.at[0]),
@@ -1336,6 +1385,8 @@ def _resident_fwd_kernel(tab_ref, q_ref, *refs, scale, slots, br, align, precisi
                               precision=precision)
     _each_tile(tab_ref, token, union, tokens=tokens, slots=slots, union_tokens=union_tokens, union_slots=union_slots,
                unroll=unroll)
+    if "lse_rows" in r:
+        lse_out[...] = _lane_row(_stacked(lse_ref, 0, tokens))
 
 
 def _gradients(q, do, lse, delta, k, v, seen, *, outputs, scale, precision):
@@ -1378,7 +1429,8 @@ def _add_slots(tab_ref, rows_at, grads, sums, *, slots, br, align, last_at=None)
 def _resident_bwd_kernel(tab_ref, q_ref, do_ref, lse_ref, delta_ref, k_hbm, v_hbm, *refs, outputs, scale, slots, br,
                          align, precision, union_tokens, union_slots, unroll):
     """Grid (B, H, NT), a step one tile of TB tokens, in order along the (b, h)'s row: one pass of the backward,
-    computing `outputs` (some of dq, dk, dv). Loads q_ref, do_ref (TB, G, Dp), lse_ref, delta_ref (TB, G, 1) by
+    computing `outputs` (some of dq, dk, dv). Loads q_ref, do_ref (TB, G, Dp), lse_ref, delta_ref (TB, G, 1), or
+    (1, TB * G) lane rows (`_lane_rows`) that it first writes as (TB, G, 1) into lse_rows, delta_rows, by
     BlockSpec and, at the row's first step, its rows of k_hbm (and v_hbm, where `_reads_v`) [B, H, KR, Dp] (HBM)
     into VMEM. refs: the outputs (dq (TB, G, Dkp) its own tile; dk, dv [B, H, KR, Dp] float32 in HBM, the unscaled
     dk), then the scratch of `_resident_scratch` in its order, then the DMA semaphores: dk_sum, dv_sum are zeroed at
@@ -1388,9 +1440,13 @@ def _resident_bwd_kernel(tab_ref, q_ref, do_ref, lse_ref, delta_ref, k_hbm, v_hb
     * BR], dq written back per token, dk and dv added at the union's non-empty slots' rows; other tiles token by
     token (G rows against SP * BR)."""
     out = dict(zip(outputs, refs))
-    names = _resident_scratch_names(outputs, union_tokens > 1)
+    names = _resident_scratch_names(outputs, union_tokens > 1, lane_rows=len(lse_ref.shape) == 2)
     r = dict(zip(names, refs[len(outputs):]))
     sems = refs[len(outputs) + len(names)]
+    if "lse_rows" in r:  # lane rows: their [TB * G, 1] columns, token j's G rows at [j]
+        for row, name in ((lse_ref, "lse_rows"), (delta_ref, "delta_rows")):
+            _unstack(r[name], 0, _lane_column(row))
+        lse_ref, delta_ref = r["lse_rows"], r["delta_rows"]
     tokens, b, h = q_ref.shape[0], pl.program_id(0), pl.program_id(1)
     keys = [("k", k_hbm)] + ([("v", v_hbm)] if "v" in r else [])
     sums = {g: r[g + "_sum"] for g in ("dk", "dv") if g in outputs}
@@ -1439,6 +1495,8 @@ def _resident_call(kernel, lay, table, tiled, k_rows, v_rows, outputs, *, comput
     hbm = pl.BlockSpec(memory_space=pltpu.HBM)
 
     def tile_spec(shape):  # [B, Tp, H, G, .]: the (TB, G, .) tile of tokens i * TB ... of KV head h
+        if _is_lane_rows(shape):  # [B, H, 1, Tp * G]: (1, TB * G)
+            return pl.BlockSpec((None, None, 1, lay.tb * lay.G), lambda b, h, i: (b, h, 0, i))
         return pl.BlockSpec((None, lay.tb, None) + shape[3:], lambda b, h, i: (b, i, h) + (0,) * (len(shape) - 3))
 
     semantics = ("parallel", "parallel", "arbitrary")
@@ -1454,7 +1512,7 @@ def _resident_call(kernel, lay, table, tiled, k_rows, v_rows, outputs, *, comput
         grid=(lay.B, lay.H, lay.nt),
         in_specs=[pl.BlockSpec((None, None, None) + table.shape[3:], lambda b, h, i: (b, h, i, 0, 0),
                                memory_space=pltpu.SMEM)] + [tile_spec(x.shape) for x in tiled] + [hbm, hbm],
-        out_specs=[hbm if len(o.shape) == 4 else tile_spec(o.shape) for o in outputs],
+        out_specs=[hbm if len(o.shape) == 4 and not _is_lane_rows(o.shape) else tile_spec(o.shape) for o in outputs],
         out_shape=outputs,
         scratch_shapes=[pltpu.VMEM(shape, dtype) for shape, dtype in scratch.values()]
         + [pltpu.SemaphoreType.DMA((2,))], name=name, compiler_params=compiler, interpret=interpret,
@@ -1466,12 +1524,15 @@ def _resident_attention(q, k, v, block_indices, block_counts, cu_seqlens, *, blo
     lay = _resident_layout(q, k, v, block_indices, block_size, cu_seqlens)
     table = _step_table(block_indices, block_counts, cu_seqlens, lay, block_size)
     rows = (lay.B, lay.nt * lay.tb, lay.H, lay.G)
+    lanes_in = _stats_in_lanes(lay)
+    lse_shape = (lay.B, lay.H, 1, lay.nt * lay.tb * lay.G) if lanes_in else rows + (1,)
     o, lse = _resident_call(
         _resident_fwd_kernel, lay, table, [_token_rows(q, lay, lay.dkp)], _key_rows(k, lay, lay.dkp),
         _key_rows(v, lay, lay.dvp),
-        [out_struct(rows + (lay.dvp,), q.dtype, q), out_struct(rows + (1,), jnp.float32, q)],
+        [out_struct(rows + (lay.dvp,), q.dtype, q), out_struct(lse_shape, jnp.float32, q)],
         computes=FORWARD, q=q, scale=scale, interpret=interpret, name="selected_resident_forward")
-    return _from_token_rows(o, lay, v.shape[3]), _from_token_rows(lse, lay, 1)[..., 0]
+    lse = _from_lane_rows(lse, lay) if lanes_in else _from_token_rows(lse, lay, 1)[..., 0]
+    return _from_token_rows(o, lay, v.shape[3]), lse
 
 
 def _resident_backward(q, k, v, block_indices, block_counts, cu_seqlens, o, lse, do, *, passes, block_size, scale,
@@ -1483,8 +1544,9 @@ def _resident_backward(q, k, v, block_indices, block_counts, cu_seqlens, o, lse,
     table = _step_table(block_indices, block_counts, cu_seqlens, lay, block_size)
     delta = kernel_delta(o, do, q.dtype)
     rows = lambda x, dp, fill=0.0: _token_rows(x, lay, dp, fill)
-    tiled = [rows(q, lay.dkp), rows(do.astype(q.dtype), lay.dvp), rows(lse[..., None], 1, -jnp.inf),
-             rows(delta[..., None], 1)]
+    stats = ((_lane_rows(lse, lay, -jnp.inf), _lane_rows(delta, lay)) if _stats_in_lanes(lay)
+             else (rows(lse[..., None], 1, -jnp.inf), rows(delta[..., None], 1)))
+    tiled = [rows(q, lay.dkp), rows(do.astype(q.dtype), lay.dvp), *stats]
     k_rows, v_rows = _key_rows(k, lay, lay.dkp), _key_rows(v, lay, lay.dvp)
     kr = k_rows.shape[2]
     shapes = {"dq": out_struct((lay.B, lay.nt * lay.tb, lay.H, lay.G, lay.dkp), q.dtype, q),

@@ -113,9 +113,11 @@ def _segments(cu_seqlens, T):
 # A non-finite key or value row inside a step's span that one of its tokens does not see (a later token of the
 # tile, or another packed sequence's row) reaches that token as 0 * NaN, as in splash's blocks (training inputs are
 # finite; the KV caches, whose rows past a sequence may hold anything, never take these kernels).
-# Layouts: q, do, o, dq in nsa's own [B, T, HQ, D] as [B, Tp, H, G, Dp] (`selected._token_rows`), lse and delta
-# [B, Tp, H, G, 1] float32; the table (SMEM, a row per step) the first and last column each token sees, from
-# `nsa._varlen.window_key_range` (packed sequences: a sequence's start bounds its window), a padded token none.
+# Layouts: q, do, o, dq in nsa's own [B, T, HQ, D] as [B, Tp, H, G, Dp] (`selected._token_rows`); lse and delta
+# float32 lane rows [B, H, 1, Tp * G] (`selected._lane_rows`: a [.., G, 1] form takes 128 lanes a value on the TPU, 2
+# GiB each at 64k, and a 0.43 ms copy at 8k); the table (SMEM, a row per step) the first and last column each token
+# sees, from `nsa._varlen.window_key_range` (packed sequences: a sequence's start bounds its window), a padded token
+# none.
 
 RESIDENT_WINDOW_TOKENS = 16  # TB: the tokens of a step (R = TB * G rows)
 RESIDENT_WINDOW = True  # False: the window runs splash attention where it applies
@@ -156,10 +158,11 @@ def _resident_bytes(lay, dtype, outputs):
     dp = {"k": lay.dkp, "v": lay.dvp}
     keys = rows * sum(dp[x] * size for x in (("k", "v") if selected._reads_v(outputs) else ("k",)))
     keys += rows * sum(dp[g[1]] * 4 for g in ("dk", "dv") if g in outputs)
-    stats = 1 if outputs == selected.FORWARD else 2  # lse (and delta)
-    tiles = [(lay.dkp, dtype), (lay.dvp, dtype)] + [(1, jnp.float32)] * stats
-    tiles += [(lay.dkp, dtype)] if "dq" in outputs else []
-    return keys + 2 * sum(selected._tile_bytes(lay, d, dt) for d, dt in tiles) + 4 * lay.tb * lay.G * lay.span * 4
+    tiles = [(lay.dkp, dtype), (lay.dvp, dtype)] + ([(lay.dkp, dtype)] if "dq" in outputs else [])
+    stats = 1 if outputs == selected.FORWARD else 2  # lse (and delta): (1, TB * G) float32 lane rows
+    lane_rows = stats * sublanes(jnp.float32) * lay.tb * lay.G * 4
+    return (keys + 2 * (sum(selected._tile_bytes(lay, d, dt) for d, dt in tiles) + lane_rows)
+            + 4 * lay.tb * lay.G * lay.span * 4)
 
 
 def resident(q, k, v, kv_lens, window_size, config, backward):
@@ -215,8 +218,8 @@ def _resident_keys_copies(pairs, sems):
 
 def _resident_fwd_kernel(tab_ref, q_ref, k_hbm, v_hbm, o_ref, lse_ref, k_ref, v_ref, sems, *, span, scale, precision):
     """Grid (B, H, NT), a step TB tokens: q_ref (TB, G, Dkp) stacked into [R, Dkp] against k_ref, v_ref's rows
-    [i * TB, i * TB + SPAN) (resident [PAD + Tp, Dp]: `selected._row_start`); o_ref (TB, G, Dvp), lse_ref (TB, G,
-    1)."""
+    [i * TB, i * TB + SPAN) (resident [PAD + Tp, Dp]: `selected._row_start`); o_ref (TB, G, Dvp), lse_ref (1, R)
+    float32, a lane row (`selected._lane_rows`)."""
     selected._row_start(_resident_keys_copies([(k_hbm, k_ref), (v_hbm, v_ref)], sems), [])
     tokens, heads = q_ref.shape[:2]
     rows = pl.ds(pl.multiple_of(pl.program_id(2) * tokens, tokens), span)
@@ -224,16 +227,17 @@ def _resident_fwd_kernel(tab_ref, q_ref, k_hbm, v_hbm, o_ref, lse_ref, k_ref, v_
     o, lse = selected._softmax_rows(s, _resident_seen(tab_ref, tokens=tokens, heads=heads, span=span), v_ref[rows, :],
                                     precision)
     selected._unstack(o_ref, 0, o)
-    selected._unstack(lse_ref, 0, lse)
+    lse_ref[...] = selected._lane_row(lse)
 
 
 def _resident_bwd_kernel(tab_ref, q_ref, do_ref, lse_ref, delta_ref, k_hbm, v_hbm, *refs, outputs, span, scale,
                          precision):
     """Grid (B, H, NT), in order along a (b, h)'s row: one pass of the backward computing `outputs` (some of dq, dk,
-    dv), the forward's step again from lse (`selected._gradients`). refs: the outputs (dq_ref (TB, G, Dkp) its own
-    tile; dk, dv [B, H, PAD + Tp, Dp] float32 in HBM, dk unscaled), the resident k (and v where the pass reads it),
-    the float32 sums of dk, dv it computes (a step adds its [SPAN, Dp] at its rows; the row's last step copies them
-    out), the DMA semaphores."""
+    dv), the forward's step again from lse (`selected._gradients`): q_ref, do_ref (TB, G, Dp) stacked into [R, Dp],
+    lse_ref, delta_ref (1, R) float32 lane rows (`selected._lane_rows`) turned into [R, 1] columns. refs: the outputs
+    (dq_ref (TB, G, Dkp) its own tile; dk, dv [B, H, PAD + Tp, Dp] float32 in HBM, dk unscaled), the resident k (and v
+    where the pass reads it), the float32 sums of dk, dv it computes (a step adds its [SPAN, Dp] at its rows; the row's
+    last step copies them out), the DMA semaphores."""
     names = ("k", "v") if selected._reads_v(outputs) else ("k",)
     out = dict(zip(outputs, refs))
     sums = {g: ref for g, ref in zip((g for g in ("dk", "dv") if g in outputs), refs[len(outputs) + len(names):])}
@@ -244,7 +248,8 @@ def _resident_bwd_kernel(tab_ref, q_ref, do_ref, lse_ref, delta_ref, k_hbm, v_hb
     selected._row_start(_resident_keys_copies([(hbm[x], keys[x]) for x in names], sems), list(sums.values()))
     tokens, heads = q_ref.shape[:2]
     rows = pl.ds(pl.multiple_of(pl.program_id(2) * tokens, tokens), span)
-    stacked = [selected._stacked(x, 0, tokens) for x in (q_ref, do_ref, lse_ref, delta_ref)]
+    stacked = [selected._stacked(x, 0, tokens) for x in (q_ref, do_ref)] + [
+        selected._lane_column(x) for x in (lse_ref, delta_ref)]
     v = keys["v"][rows, :] if "v" in keys else None
     dq, grads = selected._gradients(*stacked, keys["k"][rows, :], v,
                                     _resident_seen(tab_ref, tokens=tokens, heads=heads, span=span),
@@ -264,7 +269,9 @@ def _resident_call(kernel, lay, table, tiled, k_rows, v_rows, out_shapes, scratc
     `outputs`) tiled likewise or 4-d in HBM (dk, dv), `scratch` [(shape, dtype)] and two DMA semaphores."""
     hbm = pl.BlockSpec(memory_space=pltpu.HBM)
 
-    def tile_spec(shape):
+    def tile_spec(shape):  # token rows [B, Tp, H, G, .]: (TB, G, .); lane rows [B, H, 1, Tp * G]: (1, TB * G)
+        if selected._is_lane_rows(shape):
+            return pl.BlockSpec((None, None, 1, lay.tb * lay.G), lambda b, h, i: (b, h, 0, i))
         return pl.BlockSpec((None, lay.tb, None) + shape[3:], lambda b, h, i: (b, i, h) + (0,) * (len(shape) - 3))
 
     semantics = ("parallel", "parallel", "arbitrary")
@@ -277,7 +284,8 @@ def _resident_call(kernel, lay, table, tiled, k_rows, v_rows, out_shapes, scratc
         grid=(lay.B, lay.H, lay.nt),
         in_specs=[pl.BlockSpec((None, 1, 2 * lay.tb), lambda b, h, i: (i, 0, 0), memory_space=pltpu.SMEM)]
         + [tile_spec(x.shape) for x in tiled] + [hbm, hbm],
-        out_specs=[hbm if len(o.shape) == 4 else tile_spec(o.shape) for o in out_shapes],
+        out_specs=[hbm if len(o.shape) == 4 and not selected._is_lane_rows(o.shape) else tile_spec(o.shape)
+                   for o in out_shapes],
         out_shape=out_shapes,
         scratch_shapes=[pltpu.VMEM(shape, dtype) for shape, dtype in scratch] + [pltpu.SemaphoreType.DMA((2,))],
         name=name, compiler_params=compiler, interpret=interpret,
@@ -291,10 +299,11 @@ def _resident_forward(q, k, v, cu_seqlens, lay, *, window_size, scale, interpret
     o, lse = _resident_call(
         _resident_fwd_kernel, lay, _resident_table(lay, window_size, cu_seqlens),
         [selected._token_rows(q, lay, lay.dkp)], k_rows, v_rows,
-        [out_struct(rows + (lay.dvp,), q.dtype, q), out_struct(rows + (1,), jnp.float32, q)],
+        [out_struct(rows + (lay.dvp,), q.dtype, q),
+         out_struct((lay.B, lay.H, 1, lay.nt * lay.tb * lay.G), jnp.float32, q)],
         [(k_rows.shape[2:], k.dtype), (v_rows.shape[2:], v.dtype)], outputs=selected.FORWARD, q=q, scale=scale,
         interpret=interpret, name="window_resident_forward")
-    return selected._from_token_rows(o, lay, v.shape[3]), selected._from_token_rows(lse, lay, 1)[..., 0]
+    return selected._from_token_rows(o, lay, v.shape[3]), selected._from_lane_rows(lse, lay)
 
 
 def _resident_backward(q, k, v, cu_seqlens, o, lse, do, lay, passes, *, window_size, scale, interpret):
@@ -302,8 +311,8 @@ def _resident_backward(q, k, v, cu_seqlens, o, lse, do, lay, passes, *, window_s
     window_resident_backward (one pass) or window_resident_backward_ followed by its outputs (dq_dk, dv)."""
     k_rows, v_rows = _resident_keys(k, lay, lay.dkp), _resident_keys(v, lay, lay.dvp)
     rows = lambda x, dp, fill=0.0: selected._token_rows(x, lay, dp, fill)
-    tiled = [rows(q, lay.dkp), rows(do.astype(q.dtype), lay.dvp), rows(lse[..., None], 1, -jnp.inf),
-             rows(kernel_delta(o, do, q.dtype)[..., None], 1)]
+    tiled = [rows(q, lay.dkp), rows(do.astype(q.dtype), lay.dvp), selected._lane_rows(lse, lay, -jnp.inf),
+             selected._lane_rows(kernel_delta(o, do, q.dtype), lay)]
     kr = k_rows.shape[2]
     shapes = {"dq": out_struct((lay.B, lay.nt * lay.tb, lay.H, lay.G, lay.dkp), q.dtype, q),
               "dk": out_struct((lay.B, lay.H, kr, lay.dkp), jnp.float32, q),
