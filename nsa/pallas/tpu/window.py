@@ -202,11 +202,12 @@ def _resident_table(lay, window_size, cu_seqlens):
 
 
 def _resident_seen(tab_ref, *, tokens, heads, span):
-    """bool [TB * G, SPAN]: row j * G + g sees column c iff first_j <= c <= last_j (the step's table row)."""
-    bounds = [jnp.concatenate([jnp.full((heads, span), tab_ref[0, at + j], jnp.int32) for j in range(tokens)])
-              for at in (0, tokens)]
-    col = lax.broadcasted_iota(jnp.int32, bounds[0].shape, 1)
-    return (col >= bounds[0]) & (col <= bounds[1])
+    """bool [TB * G, SPAN]: row j * G + g sees column c iff first_j <= c <= last_j (the step's table row), the bounds
+    as [TB * G, 1] columns broadcast over the lanes (not [TB * G, SPAN] arrays of each)."""
+    first, last = [jnp.concatenate([jnp.full((heads, 1), tab_ref[0, at + j], jnp.int32) for j in range(tokens)])
+                   for at in (0, tokens)]
+    col = lax.broadcasted_iota(jnp.int32, (tokens * heads, span), 1)
+    return (col >= first) & (col <= last)
 
 
 def _resident_keys_copies(pairs, sems):
