@@ -16,11 +16,13 @@ runs.
 import argparse
 import collections
 import contextlib
+import glob
 import io
 import json
 import os
 import re
 import sys
+import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -97,13 +99,45 @@ def largest_buffers(hlo_text, top=10):
     return sorted(rows, key=lambda row: -row["stored_gib"])[:top]
 
 
-def memory_row(name, T, compiled):
-    """The buffer assignment's sizes of a compiled fn, GiB, and its largest arrays as the chip stores them."""
+LIVE = re.compile(r"^\s+([\w.\-]+)\{([\d,]*)\}: (\d+) bytes")
+
+
+def live_at_peak(dump_dir, hlo_text, top=16):
+    """The arrays live at the buffer assignment's peak, from XLA's live-range dump in `dump_dir` (its "Live ranges at
+    N (peak)" section), largest first, each with its instruction's type from the optimized HLO: [dict(name, gib,
+    type)], and the dump's stack-trace breakdown of the peak (which jax ops made its bytes) as lines."""
+    paths = sorted(glob.glob(os.path.join(dump_dir, "*after_optimizations-live-range.txt")), key=os.path.getsize)
+    if not paths:
+        raise FileNotFoundError(f"no XLA live-range dump in {dump_dir}: {sorted(os.listdir(dump_dir))[:8]}")
+    with open(paths[-1]) as f:
+        lines = f.read().split("\n")
+    start = next(i for i, line in enumerate(lines) if "(peak):" in line)
+    types = {m.group(1): m.group(2) for m in map(INSTRUCTION.match, hlo_text.splitlines()) if m}
+    live = []
+    for line in lines[start + 1:]:
+        match = LIVE.match(line)
+        if not match:
+            break
+        kind, index = types.get(match.group(1), "?"), match.group(2)
+        arrays = ARRAY.findall(kind)
+        if index.isdigit() and len(arrays) > int(index):  # one element of a tuple-shaped instruction
+            kind = "{}[{}]{{{}}}".format(*arrays[int(index)])
+        live.append(dict(name=f"{match.group(1)}{{{index}}}", gib=round(int(match.group(3)) / GIB, 4), type=kind[:160]))
+    trace = [line.rstrip() for line in lines[start + 1 + len(live):] if line.strip()]
+    return sorted(live, key=lambda row: -row["gib"])[:top], trace[:40]
+
+
+def memory_row(name, T, lowered):
+    """The buffer assignment's sizes of a lowered fn compiled, GiB, its largest arrays as the chip stores them, and
+    the arrays live at its peak (XLA's live-range dump, `live_at_peak`)."""
+    with tempfile.TemporaryDirectory() as dump_dir:
+        compiled = lowered.compile(compiler_options={"xla_dump_to": dump_dir})
+        peak_live, peak_trace = live_at_peak(dump_dir, compiled.as_text())
     stats = compiled.memory_analysis()
     peak, io_gib = compiled_memory_gib(compiled)
     return dict(case=name, T=T, peak_gib=peak, arguments_outputs_gib=io_gib,
                 temp_gib=stats.temp_size_in_bytes / GIB, alias_gib=stats.alias_size_in_bytes / GIB,
-                largest_buffers=largest_buffers(compiled.as_text()))
+                largest_buffers=largest_buffers(compiled.as_text()), peak_live=peak_live, peak_trace=peak_trace)
 
 
 def nsa_row(case, T, shape, implementation):
@@ -113,7 +147,7 @@ def nsa_row(case, T, shape, implementation):
     q, k, gates = struct(B, T, HQ, D), struct(B, T, H, D), struct(3, B, T, HQ)
     args = (q, k, k, gates, q)
     fwd, fwd_bwd = nsa_fns(case, implementation, T, None, shape)
-    row = memory_row(case, T, fwd_bwd.lower(*args).compile())
+    row = memory_row(case, T, fwd_bwd.lower(*args))
     row["residuals"] = residuals(lambda q, k, v, g: fwd(q, k, v, g, None), args[:4])
     row["residuals_gib"] = sum(gib for _, _, gib in row["residuals"])
     return row
@@ -125,17 +159,22 @@ def splash_row(T, shape, interpret):
     _, fwd_bwd = tpu.dense_fns(tpu.splash_mask("dense", T, shape), shape, interpret)
     qs = jax.ShapeDtypeStruct((shape.B, shape.H, G, T, shape.D), jnp.bfloat16)
     ks = jax.ShapeDtypeStruct((shape.B, shape.H, T, shape.D), jnp.bfloat16)
-    return memory_row("dense-splash", T, fwd_bwd.lower(qs, ks, ks, qs).compile())
+    return memory_row("dense-splash", T, fwd_bwd.lower(qs, ks, ks, qs))
 
 
 def report(row):
     """A row's sizes, its largest stored arrays and its largest residuals, printed."""
-    print(json.dumps({k: v for k, v in row.items() if k not in ("residuals", "largest_buffers")}), flush=True)
+    print(json.dumps({k: v for k, v in row.items() if k not in ("residuals", "largest_buffers", "peak_live",
+                                                                 "peak_trace")}), flush=True)
     for buffer in row["largest_buffers"]:
         print(f"    stored {buffer['stored_gib']:8.3f} GiB (logical {buffer['gib']:.3f})  {buffer['op']} "
               f"{buffer['name']}: {buffer['type']}", flush=True)
     for key, count, gib in row.get("residuals", [])[:12]:
         print(f"    residual {gib:8.3f} GiB  {count} x {key}", flush=True)
+    for buffer in row["peak_live"]:
+        print(f"    at peak {buffer['gib']:8.3f} GiB  {buffer['name']}: {buffer['type']}", flush=True)
+    for line in row["peak_trace"]:
+        print(f"    {line[:150]}", flush=True)
 
 
 def main():
