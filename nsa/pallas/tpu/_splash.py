@@ -178,5 +178,5 @@ def backward(mask, q, k, v, segments, o, lse, do, dlse=None, *, scale, interpret
         mask_info=dkv_info, use_fused_bwd_kernel=False, interpret=interpret)
     dq = splash_attention_kernel._splash_attention_bwd_dq(*args, **keywords, bq=sizes.block_q_dq, bkv=sizes.block_kv_dq,
                                                           mask_info=dq_info, interpret=interpret)
-    dq = (_unheads(dq, B, T).astype(jnp.float32) * scale).astype(q.dtype)
+    dq = _unheads((dq.astype(jnp.float32) * scale).astype(q.dtype), B, T)  # scaled in splash's layout: moves q.dtype
     return dq, _unheads(dk, B, k.shape[1]).astype(k.dtype), _unheads(dv, B, k.shape[1]).astype(v.dtype)
