@@ -35,13 +35,35 @@ def _statics(**kwargs):
     return tuple(sorted(kwargs.items()))
 
 
-@functools.partial(jax.checkpoint, policy=jax.checkpoint_policies.nothing_saveable, static_argnums=(2,))
-def _gated_sum(gates, outputs, acc):
-    """sum over the branches b of g_b * o_b in dtype `acc` (a None gate: o_b alone), gates [B, T, HQ], outputs
-    [B, T, HQ, Dv]. Under jax.checkpoint its backward converts each o_b to `acc` again from o_b itself, which its
-    branch's vjp keeps anyway: without it, autodiff keeps each converted o_b, a float32 copy of every branch's output
-    (at the standard shape and 64k tokens 6 of the 12.4 GiB that nsa.attention's backward holds)."""
-    return sum(o.astype(acc) if g is None else g[..., None].astype(acc) * o.astype(acc) for g, o in zip(gates, outputs))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _gated_sum(gates, outputs, dtype):
+    """sum over the branches b of g_b * o_b (a None gate: o_b alone), gates [B, T, HQ], outputs [B, T, HQ, Dv],
+    computed in float32 (or wider) and returned in `dtype`. Its backward (`_gated_sum_bwd`) keeps each o_b in its own
+    dtype (its branch's vjp keeps it anyway), not a float32 copy of every branch's output (6 of the 12.4 GiB that
+    nsa.attention's backward held at the standard shape and 64k tokens under autodiff)."""
+    acc = jnp.promote_types(dtype, jnp.float32)
+    return sum(o.astype(acc) if g is None else g[..., None].astype(acc) * o.astype(acc)
+               for g, o in zip(gates, outputs)).astype(dtype)
+
+
+def _gated_sum_fwd(gates, outputs, dtype):
+    return _gated_sum(gates, outputs, dtype), (gates, outputs)
+
+
+def _gated_sum_bwd(dtype, residuals, do):
+    """do_b = g_b * do in o_b's dtype, from do in `dtype`: the rounding of the exact product that autodiff's float32
+    product then conversion gives (a product of two bfloat16 values is exact in float32), with no float32 copy of do
+    for XLA to keep; dg_b = sum over Dv of do * o_b in float32."""
+    gates, outputs = residuals
+    acc = jnp.promote_types(dtype, jnp.float32)
+    d_outputs = tuple(do.astype(o.dtype) if g is None else (g[..., None] * do).astype(o.dtype)
+                      for g, o in zip(gates, outputs))
+    d_gates = tuple(None if g is None else jnp.sum(do.astype(acc) * o.astype(acc), axis=-1).astype(g.dtype)
+                    for g, o in zip(gates, outputs))
+    return d_gates, d_outputs
+
+
+_gated_sum.defvjp(_gated_sum_fwd, _gated_sum_bwd)
 
 
 def _paged_selected_attention(q, k, v, block_indices, block_counts, kv_lens, page_table, *, block_size, scale,
@@ -747,7 +769,7 @@ def attention(q: Array, k: Optional[Array] = None, v: Optional[Array] = None, *,
                                              **dict(common, kv_lens=window[2]))
             gated.append((g_swa, o_swa))
         gates, outputs = zip(*gated)
-        return _gated_sum(gates, outputs, jnp.promote_types(q.dtype, jnp.float32)).astype(q.dtype)
+        return _gated_sum(gates, outputs, q.dtype)
 
     serving = kv_lens is not None and block_indices is None and g_cmp is not None  # maybe a fused step
     if pools is not None and not serving:
