@@ -5,7 +5,8 @@ reference: run it under compute-sanitizer.
         compute-sanitizer --tool memcheck --error-exitcode 99 python3 scripts/gpu_hostile.py
 
 (`scripts/gpu.sh sanitize` does that, with --quick: float32 only, fewer cases, and only nsa's kernels
-instrumented; --cache runs only the KV-cache cases, --paged the paged cache's ragged steps, --overlap those of overlapping compression, --window a few
+instrumented; --cache runs only the KV-cache cases, --paged the paged cache's ragged steps, --overlap those of overlapping compression, --resident
+those at G = 16 that a TPU's resident training kernels take, --window a few
 whose window's dk/dv splits its query heads, --default implementation=None (the families mixed by its claims); XLA's GPU compiles crawl under the sanitizer, so it
 first runs once without it to fill the compilation caches, and the reference runs on the CPU). The platform
 allocator gives each buffer its own allocation, so a read past an array is a memcheck error, not a read of
@@ -251,6 +252,13 @@ def main():
         return report()
     if "--overlap" in sys.argv:  # only the cases of overlapping compression (windows of l every d)
         return overlap(dtypes) or report()
+    if "--resident" in sys.argv:  # only cases a TPU's resident kernels take (window, selected; G = 16 in bfloat16)
+        packed = jnp.asarray([0, 37, 37, 300, 300, 517], jnp.int32)
+        for dtype in dtypes:
+            case_attention(dtype, 1, 517, 32, 2, 64, 32, 32, 100, packed)  # packed, empty sequences, Dv != Dk
+            case_attention(dtype, 2, 300, 32, 2, 64, 64, 64, 1, None, l=32, d=16)  # the paper's overlap, window 1
+            case_attention(dtype, 1, 300, 32, 2, 64, 64, 16, 5000, None)  # window past T
+        return report()
     if "--window" in sys.argv:  # only cases whose window's dk/dv splits the query heads (G of them on a GPU here)
         for dtype in dtypes:
             case_attention(dtype, 1, 517, 6, 2, 64, 32, 32, 100, jnp.asarray([0, 37, 37, 300, 300, 517], jnp.int32))

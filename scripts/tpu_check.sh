@@ -4,8 +4,8 @@
 # PARTS (default "ops hostile bench") picks, in this order:
 #   ops      scripts/tpu_ops.py (each op alone, plain and packed, forward and gradients, and a decode step);
 #   hostile  scripts/gpu_hostile.py --pallas (every case on hostile inputs, bfloat16, against the XLA reference on
-#            the host's CPU: on a TPU, implementation="pallas" is Mosaic TPU) in its quick, --cache, --paged and
-#            --overlap sets (SETS), each under CASE_TIMEOUT s;
+#            the host's CPU: on a TPU, implementation="pallas" is Mosaic TPU) in its --resident (G = 16: the
+#            resident training kernels), quick, --cache, --paged and --overlap sets (SETS), each under CASE_TIMEOUT s;
 #   decode   benchmarks/decode.py: one decode step over a contiguous and a paged KV cache, nsa's Pallas and XLA
 #            against XLA's dense decode, DECODE_ARGS (default B = 1 and 8 at 16k and 64k), bound at the datasheet's
 #            bandwidth;
@@ -42,7 +42,7 @@ if [[ $parts == *" ops "* ]]; then
     timeout "${OPS_TIMEOUT:-200}" python3 scripts/tpu_ops.py 2>&1 | tee "$out/tpu-ops.log" | grep -E '^(ok|FAILED|MISMATCH)'
 fi
 if [[ $parts == *" hostile "* ]]; then
-    for set in ${SETS:---quick --cache --paged --overlap}; do
+    for set in ${SETS:---resident --quick --cache --paged --overlap}; do
         start=$SECONDS
         timeout "${CASE_TIMEOUT:-150}" python3 scripts/gpu_hostile.py --pallas $set > "$out/hostile${set}.log" 2>&1 || status=1
         echo "hostile $set: $((SECONDS - start)) s, $(grep -c '^ok' "$out/hostile${set}.log") ok, $(grep -c '^MISMATCH' "$out/hostile${set}.log") mismatches, last: $(grep -E 'mismatches|Error' "$out/hostile${set}.log" | tail -1 | cut -c1-300)"
