@@ -35,6 +35,8 @@ RESIDENT_CASES = {
     "G16-l64-d64-bf16": ((1, 200, 16, 1, 128, 128), "bfloat16", 64, 64, None),
     "G8-packed-l32-d16-dv256": ((1, 200, 16, 2, 128, 256), "float32", 32, 16, CU),
     "G16-B2-l32-d16-bf16": ((2, 130, 32, 2, 128, 128), "bfloat16", 32, 16, None),
+    # 138 rows in chunks of 128: steps that walk one chunk, then two
+    "G8-l16-d8-two-chunks": ((1, 1100, 8, 1, 128, 128), "float32", 16, 8, None),
 }
 
 
@@ -58,7 +60,8 @@ def test_splash_matches_the_reference(shape, dtype, block_size, stride, monkeypa
 
 
 @pytest.mark.parametrize("shape, dtype, block_size, stride, cu", RESIDENT_CASES.values(), ids=RESIDENT_CASES.keys())
-def test_resident_matches_the_reference(shape, dtype, block_size, stride, cu):
+def test_resident_matches_the_reference(shape, dtype, block_size, stride, cu, monkeypatch):
+    monkeypatch.setattr(compressed, "RESIDENT_COMPRESSED_CHUNK", 128)
     q, k_cmp, v_cmp, do, dlse = _inputs(shape, dtype, stride, cu=cu)
     assert compressed.resident(q, k_cmp, v_cmp, None, None, backward=True) is not None
     _matches_the_reference(shape, dtype, block_size, stride, cu, q, k_cmp, v_cmp, do, dlse)

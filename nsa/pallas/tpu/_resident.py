@@ -11,7 +11,9 @@ first step, as the resident selected kernels do; k and v zero-padded in front by
 TB: every key any of its tokens sees); compressed attention does not (ADVANCE = 0, PAD = 0, SPAN = the compressed rows
 rounded up to whole lanes: all of them, each step). An SMEM table gives each token's first and last column of the
 step's SPAN (from lo, hi: packed sequences included; empty where a token sees nothing, a padded token none). One [R,
-SPAN] softmax a step; a row that sees nothing gets o = 0, lse = -inf. The backward recomputes p from lse and adds
+SPAN] softmax a step (the window), or a walk over the SPAN in chunks of CHUNK rows, only as far as the last row any of
+the step's tokens sees (compressed attention: `_chunked_forward`, a flash loop, and `_chunked_gradients`); a row that
+sees nothing gets o = 0, lse = -inf. The backward recomputes p from lse and adds
 each step's dk, dv into float32 sums resident like k and v, copied out at the row's last step
 (`selected._row_end`); no atomics, a fixed order: bitwise repeatable. Where one pass does not fit (the window at 64k
 tokens at the standard shape on a v5e), two, as selected attention's: (dq, dk), then (dv) holding k and dv alone,
@@ -60,6 +62,7 @@ class Layout(NamedTuple):
     pad: int
     advance: int
     keys: int
+    chunk: int
 
     @property
     def key_rows(self):
@@ -67,13 +70,16 @@ class Layout(NamedTuple):
         return (self.nt - 1) * self.advance + self.span
 
 
-def layout(q, k, v, *, span, pad, advance):
-    """The Layout of q [B, T, HQ, Dk] over k, v [B, TK, H, D], a step reading `span` rows (whole lanes) that move by
-    `advance` (0 or TB) from one step to the next, behind `pad` zero rows."""
+def layout(q, k, v, *, span, pad, advance, chunk=0):
+    """The Layout of q [B, T, HQ, Dk] over k, v [B, TK, H, D], a step reading `span` rows (rounded up to whole lanes,
+    and to whole chunks) that move by `advance` (0 or TB) from one step to the next, behind `pad` zero rows; `chunk`
+    (whole lanes; only where advance is 0) the rows of a chunk of a step's walk, at most the span."""
     B, T, HQ, _ = q.shape
     H, tb = k.shape[2], RESIDENT_TOKENS
+    span = round_up(span, lanes())
+    chunk = min(chunk, span)
     return Layout(B, T, H, HQ // H, tb, cdiv(T, tb), lane_padded(q.shape[3]), lane_padded(v.shape[3]),
-                  round_up(span, lanes()), pad, advance, k.shape[1])
+                  round_up(span, chunk or 1), pad, advance, k.shape[1], chunk)
 
 
 def takes(q, k, kv_lens, config):
@@ -102,7 +108,7 @@ def resident_bytes(lay, dtype, outputs):
     stats = 1 if outputs == selected.FORWARD else 2  # lse (and delta): (1, TB * G) float32 lane rows
     lane_rows = stats * sublanes(jnp.float32) * lay.tb * lay.G * 4
     return (keys + 2 * (sum(selected._tile_bytes(lay, d, dt) for d, dt in tiles) + lane_rows)
-            + 4 * lay.tb * lay.G * lay.span * 4)
+            + 4 * lay.tb * lay.G * (lay.chunk or lay.span) * 4)
 
 
 def _keys(x, lay, dp):
@@ -131,6 +137,67 @@ def _seen(tab_ref, *, tokens, heads, span):
     return (col >= bounds[0]) & (col <= bounds[1])
 
 
+def _bounds(tab_ref, *, tokens, heads, chunk):
+    """int32 [TB * G, 1] columns: the first and last column row j * G + g sees (the step's table row), and the chunks
+    of `chunk` columns a walk needs to reach the last column any of the step's tokens sees (a scalar)."""
+    first, last = ([jnp.full((heads, 1), tab_ref[0, at + j], jnp.int32) for j in range(tokens)] for at in (0, tokens))
+    end = tab_ref[0, tokens]
+    for j in range(1, tokens):
+        end = jnp.maximum(end, tab_ref[0, tokens + j])
+    # end >= -1 (-1: no token sees a column), so the truncating division is cdiv(end + 1, chunk)
+    return jnp.concatenate(first), jnp.concatenate(last), lax.div(end + chunk, chunk)
+
+
+def _chunk_seen(first, last, c, chunk):
+    """bool [R, chunk]: the columns c * chunk .. of chunk c that each row sees, from `_bounds`' columns."""
+    col = lax.broadcasted_iota(jnp.int32, (first.shape[0], chunk), 1) + c * chunk
+    return (col >= first) & (col <= last)
+
+
+def _chunked_forward(q, k_ref, v_ref, tab_ref, *, tokens, heads, chunk, scale, precision):
+    """(o [R, Dvp] float32, lse [R, 1]) of the stacked q [R, Dkp] against the resident rows of k_ref, v_ref, chunk
+    by chunk up to the last one any of the step's tokens sees (a flash loop: running maximum m, sum l, output acc);
+    a row that sees nothing gets o = 0, lse = -inf, as `selected._softmax_rows`."""
+    first, last, chunks = _bounds(tab_ref, tokens=tokens, heads=heads, chunk=chunk)
+
+    def step(c, carry):
+        m, l, acc = carry
+        rows = pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
+        s = dot(q, k_ref[rows, :], precision, transpose_b=True) * scale
+        s = jnp.where(_chunk_seen(first, last, c, chunk), s, -jnp.inf)
+        m_next = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
+        shift = jnp.where(m_next == -jnp.inf, 0.0, m_next)
+        p = jnp.exp(s - shift)
+        alpha = jnp.exp(m - shift)
+        acc = alpha * acc + dot(p.astype(v_ref.dtype), v_ref[rows, :], precision)
+        return m_next, alpha * l + jnp.sum(p, axis=1, keepdims=True), acc
+
+    R = q.shape[0]
+    init = (jnp.full((R, 1), -jnp.inf, jnp.float32), jnp.zeros((R, 1), jnp.float32),
+            jnp.zeros((R, v_ref.shape[1]), jnp.float32))
+    m, l, acc = lax.fori_loop(0, chunks, step, init)
+    some = l > 0
+    return acc / jnp.where(some, l, 1.0), jnp.where(some, m + jnp.log(jnp.where(some, l, 1.0)), -jnp.inf)
+
+
+def _chunked_gradients(q, do, lse, delta, keys, sums, tab_ref, *, outputs, tokens, heads, chunk, scale, precision):
+    """dq [R, Dkp] float32 (None unless computed) of the stacked rows, chunk by chunk up to the last one any of the
+    step's tokens sees (`selected._gradients` on each), each chunk's dk, dv added into `sums` at its rows."""
+    first, last, chunks = _bounds(tab_ref, tokens=tokens, heads=heads, chunk=chunk)
+
+    def step(c, dq):
+        rows = pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
+        v = keys["v"][rows, :] if "v" in keys else None
+        dq_c, grads = selected._gradients(q, do, lse, delta, keys["k"][rows, :], v, _chunk_seen(first, last, c, chunk),
+                                          outputs=outputs, scale=scale, precision=precision)
+        for g, ref in sums.items():
+            ref[rows, :] += grads[g]
+        return dq if dq_c is None else dq + dq_c
+
+    dq = lax.fori_loop(0, chunks, step, jnp.zeros(q.shape, jnp.float32))
+    return dq if "dq" in outputs else None
+
+
 def _rows(tokens, *, advance, span):
     """The step's SPAN key rows: [i * ADVANCE, i * ADVANCE + SPAN) of the resident k and v."""
     if advance == 0:
@@ -145,22 +212,27 @@ def _keys_copies(pairs, sems):
     return [pltpu.make_async_copy(src.at[b, h], dst, sems.at[n]) for n, (src, dst) in enumerate(pairs)]
 
 
-def _fwd_kernel(tab_ref, q_ref, k_hbm, v_hbm, o_ref, lse_ref, k_ref, v_ref, sems, *, span, advance, scale,
+def _fwd_kernel(tab_ref, q_ref, k_hbm, v_hbm, o_ref, lse_ref, k_ref, v_ref, sems, *, span, advance, chunk, scale,
                 precision):
     """Grid (B, H, NT), a step TB tokens: q_ref (TB, G, Dkp) stacked into [R, Dkp] against k_ref, v_ref's SPAN rows
-    (`_rows`; resident [KR, Dp]: `selected._row_start`); o_ref (TB, G, Dvp), lse_ref (1, R) float32, a lane row
-    (`selected._lane_rows`)."""
+    (`_rows`; resident [KR, Dp]: `selected._row_start`), in one softmax or chunk by chunk (`_chunked_forward`);
+    o_ref (TB, G, Dvp), lse_ref (1, R) float32, a lane row (`selected._lane_rows`)."""
     selected._row_start(_keys_copies([(k_hbm, k_ref), (v_hbm, v_ref)], sems), [])
     tokens, heads = q_ref.shape[:2]
-    rows = _rows(tokens, advance=advance, span=span)
-    s = dot(selected._stacked(q_ref, 0, tokens), k_ref[rows, :], precision, transpose_b=True) * scale
-    o, lse = selected._softmax_rows(s, _seen(tab_ref, tokens=tokens, heads=heads, span=span), v_ref[rows, :],
-                                    precision)
+    q = selected._stacked(q_ref, 0, tokens)
+    if chunk:
+        o, lse = _chunked_forward(q, k_ref, v_ref, tab_ref, tokens=tokens, heads=heads, chunk=chunk, scale=scale,
+                                  precision=precision)
+    else:
+        rows = _rows(tokens, advance=advance, span=span)
+        s = dot(q, k_ref[rows, :], precision, transpose_b=True) * scale
+        o, lse = selected._softmax_rows(s, _seen(tab_ref, tokens=tokens, heads=heads, span=span), v_ref[rows, :],
+                                        precision)
     selected._unstack(o_ref, 0, o)
     lse_ref[...] = selected._lane_row(lse)
 
 
-def _bwd_kernel(tab_ref, q_ref, do_ref, lse_ref, delta_ref, k_hbm, v_hbm, *refs, outputs, span, advance, scale,
+def _bwd_kernel(tab_ref, q_ref, do_ref, lse_ref, delta_ref, k_hbm, v_hbm, *refs, outputs, span, advance, chunk, scale,
                 precision):
     """Grid (B, H, NT), in order along a (b, h)'s row: one pass of the backward computing `outputs` (some of dq, dk,
     dv), the forward's step again from lse (`selected._gradients`): q_ref, do_ref (TB, G, Dp) stacked into [R, Dp],
@@ -177,17 +249,21 @@ def _bwd_kernel(tab_ref, q_ref, do_ref, lse_ref, delta_ref, k_hbm, v_hbm, *refs,
     hbm = {"k": k_hbm, "v": v_hbm}
     selected._row_start(_keys_copies([(hbm[x], keys[x]) for x in names], sems), list(sums.values()))
     tokens, heads = q_ref.shape[:2]
-    rows = _rows(tokens, advance=advance, span=span)
     stacked = [selected._stacked(x, 0, tokens) for x in (q_ref, do_ref)] + [
         selected._lane_column(x) for x in (lse_ref, delta_ref)]
-    v = keys["v"][rows, :] if "v" in keys else None
-    dq, grads = selected._gradients(*stacked, keys["k"][rows, :], v,
-                                    _seen(tab_ref, tokens=tokens, heads=heads, span=span),
-                                    outputs=outputs, scale=scale, precision=precision)
+    if chunk:
+        dq = _chunked_gradients(*stacked, keys, sums, tab_ref, outputs=outputs, tokens=tokens, heads=heads,
+                                chunk=chunk, scale=scale, precision=precision)
+    else:
+        rows = _rows(tokens, advance=advance, span=span)
+        v = keys["v"][rows, :] if "v" in keys else None
+        dq, grads = selected._gradients(*stacked, keys["k"][rows, :], v,
+                                        _seen(tab_ref, tokens=tokens, heads=heads, span=span),
+                                        outputs=outputs, scale=scale, precision=precision)
+        for g, ref in sums.items():
+            ref[rows, :] += grads[g]
     if dq is not None:
         selected._unstack(out["dq"], 0, dq)
-    for g, ref in sums.items():
-        ref[rows, :] += grads[g]
     selected._row_end([pltpu.make_async_copy(ref, out[g].at[b, h], sems.at[n]) for n, (g, ref) in
                        enumerate(sums.items())])
 
@@ -210,7 +286,7 @@ def _call(kernel, lay, table, tiled, k_rows, v_rows, out_shapes, scratch, *, out
                                     vmem_limit_bytes=int(min(facts("tpu").vmem, max(need, facts("tpu").scoped_vmem))))
     _, dots = params(q, interpret, semantics)
     return pl.pallas_call(
-        functools.partial(kernel, span=lay.span, advance=lay.advance, scale=float(scale), **dots),
+        functools.partial(kernel, span=lay.span, advance=lay.advance, chunk=lay.chunk, scale=float(scale), **dots),
         grid=(lay.B, lay.H, lay.nt),
         in_specs=[pl.BlockSpec((None, 1, 2 * lay.tb), lambda b, h, i: (i, 0, 0), memory_space=pltpu.SMEM)]
         + [tile_spec(x.shape) for x in tiled] + [hbm, hbm],

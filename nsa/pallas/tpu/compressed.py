@@ -36,12 +36,14 @@ from nsa._varlen import compressed_key_range
 from nsa.pallas.tpu import _flash, _resident, _splash
 
 # Resident kernels (nsa/pallas/tpu/_resident.py; training: no KV cache, no Config): a step's TB = 16 tokens x G heads
-# against all NC compressed rows of its (b, h), resident in VMEM, in nsa's token-major layout (no transposes into
-# splash's head-major layout and back around the gated sum); a step reads every row, so its work grows with NC where
-# splash's causal blocks skip the rows no query of theirs sees: up to RESIDENT_COMPRESSED_ROWS rows (NC = T / 64 at
-# 64k tokens, T / 16 at 16k). Not yet chosen by a measurement on a chip.
+# against the NC compressed rows of its (b, h), resident in VMEM, in nsa's token-major layout (no transposes into
+# splash's head-major layout and back around the gated sum), walked in chunks of RESIDENT_COMPRESSED_CHUNK rows up to
+# the last one any of the step's tokens sees (a flash loop: about half of all NC columns on average, as splash's
+# causal blocks); up to RESIDENT_COMPRESSED_ROWS rows (64k tokens at the paper's stride 16). Not yet chosen by a
+# measurement on a chip.
 RESIDENT_COMPRESSED = True  # False: splash (or the flash kernels) where they apply
-RESIDENT_COMPRESSED_ROWS = 1024
+RESIDENT_COMPRESSED_ROWS = 4096
+RESIDENT_COMPRESSED_CHUNK = 256
 
 
 class CompressedMask(_splash.ComputableMask):
@@ -72,13 +74,14 @@ class CompressedMask(_splash.ComputableMask):
 def resident(q, k_cmp, v_cmp, kv_lens, config, backward):
     """(_resident.Layout, passes) of compressed attention of q [B, T, HQ, Dk] over k_cmp, v_cmp [B, NC, H, D] when the
     resident kernels run it (RESIDENT_COMPRESSED; 1 <= NC <= RESIDENT_COMPRESSED_ROWS; `_resident.takes`), else None:
-    every step reads all NC rows (ADVANCE = 0), passes by `_resident.plan`."""
+    the steps' rows do not move (ADVANCE = 0), each walks them in chunks (module comment); passes by
+    `_resident.plan`."""
     NC = k_cmp.shape[1]
     if not RESIDENT_COMPRESSED or not 1 <= NC <= RESIDENT_COMPRESSED_ROWS:
         return None
     if not _resident.takes(q, k_cmp, kv_lens, config):
         return None
-    lay = _resident.layout(q, k_cmp, v_cmp, span=NC, pad=0, advance=0)
+    lay = _resident.layout(q, k_cmp, v_cmp, span=NC, pad=0, advance=0, chunk=RESIDENT_COMPRESSED_CHUNK)
     passes = _resident.plan(lay, k_cmp.dtype, backward)
     return None if passes is None else (lay, passes)
 
