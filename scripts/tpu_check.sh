@@ -19,8 +19,8 @@
 #   profile  benchmarks/trace.py --impl pallas --hlo (PROFILE_ARGS, default: nsa.attention's fwd+bwd at 8k): each
 #            kernel's and XLA op's device time, and the optimized HLO that names them;
 #   memory   scripts/tpu_memory_probe.py (MEMORY_ARGS, default: full at 16k and 64k; compiles only): the buffer
-#            assignment's peak, the largest arrays as the chip stores them (tiles' padding) and the residuals of
-#            nsa.attention's fwd+bwd, beside splash's, in this tree, then in each
+#            assignment's peak, the largest arrays as the chip stores them (tiles' padding), the residuals of
+#            nsa.attention's fwd+bwd and the arrays live at its peak, beside splash's, in this tree, then in each
 #            tree of .ab named by MEMORY_TREES (default none);
 #   bench    benchmarks/tpu.py, BENCH_ARGS (default: its default cases at 8192 tokens, 5 iterations), its JSON and
 #            table written after each length (a run cut by BENCH_TIMEOUT keeps the lengths it finished).
@@ -89,7 +89,7 @@ if [[ $parts == *" memory "* ]]; then  # the fwd+bwd's memory (compiles only), h
         mkdir -p "$out/memory-$name"
         (cd "$dir" && timeout "${MEMORY_TIMEOUT:-200}" python3 scripts/tpu_memory_probe.py --out "$out/memory-$name" \
             ${MEMORY_ARGS:---seq-lens 16384 65536} > "$out/memory-$name.log" 2>&1) || status=1
-        echo "=== memory $name"; grep -v '^{' "$out/memory-$name.log" | grep -v Warning | head -n 100 | cut -c1-160
+        echo "=== memory $name"; grep -v '^{' "$out/memory-$name.log" | grep -v Warning | head -n 200 | cut -c1-160
         grep '^{' "$out/memory-$name.log" | cut -c1-200
     done
 fi

@@ -4,8 +4,10 @@ temporaries, arguments, outputs; the peak `benchmarks/tpu.py` reports), the larg
 chip stores them (the minor dims rounded up to the layout's tiles: a float32 [.., G, 1] row statistic takes 128 lanes a
 value), splash's causal forward+backward beside it, and the residuals autodiff keeps from the forward for the backward
 (`jax.ad_checkpoint.print_saved_residuals`, summed by shape and dtype, largest first; an array saved for several ops,
-such as q, counts once for each). It compiles and never runs, so a tree's rows take its compiles only (about 40 s an nsa
-row on a TPU v5e); run in an earlier tree (scripts/tpu_check.sh part memory) it says what a change did to the memory.
+such as q, counts once for each), and the arrays live at the peak with the jax ops that made them (XLA's live-range
+dump of the compile, `live_at_peak`). It compiles and never runs, so a tree's rows take its compiles only (about 40 s
+an nsa row on a TPU v5e); run in an earlier tree (scripts/tpu_check.sh part memory) it says what a change did to the
+memory.
 
     python3 scripts/tpu_memory_probe.py [--seq-lens 16384 65536] [--cases full full_nowin] [--out DIR]
 
@@ -111,7 +113,9 @@ def live_at_peak(dump_dir, hlo_text, top=16):
         raise FileNotFoundError(f"no XLA live-range dump in {dump_dir}: {sorted(os.listdir(dump_dir))[:8]}")
     with open(paths[-1]) as f:
         lines = f.read().split("\n")
-    start = next(i for i, line in enumerate(lines) if "(peak):" in line)
+    start = next((i for i, line in enumerate(lines) if "(peak):" in line), None)
+    if start is None:
+        raise ValueError(f"XLA's live-range dump {paths[-1]} has no 'Live ranges at N (peak):' section")
     types = {m.group(1): m.group(2) for m in map(INSTRUCTION.match, hlo_text.splitlines()) if m}
     live = []
     for line in lines[start + 1:]:
