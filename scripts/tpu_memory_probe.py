@@ -136,12 +136,13 @@ def memory_row(name, T, lowered):
     the arrays live at its peak (XLA's live-range dump, `live_at_peak`)."""
     with tempfile.TemporaryDirectory() as dump_dir:
         compiled = lowered.compile(compiler_options={"xla_dump_to": dump_dir})
-        peak_live, peak_trace = live_at_peak(dump_dir, compiled.as_text())
+        hlo_text = compiled.as_text()
+        peak_live, peak_trace = live_at_peak(dump_dir, hlo_text)
     stats = compiled.memory_analysis()
     peak, io_gib = compiled_memory_gib(compiled)
     return dict(case=name, T=T, peak_gib=peak, arguments_outputs_gib=io_gib,
                 temp_gib=stats.temp_size_in_bytes / GIB, alias_gib=stats.alias_size_in_bytes / GIB,
-                largest_buffers=largest_buffers(compiled.as_text()), peak_live=peak_live, peak_trace=peak_trace)
+                largest_buffers=largest_buffers(hlo_text), peak_live=peak_live, peak_trace=peak_trace)
 
 
 def nsa_row(case, T, shape, implementation):

@@ -876,6 +876,11 @@ def _stats_in_lanes(lay):
     return (lay.tb * lay.G) % lanes() == 0 and lay.G % sublanes(jnp.float32) == 0
 
 
+def _lane_row_bytes(lay, count):
+    """The VMEM of `count` (1, TB * G) float32 lane-row blocks (`_lane_rows`), each padded to a sublane tile."""
+    return count * sublanes(jnp.float32) * lay.tb * lay.G * 4
+
+
 def _tile_bytes(lay, d, dtype):
     """The VMEM of one (TB, G, d) block of a tile: G padded to the sublane tile, d to the lanes."""
     return lay.tb * round_up(lay.G, sublanes(dtype)) * round_up(d, lanes()) * jnp.dtype(dtype).itemsize
@@ -891,7 +896,7 @@ def resident_bytes(lay, dtype, outputs):
     stats = 1 if outputs == FORWARD else 2  # lse (and delta)
     tiles = [(lay.dkp, dtype), (lay.dvp, dtype)] + ([(lay.dkp, dtype)] if "dq" in outputs else [])
     if _stats_in_lanes(lay):
-        lane_rows = stats * sublanes(jnp.float32) * lay.tb * lay.G * 4  # (1, TB * G) float32 rows
+        lane_rows = _lane_row_bytes(lay, stats)
     else:
         lane_rows, tiles = 0, tiles + [(1, jnp.float32)] * stats
     return scratch + 2 * (sum(_tile_bytes(lay, d, dt) for d, dt in tiles) + lane_rows)

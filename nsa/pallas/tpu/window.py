@@ -159,8 +159,7 @@ def _resident_bytes(lay, dtype, outputs):
     keys = rows * sum(dp[x] * size for x in (("k", "v") if selected._reads_v(outputs) else ("k",)))
     keys += rows * sum(dp[g[1]] * 4 for g in ("dk", "dv") if g in outputs)
     tiles = [(lay.dkp, dtype), (lay.dvp, dtype)] + ([(lay.dkp, dtype)] if "dq" in outputs else [])
-    stats = 1 if outputs == selected.FORWARD else 2  # lse (and delta): (1, TB * G) float32 lane rows
-    lane_rows = stats * sublanes(jnp.float32) * lay.tb * lay.G * 4
+    lane_rows = selected._lane_row_bytes(lay, 1 if outputs == selected.FORWARD else 2)  # lse (and delta)
     return (keys + 2 * (sum(selected._tile_bytes(lay, d, dt) for d, dt in tiles) + lane_rows)
             + 4 * lay.tb * lay.G * lay.span * 4)
 
