@@ -56,26 +56,27 @@ BACKWARD_KERNELS = {"compressed_dq", "compressed_dkdv", "selected_dq", "selected
                     "window_dq", "window_dkdv"}
 
 
-def training_kernels(backward, resident=True, splash=False, window_resident=False):
+def training_kernels(backward, resident=True, splash=False, ranges=False):
     """The kernels of nsa.attention without a KV cache: selected attention's resident kernels where they fit (else
-    its union kernels), the window's resident kernels where they take it (`window_resident`: G a multiple of the
-    sublanes), the window (else) and compressed attention by splash attention where it takes them (heads of 128
-    lanes in bf16 or float32; forward with its residuals, backward its dq and dk/dv kernels from them: no forward
-    again) or by the flash kernels."""
-    names = {"select"} | ({"window_resident_forward"} | ({"window_resident_backward"} if backward else set())
-                          if window_resident else set())
+    its union kernels), the window's and compressed attention's resident kernels where they take them (`ranges`: G a
+    multiple of the sublanes), else those two by splash attention where it takes them (heads of 128 lanes in bf16 or
+    float32; forward with its residuals, backward its dq and dk/dv kernels from them: no forward again) or by the
+    flash kernels."""
+    names = {"select"}
     if resident:
         names |= {"selected_resident_forward"} | ({"selected_resident_backward"} if backward else set())
     else:
         names |= {"selected_forward"} | (
             {"selected_dq", "selected_dkdv", "selected_dkdv_reduce"} if backward else set())
-    if splash:
+    if ranges:
+        for branch in ("compressed", "window"):
+            names |= {f"{branch}_resident_forward"} | ({f"{branch}_resident_backward"} if backward else set())
+    elif splash:
         names |= {SPLASH_FORWARD} | ({"splash_mha_dq_no_residuals", "splash_mha_dkv_no_residuals"}
                                      if backward else set())
     else:
-        names |= {"compressed_forward"} | ({"compressed_dq", "compressed_dkdv"} if backward else set())
-        if not window_resident:
-            names |= {"window_forward"} | ({"window_dq", "window_dkdv"} if backward else set())
+        for branch in ("compressed", "window"):
+            names |= {f"{branch}_forward"} | ({f"{branch}_dq", f"{branch}_dkdv"} if backward else set())
     return names
 
 
@@ -99,11 +100,12 @@ def test_attention_lowers_for_tpu_to_mosaic_kernels(shape, dtype, compression, i
     """nsa.attention (block 64, 16 blocks, window 512, all gates; compression windows of 64 tokens, or the
     paper's), jitted forward and forward+backward, exported for a TPU v5e: every op runs its Mosaic kernel, with
     implementation="pallas" and with None; selected attention its resident kernels (within the v5e's VMEM), the
-    window and compressed attention splash attention at heads of 128, its forward once each."""
+    window and compressed attention their resident kernels where G is a multiple of the sublanes, else splash
+    attention at heads of 128, each forward once."""
     monkeypatch.setenv("NSA_DEVICE_KIND", "TPU v5 lite")
     B, T, HQ, H, Dk, Dv = shape
     splash = Dk % 128 == Dv % 128 == 0
-    window_resident = (HQ // H) % (16 if dtype == jnp.bfloat16 else 8) == 0
+    ranges = (HQ // H) % (16 if dtype == jnp.bfloat16 else 8) == 0  # the window's and compressed resident kernels
     specs = [jax.ShapeDtypeStruct(s, dtype) for s in [(B, T, HQ, Dk), (B, T, H, Dk), (B, T, H, Dv)]]
     gates = [jax.ShapeDtypeStruct((B, T, HQ), dtype)] * 3
 
@@ -116,9 +118,11 @@ def test_attention_lowers_for_tpu_to_mosaic_kernels(shape, dtype, compression, i
 
     for function, backward in ((forward, False), (jax.grad(loss, argnums=range(6)), True)):
         kernels = _mosaic_kernels(jax.export.export(jax.jit(function), platforms=["tpu"])(*specs, *gates).mlir_module())
-        assert set(kernels) == training_kernels(backward=backward, splash=splash, window_resident=window_resident)
+        assert set(kernels) == training_kernels(backward=backward, splash=splash, ranges=ranges)
         # the backward runs no forward again: splash's forward once for compressed attention, once for the window
-        assert kernels.count(SPLASH_FORWARD) == (0 if not splash else 1 if window_resident else 2)
+        assert kernels.count(SPLASH_FORWARD) == (2 if splash and not ranges else 0)
+        for branch in ("compressed", "window"):  # nor do their resident kernels
+            assert kernels.count(f"{branch}_resident_forward") == ranges
 
 
 # Serving steps at the standard heads (HQ = 64, H = 4, D = 128, bf16; block 64, 16 blocks, window 512):

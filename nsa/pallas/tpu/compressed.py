@@ -1,5 +1,7 @@
-"""Compressed attention on TPUs: jax's own splash attention kernels where they apply (`by_splash`), else the
-Pallas TPU flash kernels of nsa/pallas/tpu/_flash.py.
+"""Compressed attention on TPUs: the resident kernels of nsa/pallas/tpu/_resident.py where they apply (`resident`:
+training, G query heads per KV head a multiple of the sublanes, at most RESIDENT_COMPRESSED_ROWS compressed rows),
+else jax's own splash attention kernels where they apply (`by_splash`), else the Pallas TPU flash kernels of
+nsa/pallas/tpu/_flash.py.
 
 The query at in-sequence position p (its index t, or kv_lens[b] - T + t at the end of a KV cache's sequence
 b) sees the compressed rows [cmp_start, cmp_start + n) of k_cmp / v_cmp, n the windows of block_size tokens
@@ -31,7 +33,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from nsa._varlen import compressed_key_range
-from nsa.pallas.tpu import _flash, _splash
+from nsa.pallas.tpu import _flash, _resident, _splash
+
+# Resident kernels (nsa/pallas/tpu/_resident.py; training: no KV cache, no Config): a step's TB = 16 tokens x G heads
+# against all NC compressed rows of its (b, h), resident in VMEM, in nsa's token-major layout (no transposes into
+# splash's head-major layout and back around the gated sum); a step reads every row, so its work grows with NC where
+# splash's causal blocks skip the rows no query of theirs sees: up to RESIDENT_COMPRESSED_ROWS rows (NC = T / 64 at
+# 64k tokens, T / 16 at 16k). Not yet chosen by a measurement on a chip.
+RESIDENT_COMPRESSED = True  # False: splash (or the flash kernels) where they apply
+RESIDENT_COMPRESSED_ROWS = 1024
 
 
 class CompressedMask(_splash.ComputableMask):
@@ -59,6 +69,20 @@ class CompressedMask(_splash.ComputableMask):
         return hash((type(self), self._key()))
 
 
+def resident(q, k_cmp, v_cmp, kv_lens, config, backward):
+    """(_resident.Layout, passes) of compressed attention of q [B, T, HQ, Dk] over k_cmp, v_cmp [B, NC, H, D] when the
+    resident kernels run it (RESIDENT_COMPRESSED; 1 <= NC <= RESIDENT_COMPRESSED_ROWS; `_resident.takes`), else None:
+    every step reads all NC rows (ADVANCE = 0), passes by `_resident.plan`."""
+    NC = k_cmp.shape[1]
+    if not RESIDENT_COMPRESSED or not 1 <= NC <= RESIDENT_COMPRESSED_ROWS:
+        return None
+    if not _resident.takes(q, k_cmp, kv_lens, config):
+        return None
+    lay = _resident.layout(q, k_cmp, v_cmp, span=NC, pad=0, advance=0)
+    passes = _resident.plan(lay, k_cmp.dtype, backward)
+    return None if passes is None else (lay, passes)
+
+
 def by_splash(q, k_cmp, v_cmp, cu_seqlens, kv_lens, config):
     """Whether compressed attention of q [B, T, HQ, Dk] over k_cmp, v_cmp [B, NC, H, D] runs splash attention
     (module docstring)."""
@@ -68,6 +92,12 @@ def by_splash(q, k_cmp, v_cmp, cu_seqlens, kv_lens, config):
 
 def forward(q, k_cmp, v_cmp, cu_seqlens, kv_lens=None, *, block_size, stride, scale, interpret=False, config=None):
     """Returns (o [B, T, HQ, Dv], lse [B, T, HQ] float32) and the residuals; kv_lens None or int32 [B]."""
+    plan = resident(q, k_cmp, v_cmp, kv_lens, config, backward=False)
+    if plan is not None:
+        lo, hi = compressed_key_range(q.shape[1], k_cmp.shape[1], block_size, cu_seqlens, None, stride)
+        o, lse = _resident.forward(q, k_cmp, v_cmp, lo, hi, plan[0], scale=scale, interpret=interpret,
+                                   name="compressed")
+        return (o, lse), (q, k_cmp, v_cmp, cu_seqlens, kv_lens, o, lse)
     if by_splash(q, k_cmp, v_cmp, cu_seqlens, kv_lens, config):
         o, lse = _splash.forward(_mask(block_size, stride, k_cmp.shape[1]), q, k_cmp, v_cmp, None, scale=scale,
                                  interpret=interpret)
@@ -84,6 +114,11 @@ def backward(residuals, cotangents, *, block_size, stride, scale, interpret=Fals
     """Gradients (dq, dk_cmp, dv_cmp, None, None), including the path through lse."""
     q, k_cmp, v_cmp, cu_seqlens, kv_lens, o, lse = residuals
     do, dlse = cotangents
+    plan = resident(q, k_cmp, v_cmp, kv_lens, config, backward=True)
+    if plan is not None:
+        lo, hi = compressed_key_range(q.shape[1], k_cmp.shape[1], block_size, cu_seqlens, None, stride)
+        return (*_resident.backward(q, k_cmp, v_cmp, lo, hi, o, lse, do, *plan, scale=scale, interpret=interpret,
+                                    name="compressed", dlse=dlse), None, None)
     if by_splash(q, k_cmp, v_cmp, cu_seqlens, kv_lens, config):
         dq, dk, dv = _splash.backward(_mask(block_size, stride, k_cmp.shape[1]), q, k_cmp, v_cmp, None, o, lse, do,
                                       dlse, scale=scale, interpret=interpret)
