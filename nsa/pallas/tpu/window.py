@@ -1,6 +1,7 @@
-"""Sliding-window attention on TPUs: the resident kernels below where they apply (`resident`: training, G query
-heads per KV head a multiple of the sublanes, k and v within VMEM), else jax's own splash attention kernels where
-they apply (`by_splash`), else the Pallas TPU flash kernels of nsa/pallas/tpu/_flash.py.
+"""Sliding-window attention on TPUs: the resident kernels of nsa/pallas/tpu/_resident.py where they apply
+(`resident`: training, G query heads per KV head a multiple of the sublanes, k and v within VMEM), else jax's own
+splash attention kernels where they apply (`by_splash`), else the Pallas TPU flash kernels of
+nsa/pallas/tpu/_flash.py.
 
 Query t, at key row p (t itself, or kv_lens[b] - T + t at the end of a KV cache's sequence b), sees the key
 rows [max(sequence start, p - window_size + 1), p]; signatures and residuals are those of
