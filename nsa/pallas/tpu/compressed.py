@@ -40,9 +40,10 @@ from nsa.pallas.tpu import _flash, _resident, _splash
 # splash's head-major layout and back around the gated sum); a step reads every row, so its work grows with NC where
 # splash's causal blocks skip the rows no query of theirs sees: up to RESIDENT_COMPRESSED_ROWS rows (NC = T / 64 at
 # 64k tokens, T / 16 at 16k). On a TPU v5e (2026-12-07, docs/tpu.md) the branch's forward+backward at 1024 rows (16k,
-# the paper's 32/16) took 17.47 ms against splash's 18.94 under the same mask; longer is untimed.
+# the paper's 32/16) took 17.47 ms against splash's 18.94 under the same mask. Branch tpu-resident-compressed-rows:
+# up to 4096 rows (the paper's 32/16 to 64k), twice splash's useful work past 16k, still without its layout copies.
 RESIDENT_COMPRESSED = True  # False: splash (or the flash kernels) where they apply
-RESIDENT_COMPRESSED_ROWS = 1024
+RESIDENT_COMPRESSED_ROWS = 4096
 
 
 class CompressedMask(_splash.ComputableMask):
