@@ -96,9 +96,9 @@ def resident_bytes(lay, dtype, outputs):
     (q, o, lse; or q, do, lse, delta and dq where computed); the [R, SPAN] float32 logits a few times over."""
     size = jnp.dtype(dtype).itemsize
     dp = {"k": lay.dkp, "v": lay.dvp}
-    keys = lay.key_rows * sum(dp[x] * size for x in (("k", "v") if selected._reads_v(outputs) else ("k",)))
+    keys = lay.key_rows * sum(dp[x] * size for x in selected._keys_read(outputs))
     keys += lay.key_rows * sum(dp[g[1]] * 4 for g in ("dk", "dv") if g in outputs)
-    tiles = [(lay.dkp, dtype), (lay.dvp, dtype)] + ([(lay.dkp, dtype)] if "dq" in outputs else [])
+    tiles = selected._step_tiles(lay, dtype, outputs)
     lane_rows = selected._lane_row_bytes(lay, 1 if outputs == selected.FORWARD else 2)  # lse (and delta)
     return (keys + 2 * (sum(selected._tile_bytes(lay, d, dt) for d, dt in tiles) + lane_rows)
             + 4 * lay.tb * lay.G * lay.span * 4)
@@ -167,7 +167,7 @@ def _bwd_kernel(tab_ref, q_ref, do_ref, lse_ref, delta_ref, k_hbm, v_hbm, *refs,
     (dq_ref (TB, G, Dkp) its own tile; dk, dv [B, H, KR, Dp] float32 in HBM, dk unscaled), the resident k (and v where
     the pass reads it), the float32 sums of dk, dv it computes (a step adds its [SPAN, Dp] at its rows; the row's last
     step copies them out), the DMA semaphores."""
-    names = ("k", "v") if selected._reads_v(outputs) else ("k",)
+    names = selected._keys_read(outputs)
     out = dict(zip(outputs, refs))
     sums = {g: ref for g, ref in zip((g for g in ("dk", "dv") if g in outputs), refs[len(outputs) + len(names):])}
     keys = dict(zip(names, refs[len(outputs):]))
@@ -252,7 +252,7 @@ def backward(q, k, v, lo, hi, o, lse, do, lay, passes, *, scale, interpret, name
     table = _table(lay, lo, hi)
     grads = {}
     for outputs in passes:
-        names = (("k", "v") if selected._reads_v(outputs) else ("k",)) + tuple(g for g in ("dk", "dv") if g in outputs)
+        names = selected._keys_read(outputs) + tuple(g for g in ("dk", "dv") if g in outputs)
         call = f"{name}_resident_backward" + ("" if len(passes) == 1 else "_" + "_".join(outputs))
         grads |= zip(outputs, _call(
             functools.partial(_bwd_kernel, outputs=outputs), lay, table, tiled, k_rows, v_rows,

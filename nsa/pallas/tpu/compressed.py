@@ -95,7 +95,7 @@ def forward(q, k_cmp, v_cmp, cu_seqlens, kv_lens=None, *, block_size, stride, sc
     """Returns (o [B, T, HQ, Dv], lse [B, T, HQ] float32) and the residuals; kv_lens None or int32 [B]."""
     plan = resident(q, k_cmp, v_cmp, kv_lens, config, backward=False)
     if plan is not None:
-        lo, hi = compressed_key_range(q.shape[1], k_cmp.shape[1], block_size, cu_seqlens, None, stride)
+        lo, hi = _key_range(q, k_cmp, cu_seqlens, kv_lens, block_size, stride)
         o, lse = _resident.forward(q, k_cmp, v_cmp, lo, hi, plan[0], scale=scale, interpret=interpret,
                                    name="compressed")
         return (o, lse), (q, k_cmp, v_cmp, cu_seqlens, kv_lens, o, lse)
@@ -105,7 +105,7 @@ def forward(q, k_cmp, v_cmp, cu_seqlens, kv_lens=None, *, block_size, stride, sc
         blind = min(block_size - 1, q.shape[1])  # the queries t < block_size - 1, before their first whole window
         o, lse = o.at[:, :blind].set(0), lse.at[:, :blind].set(-jnp.inf)  # in place: not a pass over all of o
         return (o, lse), (q, k_cmp, v_cmp, cu_seqlens, kv_lens, o, lse)
-    lo, hi = compressed_key_range(q.shape[1], k_cmp.shape[1], block_size, cu_seqlens, kv_lens, stride)
+    lo, hi = _key_range(q, k_cmp, cu_seqlens, kv_lens, block_size, stride)
     o, lse = _flash.attend(q, k_cmp, v_cmp, lo, hi, scale=scale, key_span=k_cmp.shape[1], interpret=interpret,
                            config=config, name="compressed")
     return (o, lse), (q, k_cmp, v_cmp, cu_seqlens, kv_lens, o, lse)
@@ -117,18 +117,23 @@ def backward(residuals, cotangents, *, block_size, stride, scale, interpret=Fals
     do, dlse = cotangents
     plan = resident(q, k_cmp, v_cmp, kv_lens, config, backward=True)
     if plan is not None:
-        lo, hi = compressed_key_range(q.shape[1], k_cmp.shape[1], block_size, cu_seqlens, None, stride)
+        lo, hi = _key_range(q, k_cmp, cu_seqlens, kv_lens, block_size, stride)
         return (*_resident.backward(q, k_cmp, v_cmp, lo, hi, o, lse, do, *plan, scale=scale, interpret=interpret,
                                     name="compressed", dlse=dlse), None, None)
     if by_splash(q, k_cmp, v_cmp, cu_seqlens, kv_lens, config):
         dq, dk, dv = _splash.backward(_mask(block_size, stride, k_cmp.shape[1]), q, k_cmp, v_cmp, None, o, lse, do,
                                       dlse, scale=scale, interpret=interpret)
         return dq, dk, dv, None, None
-    lo, hi = compressed_key_range(q.shape[1], k_cmp.shape[1], block_size, cu_seqlens, kv_lens, stride)
+    lo, hi = _key_range(q, k_cmp, cu_seqlens, kv_lens, block_size, stride)
     dq, dk, dv = _flash.attend_backward(q, k_cmp, v_cmp, lo, hi, o, lse, do, dlse, scale=scale,
                                         key_span=k_cmp.shape[1], query_span=q.shape[1], interpret=interpret,
                                         config=config, name="compressed")
     return dq, dk, dv, None, None
+
+
+def _key_range(q, k_cmp, cu_seqlens, kv_lens, block_size, stride):
+    """(lo, hi) int32: each query's first and last compressed row (`nsa._varlen.compressed_key_range`)."""
+    return compressed_key_range(q.shape[1], k_cmp.shape[1], block_size, cu_seqlens, kv_lens, stride)
 
 
 def _mask(block_size, stride, num_rows):

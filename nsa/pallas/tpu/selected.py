@@ -833,10 +833,16 @@ def _key_rows_count(lay):
     return (lay.num_rows + 1) * lay.br
 
 
-def _reads_v(outputs):
-    """Whether a pass computing `outputs` reads v: the forward (p v) and dq, dk (ds = p (do v^T - delta)); dv alone
-    (p^T do) does not."""
-    return outputs != ("dv",)
+def _keys_read(outputs):
+    """The key rows a pass computing `outputs` reads: k, and v for the forward (p v) and dq, dk (ds = p (do v^T -
+    delta)); dv alone (p^T do) reads k only."""
+    return ("k",) if outputs == ("dv",) else ("k", "v")
+
+
+def _step_tiles(lay, dtype, outputs):
+    """(d, dtype) of the (TB, G, d) tiles a step of a pass computing `outputs` moves through BlockSpecs: q and o (or
+    do), and dq where computed."""
+    return [(lay.dkp, dtype), (lay.dvp, dtype)] + ([(lay.dkp, dtype)] if "dq" in outputs else [])
 
 
 def _resident_scratch_names(outputs, union=False, lane_rows=False):
@@ -845,7 +851,7 @@ def _resident_scratch_names(outputs, union=False, lane_rows=False):
     blocks k_union (and v_union) where `union` (`_union_tokens` > 1), the backward's float32 sums dk_sum, dv_sum of
     those it computes, and where its lse (and the backward's delta) are `lane_rows` (`_stats_in_lanes`), their
     (TB, G, 1) tiles lse_rows (and delta_rows)."""
-    keys = ("k", "v") if _reads_v(outputs) else ("k",)
+    keys = _keys_read(outputs)
     unions = tuple(x + "_union" for x in keys) if union else ()
     stats = (("lse_rows",) if outputs == FORWARD else ("lse_rows", "delta_rows")) if lane_rows else ()
     return (keys + tuple(x + "_buf" for x in keys) + unions + tuple(g + "_sum" for g in ("dk", "dv") if g in outputs)
@@ -894,7 +900,7 @@ def resident_bytes(lay, dtype, outputs):
     scratch = sum(math.prod(shape[:-2]) * round_up(shape[-2], sublanes(dt)) * round_up(shape[-1], lanes())
                   * jnp.dtype(dt).itemsize for shape, dt in _resident_scratch(lay, dtype, outputs).values())
     stats = 1 if outputs == FORWARD else 2  # lse (and delta)
-    tiles = [(lay.dkp, dtype), (lay.dvp, dtype)] + ([(lay.dkp, dtype)] if "dq" in outputs else [])
+    tiles = _step_tiles(lay, dtype, outputs)
     if _stats_in_lanes(lay):
         lane_rows = _lane_row_bytes(lay, stats)
     else:
@@ -1436,7 +1442,7 @@ def _resident_bwd_kernel(tab_ref, q_ref, do_ref, lse_ref, delta_ref, k_hbm, v_hb
     """Grid (B, H, NT), a step one tile of TB tokens, in order along the (b, h)'s row: one pass of the backward,
     computing `outputs` (some of dq, dk, dv). Loads q_ref, do_ref (TB, G, Dp), lse_ref, delta_ref (TB, G, 1), or
     (1, TB * G) lane rows (`_lane_rows`) that it first writes as (TB, G, 1) into lse_rows, delta_rows, by
-    BlockSpec and, at the row's first step, its rows of k_hbm (and v_hbm, where `_reads_v`) [B, H, KR, Dp] (HBM)
+    BlockSpec and, at the row's first step, its rows of k_hbm (and v_hbm, where `_keys_read`) [B, H, KR, Dp] (HBM)
     into VMEM. refs: the outputs (dq (TB, G, Dkp) its own tile; dk, dv [B, H, KR, Dp] float32 in HBM, the unscaled
     dk), then the scratch of `_resident_scratch` in its order, then the DMA semaphores: dk_sum, dv_sum are zeroed at
     the row's first step, added to at each token's slots' rows, copied out at its last. As in the forward
