@@ -40,9 +40,12 @@ from nsa.pallas.tpu import _flash, _resident, _splash
 # splash's head-major layout and back around the gated sum); a step reads every row, so its work grows with NC where
 # splash's causal blocks skip the rows no query of theirs sees: up to RESIDENT_COMPRESSED_ROWS rows (NC = T / 64 at
 # 64k tokens, T / 16 at 16k). On a TPU v5e (2026-12-07, docs/tpu.md) the branch's forward+backward at 1024 rows (16k,
-# the paper's 32/16) took 17.47 ms against splash's 18.94 under the same mask; longer is untimed.
+# the paper's 32/16) took 17.47 ms against splash's 18.94 under the same mask; at 2048 rows (32k) 59.26 against 58.23,
+# at 4096 (64k) 220.06 against 199.40: a step reads every row, twice splash's useful work there. Yet nsa.attention's
+# paper row took 330.12 ms at 32k against 342.50 with splash's branch in the same run (its layout copies gone; peak
+# 5.3 GiB against 5.6) and 931.72 at 64k against an earlier run's 926.56: hence 4096 (tpu-resident-compressed-rows).
 RESIDENT_COMPRESSED = True  # False: splash (or the flash kernels) where they apply
-RESIDENT_COMPRESSED_ROWS = 1024
+RESIDENT_COMPRESSED_ROWS = 4096
 
 
 class CompressedMask(_splash.ComputableMask):
