@@ -7,7 +7,7 @@ attention's lse given and computed by the kernel, several token tiles and severa
 rows (the online lse across chunks), packed sequences with an empty one (eager and with a traced
 cu_seqlens), queries at the end of a KV cache's ragged sequences (per batch row, over several tiles and
 chunks, NaN rows past each sequence's complete blocks), ties (all-equal compressed keys), float32, bfloat16
-and float16. It is also exported for TPU (jax.export, platforms=["tpu"]) at the standard shape and an odd
+and float16; its top-k walk alone on hostile ranks (ties within and across lanes and chunks, -inf). It is also exported for TPU (jax.export, platforms=["tpu"]) at the standard shape and an odd
 one, which lowers it through Mosaic and so catches the layout and tiling errors that interpret mode lets
 through; and its VMEM per step is checked against the default scoped limit.
 """
@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 import nsa
@@ -143,6 +144,35 @@ def test_ties_go_to_lower_ids(pallas_races):
         expected += [-1] * (9 - len(expected))
         for h in range(H):
             assert list(got[0, t, h]) == expected, (t, h)
+
+
+def test_top_k_on_hostile_ranks():
+    """The top-k walk alone on ranks of few distinct values (ties within a lane across chunks, across lanes of a
+    chunk, and across chunks), -inf rows, a band of chunks lo..hi that skips the first, and tokens with fewer
+    candidates than slots: each token's slots are its ranks' order by (rank descending, row ascending), -1 once
+    only -inf is left; chunks outside the band are never read."""
+    rng = np.random.default_rng(3)
+    chunks, tb, bc, slots, lo, hi = 4, 16, 128, 24, 1, 3
+    ranks = rng.integers(0, 4, (chunks, tb, bc)).astype(np.float32)
+    ranks[rng.random(ranks.shape) < 0.5] = -np.inf
+    ranks[:, :4] = -np.inf  # tokens with no candidate at all
+    ranks[:, 4:6, : bc - 3] = -np.inf  # tokens with three candidates per chunk, 9 in the band: fewer than slots
+    ranks[0] = np.nan  # outside the band
+    first = rng.integers(0, 5, (tb, 1)).astype(np.int32)
+
+    def kernel(first_ref, ranks_ref, out_ref, rank_scr):
+        rank_scr[...] = ranks_ref[...]
+        out_ref[...] = pallas_select._top_k(rank_scr, lo, hi, first_ref[...], slots)
+
+    got = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((tb, slots), jnp.int32),
+                         scratch_shapes=[pltpu.VMEM((chunks, tb, bc), jnp.float32)],
+                         interpret=INTERPRET)(jnp.asarray(first), jnp.asarray(ranks))
+    for t in range(tb):
+        rank = ranks[lo:hi + 1, t].reshape(-1)
+        rows = lo * bc + np.arange(rank.size)
+        order = [r for r in np.lexsort((rows, -rank)) if rank[r] > -np.inf][:slots]
+        want = [rows[r] - first[t, 0] for r in order] + [-1] * (slots - len(order))
+        assert list(np.asarray(got)[t]) == want, t
 
 
 def test_rejects_a_bad_config():

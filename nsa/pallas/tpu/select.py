@@ -38,11 +38,11 @@ each head, turns them into probabilities, averages them over the G heads and sto
 ranks, scores, -inf for non-candidates) in the float32 scratch [R / BC, TB, BC]: the [T, R] scores never reach
 HBM. Everything is float32 whatever the input dtype.
 
-Top-k (the last step; Mosaic has no sort): S rounds over the tile's chunks of that scratch, each one pass
-that removes the previous round's pick (-inf) and takes each token's maximum rank, then one that takes the
-lowest row holding that maximum (ties to the lower id); a token whose maximum is -inf has no candidate
-left and gets -1. Row ids are float32 in these passes (exact below 2^24 rows) so that every reduction is
-a float one.
+Top-k (the last step; Mosaic has no sort): S rounds, each one walk over the tile's chunks of that scratch that
+removes the previous round's pick (-inf) and keeps, lane by lane, the best rank and the lowest row holding it,
+then two lane reductions: each token's maximum rank and the lowest row holding it (ties to the lower id); a
+token whose maximum is -inf has no candidate left and gets -1. The reductions are float ones (row ids exact
+below 2^24 rows).
 
 Tiles: `Config` (TB tokens, BC compressed rows per step), `default_config`'s unless given.
 
@@ -123,7 +123,9 @@ def default_config(shapes: Shapes, dtype, device) -> Config:
     BC = the lanes (128): one chunk's ranks (TB, 128) are lane-dense and its logits one MXU pass of N = 128. TB =
     MAX_TOKENS (no more than T, rounded up to the dtype's sublanes), halved while a step would hold more than
     `vmem_budget` (`vmem_bytes`: wide heads of a large group, or many compressed rows), down to the sublanes.
-    Not measured on a TPU yet (none here): benchmarks/tpu_roofline.py models the kernel at these tiles.
+    On a TPU v5e (2026-12-07, scripts/tpu_select_probe.py, TB = 128) BC = 128 was the fastest: 2.95 / 3.73 ms at 8k
+    (blocks 64/64, the paper's 32/16), 30.76 / 81.53 at 64k; BC = 256 took 3.43 / 4.10 and 33.55 / 82.98, BC = 512
+    5.06 / 5.51 and 42.55 / 89.98 (a wider chunk's top-k walk keeps more vregs than the register file holds).
     """
     rows = shapes.TK
     # the slots a token may fill (`_slots`): cdiv(T, bs), or with a KV cache up to NC; Shapes does not say whether
@@ -257,35 +259,40 @@ def _eq9_ranks(rank_scr, lo, hi, first, cur, *, blocks):
 def _top_k(rank_scr, lo, hi, first, slots, per_block=1):
     """ids int32 [TB, slots]: in rank order, each token's best in-sequence blocks among the ranks of the chunks
     lo..hi of rank_scr [R / BC, TB, BC] (ties to the lower row; block (row - first) / per_block), -1 once none is
-    left. Consumes rank_scr."""
+    left. Consumes rank_scr.
+
+    One walk over the chunks per slot: it removes the last pick (-inf) and keeps, lane by lane, the best rank seen
+    and the lowest row holding it ([TB, BC]: a strict > keeps the earlier chunk's row, chunks ascend), elementwise
+    on the VPU; two lane reductions per slot then give the token's best rank and the lowest row at it."""
     tb, bc = rank_scr.shape[1], rank_scr.shape[2]
     lane = lax.broadcasted_iota(jnp.int32, (tb, bc), 1)
-    row = lambda c: (c * bc + lane).astype(jnp.float32)  # exact below 2^24 rows
     slot = lax.broadcasted_iota(jnp.int32, (tb, slots), 1)
+    none = jnp.iinfo(jnp.int32).max
 
     def one_round(r, carry):
         ids, taken = carry  # taken [TB, 1]: the row the last round picked (-1: none)
 
-        def remove_and_max(c, m):
-            x = jnp.where(row(c) == taken, -jnp.inf, rank_scr[c])
+        def remove_and_keep(c, kept):
+            value, at = kept
+            row = c * bc + lane
+            x = jnp.where(row == taken, -jnp.inf, rank_scr[c])
             rank_scr[c] = x
-            return jnp.maximum(m, jnp.max(x, axis=1, keepdims=True))
+            better = x > value
+            return jnp.where(better, x, value), jnp.where(better, row, at)
 
-        best = lax.fori_loop(lo, hi + 1, remove_and_max, jnp.full((tb, 1), -jnp.inf, jnp.float32))
-
-        def lowest(c, low):
-            at_best = jnp.where(rank_scr[c] == best, row(c), jnp.inf)
-            return jnp.minimum(low, jnp.min(at_best, axis=1, keepdims=True))
-
-        low = lax.fori_loop(lo, hi + 1, lowest, jnp.full((tb, 1), jnp.inf, jnp.float32))
+        init = (jnp.full((tb, bc), -jnp.inf, jnp.float32), jnp.full((tb, bc), none, jnp.int32))
+        value, at = lax.fori_loop(lo, hi + 1, remove_and_keep, init)
+        best = jnp.max(value, axis=1, keepdims=True)
+        # the lowest row at the best rank, as a float reduction (rows exact below 2^24)
+        low = jnp.min(jnp.where(value == best, at.astype(jnp.float32), jnp.inf), axis=1, keepdims=True)
         found = best > -jnp.inf
         block = low.astype(jnp.int32) - first
         if per_block > 1:  # rows first + per_block * j name the blocks (`_eq9_ranks`): an exact float division
             block = ((low - first.astype(jnp.float32)) / per_block).astype(jnp.int32)
         ids = jnp.where(slot == r, jnp.where(found, block, -1), ids)
-        return ids, jnp.where(found, low, -1.0)
+        return ids, jnp.where(found, low.astype(jnp.int32), -1)
 
-    init = (jnp.full((tb, slots), -1, jnp.int32), jnp.full((tb, 1), -1.0, jnp.float32))
+    init = (jnp.full((tb, slots), -1, jnp.int32), jnp.full((tb, 1), -1, jnp.int32))
     return lax.fori_loop(0, slots, one_round, init)[0]
 
 
