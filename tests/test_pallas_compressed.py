@@ -11,7 +11,7 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 
 from nsa._varlen import cdiv, num_compressed_blocks
-from nsa.pallas.tpu import _flash, compressed
+from nsa.pallas.tpu import _flash, _resident, compressed
 from nsa.reference import compressed as reference
 from tests.base import GRAD_TOLERANCE, TOLERANCE, assert_close, gradient_scales, rounded
 
@@ -62,6 +62,30 @@ def test_resident_matches_the_reference(shape, dtype, block_size, stride, cu):
     q, k_cmp, v_cmp, do, dlse = _inputs(shape, dtype, stride, cu=cu)
     assert compressed.resident(q, k_cmp, v_cmp, None, None, backward=True) is not None
     _matches_the_reference(shape, dtype, block_size, stride, cu, q, k_cmp, v_cmp, do, dlse)
+
+
+@pytest.mark.parametrize("cu", [None, np.array([0, 300, 300, 640], np.int32)], ids=["one", "packed"])
+def test_resident_prefixes_match_the_reference(cu, monkeypatch):
+    """A step reads the shortest prefix of the compressed rows that its tokens see (`_resident.Layout.spans`): with
+    prefixes of 128 rows, 159 rows (windows of 8 every 4 over 640 tokens) run in steps of 128 and of 256 rows, the
+    later tokens of each sequence seeing past row 128."""
+    monkeypatch.setattr(_resident, "PREFIX_ROWS", 128)
+    shape, dtype, block_size, stride = (1, 640, 16, 1, 128, 128), "bfloat16", 8, 4
+    q, k_cmp, v_cmp, do, dlse = _inputs(shape, dtype, stride, cu=cu)
+    lay, _ = compressed.resident(q, k_cmp, v_cmp, None, None, backward=True)
+    assert lay.spans == (128, 256)
+    _matches_the_reference(shape, dtype, block_size, stride, cu, q, k_cmp, v_cmp, do, dlse)
+
+
+def test_prefix_lengths(monkeypatch):
+    """Multiples of PREFIX_ROWS up to SPAN, at most PREFIX_VARIANTS of them (a longer quantum, whole lanes); a step
+    that slides (the window) reads SPAN always."""
+    lay = lambda span, advance=0: _resident.Layout(1, 64, 1, 16, 16, 4, 128, 128, span, 0, advance, span)
+    assert lay(4096).spans == tuple(range(512, 4097, 512))
+    assert lay(1024).spans == (512, 1024) and lay(640).spans == (512, 640) and lay(512).spans == (512,)
+    assert lay(128).spans == (128,) and lay(1024, advance=16).spans == (1024,)
+    monkeypatch.setattr(_resident, "PREFIX_VARIANTS", 3)
+    assert lay(4096).spans == (1408, 2816, 4096)
 
 
 def _matches_the_reference(shape, dtype, block_size, stride, cu, q, k_cmp, v_cmp, do, dlse):

@@ -9,7 +9,8 @@ rows [i * ADVANCE, i * ADVANCE + SPAN) of the (b, h)'s k and v, held in VMEM for
 first step, as the resident selected kernels do; k and v zero-padded in front by PAD rows and behind to KR = (NT - 1)
 * ADVANCE + SPAN rows). The window slides (ADVANCE = TB, SPAN = W - 1 + TB rounded up to whole lanes, PAD = SPAN -
 TB: every key any of its tokens sees); compressed attention does not (ADVANCE = 0, PAD = 0, SPAN = the compressed rows
-rounded up to whole lanes: all of them, each step). An SMEM table gives each token's first and last column of the
+rounded up to whole lanes), and a step reads the shortest of a few static prefixes of them that holds every row its
+tokens see (`Layout.spans`, `_by_prefix`: about half of them on average under the causal mask). An SMEM table gives each token's first and last column of the
 step's SPAN (from lo, hi: packed sequences included; empty where a token sees nothing, a padded token none). One [R,
 SPAN] softmax a step; a row that sees nothing gets o = 0, lse = -inf. The backward recomputes p from lse and adds
 each step's dk, dv into float32 sums resident like k and v, copied out at the row's last step
@@ -41,6 +42,11 @@ from nsa.pallas.tpu import _splash, selected
 from nsa.pallas.tpu._common import dot, lane_padded, lanes, out_struct, params, sublanes
 
 RESIDENT_TOKENS = 16  # TB: the tokens of a step (R = TB * G rows)
+# A step that does not slide (ADVANCE = 0: compressed attention) reads only a prefix of its SPAN rows, the shortest of
+# up to PREFIX_VARIANTS static lengths, multiples of PREFIX_ROWS, that holds every column its tokens see: a causal
+# step's tokens see the rows before their own, so the prefix is about half of SPAN on average, without a loop.
+PREFIX_ROWS = 512
+PREFIX_VARIANTS = 8
 
 
 class Layout(NamedTuple):
@@ -65,6 +71,15 @@ class Layout(NamedTuple):
     def key_rows(self):
         """KR: the rows of k and v as the kernels hold them, padding included."""
         return (self.nt - 1) * self.advance + self.span
+
+    @property
+    def spans(self):
+        """The row counts a step may read, ascending, the last SPAN: SPAN alone where steps slide (ADVANCE > 0), else
+        the multiples of a quantum (PREFIX_ROWS, or SPAN / PREFIX_VARIANTS in whole lanes where that is more)."""
+        if self.advance:
+            return (self.span,)
+        quantum = max(PREFIX_ROWS, round_up(cdiv(self.span, PREFIX_VARIANTS), lanes()))
+        return tuple(range(quantum, self.span, quantum)) + (self.span,)
 
 
 def layout(q, k, v, *, span, pad, advance):
@@ -131,10 +146,23 @@ def _seen(tab_ref, *, tokens, heads, span):
 
 
 def _rows(tokens, *, advance, span):
-    """The step's SPAN key rows: [i * ADVANCE, i * ADVANCE + SPAN) of the resident k and v."""
+    """The step's `span` key rows: [i * ADVANCE, i * ADVANCE + span) of the resident k and v."""
     if advance == 0:
         return pl.ds(0, span)
     return pl.ds(pl.multiple_of(pl.program_id(2) * advance, tokens), span)
+
+
+def _by_prefix(tab_ref, step, *, tokens, spans):
+    """step(span) for the shortest of `spans` (`Layout.spans`) holding the last column any of the step's tokens sees
+    (the table row's second half; -1 for a token that sees none): one static length a step, chosen under `pl.when`."""
+    if len(spans) == 1:
+        return step(spans[0])
+    last = tab_ref[0, tokens]
+    for j in range(1, tokens):
+        last = jnp.maximum(last, tab_ref[0, tokens + j])
+    for n, span in enumerate(spans):
+        shorter = last < span if n == 0 else (last >= spans[n - 1]) & (last < span)
+        pl.when(shorter)(functools.partial(step, span))
 
 
 def _keys_copies(pairs, sems):
@@ -144,22 +172,26 @@ def _keys_copies(pairs, sems):
     return [pltpu.make_async_copy(src.at[b, h], dst, sems.at[n]) for n, (src, dst) in enumerate(pairs)]
 
 
-def _fwd_kernel(tab_ref, q_ref, k_hbm, v_hbm, o_ref, lse_ref, k_ref, v_ref, sems, *, span, advance, scale,
+def _fwd_kernel(tab_ref, q_ref, k_hbm, v_hbm, o_ref, lse_ref, k_ref, v_ref, sems, *, spans, advance, scale,
                 precision):
     """Grid (B, H, NT), a step TB tokens: q_ref (TB, G, Dkp) stacked into [R, Dkp] against k_ref, v_ref's SPAN rows
-    (`_rows`; resident [KR, Dp]: `selected._row_start`); o_ref (TB, G, Dvp), lse_ref (1, R) float32, a lane row
-    (`selected._lane_rows`)."""
+    (`_rows`; resident [KR, Dp]: `selected._row_start`), or the prefix of them its tokens see (`_by_prefix`); o_ref
+    (TB, G, Dvp), lse_ref (1, R) float32, a lane row (`selected._lane_rows`)."""
     selected._row_start(_keys_copies([(k_hbm, k_ref), (v_hbm, v_ref)], sems), [])
     tokens, heads = q_ref.shape[:2]
-    rows = _rows(tokens, advance=advance, span=span)
-    s = dot(selected._stacked(q_ref, 0, tokens), k_ref[rows, :], precision, transpose_b=True) * scale
-    o, lse = selected._softmax_rows(s, _seen(tab_ref, tokens=tokens, heads=heads, span=span), v_ref[rows, :],
-                                    precision)
-    selected._unstack(o_ref, 0, o)
-    lse_ref[...] = selected._lane_row(lse)
+
+    def step(span):
+        rows = _rows(tokens, advance=advance, span=span)
+        s = dot(selected._stacked(q_ref, 0, tokens), k_ref[rows, :], precision, transpose_b=True) * scale
+        o, lse = selected._softmax_rows(s, _seen(tab_ref, tokens=tokens, heads=heads, span=span), v_ref[rows, :],
+                                        precision)
+        selected._unstack(o_ref, 0, o)
+        lse_ref[...] = selected._lane_row(lse)
+
+    _by_prefix(tab_ref, step, tokens=tokens, spans=spans)
 
 
-def _bwd_kernel(tab_ref, q_ref, do_ref, lse_ref, delta_ref, k_hbm, v_hbm, *refs, outputs, span, advance, scale,
+def _bwd_kernel(tab_ref, q_ref, do_ref, lse_ref, delta_ref, k_hbm, v_hbm, *refs, outputs, spans, advance, scale,
                 precision):
     """Grid (B, H, NT), in order along a (b, h)'s row: one pass of the backward computing `outputs` (some of dq, dk,
     dv), the forward's step again from lse (`selected._gradients`): q_ref, do_ref (TB, G, Dp) stacked into [R, Dp],
@@ -176,17 +208,21 @@ def _bwd_kernel(tab_ref, q_ref, do_ref, lse_ref, delta_ref, k_hbm, v_hbm, *refs,
     hbm = {"k": k_hbm, "v": v_hbm}
     selected._row_start(_keys_copies([(hbm[x], keys[x]) for x in names], sems), list(sums.values()))
     tokens, heads = q_ref.shape[:2]
-    rows = _rows(tokens, advance=advance, span=span)
-    stacked = [selected._stacked(x, 0, tokens) for x in (q_ref, do_ref)] + [
-        selected._lane_column(x) for x in (lse_ref, delta_ref)]
-    v = keys["v"][rows, :] if "v" in keys else None
-    dq, grads = selected._gradients(*stacked, keys["k"][rows, :], v,
-                                    _seen(tab_ref, tokens=tokens, heads=heads, span=span),
-                                    outputs=outputs, scale=scale, precision=precision)
-    if dq is not None:
-        selected._unstack(out["dq"], 0, dq)
-    for g, ref in sums.items():
-        ref[rows, :] += grads[g]
+
+    def step(span):
+        rows = _rows(tokens, advance=advance, span=span)
+        stacked = [selected._stacked(x, 0, tokens) for x in (q_ref, do_ref)] + [
+            selected._lane_column(x) for x in (lse_ref, delta_ref)]
+        v = keys["v"][rows, :] if "v" in keys else None
+        dq, grads = selected._gradients(*stacked, keys["k"][rows, :], v,
+                                        _seen(tab_ref, tokens=tokens, heads=heads, span=span),
+                                        outputs=outputs, scale=scale, precision=precision)
+        if dq is not None:
+            selected._unstack(out["dq"], 0, dq)
+        for g, ref in sums.items():
+            ref[rows, :] += grads[g]
+
+    _by_prefix(tab_ref, step, tokens=tokens, spans=spans)
     selected._row_end([pltpu.make_async_copy(ref, out[g].at[b, h], sems.at[n]) for n, (g, ref) in
                        enumerate(sums.items())])
 
@@ -209,7 +245,7 @@ def _call(kernel, lay, table, tiled, k_rows, v_rows, out_shapes, scratch, *, out
                                     vmem_limit_bytes=int(min(facts("tpu").vmem, max(need, facts("tpu").scoped_vmem))))
     _, dots = params(q, interpret, semantics)
     return pl.pallas_call(
-        functools.partial(kernel, span=lay.span, advance=lay.advance, scale=float(scale), **dots),
+        functools.partial(kernel, spans=lay.spans, advance=lay.advance, scale=float(scale), **dots),
         grid=(lay.B, lay.H, lay.nt),
         in_specs=[pl.BlockSpec((None, 1, 2 * lay.tb), lambda b, h, i: (i, 0, 0), memory_space=pltpu.SMEM)]
         + [tile_spec(x.shape) for x in tiled] + [hbm, hbm],

@@ -37,9 +37,11 @@ from nsa.pallas.tpu import _flash, _resident, _splash
 
 # Resident kernels (nsa/pallas/tpu/_resident.py; training: no KV cache, no Config): a step's TB = 16 tokens x G heads
 # against all NC compressed rows of its (b, h), resident in VMEM, in nsa's token-major layout (no transposes into
-# splash's head-major layout and back around the gated sum); a step reads every row, so its work grows with NC where
-# splash's causal blocks skip the rows no query of theirs sees: up to RESIDENT_COMPRESSED_ROWS rows (NC = T / 64 at
-# 64k tokens, T / 16 at 16k). On a TPU v5e (2026-12-07, docs/tpu.md) the branch's forward+backward at 1024 rows (16k,
+# splash's head-major layout and back around the gated sum); a step reads the shortest prefix of them, in multiples
+# of _resident.PREFIX_ROWS, that holds the rows its tokens see (branch tpu-resident-compressed-prefix; before it, every
+# row, so that its work grew with NC where splash's causal blocks skip the rows no query of theirs sees): up to
+# RESIDENT_COMPRESSED_ROWS rows (NC = T / 64 at 64k tokens, T / 16 at 16k). Reading every row, on a TPU v5e
+# (2026-12-07, docs/tpu.md) the branch's forward+backward at 1024 rows (16k,
 # the paper's 32/16) took 17.47 ms against splash's 18.94 under the same mask; at 2048 rows (32k) 59.26 against 58.23,
 # at 4096 (64k) 220.06 against 199.40: a step reads every row, twice splash's useful work there. Yet nsa.attention's
 # paper row took 330.12 ms at 32k against 342.50 with splash's branch in the same run (its layout copies gone; peak
