@@ -1,9 +1,11 @@
 """Block selection (`nsa.pallas.tpu.select`) alone on a TPU (issue 52): its forward as nsa.attention runs it (with
 compressed attention's lse given), at the standard shape (B = 1, HQ = 64, H = 4, D = 128, bf16, selection blocks of
-64, 16 selected) under compression windows of l tokens every d, for each select Config (TB tokens, BC compressed
-rows per step) asked for; each Config's block ids are checked against the default Config's (they must be equal).
+64) under compression windows of l tokens every d, for each count of selected blocks (--counts: 16, the standard's;
+1 leaves one round of the top-k, so the difference is what the other 15 cost) and each select Config (TB tokens, BC
+compressed rows per step) asked for; each Config's block ids are checked against the default Config's (they must be
+equal).
 
-    python3 scripts/tpu_select_probe.py [--seq-lens 8192 65536] [--compressions 64 64 32 16]
+    python3 scripts/tpu_select_probe.py [--seq-lens 8192 65536] [--compressions 64 64 32 16] [--counts 16 1]
                                         [--configs 128x128 128x256] [--iters 5] [--out DIR]
 
 Off a TPU it runs at T = 512 in interpret mode to prove that it runs.
@@ -36,10 +38,10 @@ def inputs(T, l, d, seed=0):
     return q, k_cmp, lse
 
 
-def probe(T, l, d, configs, iters, interpret):
+def probe(T, l, d, counts, configs, iters, interpret):
     """One row per config: ms per call and whether its ids equal the default Config's."""
     q, k_cmp, lse = inputs(T, l, d)
-    kw = dict(block_counts=STANDARD.blocks, block_size=STANDARD.block_size, scale=STANDARD.D ** -0.5,
+    kw = dict(block_counts=counts, block_size=STANDARD.block_size, scale=STANDARD.D ** -0.5,
               compress_block_size=l, compress_stride=d, interpret=interpret)
     want = None
     rows = []
@@ -49,10 +51,10 @@ def probe(T, l, d, configs, iters, interpret):
             ids = np.asarray(fn(q, k_cmp, lse))
             ms = time_jax(fn, (q, k_cmp, lse), iters) * 1e3
             want = ids if want is None else want
-            row = dict(T=T, l=l, d=d, config=list(config) if config else "default", ms=ms,
+            row = dict(T=T, l=l, d=d, counts=counts, config=list(config) if config else "default", ms=ms,
                        equal=bool(np.array_equal(ids, want)))
         except Exception as e:  # noqa: BLE001: a config Mosaic rejects is a row, not the end of the probe
-            row = dict(T=T, l=l, d=d, config=list(config) if config else "default", error=str(e)[:300])
+            row = dict(T=T, l=l, d=d, counts=counts, config=list(config) if config else "default", error=str(e)[:300])
         print(json.dumps(row), flush=True)
         rows.append(row)
     return rows
@@ -62,6 +64,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[8192, 65536])
     parser.add_argument("--compressions", type=int, nargs="+", default=[64, 64, 32, 16])
+    parser.add_argument("--counts", type=int, nargs="+", default=[STANDARD.blocks])
     parser.add_argument("--configs", nargs="*", default=[], help="TBxBC, e.g. 128x256")
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--out")
@@ -71,7 +74,8 @@ def main():
     seq_lens = args.seq_lens if on_tpu else [512]
     configs = [select.Config(*map(int, c.split("x"))) for c in args.configs]
     pairs = list(zip(args.compressions[::2], args.compressions[1::2]))
-    rows = [r for T in seq_lens for l, d in pairs for r in probe(T, l, d, configs, args.iters, interpret)]
+    rows = [r for T in seq_lens for l, d in pairs for n in args.counts
+            for r in probe(T, l, d, n, configs, args.iters, interpret)]
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "select-probe.json"), "w") as f:
