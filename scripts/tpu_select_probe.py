@@ -23,14 +23,16 @@ from jax.experimental.pallas import tpu as pltpu
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from benchmarks.common import STANDARD, meta, module_versions, time_jax  # noqa: E402
+from nsa._varlen import num_compressed_blocks  # noqa: E402
 from nsa.pallas.tpu import select  # noqa: E402
 
 
-def inputs(T, l, d, seed=0):
-    """q [1, T, HQ, D] and k_cmp [1, NC, H, D] (NC = (T - l) // d + 1 windows) bf16, and an lse [1, T, HQ] float32
-    near what compressed attention gives normal inputs (log NC: every row about as likely)."""
+def inputs(T, d, seed=0):
+    """q [1, T, HQ, D] and k_cmp [1, NC, H, D] (NC rows as `nsa.compress` makes them: one every d tokens) bf16, and
+    an lse [1, T, HQ] float32 near what compressed attention gives normal inputs (log NC: every row about as likely).
+    The rows' window length l does not change their count, only which a token sees."""
     s = STANDARD
-    nc = max((T - l) // d + 1, 1)
+    nc = num_compressed_blocks(T, d)
     kq, kk = jax.random.split(jax.random.key(seed))
     q = jax.random.normal(kq, (s.B, T, s.HQ, s.D), jnp.bfloat16)
     k_cmp = jax.random.normal(kk, (s.B, nc, s.H, s.D), jnp.bfloat16)
@@ -40,7 +42,7 @@ def inputs(T, l, d, seed=0):
 
 def probe(T, l, d, counts, configs, iters, interpret):
     """One row per config: ms per call and whether its ids equal the default Config's."""
-    q, k_cmp, lse = inputs(T, l, d)
+    q, k_cmp, lse = inputs(T, d)
     kw = dict(block_counts=counts, block_size=STANDARD.block_size, scale=STANDARD.D ** -0.5,
               compress_block_size=l, compress_stride=d, interpret=interpret)
     want = None
