@@ -10,13 +10,13 @@ first step, as the resident selected kernels do; k and v zero-padded in front by
 * ADVANCE + SPAN rows). The window slides (ADVANCE = TB, SPAN = W - 1 + TB rounded up to whole lanes, PAD = SPAN -
 TB: every key any of its tokens sees); compressed attention does not (ADVANCE = 0, PAD = 0, SPAN = the compressed rows
 rounded up to whole lanes), and a step reads the shortest of a few static prefixes of them that holds every row its
-tokens see (`Layout.spans`, `_by_prefix`: about half of them on average under the causal mask). An SMEM table gives each token's first and last column of the
-step's SPAN (from lo, hi: packed sequences included; empty where a token sees nothing, a padded token none). One [R,
-SPAN] softmax a step; a row that sees nothing gets o = 0, lse = -inf. The backward recomputes p from lse and adds
-each step's dk, dv into float32 sums resident like k and v, copied out at the row's last step
-(`selected._row_end`); no atomics, a fixed order: bitwise repeatable. Where one pass does not fit (the window at 64k
-tokens at the standard shape on a v5e), two, as selected attention's: (dq, dk), then (dv) holding k and dv alone,
-bitwise the same.
+tokens see (`Layout.spans`, `_by_prefix`: about half of them on average under the causal mask). An SMEM table gives
+each token's first and last column of the step's SPAN (from lo, hi: packed sequences included; empty where a token
+sees nothing, a padded token none). One [R, SPAN] (or [R, prefix]) softmax a step; a row that sees nothing gets o =
+0, lse = -inf. The backward recomputes p from lse and adds each step's dk, dv into float32 sums resident like k and
+v, copied out at the row's last step (`selected._row_end`); no atomics, a fixed order: bitwise repeatable. Where one
+pass does not fit (the window at 64k tokens at the standard shape on a v5e), two, as selected attention's: (dq, dk),
+then (dv) holding k and dv alone, bitwise the same.
 
 A non-finite key or value row inside a step's span that one of its tokens does not see (a later token of the tile,
 another packed sequence's row) reaches that token as 0 * NaN, as in splash's blocks (training inputs are finite; the
